@@ -1,0 +1,211 @@
+"""The typed, validated configuration of kvfabric.
+
+Every section is a frozen dataclass; each field says what it allows, and a bad
+value is refused at construction with the dotted key, the value and the rule.
+Files are JSON, TOML or YAML; unknown keys are refused, listing the known ones.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from fabric.errors import ConfigError
+from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
+
+
+def _setting(default: Any, kind: type, allowed: str, ok: Callable[[Any], bool]) -> Any:
+    return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok})
+
+
+def _positive_int(default: int) -> Any:
+    return _setting(default, int, "an integer >= 1", lambda v: v >= 1)
+
+
+def _non_negative_int(default: int) -> Any:
+    return _setting(default, int, "an integer >= 0", lambda v: v >= 0)
+
+
+def _non_negative_float(default: float) -> Any:
+    return _setting(default, float, "a number >= 0", lambda v: v >= 0)
+
+
+def _one_of(default: str, names: Iterable[str]) -> Any:
+    known = sorted(names)
+    return _setting(default, str, f"one of {', '.join(known)}", lambda v: v in known)
+
+
+def _fraction(default: float) -> Any:
+    return _setting(default, float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+
+
+def _boolean(default: bool) -> Any:
+    return _setting(default, bool, "true or false", lambda v: True)
+
+
+class _Section:
+    """Validation shared by every config section."""
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kind, allowed = f.metadata["kind"], f.metadata["allowed"]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                object.__setattr__(self, f.name, value)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise self.refuse(f.name, value, allowed)
+            if not f.metadata["ok"](value):
+                raise self.refuse(f.name, value, allowed)
+        self.check()
+
+    def check(self) -> None:
+        """Rules that tie several fields together."""
+
+    def refuse(self, name: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(
+            f"config {self.section}.{name}={value!r} is refused: allowed is {allowed}"
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config section {cls.section!r} must be a mapping, got {data!r}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown config key(s) {', '.join(f'{cls.section}.{k}' for k in unknown)}; "
+                f"known in {cls.section!r}: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    """The radix tree and its two in-memory tiers (sizes in tokens)."""
+
+    section: ClassVar[str] = "cache"
+    page_size: int = _positive_int(16)
+    device_tokens: int = _positive_int(32768)
+    host_tokens: int = _positive_int(131072)
+    eviction_policy: str = _one_of("lru", EVICTION_POLICIES)
+    write_policy: str = _one_of("write_through", WRITE_POLICIES)
+    load_back_threshold: int = _non_negative_int(16)
+    pin_budget_fraction: float = _fraction(0.2)
+    kv_events: bool = _boolean(True)
+
+    def check(self) -> None:
+        for name in ("device_tokens", "host_tokens"):
+            value = getattr(self, name)
+            if value % self.page_size:
+                raise self.refuse(name, value, f"a multiple of page_size ({self.page_size})")
+
+    @property
+    def device_pages(self) -> int:
+        return self.device_tokens // self.page_size
+
+    @property
+    def host_pages(self) -> int:
+        return self.host_tokens // self.page_size
+
+
+@dataclass(frozen=True)
+class PrefetchConfig(_Section):
+    """L3 -> L2 prefetch: when to start, when to stop waiting, how much may be in flight."""
+
+    section: ClassVar[str] = "prefetch"
+    threshold_tokens: int = _non_negative_int(256)
+    stop_policy: str = _one_of("best_effort", PREFETCH_STOP_POLICIES)
+    timeout_base_s: float = _non_negative_float(1.0)
+    timeout_per_ki_token_s: float = _non_negative_float(0.25)
+    timeout_max_s: float = _non_negative_float(10.0)
+    max_inflight_fraction: float = _fraction(0.5)
+    query_batch_pages: int = _positive_int(128)
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """The whole configuration. ``FabricConfig()`` runs on a laptop."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+
+    _sections: ClassVar[dict[str, type[_Section]]] = {
+        "cache": CacheConfig,
+        "prefetch": PrefetchConfig,
+    }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> FabricConfig:
+        data = data or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a config must be a mapping of sections, got {data!r}")
+        unknown = sorted(set(data) - set(cls._sections))
+        if unknown:
+            raise ConfigError(
+                f"unknown config section(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(cls._sections))}"
+            )
+        return cls(**{k: cls._sections[k].from_dict(v) for k, v in data.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_overrides(self, overrides: Iterable[str]) -> FabricConfig:
+        """A copy with ``section.key=value`` overrides applied; values are parsed as YAML
+        scalars, so ``cache.page_size=64`` gives an int and ``cache.kv_events=false`` a bool."""
+        data = self.to_dict()
+        for item in overrides:
+            dotted, sep, raw = item.partition("=")
+            section, dot, key = dotted.strip().partition(".")
+            if not sep or not dot or not key:
+                raise ConfigError(f"override {item!r} is refused: allowed is section.key=value")
+            if section not in data:
+                raise ConfigError(
+                    f"unknown config section {section!r} in override {item!r}; "
+                    f"known: {', '.join(sorted(data))}"
+                )
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise ConfigError(
+                    f"override {item!r}: value {raw!r} does not parse: {exc}"
+                ) from None
+            data[section][key] = value
+        return FabricConfig.from_dict(data)
+
+    def replace(self, **sections: Any) -> FabricConfig:
+        return replace(self, **sections)
+
+
+def load_config(path: str | Path) -> FabricConfig:
+    """Read a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file into a validated config."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        elif suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(
+                f"config file {str(path)!r} has suffix {suffix!r}; allowed: .json, .toml, .yaml, .yml"
+            )
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
+    return FabricConfig.from_dict(data)

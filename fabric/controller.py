@@ -1,0 +1,188 @@
+"""The controller boundary: the cache decides, a controller moves bytes.
+
+The cache allocates slots from the controller's two allocators and queues
+transfers on it; it never waits. What finished comes back as one
+``Completions`` per step — in the fabric, the result of one consensus round
+(MIN over ranks for counts, MAX for terminate flags); in one process, from the
+``InProcessController`` below.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fabric.allocator import PagedAllocator
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What every rank has finished since the last step.
+
+    Counts commit that many of the oldest queued operations of each kind;
+    ``failed_*`` name the op ids among them that failed. Prefetch entries are
+    keyed by op id: ``prefetch_hits`` is the number of consecutive pages found
+    in L3, ``prefetch_progress`` the cumulative completed tokens,
+    ``prefetch_terminated`` the ops some rank stopped, ``prefetch_released``
+    the stopped ops whose host slots no rank will write any more.
+    """
+
+    writes: int = 0
+    failed_writes: frozenset[int] = frozenset()
+    loads: int = 0
+    backups: int = 0
+    failed_backups: frozenset[int] = frozenset()
+    prefetch_hits: Mapping[int, int] = field(default_factory=dict)
+    prefetch_progress: Mapping[int, int] = field(default_factory=dict)
+    prefetch_terminated: frozenset[int] = frozenset()
+    prefetch_released: frozenset[int] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.writes
+            or self.loads
+            or self.backups
+            or self.prefetch_hits
+            or self.prefetch_progress
+            or self.prefetch_terminated
+            or self.prefetch_released
+        )
+
+
+class Controller(ABC):
+    """Owns the L1 (``device``) and L2 (``host``) allocators and queues transfers.
+
+    Every queue method is called once per operation, in the order the cache
+    wants it done; the controller must report completions of each kind in
+    that same order.
+    """
+
+    device: PagedAllocator
+    host: PagedAllocator
+
+    @abstractmethod
+    def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Copy device pages to host pages (L1 -> L2)."""
+
+    @abstractmethod
+    def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        """Copy host pages to device pages (L2 -> L1)."""
+
+    @abstractmethod
+    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        """Store host pages in L3 under their page hashes."""
+
+    @abstractmethod
+    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
+        """Count how many leading ``page_hashes`` L3 holds (for every shard)."""
+
+    @abstractmethod
+    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        """Read pages from L3 into host pages, reporting cumulative progress."""
+
+    @abstractmethod
+    def stop_prefetch(self, op_id: int) -> None:
+        """Stop a prefetch; its op id is reported in ``prefetch_released`` once no
+        rank writes its host pages any more."""
+
+    @abstractmethod
+    def take_completions(self) -> Completions:
+        """What finished since the last call (one consensus round)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every queued operation and free both pools."""
+
+
+@dataclass
+class _Queued:
+    op_id: int
+    host_pages: tuple[int, ...] = ()
+    page_hashes: tuple[bytes, ...] = ()
+
+
+class InProcessController(Controller):
+    """A controller for tests and the core-only demo: no bytes, only bookkeeping.
+
+    With ``immediate=True`` every queued operation is reported finished at the
+    next ``take_completions``; otherwise nothing is, and the test tells the
+    cache of completions itself (``HiCache.complete_writes`` and the rest).
+    ``storage`` stands in for L3: the set of page hashes that backups stored.
+    """
+
+    def __init__(
+        self, device_pages: int, host_pages: int, page_size: int, immediate: bool = True
+    ) -> None:
+        self.device = PagedAllocator(device_pages, page_size, "L1 device pool")
+        self.host = PagedAllocator(host_pages, page_size, "L2 host pool")
+        self.page_size = page_size
+        self.immediate = immediate
+        self.storage: set[bytes] = set()
+        self.log: list[tuple[str, int]] = []
+        self.reset_queues()
+
+    def reset_queues(self) -> None:
+        self.writes: list[int] = []
+        self.loads: list[int] = []
+        self.backups: list[_Queued] = []
+        self.queries: list[_Queued] = []
+        self.prefetches: dict[int, _Queued] = {}
+        self.stopped: list[int] = []
+
+    def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.log.append(("write", op_id))
+        self.writes.append(op_id)
+
+    def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self.log.append(("load", op_id))
+        self.loads.append(op_id)
+
+    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        self.log.append(("backup", op_id))
+        self.backups.append(_Queued(op_id, tuple(host_pages), tuple(page_hashes)))
+
+    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
+        self.log.append(("query", op_id))
+        self.queries.append(_Queued(op_id, (), tuple(page_hashes)))
+
+    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        self.log.append(("prefetch", op_id))
+        self.prefetches[op_id] = _Queued(op_id, tuple(host_pages), tuple(page_hashes))
+
+    def stop_prefetch(self, op_id: int) -> None:
+        self.log.append(("stop_prefetch", op_id))
+        self.prefetches.pop(op_id, None)
+        self.stopped.append(op_id)
+
+    def hit_pages(self, page_hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in page_hashes:
+            if h not in self.storage:
+                break
+            n += 1
+        return n
+
+    def take_completions(self) -> Completions:
+        if not self.immediate:
+            return Completions()
+        for b in self.backups:
+            self.storage.update(b.page_hashes)
+        done = Completions(
+            writes=len(self.writes),
+            loads=len(self.loads),
+            backups=len(self.backups),
+            prefetch_hits={q.op_id: self.hit_pages(q.page_hashes) for q in self.queries},
+            prefetch_progress={
+                op: len(q.host_pages) * self.page_size for op, q in self.prefetches.items()
+            },
+            prefetch_released=frozenset(self.stopped),
+        )
+        self.reset_queues()
+        return done
+
+    def reset(self) -> None:
+        self.device.reset()
+        self.host.reset()
+        self.reset_queues()

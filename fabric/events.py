@@ -1,0 +1,38 @@
+"""KV events for a KV-aware router: which page hashes are stored where.
+
+The cache appends events as tiers change; ``take_events`` on the cache drains
+them. A page moving down a tier is a ``BlockRemoved`` for the upper medium and
+(once the copy is confirmed) a ``BlockStored`` for the lower one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Medium(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    page_hashes: tuple[bytes, ...]
+    medium: Medium
+    namespace: str
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    page_hashes: tuple[bytes, ...]
+    medium: Medium
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

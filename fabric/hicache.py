@@ -1,0 +1,640 @@
+"""The hierarchical cache: one radix tree over L1 (device), L2 (host) and L3 (storage).
+
+``HiCache`` decides; its controller moves bytes. Every tier move is two-phase:
+the cache protects what moves and queues it, and releases when told of the
+completion (``complete_writes``, ``complete_loads``, ... or ``apply`` with a
+whole step's ``Completions``). Nothing here blocks, imports Ray or touches a
+tensor.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from fabric.config import CacheConfig, PrefetchConfig
+from fabric.controller import Completions, Controller
+from fabric.errors import InvalidInput
+from fabric.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from fabric.keys import TokenKey
+from fabric.node import TreeNode
+from fabric.radix import RadixTree, common_pages
+from fabric.storage_ops import StorageOps
+from policies import get_eviction_policy, get_write_policy
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The cached prefix of a key.
+
+    ``device_pages``: L1 page indices of the device-resident prefix
+    (``device_tokens`` long). ``host_tokens``: the L2-only tail after it.
+    ``last_device_node``: the deepest matched node on device (root if none);
+    ``last_host_node``: the deepest matched node with a finished host copy
+    (root if none) — pass it to ``load_back`` when ``host_tokens > 0``.
+    """
+
+    device_pages: tuple[int, ...]
+    device_tokens: int
+    host_tokens: int
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """``cached_tokens`` were on device already; the caller's pages for them were
+    freed (``duplicate_pages``). ``last_node`` ends the inserted key."""
+
+    cached_tokens: int
+    duplicate_pages: tuple[int, ...]
+    last_node: TreeNode
+
+
+@dataclass(frozen=True)
+class LoadBack:
+    """A queued L2 -> L1 load of ``tokens``; ``node`` stays locked until the load
+    completes."""
+
+    op_id: int
+    tokens: int
+    device_pages: tuple[int, ...]
+    node: TreeNode
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pinned_tokens: int
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    """One tier's tokens: ``free + evictable + protected == capacity``."""
+
+    capacity: int
+    free: int
+    evictable: int
+    protected: int
+
+
+@dataclass(eq=False)
+class WriteOp:
+    """An in-flight L1 -> L2 copy of ``nodes`` (ancestors first; splits append).
+    ``lock_node`` holds one lock for the whole path; ``orphan_pages`` are host
+    pages already taken from their nodes, freed when the copy completes."""
+
+    op_id: int
+    nodes: list[TreeNode]
+    lock_node: TreeNode
+    evict_after: bool
+    orphan_pages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CacheStats:
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+    written_tokens: int = 0
+    failed_write_tokens: int = 0
+    loaded_back_tokens: int = 0
+
+
+class HiCache:
+    """The authoritative tree of one fabric. Single-threaded: call it from one
+    thread (the coordinator's step loop, or a test)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        controller: Controller,
+        prefetch: PrefetchConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.ctl = controller
+        self.clock = clock
+        self.page_size = config.page_size
+        self.eviction = get_eviction_policy(config.eviction_policy)
+        self.write_policy = get_write_policy(config.write_policy)
+        self.pin_budget = int(config.pin_budget_fraction * config.host_tokens)
+        self.storage = StorageOps(self, prefetch or PrefetchConfig())
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.tree = RadixTree(self.page_size)
+        self.leased: set[int] = set()
+        self.pending_writes: deque[WriteOp] = deque()
+        self.pending_loads: deque[tuple[int, TreeNode]] = deque()
+        self.pinned_size = 0
+        self.events: list[KVEvent] = []
+        self.stats = CacheStats()
+        self._next_op = 0
+
+    def next_op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op
+
+    def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
+        return TokenKey(tokens, self.page_size, namespace)
+
+    # -- match and insert ------------------------------------------------------------
+
+    def match_prefix(self, key: TokenKey) -> MatchResult:
+        """The longest cached prefix of ``key`` over L1 and L2. Splits the node where
+        the match ends inside it; refreshes access times and pin TTLs."""
+        self._check_key(key)
+        now = self.clock()
+        tree = self.tree
+        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
+        device_pages: list[int] = []
+        last_device = last_host = tree.root
+        host_pages = 0
+        for node in path:
+            if node.pin_expiry and node.pin_expiry >= now:
+                node.pin_expiry = now + node.pin_ttl
+            if node.device_value is not None:
+                device_pages.extend(node.device_value)
+                last_device = node
+            else:
+                host_pages += len(node.host_value)  # type: ignore[arg-type]
+            if node.host_value is not None and node.write_op is None:
+                last_host = node
+        return MatchResult(
+            tuple(device_pages),
+            len(device_pages) * self.page_size,
+            host_pages * self.page_size,
+            last_device,
+            last_host,
+        )
+
+    def insert(self, key: TokenKey, device_pages: Sequence[int], priority: int = 0) -> InsertResult:
+        """Cache ``key`` with KV in ``device_pages`` (one L1 page per key page).
+
+        Pages past the device-resident prefix must be leased from
+        ``alloc_device``; they become the tree's (also over L1-evicted nodes,
+        which get them as their new device value). Leased pages given for the
+        already-cached prefix are duplicates and are freed here. Priority is
+        max-propagated along the path. Raises ``InvalidInput`` and changes
+        nothing on a length mismatch or a page that is not leased.
+        """
+        self._check_key(key)
+        if not isinstance(priority, int):
+            raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
+        pages = tuple(device_pages)
+        if len(pages) != key.num_pages:
+            raise InvalidInput(
+                f"insert of {key.num_pages} pages got {len(pages)} device pages: lengths differ"
+            )
+        tree = self.tree
+        cached = tree.peek_device_pages(key.namespace, key.data)
+        fresh = pages[cached:]
+        bad = set(fresh) - self.leased
+        if bad or len(set(fresh)) != len(fresh):
+            raise InvalidInput(
+                f"insert pages {sorted(bad) or 'repeated'} are not distinct pages leased by alloc_device"
+            )
+        now = self.clock()
+        pb, ns, data = tree.page_bytes, key.namespace, key.data
+        path = tree.descend(tree.root, ns, data, 0, len(data), now)
+        offset = 0
+        for node in path:
+            node.priority = max(node.priority, priority)
+            n = tree.pages(node)
+            if node.device_value is None:
+                tree.set_device(node, pages[offset : offset + n])
+                self._stored(node, Medium.DEVICE)
+            else:
+                self._on_hit(node)
+            offset += n
+        last = path[-1] if path else tree.root
+        if offset < key.num_pages:
+            last = tree.attach(last, ns, data[offset * pb :], now, priority)
+            tree.set_device(last, pages[offset:])
+            self._stored(last, Medium.DEVICE)
+            self._on_hit(last)
+        assert offset >= cached
+        duplicates = tuple(sorted(self.leased.intersection(pages[:cached])))
+        self.leased.difference_update(pages[cached:])
+        if duplicates:
+            self.free_device(duplicates)
+        return InsertResult(cached * self.page_size, duplicates, last)
+
+    def _check_key(self, key: TokenKey) -> None:
+        if not isinstance(key, TokenKey):
+            raise InvalidInput(f"expected a TokenKey, got {type(key).__name__}")
+        if key.page_size != self.page_size:
+            raise InvalidInput(f"key page_size {key.page_size} != cache page_size {self.page_size}")
+
+    # -- L1 allocation and locks ---------------------------------------------------
+
+    def alloc_device(self, num_tokens: int) -> tuple[int, ...] | None:
+        """Lease L1 pages for ``num_tokens`` of new KV, evicting L1 if short. ``None``
+        when not enough can be freed now (write-backs may free more later)."""
+        if not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens % self.page_size:
+            raise InvalidInput(
+                f"alloc_device({num_tokens!r}) is refused: allowed is a multiple of page_size "
+                f"({self.page_size}) >= 0"
+            )
+        pages = self._alloc(self.ctl.device, num_tokens, self.evict)
+        if pages is not None:
+            self.leased.update(pages)
+        return pages
+
+    def free_device(self, pages: Sequence[int]) -> None:
+        """Return leased L1 pages; ``InvalidInput`` (nothing freed) for any page not leased."""
+        pages = tuple(pages)
+        bad = set(pages) - self.leased
+        if bad or len(set(pages)) != len(pages):
+            raise InvalidInput(
+                f"free_device of pages {sorted(bad) or 'repeated'} that are not leased"
+            )
+        self.ctl.device.free(pages)
+        self.leased.difference_update(pages)
+
+    def _alloc(self, pool, num_tokens: int, evict: Callable[[int], int]) -> tuple[int, ...] | None:
+        num_pages = num_tokens // self.page_size
+        pages = pool.alloc(num_pages)
+        if pages is None:
+            evict((num_pages - pool.available_pages) * self.page_size)
+            pages = pool.alloc(num_pages)
+        return pages
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect ``node`` and its path from L1 eviction (the node must be on device)."""
+        if node is not self.tree.root and node.device_value is None:
+            raise InvalidInput(f"cannot lock {node}: it is not on device")
+        self.tree.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    # -- write policies --------------------------------------------------------------
+
+    def _on_hit(self, node: TreeNode) -> None:
+        node.hit_count += 1
+        threshold = self.write_policy.hit_threshold
+        if threshold is not None and node.host_value is None and node.hit_count >= threshold:
+            self.write_backup(node)
+
+    def write_backup(self, node: TreeNode, evict_after: bool = False) -> int:
+        """Queue an L1 -> L2 copy of ``node`` (under write-through policies, with any
+        ancestors not yet backed up, so L2 stays prefix-closed). Returns tokens
+        queued; 0 when L2 has no room even after evicting."""
+        chain = [node]
+        if not self.write_policy.write_back:
+            parent = node.parent
+            while parent is not self.tree.root and parent.host_value is None:  # type: ignore[union-attr]
+                chain.append(parent)  # type: ignore[arg-type]
+                parent = parent.parent  # type: ignore[union-attr]
+            chain.reverse()
+        tokens = sum(self.tree.tokens(n) for n in chain)
+        host = self._alloc(self.ctl.host, tokens, self.evict_host)
+        if host is None:
+            return 0
+        op = WriteOp(self.next_op_id(), chain, node, evict_after)
+        device: list[int] = []
+        offset = 0
+        for n in chain:
+            k = len(n.device_value)  # type: ignore[arg-type]
+            n.host_value = host[offset : offset + k]
+            n.write_op = op
+            device.extend(n.device_value)  # type: ignore[arg-type]
+            offset += k
+        self.tree.inc_lock_ref(node)
+        self.pending_writes.append(op)
+        self.ctl.write(op.op_id, device, host)
+        return tokens
+
+    def complete_writes(self, n: int, failed: Collection[int] = ()) -> None:
+        """The ``n`` oldest queued writes finished; those whose op id is in ``failed``
+        did not, and their nodes stay L1-only."""
+        self._check_count("writes", n, len(self.pending_writes))
+        for _ in range(n):
+            op = self.pending_writes.popleft()
+            ok = op.op_id not in failed
+            for node in op.nodes:
+                if node.write_op is not op:
+                    continue
+                node.write_op = None
+                if node.host_value is None:
+                    continue
+                tokens = self.tree.tokens(node)
+                if ok:
+                    self.stats.written_tokens += tokens
+                    self._stored(node, Medium.HOST)
+                    self.storage.backup(node)
+                else:
+                    self.stats.failed_write_tokens += tokens
+                    self.ctl.host.free(node.host_value)
+                    node.host_value = None
+                    if not self.write_policy.write_back:
+                        self._orphan_pending_descendants(node)
+            if op.orphan_pages:
+                self.ctl.host.free(op.orphan_pages)
+            self.tree.dec_lock_ref(op.lock_node)
+            node = op.lock_node
+            if op.evict_after and ok and node in self.tree.device_leaves and node.host_value:
+                self._demote(node)
+
+    def _orphan_pending_descendants(self, node: TreeNode) -> None:
+        # A failed parent copy leaves in-flight child copies without a backed-up
+        # parent: take their host pages away now, free them when their copy ends.
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            if child.write_op is not None and child.host_value is not None:
+                child.write_op.orphan_pages.extend(child.host_value)
+                child.host_value = None
+            stack.extend(child.children.values())
+
+    # -- L1 eviction -----------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of L1 if possible, leaves first in policy order.
+
+        A backed-up leaf is demoted (its L1 pages freed, the node kept in L2); one
+        that is not is deleted, or under ``write_back`` (and for an active pin)
+        written to L2 first and demoted when that completes. Returns tokens
+        freed now; write-backs free theirs later.
+        """
+        tree, now = self.tree, self.clock()
+        heap = [(self.eviction.key(n), n) for n in tree.device_leaves]
+        heapq.heapify(heap)
+        freed = scheduled = 0
+        while freed + scheduled < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            if node not in tree.device_leaves:
+                continue
+            tokens = tree.tokens(node)
+            parent = node.parent
+            if node.pinned and node.pin_expiry < now:
+                self._clear_pin(node)
+            if node.host_value is not None:
+                self._demote(node)
+                freed += tokens
+            elif (node.pinned or self.write_policy.write_back) and self.write_backup(node, True):
+                scheduled += tokens
+                continue
+            elif node.children:
+                # Only under write_back: L2-only children and no room in L2 to keep
+                # this node; deleting it would orphan them.
+                continue
+            else:
+                if node.pinned:
+                    self._clear_pin(node)
+                self._delete(node)
+                freed += tokens
+            if parent in tree.device_leaves:
+                heapq.heappush(heap, (self.eviction.key(parent), parent))  # type: ignore[arg-type]
+        self.stats.device_evicted_tokens += freed
+        return freed
+
+    def _demote(self, node: TreeNode) -> None:
+        self.ctl.device.free(self.tree.clear_device(node))
+        self._removed(node, Medium.DEVICE)
+
+    def _delete(self, node: TreeNode) -> None:
+        if node.device_value is not None:
+            self.ctl.device.free(node.device_value)
+            self._removed(node, Medium.DEVICE)
+        if node.host_value is not None:
+            self.ctl.host.free(node.host_value)
+            self._removed(node, Medium.HOST)
+        self.tree.detach_leaf(node)
+
+    # -- L2 eviction -----------------------------------------------------------------
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of L2 from L2-only leaves not protected by
+        ``host_ref`` (backups, prefetch anchors, unexpired pins). Returns tokens freed."""
+        tree, now = self.tree, self.clock()
+        heap = [(self.eviction.key(n), n) for n in tree.host_leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            if node not in tree.host_leaves:
+                continue
+            if node.pinned and node.pin_expiry < now:
+                self._clear_pin(node)
+            if node.host_ref > 0:
+                continue
+            parent = node.parent
+            freed += tree.tokens(node)
+            self._delete(node)
+            if parent in tree.host_leaves:
+                heapq.heappush(heap, (self.eviction.key(parent), parent))  # type: ignore[arg-type]
+        self.stats.host_evicted_tokens += freed
+        return freed
+
+    # -- load back -------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> LoadBack | None:
+        """Queue an L2 -> L1 load of the whole L1-evicted chain ending at ``node``, or
+        nothing: ``None`` when ``node`` is on device, the chain is shorter than
+        ``load_back_threshold`` or longer than ``mem_quota`` tokens, or L1 has no
+        room even after evicting. ``node`` stays locked until the load completes."""
+        tree = self.tree
+        chain = []
+        top = node
+        while top is not tree.root and top.device_value is None:
+            chain.append(top)
+            top = top.parent  # type: ignore[assignment]
+        if not chain:
+            return None
+        chain.reverse()
+        tokens = sum(tree.tokens(n) for n in chain)
+        if tokens < self.config.load_back_threshold:
+            return None
+        if mem_quota is not None and tokens > mem_quota:
+            return None
+        tree.inc_lock_ref(top)
+        pages = self._alloc(self.ctl.device, tokens, self.evict)
+        if top is not tree.root:
+            tree.dec_lock_ref(top)
+        if pages is None:
+            return None
+        host: list[int] = []
+        offset = 0
+        for n in chain:
+            k = tree.pages(n)
+            host.extend(n.host_value)  # type: ignore[arg-type]
+            tree.set_device(n, pages[offset : offset + k])
+            self._stored(n, Medium.DEVICE)
+            offset += k
+        tree.inc_lock_ref(node)
+        op_id = self.next_op_id()
+        self.pending_loads.append((op_id, node))
+        self.ctl.load(op_id, host, pages)
+        self.stats.loaded_back_tokens += tokens
+        return LoadBack(op_id, tokens, pages, node)
+
+    def complete_loads(self, n: int) -> None:
+        """The ``n`` oldest queued loads finished on every rank."""
+        self._check_count("loads", n, len(self.pending_loads))
+        for _ in range(n):
+            _, node = self.pending_loads.popleft()
+            self.tree.dec_lock_ref(node)
+
+    # -- pins ------------------------------------------------------------------------
+
+    def pin_prefix(self, key: TokenKey, ttl_s: float) -> PinResult:
+        """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds (refreshed by hits),
+        within the pin budget. Nodes not yet in L2 are written through."""
+        self._check_key(key)
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a number > 0")
+        now = self.clock()
+        tree = self.tree
+        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
+        pinned = 0
+        reason = None
+        for node in path:
+            tokens = tree.tokens(node)
+            if not node.pinned:
+                if self.pinned_size + tokens > self.pin_budget:
+                    reason = (
+                        f"pin budget exhausted ({self.pinned_size}/{self.pin_budget} tokens pinned)"
+                    )
+                    break
+                node.host_ref += 1
+                self.pinned_size += tokens
+                if node.host_value is None:
+                    self.write_backup(node)
+            node.pin_expiry = max(node.pin_expiry, now + ttl_s)
+            node.pin_ttl = max(node.pin_ttl, float(ttl_s))
+            pinned += tokens
+        if reason is None and pinned < key.num_tokens:
+            reason = f"only {pinned} of {key.num_tokens} tokens are cached"
+        return PinResult(pinned, reason)
+
+    def _clear_pin(self, node: TreeNode) -> None:
+        self.pinned_size -= self.tree.tokens(node)
+        node.host_ref -= 1
+        node.pin_expiry = node.pin_ttl = 0.0
+
+    # -- completions, events, sizes ----------------------------------------------------
+
+    def apply(self, done: Completions) -> None:
+        """Commit one step's completions, in the order they were queued."""
+        self.complete_writes(done.writes, done.failed_writes)
+        self.complete_loads(done.loads)
+        self.storage.apply(done)
+
+    def poll(self) -> Completions:
+        """Take the controller's completions and commit them."""
+        done = self.ctl.take_completions()
+        self.apply(done)
+        return done
+
+    def complete_backups(self, n: int, failed: Collection[int] = ()) -> None:
+        self.storage.complete_backups(n, failed)
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the queued KV events, oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    def _stored(self, node: TreeNode, medium: Medium) -> None:
+        if self.config.kv_events:
+            hashes = tuple(self.tree.page_hashes(node))
+            self.events.append(BlockStored(hashes, medium, node.namespace))
+
+    def _removed(self, node: TreeNode, medium: Medium) -> None:
+        if self.config.kv_events:
+            self.events.append(BlockRemoved(tuple(self.tree.page_hashes(node)), medium))
+
+    def device_sizes(self) -> TierSizes:
+        tree, size = self.tree, self.page_size
+        return TierSizes(
+            self.ctl.device.capacity_tokens,
+            self.ctl.device.available_pages * size,
+            tree.evictable_size,
+            tree.protected_size + len(self.leased) * size,
+        )
+
+    def host_sizes(self) -> TierSizes:
+        """L2 tokens; evictable are those of L2-only nodes with no host protection."""
+        size = self.page_size
+        evictable = owned = 0
+        for node in self.tree.walk():
+            if node.host_value is not None:
+                owned += len(node.host_value)
+                if node.device_value is None and node.host_ref == 0:
+                    evictable += len(node.host_value)
+        owned += self.storage.held_host_pages() + sum(
+            len(op.orphan_pages) for op in self.pending_writes
+        )
+        return TierSizes(
+            self.ctl.host.capacity_tokens,
+            self.ctl.host.available_pages * size,
+            evictable * size,
+            (owned - evictable) * size,
+        )
+
+    def reset(self) -> None:
+        """Forget everything in L1 and L2 (L3 stays) and reset the controller."""
+        self.ctl.reset()
+        self.storage.reset()
+        self._init_state()
+        self.events.append(AllBlocksCleared())
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.integrity``)."""
+        from fabric.integrity import check_integrity
+
+        check_integrity(self)
+
+    @staticmethod
+    def _check_count(kind: str, n: int, pending: int) -> None:
+        if not isinstance(n, int) or not 0 <= n <= pending:
+            raise InvalidInput(f"{n!r} {kind} completed but {pending} are pending")
+
+    def insert_host(
+        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: tuple[int, ...]
+    ) -> int:
+        """Insert ``host_pages`` (L2, filled by a prefetch) for the key's pages from
+        ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
+        them as their host copy; pages already in L2 are freed. Returns tokens
+        added as new L2-only nodes."""
+        tree, now = self.tree, self.clock()
+        pb, data = tree.page_bytes, key.data
+        start, end = start_page * pb, (start_page + len(host_pages)) * pb
+        node, used, duplicates = anchor, 0, []
+        while start < end:
+            child = node.children.get((key.namespace, data[start : start + pb]))
+            if child is None or child.write_op is not None:
+                break
+            if not data.startswith(child.key, start, end):
+                child = tree.split(child, common_pages(child.key, data, start, end, pb) * pb)
+            k = tree.pages(child)
+            child.last_access = now
+            if child.host_value is None:
+                child.host_value = host_pages[used : used + k]
+                self._stored(child, Medium.HOST)
+            else:
+                duplicates.extend(host_pages[used : used + k])
+            used += k
+            start += len(child.key)
+            node = child
+        added = 0
+        if start < end and (node.children.get((key.namespace, data[start : start + pb])) is None):
+            leaf = tree.attach(node, key.namespace, data[start:end], now, node.priority)
+            leaf.host_value = host_pages[used:]
+            tree.refresh(leaf)
+            tree.refresh(node)
+            self._stored(leaf, Medium.HOST)
+            added = len(host_pages) - used
+            used = len(host_pages)
+        duplicates.extend(host_pages[used:])
+        if duplicates:
+            self.ctl.host.free(duplicates)
+        return added * self.page_size

@@ -1,0 +1,129 @@
+"""Every invariant of the cache, recomputed from scratch (SPEC §3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from fabric.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from fabric.hicache import HiCache
+    from fabric.node import TreeNode
+
+
+def check_integrity(cache: HiCache) -> None:
+    """Raise ``IntegrityError`` listing every violation; return quietly otherwise."""
+    v: list[str] = []
+    tree = cache.tree
+    root = tree.root
+    pb = tree.page_bytes
+    nodes = tree.walk()
+    live = set(nodes)
+    device_owner: Counter[int] = Counter()
+    host_owner: Counter[int] = Counter()
+    evictable = protected = 0
+    device_leaves: set[TreeNode] = set()
+    host_leaves: set[TreeNode] = set()
+    pinned = 0
+    write_through = not cache.write_policy.write_back
+
+    for node in [root, *nodes]:
+        on_device = sum(1 for c in node.children.values() if c.device_value is not None)
+        if node.device_children != on_device:
+            v.append(f"{node}: device_children={node.device_children}, counted {on_device}")
+        for ck, child in node.children.items():
+            if child.parent is not node or ck != (child.namespace, child.key[:pb]):
+                v.append(f"{child}: child key or parent link does not match its parent {node}")
+            if node is not root and child.namespace != node.namespace:
+                v.append(f"{child}: namespace differs from its parent's")
+        if node.lock_ref < 0 or node.host_ref < 0:
+            v.append(f"{node}: negative lock_ref={node.lock_ref} or host_ref={node.host_ref}")
+        if node is not root and node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+            v.append(f"{node}: lock_ref {node.lock_ref} below the sum of its children's")
+
+    for node in nodes:
+        pages = len(node.key) // pb
+        if not node.key or len(node.key) % pb:
+            v.append(f"{node}: key of {len(node.key)} bytes is not whole pages")
+        if node.device_value is None and node.host_value is None:
+            v.append(f"{node}: holds data in neither L1 nor L2")
+        for name, value in (("device", node.device_value), ("host", node.host_value)):
+            if value is not None and len(value) != pages:
+                v.append(f"{node}: {name} value has {len(value)} pages, key has {pages}")
+        if node.page_hashes is not None and len(node.page_hashes) != pages:
+            v.append(f"{node}: {len(node.page_hashes)} page hashes for {pages} pages")
+        parent = node.parent
+        assert parent is not None
+        if node.device_value is not None:
+            device_owner.update(node.device_value)
+            if parent is not root and parent.device_value is None:
+                v.append(f"{node}: on device but its parent is not (L1 not prefix-closed)")
+            if node.lock_ref:
+                protected += tree.tokens(node)
+            else:
+                evictable += tree.tokens(node)
+        elif node.lock_ref:
+            v.append(f"{node}: locked but not on device")
+        if node.host_value is not None:
+            host_owner.update(node.host_value)
+            if write_through and parent is not root and parent.host_value is None:
+                v.append(f"{node}: in L2 but its parent is not (L2 not prefix-closed)")
+        if node.pinned:
+            pinned += tree.tokens(node)
+        if node.device_value is not None and not node.lock_ref and not node.device_children:
+            device_leaves.add(node)
+        if node.device_value is None and not node.children:
+            host_leaves.add(node)
+
+    if tree.evictable_size != evictable or tree.protected_size != protected:
+        v.append(
+            f"L1 counters evictable={tree.evictable_size} protected={tree.protected_size}, "
+            f"recomputed {evictable} and {protected}"
+        )
+    if tree.device_leaves != device_leaves:
+        v.append(
+            f"device leaf set differs from recomputation by {tree.device_leaves ^ device_leaves}"
+        )
+    if tree.host_leaves != host_leaves:
+        v.append(f"host leaf set differs from recomputation by {tree.host_leaves ^ host_leaves}")
+    if cache.pinned_size != pinned:
+        v.append(f"pinned_size={cache.pinned_size}, recomputed {pinned}")
+
+    device_owner.update(cache.leased)
+    for op in cache.pending_writes:
+        host_owner.update(op.orphan_pages)
+        if op.lock_node not in live or op.lock_node.lock_ref <= 0:
+            v.append(f"write op {op.op_id} holds {op.lock_node}, which is gone or unlocked")
+    for op_id, node in cache.pending_loads:
+        if node not in live or node.lock_ref <= 0:
+            v.append(f"load op {op_id} holds {node}, which is gone or unlocked")
+    for bop in cache.storage.backups:
+        if bop.node not in live or bop.node.host_ref <= 0 or bop.node.host_value is None:
+            v.append(f"backup op {bop.op_id} holds {bop.node}, which is gone or unprotected")
+    for pop in cache.storage.by_op.values():
+        host_owner.update(pop.host_pages)
+    for pop in cache.storage.prefetches.values():
+        if pop.anchor is not root and (pop.anchor not in live or pop.anchor.host_ref <= 0):
+            v.append(f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected")
+
+    for name, pool, owner in (
+        ("L1", cache.ctl.device, device_owner),
+        ("L2", cache.ctl.host, host_owner),
+    ):
+        twice = sorted(p for p, n in owner.items() if n > 1)
+        if twice:
+            v.append(f"{name}: pages {twice[:10]} owned twice")
+        free_and_owned = sorted(p for p in owner if pool.is_free(p))
+        if free_and_owned:
+            v.append(f"{name}: pages {free_and_owned[:10]} both free and owned")
+        if pool.available_pages + len(owner) != pool.num_pages:
+            v.append(
+                f"{name}: {pool.available_pages} free + {len(owner)} owned pages "
+                f"!= capacity {pool.num_pages}"
+            )
+    for name, sizes in (("L1", cache.device_sizes()), ("L2", cache.host_sizes())):
+        if sizes.free + sizes.evictable + sizes.protected != sizes.capacity:
+            v.append(f"{name}: free + evictable + protected != capacity ({sizes})")
+    if v:
+        raise IntegrityError(v)

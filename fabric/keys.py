@@ -1,0 +1,129 @@
+"""Cache keys: a namespace plus page-aligned token ids, and their chained page hashes.
+
+Tokens are packed once per request into little-endian uint32 bytes, so the
+tree compares keys with ``bytes.startswith`` (one C call per node) and never
+loops over tokens in Python. Page hashes are the SHA-256 chain
+``h_i = H(h_{i-1} || page_i)`` seeded by the namespace: equal hashes mean equal
+namespace and equal whole prefix, which makes them content addresses for L3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+
+from fabric.errors import InvalidInput
+
+TOKEN_BYTES = 4
+MAX_TOKEN_ID = 2**32 - 1
+MAX_NAMESPACE_CHARS = 256
+DEFAULT_NAMESPACE = "default"
+
+_TOKEN_TYPECODE = next(c for c in "IL" if array(c).itemsize == TOKEN_BYTES)
+_SWAP = sys.byteorder != "little"
+
+
+def namespace_seed(namespace: str) -> bytes:
+    """The hash that seeds the page-hash chain of every key in ``namespace``."""
+    return hashlib.sha256(b"kvfabric/ns\0" + namespace.encode()).digest()
+
+
+def check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
+        raise InvalidInput(
+            f"namespace {namespace!r} is refused: allowed is a non-empty str of at most "
+            f"{MAX_NAMESPACE_CHARS} characters"
+        )
+    return namespace
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; ``InvalidInput`` naming the first bad token."""
+    try:
+        packed = array(_TOKEN_TYPECODE, tokens)
+    except (TypeError, OverflowError, ValueError):
+        raise _bad_token(tokens) from None
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _bad_token(tokens: Iterable[int]) -> InvalidInput:
+    try:
+        items = list(tokens)
+    except TypeError:
+        return InvalidInput(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    for i, t in enumerate(items):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+            return InvalidInput(
+                f"token {t!r} at position {i} is refused: allowed is an int in [0, {MAX_TOKEN_ID}]"
+            )
+    return InvalidInput("tokens are refused: allowed is a sequence of ints")
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    packed = array(_TOKEN_TYPECODE)
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tolist()
+
+
+def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
+    """Continue a page-hash chain from ``prev`` over the pages packed in ``data``."""
+    out = []
+    sha256 = hashlib.sha256
+    for start in range(0, len(data), page_bytes):
+        prev = sha256(prev + data[start : start + page_bytes]).digest()
+        out.append(prev)
+    return out
+
+
+class TokenKey:
+    """A request's key: namespace and token ids, cut to whole pages.
+
+    ``data`` holds only the page-aligned part; ``num_tokens`` counts it. The
+    unaligned tail of the input is never cached. Page hashes are computed on
+    first use and kept.
+    """
+
+    __slots__ = ("_hashes", "data", "namespace", "page_bytes", "page_size")
+
+    def __init__(
+        self, tokens: Sequence[int] | bytes, page_size: int, namespace: str = DEFAULT_NAMESPACE
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise InvalidInput(f"page_size {page_size!r} is refused: allowed is an int >= 1")
+        self.namespace = check_namespace(namespace)
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        if isinstance(tokens, bytes) and len(data) % TOKEN_BYTES:
+            raise InvalidInput(f"packed tokens of {len(data)} bytes are not whole uint32 tokens")
+        self.data = data[: len(data) - len(data) % self.page_bytes]
+        self._hashes: list[bytes] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.data) // TOKEN_BYTES
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.data) // self.page_bytes
+
+    def tokens(self) -> list[int]:
+        return unpack_tokens(self.data)
+
+    def page_hashes(self) -> list[bytes]:
+        """The SHA-256 chain over every page of the key (computed once)."""
+        if self._hashes is None:
+            self._hashes = chain_hashes(namespace_seed(self.namespace), self.data, self.page_bytes)
+        return self._hashes
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"TokenKey(namespace={self.namespace!r}, tokens={self.num_tokens})"

@@ -1,0 +1,85 @@
+"""The radix tree's node."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+_ids = itertools.count(1)
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of whole pages under one parent.
+
+    ``key`` is the packed tokens of the run (see ``fabric.keys``); ``device_value``
+    and ``host_value`` are page indices in the L1 and L2 pools, ``None`` when the
+    run is not in that tier. ``lock_ref`` counts L1 protections along the path
+    to the root (a lock on a node is counted on each ancestor too); ``host_ref``
+    counts L2 protections of this node alone (in-flight backups, prefetch
+    anchors, pins). ``device_children`` counts children with a device value.
+    ``page_hashes`` is ``None`` until first needed.
+    """
+
+    __slots__ = (
+        "children",
+        "created",
+        "device_children",
+        "device_value",
+        "hit_count",
+        "host_ref",
+        "host_value",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "namespace",
+        "page_hashes",
+        "parent",
+        "pin_expiry",
+        "pin_ttl",
+        "priority",
+        "write_op",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        namespace: str,
+        parent: TreeNode | None,
+        now: float,
+        priority: int = 0,
+    ) -> None:
+        self.id = next(_ids)
+        self.key = key
+        self.namespace = namespace
+        self.parent = parent
+        self.children: dict[tuple[str, bytes], TreeNode] = {}
+        self.device_value: tuple[int, ...] | None = None
+        self.host_value: tuple[int, ...] | None = None
+        self.device_children = 0
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = now
+        self.created = now
+        self.priority = priority
+        self.page_hashes: list[bytes] | None = None
+        self.pin_expiry = 0.0
+        self.pin_ttl = 0.0
+        self.write_op: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_value is not None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_value is not None
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin_expiry > 0
+
+    def __repr__(self) -> str:
+        tiers = ("D" if self.on_device else "") + ("H" if self.backed_up else "")
+        return f"TreeNode(id={self.id}, bytes={len(self.key)}, tiers={tiers or '-'}, lock={self.lock_ref})"

@@ -1,0 +1,316 @@
+"""L3 bookkeeping on the cache side: prefetch (L3 -> L2) and backup (L2 -> L3).
+
+The cache never touches storage; it queues hit queries, prefetches and
+backups on its controller and commits what every rank reports finished
+(``Completions``). A prefetch goes QUERY (hit query in flight) -> LOADING
+(host pages allocated, pages arriving) -> done, or RELEASING while ranks may
+still write host pages past the committed prefix. Host protection (``host_ref``)
+holds the anchor of a prefetch and the node of a backup until they end.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Hashable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from fabric.config import PrefetchConfig
+from fabric.controller import Completions
+from fabric.errors import InvalidInput
+from fabric.events import BlockStored, Medium
+from fabric.keys import TokenKey, chain_hashes, namespace_seed
+from fabric.node import TreeNode
+from policies import get_prefetch_stop_policy
+from policies.prefetch import PrefetchTiming, TimeoutParams
+
+if TYPE_CHECKING:
+    from fabric.hicache import HiCache, MatchResult
+
+
+class PrefetchState(StrEnum):
+    QUERY = "query"
+    LOADING = "loading"
+    RELEASING = "releasing"
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    op_id: int
+    req_id: Hashable
+    anchor: TreeNode
+    key: TokenKey
+    start_page: int
+    cached_pages: int
+    page_hashes: list[bytes]
+    started_at: float
+    reserved_tokens: int
+    state: PrefetchState = PrefetchState.QUERY
+    host_pages: tuple[int, ...] = ()
+    completed_tokens: int = 0
+    terminated: bool = False
+
+
+@dataclass(frozen=True)
+class PrefetchStart:
+    """``op_id`` of the started prefetch, or ``None`` with the ``reason`` it did not start."""
+
+    op_id: int | None
+    reason: str | None = None
+
+
+@dataclass(eq=False)
+class BackupOp:
+    op_id: int
+    node: TreeNode
+    page_hashes: tuple[bytes, ...]
+
+
+@dataclass
+class StorageStats:
+    prefetch_started: int = 0
+    prefetch_revoked: int = 0
+    prefetched_tokens: int = 0
+    backed_up_tokens: int = 0
+    failed_backups: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class StorageOps:
+    """The prefetch and backup queues of one ``HiCache``."""
+
+    def __init__(self, cache: HiCache, config: PrefetchConfig) -> None:
+        self.cache = cache
+        self.config = config
+        self.stop_policy = get_prefetch_stop_policy(config.stop_policy)
+        self.timeout = TimeoutParams(
+            config.timeout_base_s, config.timeout_per_ki_token_s, config.timeout_max_s
+        )
+        self.max_inflight_tokens = int(config.max_inflight_fraction * cache.config.host_tokens)
+        self.attached = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.prefetches: dict[Hashable, PrefetchOp] = {}
+        self.by_op: dict[int, PrefetchOp] = {}
+        self.backups: deque[BackupOp] = deque()
+        self.inflight_tokens = 0
+        self.stats = StorageStats()
+
+    def held_host_pages(self) -> int:
+        """L2 pages allocated to prefetches and not yet in the tree."""
+        return sum(len(op.host_pages) for op in self.by_op.values())
+
+    # -- attach / detach -----------------------------------------------------------
+
+    def attach(self) -> None:
+        self.attached = True
+
+    def detach(self) -> None:
+        """Forget storage. Call only once the controller has stopped every storage
+        transfer: pending backups count as failed, prefetches end with nothing
+        inserted, and all their host pages and protections are released."""
+        while self.backups:
+            self._end_backup(self.backups.popleft(), ok=False)
+        for op in list(self.by_op.values()):
+            if op.host_pages:
+                self.cache.ctl.host.free(op.host_pages)
+                op.host_pages = ()
+            self._drop(op)
+        self.attached = False
+
+    # -- backup --------------------------------------------------------------------
+
+    def backup(self, node: TreeNode) -> None:
+        """Queue an L2 -> L3 copy of a node whose host copy just completed."""
+        if not self.attached:
+            return
+        cache = self.cache
+        op = BackupOp(cache.next_op_id(), node, tuple(cache.tree.page_hashes(node)))
+        node.host_ref += 1
+        self.backups.append(op)
+        cache.ctl.backup(op.op_id, node.host_value, op.page_hashes)  # type: ignore[arg-type]
+
+    def complete_backups(self, n: int, failed: Collection[int] = ()) -> None:
+        """The ``n`` oldest backups ended; those in ``failed`` stored nothing."""
+        self.cache._check_count("backups", n, len(self.backups))
+        for _ in range(n):
+            op = self.backups.popleft()
+            self._end_backup(op, ok=op.op_id not in failed)
+
+    def _end_backup(self, op: BackupOp, ok: bool) -> None:
+        op.node.host_ref -= 1
+        if not ok:
+            self.stats.failed_backups += 1
+            return
+        self.stats.backed_up_tokens += len(op.page_hashes) * self.cache.page_size
+        if self.cache.config.kv_events:
+            self.cache.events.append(BlockStored(op.page_hashes, Medium.STORAGE, op.node.namespace))
+
+    # -- prefetch --------------------------------------------------------------------
+
+    def start_prefetch(self, req_id: Hashable, key: TokenKey, match: MatchResult) -> PrefetchStart:
+        """Start fetching from L3 what ``match`` leaves uncached of ``key``, from the
+        end of ``match.last_host_node`` on. Refusals are a result, not an error."""
+        if req_id in self.prefetches:
+            raise InvalidInput(f"request {req_id!r} already has a prefetch in flight")
+        cache, tree = self.cache, self.cache.tree
+        if not self.attached:
+            return self._refuse("no storage attached")
+        if key.num_tokens - match.matched_tokens < max(self.config.threshold_tokens, 1):
+            return self._refuse("below prefetch threshold")
+        anchor = match.last_host_node
+        start_page = tree.depth_pages(anchor)
+        requested = (key.num_pages - start_page) * cache.page_size
+        if self.inflight_tokens + requested > self.max_inflight_tokens:
+            return self._refuse("rate limited")
+        prev = (
+            namespace_seed(key.namespace) if anchor is tree.root else tree.page_hashes(anchor)[-1]
+        )
+        hashes = chain_hashes(prev, key.data[start_page * tree.page_bytes :], tree.page_bytes)
+        op = PrefetchOp(
+            op_id=cache.next_op_id(),
+            req_id=req_id,
+            anchor=anchor,
+            key=key,
+            start_page=start_page,
+            cached_pages=match.matched_tokens // cache.page_size - start_page,
+            page_hashes=hashes,
+            started_at=cache.clock(),
+            reserved_tokens=requested,
+        )
+        if anchor is not tree.root:
+            anchor.host_ref += 1
+        self.inflight_tokens += requested
+        self.prefetches[req_id] = self.by_op[op.op_id] = op
+        self.stats.prefetch_started += 1
+        cache.ctl.query_storage(op.op_id, hashes)
+        return PrefetchStart(op.op_id)
+
+    def _refuse(self, reason: str) -> PrefetchStart:
+        self.stats.refusals[reason] = self.stats.refusals.get(reason, 0) + 1
+        return PrefetchStart(None, reason)
+
+    def complete_query(self, op_id: int, hit_pages: int) -> None:
+        """Every shard holds the first ``hit_pages`` pages (MIN over ranks)."""
+        op = self.by_op.get(op_id)
+        if op is None or op.state is not PrefetchState.QUERY:
+            return
+        cache, size = self.cache, self.cache.page_size
+        pages = max(0, min(int(hit_pages), len(op.page_hashes)))
+        threshold = max(self.config.threshold_tokens, 1)
+        if (pages - op.cached_pages) * size < threshold:
+            self._revoke(op)
+            return
+        host = cache.ctl.host
+        got = host.alloc(pages)
+        if got is None:
+            cache.evict_host((pages - host.available_pages) * size)
+            pages = min(pages, host.available_pages)
+            if (pages - op.cached_pages) * size < threshold:
+                self._revoke(op)
+                return
+            got = host.alloc(pages)
+            assert got is not None
+        op.host_pages = got
+        self._reserve(op, pages * size)
+        op.state = PrefetchState.LOADING
+        cache.ctl.prefetch(op.op_id, got, op.page_hashes[:pages])
+
+    def update_progress(self, op_id: int, completed_tokens: int, terminated: bool = False) -> None:
+        """Cumulative tokens every rank has (MIN), and whether any rank stopped (MAX)."""
+        op = self.by_op.get(op_id)
+        if op is None or op.state is not PrefetchState.LOADING:
+            return
+        cap = len(op.host_pages) * self.cache.page_size
+        op.completed_tokens = max(op.completed_tokens, min(int(completed_tokens), cap))
+        op.terminated = op.terminated or bool(terminated)
+
+    def check_prefetch(self, req_id: Hashable) -> int | None:
+        """``None`` while the stop policy says wait; else the prefetch ends — its
+        MIN-completed prefix enters the tree as L2 nodes — and the tokens it added
+        are returned (0 for no prefetch, or one that was revoked)."""
+        op = self.prefetches.get(req_id)
+        if op is None:
+            return 0
+        size = self.cache.page_size
+        tokens = len(op.host_pages) * size if op.host_pages else op.reserved_tokens
+        timing = PrefetchTiming(
+            tokens, op.completed_tokens, self.cache.clock() - op.started_at, op.terminated
+        )
+        if not self.stop_policy.should_stop(timing, self.timeout):
+            return None
+        if op.state is PrefetchState.QUERY:
+            self._revoke(op)
+            return 0
+        done_pages = op.completed_tokens // size
+        committed, tail = op.host_pages[:done_pages], op.host_pages[done_pages:]
+        added = (
+            self.cache.insert_host(op.anchor, op.key, op.start_page, committed) if committed else 0
+        )
+        self.stats.prefetched_tokens += added
+        op.host_pages = tail
+        self._reserve(op, len(tail) * size)
+        if tail:
+            self._start_release(op)
+        else:
+            self._drop(op)
+        return added
+
+    def abort(self, req_id: Hashable) -> None:
+        """Stop a request's prefetch; nothing of it enters the tree."""
+        op = self.prefetches.get(req_id)
+        if op is None:
+            return
+        if op.state is PrefetchState.QUERY:
+            self._revoke(op)
+        else:
+            self._start_release(op)
+
+    def complete_release(self, op_id: int) -> None:
+        """No rank writes the stopped prefetch's host pages any more: free them."""
+        op = self.by_op.get(op_id)
+        if op is None or op.state is not PrefetchState.RELEASING:
+            return
+        self.cache.ctl.host.free(op.host_pages)
+        op.host_pages = ()
+        self._drop(op)
+
+    def apply(self, done: Completions) -> None:
+        self.complete_backups(done.backups, done.failed_backups)
+        for op_id, pages in done.prefetch_hits.items():
+            self.complete_query(op_id, pages)
+        for op_id, tokens in done.prefetch_progress.items():
+            self.update_progress(op_id, tokens, op_id in done.prefetch_terminated)
+        for op_id in done.prefetch_terminated:
+            self.update_progress(op_id, 0, True)
+        for op_id in done.prefetch_released:
+            self.complete_release(op_id)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _reserve(self, op: PrefetchOp, tokens: int) -> None:
+        self.inflight_tokens += tokens - op.reserved_tokens
+        op.reserved_tokens = tokens
+
+    def _release_anchor(self, op: PrefetchOp) -> None:
+        if self.prefetches.get(op.req_id) is op:
+            del self.prefetches[op.req_id]
+            if op.anchor is not self.cache.tree.root:
+                op.anchor.host_ref -= 1
+
+    def _start_release(self, op: PrefetchOp) -> None:
+        self._release_anchor(op)
+        op.state = PrefetchState.RELEASING
+        self.cache.ctl.stop_prefetch(op.op_id)
+
+    def _revoke(self, op: PrefetchOp) -> None:
+        self.stats.prefetch_revoked += 1
+        self._drop(op)
+
+    def _drop(self, op: PrefetchOp) -> None:
+        assert not op.host_pages
+        self._release_anchor(op)
+        self._reserve(op, 0)
+        del self.by_op[op.op_id]
