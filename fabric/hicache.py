@@ -458,8 +458,7 @@ class HiCache:
             return None
         tree.inc_lock_ref(top)
         pages = self._alloc(self.ctl.device, tokens, self.evict)
-        if top is not tree.root:
-            tree.dec_lock_ref(top)
+        tree.dec_lock_ref(top)
         if pages is None:
             return None
         host: list[int] = []

@@ -191,7 +191,9 @@ class RadixTree:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_lock_ref(node)``; ``InvalidInput`` (and no change) when
         ``node`` is not locked or not in this tree."""
-        if node.lock_ref <= 0 or node is self.root:
+        if node is self.root:
+            return
+        if node.lock_ref <= 0:
             raise InvalidInput(f"dec_lock_ref below zero on {node}")
         top = node
         while top.parent is not None:

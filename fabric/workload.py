@@ -1,0 +1,97 @@
+"""Workloads: the Mooncake trace format, a synthetic conversation generator, and
+the mapping from block hash ids to token ids.
+
+A request names its prompt as a run of block ids; each id stands for a fixed
+block of ``BLOCK_TOKENS`` token ids, the same every run, so two requests that
+share leading ids share that prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric.errors import InvalidInput
+from fabric.keys import TOKEN_BYTES
+
+BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Request:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+    """Requests of a Mooncake-format JSONL trace; ``InvalidInput`` naming the line."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                req = Request(
+                    int(row.get("timestamp", 0)),
+                    int(row["input_length"]),
+                    int(row.get("output_length", 0)),
+                    tuple(int(h) for h in row["hash_ids"]),
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InvalidInput(f"{path}:{lineno}: not a trace request ({exc!r})") from None
+            if req.input_length < 0 or any(h < 0 for h in req.hash_ids):
+                raise InvalidInput(f"{path}:{lineno}: negative input_length or hash id")
+            out.append(req)
+    return out
+
+
+def synthetic_trace(num_requests: int, seed: int = 0) -> list[Request]:
+    """Multi-turn chats over a few shared system prompts: each turn re-sends the
+    whole conversation so far plus a new user message."""
+    rng = random.Random(seed)
+    next_id = iter(range(10**9))
+    prompts = [[next(next_id) for _ in range(rng.randint(1, 4))] for _ in range(8)]
+    sessions: list[list[int]] = []
+    out = []
+    for i in range(num_requests):
+        if not sessions or rng.random() < 0.3:
+            sessions.append(list(rng.choice(prompts)))
+            if len(sessions) > 32:
+                sessions.pop(0)
+        history = rng.choice(sessions)
+        history.extend(next(next_id) for _ in range(rng.randint(1, 2)))
+        length = (len(history) - 1) * BLOCK_TOKENS + rng.randint(1, BLOCK_TOKENS)
+        out.append(Request(i * 100, length, rng.randint(16, 512), tuple(history)))
+        history.append(next(next_id))
+    return out
+
+
+class BlockTokens:
+    """Token ids of requests, block by block; a block's tokens depend only on its id."""
+
+    def __init__(self, seed: int = 0, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.seed = seed.to_bytes(8, "little")
+        self.block_bytes = block_tokens * TOKEN_BYTES
+
+    def block(self, hash_id: int) -> bytes:
+        return hashlib.shake_128(self.seed + hash_id.to_bytes(8, "little")).digest(self.block_bytes)
+
+    def packed(self, request: Request) -> bytes:
+        """The request's prompt as packed uint32 tokens (``fabric.keys`` format)."""
+        data = b"".join(self.block(h) for h in request.hash_ids)
+        return data[: request.input_length * TOKEN_BYTES]
+
+
+def iter_packed(requests: list[Request], seed: int = 0) -> Iterator[tuple[Request, bytes]]:
+    blocks = BlockTokens(seed)
+    for r in requests:
+        yield r, blocks.packed(r)
