@@ -25,10 +25,16 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--trace", help="a Mooncake-format JSONL trace (default: a synthetic conversation workload)"
     )
-    demo.add_argument("--requests", type=int, default=2000, help="requests to replay (default 2000)")
+    demo.add_argument(
+        "--requests", type=int, default=2000, help="requests to replay (default 2000)"
+    )
     demo.add_argument("--config", help="a config file (.json, .toml, .yaml)")
     demo.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value",
     )
     demo.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p

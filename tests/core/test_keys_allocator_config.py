@@ -1,0 +1,86 @@
+import hashlib
+import json
+
+import pytest
+
+from fabric.allocator import PagedAllocator
+from fabric.config import CacheConfig, FabricConfig, load_config
+from fabric.errors import ConfigError, InvalidInput
+from fabric.keys import TokenKey, namespace_seed, pack_tokens
+from policies import get_eviction_policy, get_prefetch_stop_policy, get_write_policy
+
+
+def test_key_cuts_unaligned_tail_and_chains_hashes_from_namespace():
+    key = TokenKey(list(range(10)), 4, "tenant-a")
+    assert key.num_tokens == 8 and key.num_pages == 2
+    assert key.tokens() == list(range(8))
+    h0 = hashlib.sha256(namespace_seed("tenant-a") + pack_tokens(range(4))).digest()
+    h1 = hashlib.sha256(h0 + pack_tokens(range(4, 8))).digest()
+    assert key.page_hashes() == [h0, h1]
+    assert TokenKey(list(range(8)), 4, "tenant-b").page_hashes()[0] != h0
+
+
+@pytest.mark.parametrize("tokens", [[1, -1], [1, 2.5], [2**32], "ab", None, [1, "2"]])
+def test_bad_tokens_are_refused_naming_the_token(tokens):
+    with pytest.raises(InvalidInput, match="token|tokens"):
+        TokenKey(tokens, 4)
+
+
+@pytest.mark.parametrize("namespace", ["", None, 3, "x" * 300])
+def test_bad_namespaces_are_refused(namespace):
+    with pytest.raises(InvalidInput, match="namespace"):
+        TokenKey([1, 2, 3, 4], 4, namespace)
+
+
+def test_allocator_hands_out_lowest_pages_and_refuses_double_free():
+    a = PagedAllocator(4, 16)
+    assert a.alloc(3) == (0, 1, 2)
+    assert a.alloc(2) is None
+    a.free([1])
+    assert a.alloc(2) == (1, 3)
+    with pytest.raises(InvalidInput, match="double free of page 0"):
+        a.free([2, 0, 0])
+    assert not a.is_free(2), "a refused free frees nothing"
+    with pytest.raises(InvalidInput, match="not a page of this pool"):
+        a.free([7])
+    assert a.slots([1]) == list(range(16, 32))
+
+
+def test_config_refuses_bad_values_naming_key_value_and_rule():
+    with pytest.raises(ConfigError, match=r"cache\.page_size=0 .*>= 1"):
+        FabricConfig.from_dict({"cache": {"page_size": 0}})
+    with pytest.raises(ConfigError, match=r"cache\.device_tokens=100 .*multiple of page_size"):
+        CacheConfig(device_tokens=100)
+    with pytest.raises(ConfigError, match=r"cache\.eviction_policy='nope'.*lru"):
+        CacheConfig(eviction_policy="nope")
+    with pytest.raises(ConfigError, match=r"prefetch\.max_inflight_fraction=1\.5"):
+        FabricConfig.from_dict({"prefetch": {"max_inflight_fraction": 1.5}})
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) cache\.pagesize"):
+        FabricConfig.from_dict({"cache": {"pagesize": 4}})
+    with pytest.raises(ConfigError, match="unknown config section"):
+        FabricConfig.from_dict({"caches": {}})
+    with pytest.raises(ConfigError, match=r"cache\.kv_events=1"):
+        CacheConfig(kv_events=1)
+
+
+def test_config_loads_json_toml_yaml_and_overrides(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"cache": {"page_size": 32}}))
+    (tmp_path / "c.toml").write_text("[cache]\npage_size = 32\n")
+    (tmp_path / "c.yaml").write_text("cache:\n  page_size: 32\n")
+    for name in ("c.json", "c.toml", "c.yaml"):
+        assert load_config(tmp_path / name).cache.page_size == 32
+    (tmp_path / "c.ini").write_text("")
+    with pytest.raises(ConfigError, match="suffix '.ini'"):
+        load_config(tmp_path / "c.ini")
+    cfg = FabricConfig().with_overrides(["cache.kv_events=false", "prefetch.timeout_base_s=2"])
+    assert cfg.cache.kv_events is False and cfg.prefetch.timeout_base_s == 2.0
+    with pytest.raises(ConfigError, match="section.key=value"):
+        FabricConfig().with_overrides(["page_size"])
+
+
+def test_unknown_policy_names_list_the_known_ones():
+    for get in (get_eviction_policy, get_write_policy, get_prefetch_stop_policy):
+        with pytest.raises(ValueError, match="known: "):
+            get("nope")
+    assert get_write_policy("write_through_selective").hit_threshold == 2
+    assert get_write_policy("write_back").write_back

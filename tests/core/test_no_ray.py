@@ -1,0 +1,35 @@
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_core_packages_never_import_ray_or_torch_distributed():
+    offenders = []
+    for package in ("fabric", "policies"):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    # Top-level imports only: the client imports Ray inside functions.
+                    top = node.col_offset == 0
+                    if (name == "ray" or name.startswith("ray.")) and top:
+                        offenders.append(f"{path.relative_to(ROOT)}: {name}")
+                    if name.startswith("torch.distributed"):
+                        offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []
+
+
+def test_importing_fabric_does_not_load_ray():
+    code = (
+        "import sys, fabric, fabric.hicache, fabric.cli, fabric.replay, policies\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

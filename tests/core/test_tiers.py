@@ -1,0 +1,200 @@
+"""Exact-state tests of eviction, write policies, load-back and pins."""
+
+import pytest
+
+from fabric.events import BlockRemoved, BlockStored, Medium
+
+from .conftest import P, make_cache, put, toks
+
+
+def leaf(c, *pages):
+    return c.match_prefix(c.key(toks(*pages))).last_device_node
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim"),
+    [("lru", 2), ("mru", 1), ("fifo", 1), ("filo", 3), ("lfu", 1), ("priority", 2), ("slru", 1)],
+)
+def test_eviction_order_follows_the_policy(clock, policy, victim):
+    c = make_cache(clock=clock, eviction_policy=policy, write_policy="write_back")
+    # page 1: created first, 1 hit, touched last; page 2: 3 hits, lowest priority,
+    # least recently used; page 3: created last, 2 hits, highest priority.
+    for page, hits, prio in ((1, 1, 5), (2, 3, 0), (3, 2, 9)):
+        for _ in range(hits):
+            clock.advance(1)
+            put(c, toks(page), priority=prio)
+    clock.advance(1)
+    c.match_prefix(c.key(toks(1)))
+    assert c.evict(P) == 0, "write_back: written to L2 first"
+    c.complete_writes(1)
+    left = {p for p in (1, 2, 3) if c.match_prefix(c.key(toks(p))).device_tokens}
+    assert {1, 2, 3} - left == {victim}
+    c.check_integrity()
+
+
+def test_write_through_demotes_backed_up_leaves_and_write_back_writes_first():
+    wt = make_cache()
+    put(wt, toks(1, 2))
+    assert wt.ctl.writes == [1]
+    assert wt.evict(2 * P) == 0, "a node whose write is in flight is locked"
+    wt.complete_writes(1)
+    assert wt.evict(2 * P) == 2 * P
+    node = wt.match_prefix(wt.key(toks(1, 2))).last_host_node
+    assert node.device_value is None and node.host_value == (0, 1)
+    wt.check_integrity()
+
+    wb = make_cache(write_policy="write_back")
+    put(wb, toks(1, 2))
+    assert wb.ctl.writes == []
+    assert wb.evict(2 * P) == 0 and wb.ctl.writes == [1]
+    wb.complete_writes(1)
+    m = wb.match_prefix(wb.key(toks(1, 2)))
+    assert m.device_tokens == 0 and m.host_tokens == 2 * P
+    wb.check_integrity()
+
+
+def test_selective_write_through_waits_for_the_second_hit():
+    c = make_cache(write_policy="write_through_selective")
+    put(c, toks(1))
+    assert c.ctl.writes == []
+    put(c, toks(1))
+    assert c.ctl.writes == [1]
+    c.complete_writes(1)
+    c.check_integrity()
+
+
+def test_a_node_is_backed_up_only_with_its_parent():
+    c = make_cache(write_policy="write_through_selective")
+    put(c, toks(1))
+    put(c, toks(1, 2))  # page 1: 2 hits -> written; page 2: 1 hit
+    c.complete_writes(1)
+    put(c, toks(1, 3))
+    put(c, toks(1, 3))  # page 3 reaches 2 hits; its parent is already in L2
+    c.complete_writes(1)
+    n3 = leaf(c, 1, 3)
+    assert n3.host_value is not None and n3.parent.host_value is not None
+    c.check_integrity()
+
+
+def test_evicting_an_unbacked_leaf_deletes_it():
+    c = make_cache(write_policy="write_through_selective")
+    put(c, toks(1, 2))
+    assert c.evict(P) == 2 * P
+    assert c.tree.walk() == []
+    removed = [e for e in c.take_events() if isinstance(e, BlockRemoved)]
+    assert [e.medium for e in removed] == [Medium.DEVICE]
+    c.check_integrity()
+
+
+def test_failed_write_leaves_node_l1_only_and_frees_host_pages():
+    c = make_cache()
+    put(c, toks(1))
+    put(c, toks(1, 2))
+    c.complete_writes(2, failed={1})
+    n1, n2 = leaf(c, 1), leaf(c, 1, 2)
+    assert n1.host_value is None and n2.host_value is None, "child's copy dropped with parent's"
+    assert c.ctl.host.available_pages == 16
+    assert c.tree.evictable_size == 2 * P
+    c.check_integrity()
+
+
+def test_evict_host_removes_unprotected_l2_only_leaves():
+    c = make_cache()
+    put(c, toks(1, 2))
+    c.complete_writes(1)
+    c.evict(2 * P)
+    c.take_events()
+    node = c.match_prefix(c.key(toks(1, 2))).last_host_node
+    node.host_ref += 1
+    assert c.evict_host(P) == 0
+    node.host_ref -= 1
+    assert c.evict_host(P) == 2 * P
+    assert c.tree.walk() == [] and c.ctl.host.available_pages == 16
+    assert [e.medium for e in c.take_events()] == [Medium.HOST]
+    c.check_integrity()
+
+
+def test_load_back_is_all_or_nothing_with_threshold_and_quota():
+    c = make_cache(load_back_threshold=3 * P)
+    put(c, toks(1, 2))
+    c.complete_writes(1)
+    c.evict(8 * P)
+    node = c.match_prefix(c.key(toks(1, 2))).last_host_node
+    assert c.load_back(node) is None, "below threshold"
+    c2 = make_cache()
+    put(c2, toks(1, 2))
+    c2.complete_writes(1)
+    c2.evict(8 * P)
+    node = c2.match_prefix(c2.key(toks(1, 2))).last_host_node
+    assert c2.load_back(node, mem_quota=P) is None, "over quota"
+    lb = c2.load_back(node)
+    assert lb.tokens == 2 * P and lb.device_pages == (0, 1) and c2.ctl.loads == [lb.op_id]
+    assert node.lock_ref == 1
+    c2.complete_loads(1)
+    assert node.lock_ref == 0
+    assert c2.match_prefix(c2.key(toks(1, 2))).device_pages == (0, 1)
+    c2.check_integrity()
+
+
+def test_load_back_evicts_l1_to_make_room_but_not_its_own_ancestor():
+    c = make_cache(device_pages=4)
+    put(c, toks(1, 2))
+    c.complete_writes(1)
+    put(c, toks(1, 2, 3, 4))
+    c.complete_writes(1)
+    c.evict(2 * P)  # pages 3,4 demoted
+    put(c, toks(7, 8))
+    c.complete_writes(1)
+    node = c.match_prefix(c.key(toks(1, 2, 3, 4))).last_host_node
+    lb = c.load_back(node)
+    assert lb is not None and lb.tokens == 2 * P
+    assert c.match_prefix(c.key(toks(7, 8))).device_tokens == 0
+    assert c.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
+    c.check_integrity()
+
+
+def test_pin_keeps_prefix_in_l2_until_ttl_and_hits_refresh_it(clock):
+    c = make_cache(clock=clock, write_policy="write_back", pin_budget_fraction=0.5)
+    put(c, toks(1, 2))
+    res = c.pin_prefix(c.key(toks(1, 2, 3)), ttl_s=10)
+    assert res.pinned_tokens == 2 * P and "only 8 of 12" in res.reason
+    assert c.ctl.writes == [1], "pinning writes the prefix through to L2"
+    c.complete_writes(1)
+    c.evict(2 * P)
+    assert c.evict_host(2 * P) == 0, "pinned"
+    clock.advance(8)
+    c.match_prefix(c.key(toks(1, 2)))  # a hit refreshes the TTL to now + 10
+    clock.advance(8)
+    assert c.evict_host(2 * P) == 0
+    clock.advance(3)
+    assert c.evict_host(2 * P) == 2 * P, "expired pins are cleared lazily"
+    assert c.pinned_size == 0
+    c.check_integrity()
+
+
+def test_pin_budget_limits_and_reports_partial_pins():
+    c = make_cache(host_pages=4, pin_budget_fraction=0.5)  # budget: 2 pages
+    put(c, toks(1))
+    put(c, toks(1, 2, 3))
+    res = c.pin_prefix(c.key(toks(1, 2, 3)), ttl_s=5)
+    assert res.pinned_tokens == P and "budget exhausted" in res.reason
+    c.complete_writes(2)
+    c.check_integrity()
+
+
+def test_write_through_completion_emits_host_events():
+    c = make_cache()
+    put(c, toks(1))
+    c.take_events()
+    c.complete_writes(1)
+    (ev,) = c.take_events()
+    assert isinstance(ev, BlockStored) and ev.medium is Medium.HOST
+
+
+def test_reset_clears_everything_and_emits_all_cleared():
+    c = make_cache()
+    put(c, toks(1, 2))
+    c.reset()
+    assert c.tree.walk() == [] and c.ctl.device.available_pages == 8
+    assert type(c.take_events()[-1]).__name__ == "AllBlocksCleared"
+    c.check_integrity()

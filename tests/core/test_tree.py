@@ -1,0 +1,102 @@
+"""Exact-state tests of match, insert, split, locks and namespaces."""
+
+import pytest
+
+from fabric.errors import InvalidInput
+from fabric.events import BlockStored, Medium
+
+from .conftest import P, make_cache, put, toks
+
+
+def test_insert_then_match_returns_device_pages_and_splits_inside_a_node():
+    c = make_cache(write_policy="write_back")
+    r = put(c, toks(1, 2, 3))
+    assert r.cached_tokens == 0 and r.last_node.device_value == (0, 1, 2)
+    m = c.match_prefix(c.key(toks(1, 2, 9)))
+    assert m.device_pages == (0, 1) and m.device_tokens == 2 * P and m.host_tokens == 0
+    upper = m.last_device_node
+    assert upper.device_value == (0, 1) and next(iter(upper.children.values())).device_value == (2,)
+    assert c.tree.root.children[("default", upper.key[: 4 * P])] is upper
+    c.check_integrity()
+
+
+def test_insert_returns_cached_length_and_frees_duplicate_pages():
+    c = make_cache(write_policy="write_back")
+    put(c, toks(1, 2))
+    key = c.key(toks(1, 2, 3))
+    fresh = c.alloc_device(3 * P)
+    assert fresh == (2, 3, 4)
+    r = c.insert(key, fresh)
+    assert r.cached_tokens == 2 * P and r.duplicate_pages == (2, 3)
+    assert c.ctl.device.is_free(2) and c.ctl.device.is_free(3)
+    assert c.match_prefix(key).device_pages == (0, 1, 4)
+    c.check_integrity()
+
+
+def test_unaligned_tail_is_not_cached_and_empty_keys_match_nothing():
+    c = make_cache()
+    key = c.key([*toks(1), 7, 7])
+    assert key.num_tokens == P
+    put(c, [*toks(1), 7, 7])
+    assert c.match_prefix(c.key([1, 1])).device_tokens == 0
+    assert c.insert(c.key([]), []).cached_tokens == 0
+    c.check_integrity()
+
+
+def test_namespaces_never_share_nodes():
+    c = make_cache()
+    put(c, toks(1, 2), "a")
+    assert c.match_prefix(c.key(toks(1, 2), "b")).device_tokens == 0
+    put(c, toks(1, 2), "b")
+    assert len(c.tree.root.children) == 2
+    assert {n.namespace for n in c.tree.walk()} == {"a", "b"}
+    c.check_integrity()
+
+
+def test_locks_move_tokens_between_evictable_and_protected_along_the_path():
+    c = make_cache(write_policy="write_back")
+    put(c, toks(1, 2))
+    put(c, toks(1, 2, 3))
+    leaf = c.match_prefix(c.key(toks(1, 2, 3))).last_device_node
+    assert (c.tree.evictable_size, c.tree.protected_size) == (3 * P, 0)
+    c.inc_lock_ref(leaf)
+    c.inc_lock_ref(leaf)
+    assert (c.tree.evictable_size, c.tree.protected_size) == (0, 3 * P)
+    assert leaf.parent.lock_ref == 2
+    c.dec_lock_ref(leaf)
+    c.dec_lock_ref(leaf)
+    assert (c.tree.evictable_size, c.tree.protected_size) == (3 * P, 0)
+    with pytest.raises(InvalidInput, match="below zero"):
+        c.dec_lock_ref(leaf)
+    c.check_integrity()
+
+
+def test_priority_is_max_propagated_along_the_path():
+    c = make_cache(write_policy="write_back")
+    put(c, toks(1, 2), priority=1)
+    put(c, toks(1, 3), priority=5)
+    m = c.match_prefix(c.key(toks(1)))
+    assert m.last_device_node.priority == 5
+    assert c.match_prefix(c.key(toks(1, 2))).last_device_node.priority == 1
+
+
+def test_reinsert_over_l1_evicted_node_gives_it_the_new_device_value():
+    c = make_cache()  # write_through: inserted nodes are backed up at once
+    put(c, toks(1, 2))
+    c.complete_writes(1)
+    assert c.evict(2 * P) == 2 * P
+    m = c.match_prefix(c.key(toks(1, 2)))
+    assert m.device_tokens == 0 and m.host_tokens == 2 * P
+    r = put(c, toks(1, 2))
+    assert r.cached_tokens == 0 and r.last_node.device_value is not None
+    assert r.last_node.host_value is not None
+    c.check_integrity()
+
+
+def test_insert_emits_block_stored_for_device():
+    c = make_cache(write_policy="write_back")
+    put(c, toks(1, 2))
+    (event,) = c.take_events()
+    assert isinstance(event, BlockStored) and event.medium is Medium.DEVICE
+    assert list(event.page_hashes) == c.key(toks(1, 2)).page_hashes()
+    assert c.take_events() == []
