@@ -1,0 +1,160 @@
+"""Prefetch (L3 -> L2) and backup (L2 -> L3) bookkeeping on the cache side."""
+
+import pytest
+
+from fabric.config import PrefetchConfig
+from fabric.controller import Completions
+from fabric.events import BlockStored, Medium
+from fabric.storage_ops import PrefetchState
+
+from .conftest import P, make_cache, put, toks
+
+
+def storage_cache(clock=None, **prefetch):
+    options = {"threshold_tokens": P, **prefetch}
+    c = make_cache(clock=clock, host_pages=32, prefetch=PrefetchConfig(**options))
+    c.storage.attach()
+    return c
+
+
+def start(c, tokens, req="r1"):
+    key = c.key(tokens)
+    return key, c.storage.start_prefetch(req, key, c.match_prefix(key))
+
+
+def test_backup_follows_write_through_and_holds_host_protection_until_acked():
+    c = storage_cache()
+    put(c, toks(1, 2))
+    c.complete_writes(1)
+    node = c.match_prefix(c.key(toks(1, 2))).last_host_node
+    (bop,) = c.ctl.backups
+    assert bop.host_pages == (0, 1) and node.host_ref == 1
+    c.take_events()
+    c.complete_backups(1)
+    assert node.host_ref == 0
+    (ev,) = c.take_events()
+    assert isinstance(ev, BlockStored) and ev.medium is Medium.STORAGE
+    c.check_integrity()
+
+
+def test_failed_backup_releases_protection_and_node_stays_l2():
+    c = storage_cache()
+    put(c, toks(1))
+    c.complete_writes(1)
+    node = c.match_prefix(c.key(toks(1))).last_host_node
+    c.complete_backups(1, failed={c.ctl.backups[0].op_id})
+    assert node.host_ref == 0 and node.host_value is not None
+    assert c.storage.stats.failed_backups == 1 and c.take_events()[-1].medium is Medium.HOST
+    c.check_integrity()
+
+
+def test_prefetch_inserts_the_min_completed_prefix_and_releases_the_rest():
+    c = storage_cache()
+    key, st = start(c, toks(1, 2, 3, 4))
+    assert st.op_id is not None and c.ctl.queries[0].page_hashes == tuple(key.page_hashes())
+    c.storage.complete_query(st.op_id, 3)
+    op = c.storage.by_op[st.op_id]
+    assert op.state is PrefetchState.LOADING and op.host_pages == (0, 1, 2)
+    c.storage.update_progress(st.op_id, 2 * P)
+    assert c.storage.check_prefetch("r1") == 2 * P  # best_effort stops at once
+    m = c.match_prefix(key)
+    assert m.host_tokens == 2 * P and m.last_host_node.host_value == (0, 1)
+    assert c.ctl.stopped == [st.op_id] and not c.ctl.host.is_free(2), "tail held until released"
+    c.check_integrity()
+    c.storage.complete_release(st.op_id)
+    assert c.ctl.host.is_free(2) and c.storage.inflight_tokens == 0
+    c.check_integrity()
+
+
+def test_prefetch_revoked_below_threshold_or_without_storage():
+    c = storage_cache(threshold_tokens=2 * P)
+    _, st = start(c, toks(1, 2, 3))
+    c.storage.complete_query(st.op_id, 1)
+    assert c.storage.by_op == {} and c.storage.stats.prefetch_revoked == 1
+    assert start(c, toks(1), "r2")[1].reason == "below prefetch threshold"
+    c.storage.detach()
+    assert start(c, toks(1, 2, 3), "r3")[1].reason == "no storage attached"
+    c.check_integrity()
+
+
+def test_rate_limit_bounds_tokens_held_by_inflight_prefetches():
+    c = storage_cache(max_inflight_fraction=0.25)  # 8 pages of 32
+    assert start(c, toks(*range(1, 7)), "a")[1].op_id is not None
+    assert start(c, toks(*range(11, 17)), "b")[1].reason == "rate limited"
+
+
+def test_wait_complete_waits_and_terminated_flag_stops_it():
+    c = storage_cache(stop_policy="wait_complete")
+    _, st = start(c, toks(1, 2))
+    c.storage.complete_query(st.op_id, 2)
+    c.storage.update_progress(st.op_id, P)
+    assert c.storage.check_prefetch("r1") is None
+    c.apply(Completions(prefetch_terminated=frozenset({st.op_id})))
+    assert c.storage.check_prefetch("r1") == P
+    c.check_integrity()
+
+
+def test_timeout_policy_uses_base_plus_per_ki_token_capped(clock):
+    c = storage_cache(
+        clock, stop_policy="timeout", timeout_base_s=1, timeout_per_ki_token_s=1024 / P, timeout_max_s=2.5
+    )
+    _, st = start(c, toks(1, 2, 3))
+    c.storage.complete_query(st.op_id, 3)  # limit = min(1 + 3, 2.5) = 2.5 s
+    clock.advance(2.4)
+    assert c.storage.check_prefetch("r1") is None
+    clock.advance(0.2)
+    assert c.storage.check_prefetch("r1") == 0, "timed out with nothing completed"
+    c.storage.complete_release(st.op_id)
+    assert c.ctl.host.available_pages == 32
+    c.check_integrity()
+
+
+def test_abort_mid_prefetch_inserts_nothing_and_frees_after_release():
+    c = storage_cache()
+    put(c, toks(1))
+    c.complete_writes(1)
+    c.complete_backups(1)
+    key, st = start(c, toks(1, 2, 3))
+    anchor = c.storage.by_op[st.op_id].anchor
+    assert anchor.host_ref == 1
+    c.storage.complete_query(st.op_id, 3)
+    c.storage.update_progress(st.op_id, 3 * P)
+    c.storage.abort("r1")
+    assert anchor.host_ref == 0 and c.storage.check_prefetch("r1") == 0
+    c.storage.complete_release(st.op_id)
+    assert c.match_prefix(key).matched_tokens == P
+    c.check_integrity()
+
+
+def test_prefetch_gives_l1_only_nodes_their_host_copy_and_frees_duplicates():
+    c = storage_cache()
+    c.write_policy = type(c.write_policy)("write_through_selective", 2)
+    put(c, toks(1, 2))  # L1 only: one hit
+    key, st = start(c, toks(1, 2, 3, 4))
+    assert c.storage.by_op[st.op_id].start_page == 0
+    c.storage.complete_query(st.op_id, 4)
+    c.storage.update_progress(st.op_id, 4 * P)
+    assert c.storage.check_prefetch("r1") == 2 * P
+    m = c.match_prefix(key)
+    assert m.device_tokens == 2 * P and m.host_tokens == 2 * P
+    assert m.last_device_node.host_value == (0, 1)
+    c.check_integrity()
+
+
+def test_detach_releases_everything_pending():
+    c = storage_cache()
+    put(c, toks(1))
+    c.complete_writes(1)
+    _, st = start(c, toks(5, 6, 7))
+    c.storage.complete_query(st.op_id, 3)
+    c.storage.detach()
+    assert c.storage.by_op == {} and c.storage.backups == type(c.storage.backups)()
+    assert all(n.host_ref == 0 for n in c.tree.walk())
+    c.check_integrity()
+
+
+def test_duplicate_request_id_is_refused():
+    c = storage_cache()
+    start(c, toks(1, 2))
+    with pytest.raises(ValueError, match="already has a prefetch"):
+        start(c, toks(1, 2))
