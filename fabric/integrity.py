@@ -107,6 +107,15 @@ def check_integrity(cache: HiCache) -> None:
         if pop.anchor is not root and (pop.anchor not in live or pop.anchor.host_ref <= 0):
             v.append(f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected")
 
+    holds: Counter[TreeNode] = Counter(n for n in nodes if n.pinned)
+    holds.update(bop.node for bop in cache.storage.backups)
+    holds.update(pop.anchor for pop in cache.storage.prefetches.values() if pop.anchor is not root)
+    for node in nodes:
+        if node.host_ref != holds[node]:
+            v.append(
+                f"{node}: host_ref={node.host_ref} but {holds[node]} pins/backups/prefetches hold it"
+            )
+
     for name, pool, owner in (
         ("L1", cache.ctl.device, device_owner),
         ("L2", cache.ctl.host, host_owner),

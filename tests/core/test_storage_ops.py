@@ -96,7 +96,11 @@ def test_wait_complete_waits_and_terminated_flag_stops_it():
 
 def test_timeout_policy_uses_base_plus_per_ki_token_capped(clock):
     c = storage_cache(
-        clock, stop_policy="timeout", timeout_base_s=1, timeout_per_ki_token_s=1024 / P, timeout_max_s=2.5
+        clock,
+        stop_policy="timeout",
+        timeout_base_s=1,
+        timeout_per_ki_token_s=1024 / P,
+        timeout_max_s=2.5,
     )
     _, st = start(c, toks(1, 2, 3))
     c.storage.complete_query(st.op_id, 3)  # limit = min(1 + 3, 2.5) = 2.5 s
