@@ -7,6 +7,7 @@ every rank's slots. Units are pages; slot ``s`` of page ``p`` is
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 from fabric.errors import InvalidInput
@@ -26,8 +27,7 @@ class PagedAllocator:
         self.name = name
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
-        self._is_free = bytearray(b"\x01" * num_pages)
+        self.reset()
 
     @property
     def available_pages(self) -> int:
@@ -47,34 +47,40 @@ class PagedAllocator:
         pages = self._free_stack[-num_pages:]
         del self._free_stack[-num_pages:]
         pages.reverse()
-        is_free = self._is_free
-        for p in pages:
-            is_free[p] = 0
+        self._free_set.difference_update(pages)
         return tuple(pages)
 
     def free(self, pages: Sequence[int]) -> None:
-        is_free = self._is_free
-        seen: set[int] = set()
-        for p in pages:
-            if not (isinstance(p, int) and 0 <= p < self.num_pages):
-                raise InvalidInput(f"{self.name}: page {p!r} is not a page of this pool")
-            if is_free[p] or p in seen:
-                raise InvalidInput(f"{self.name}: double free of page {p}")
-            seen.add(p)
-        for p in pages:
-            is_free[p] = 1
+        # Validated with C-level set and array operations: frees can be thousands of
+        # pages when a long L2 leaf is evicted.
+        try:
+            packed = array("q", pages)
+        except (TypeError, OverflowError):
+            bad = next((p for p in pages if not isinstance(p, int)), pages)
+            raise InvalidInput(f"{self.name}: page {bad!r} is not a page of this pool") from None
+        if not packed:
+            return
+        if min(packed) < 0 or max(packed) >= self.num_pages:
+            bad = next(p for p in packed if not 0 <= p < self.num_pages)
+            raise InvalidInput(f"{self.name}: page {bad!r} is not a page of this pool")
+        unique = set(packed)
+        if len(unique) != len(packed) or not unique.isdisjoint(self._free_set):
+            seen: set[int] = set()
+            bad = next(p for p in packed if p in self._free_set or p in seen or seen.add(p))
+            raise InvalidInput(f"{self.name}: double free of page {bad}")
+        self._free_set.update(unique)
         # Keep low pages on top of the stack so reuse is deterministic and compact.
-        self._free_stack.extend(sorted(pages, reverse=True))
+        self._free_stack.extend(sorted(unique, reverse=True))
 
     def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
+        return page in self._free_set
 
-    def free_pages(self) -> Iterable[int]:
-        return (p for p in range(self.num_pages) if self._is_free[p])
+    def free_pages(self) -> list[int]:
+        return sorted(self._free_set)
 
     def reset(self) -> None:
-        self._free_stack = list(range(self.num_pages - 1, -1, -1))
-        self._is_free = bytearray(b"\x01" * self.num_pages)
+        self._free_stack: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._free_set: set[int] = set(range(self.num_pages))
 
     def slots(self, pages: Iterable[int]) -> list[int]:
         """Token slot indices of ``pages``, in order."""

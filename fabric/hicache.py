@@ -9,7 +9,6 @@ tensor.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -129,10 +128,11 @@ class HiCache:
         self._init_state()
 
     def _init_state(self) -> None:
-        self.tree = RadixTree(self.page_size)
+        self.tree = RadixTree(self.page_size, self.eviction)
         self.leased: set[int] = set()
         self.pending_writes: deque[WriteOp] = deque()
         self.pending_loads: deque[tuple[int, TreeNode]] = deque()
+        self.write_candidates: dict[TreeNode, None] = {}
         self.pinned_size = 0
         self.events: list[KVEvent] = []
         self.stats = CacheStats()
@@ -195,11 +195,11 @@ class HiCache:
             )
         tree = self.tree
         cached = tree.peek_device_pages(key.namespace, key.data)
-        fresh = pages[cached:]
-        bad = set(fresh) - self.leased
-        if bad or len(set(fresh)) != len(fresh):
+        fresh = set(pages[cached:])
+        if len(fresh) != len(pages) - cached or not fresh <= self.leased:
             raise InvalidInput(
-                f"insert pages {sorted(bad) or 'repeated'} are not distinct pages leased by alloc_device"
+                f"insert pages {sorted(fresh - self.leased) or 'repeated'} are not distinct "
+                "pages leased by alloc_device"
             )
         now = self.clock()
         pb, ns, data = tree.page_bytes, key.namespace, key.data
@@ -222,7 +222,7 @@ class HiCache:
             self._on_hit(last)
         assert offset >= cached
         duplicates = tuple(sorted(self.leased.intersection(pages[:cached])))
-        self.leased.difference_update(pages[cached:])
+        self.leased -= fresh
         if duplicates:
             self.free_device(duplicates)
         return InsertResult(cached * self.page_size, duplicates, last)
@@ -282,7 +282,23 @@ class HiCache:
         node.hit_count += 1
         threshold = self.write_policy.hit_threshold
         if threshold is not None and node.host_value is None and node.hit_count >= threshold:
-            self.write_backup(node)
+            self.write_candidates[node] = None
+
+    def write_through(self) -> int:
+        """Queue the L1 -> L2 copies that this step's hits asked for (the write
+        policy's threshold), once per step rather than inside ``insert``. Nodes
+        evicted, deleted or backed up since are skipped; one that finds no room in
+        L2 waits for its next hit. Returns tokens queued."""
+        queued = 0
+        candidates, self.write_candidates = self.write_candidates, {}
+        for node in candidates:
+            if (
+                node.parent is not None
+                and node.device_value is not None
+                and node.host_value is None
+            ):
+                queued += self.write_backup(node)
+        return queued
 
     def write_backup(self, node: TreeNode, evict_after: bool = False) -> int:
         """Queue an L1 -> L2 copy of ``node`` (under write-through policies, with any
@@ -366,15 +382,15 @@ class HiCache:
         freed now; write-backs free theirs later.
         """
         tree, now = self.tree, self.clock()
-        heap = [(self.eviction.key(n), n) for n in tree.device_leaves]
-        heapq.heapify(heap)
+        leaves = tree.device_leaves
+        leaves.begin()
+        kept = []
         freed = scheduled = 0
-        while freed + scheduled < num_tokens and heap:
-            _, node = heapq.heappop(heap)
-            if node not in tree.device_leaves:
-                continue
+        while freed + scheduled < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
             tokens = tree.tokens(node)
-            parent = node.parent
             if node.pinned and node.pin_expiry < now:
                 self._clear_pin(node)
             if node.host_value is not None:
@@ -382,18 +398,17 @@ class HiCache:
                 freed += tokens
             elif (node.pinned or self.write_policy.write_back) and self.write_backup(node, True):
                 scheduled += tokens
-                continue
             elif node.children:
                 # Only under write_back: L2-only children and no room in L2 to keep
                 # this node; deleting it would orphan them.
-                continue
+                kept.append(node)
             else:
                 if node.pinned:
                     self._clear_pin(node)
                 self._delete(node)
                 freed += tokens
-            if parent in tree.device_leaves:
-                heapq.heappush(heap, (self.eviction.key(parent), parent))  # type: ignore[arg-type]
+        for node in kept:
+            leaves.requeue(node)
         self.stats.device_evicted_tokens += freed
         return freed
 
@@ -416,22 +431,23 @@ class HiCache:
         """Free at least ``num_tokens`` of L2 from L2-only leaves not protected by
         ``host_ref`` (backups, prefetch anchors, unexpired pins). Returns tokens freed."""
         tree, now = self.tree, self.clock()
-        heap = [(self.eviction.key(n), n) for n in tree.host_leaves]
-        heapq.heapify(heap)
+        leaves = tree.host_leaves
+        leaves.begin()
+        kept = []
         freed = 0
-        while freed < num_tokens and heap:
-            _, node = heapq.heappop(heap)
-            if node not in tree.host_leaves:
-                continue
+        while freed < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
             if node.pinned and node.pin_expiry < now:
                 self._clear_pin(node)
             if node.host_ref > 0:
+                kept.append(node)
                 continue
-            parent = node.parent
             freed += tree.tokens(node)
             self._delete(node)
-            if parent in tree.host_leaves:
-                heapq.heappush(heap, (self.eviction.key(parent), parent))  # type: ignore[arg-type]
+        for node in kept:
+            leaves.requeue(node)
         self.stats.host_evicted_tokens += freed
         return freed
 
@@ -529,7 +545,9 @@ class HiCache:
         self.storage.apply(done)
 
     def poll(self) -> Completions:
-        """Take the controller's completions and commit them."""
+        """One step of a single-process cache: queue write-throughs, then take the
+        controller's completions and commit them."""
+        self.write_through()
         done = self.ctl.take_completions()
         self.apply(done)
         return done

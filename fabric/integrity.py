@@ -81,12 +81,14 @@ def check_integrity(cache: HiCache) -> None:
             f"L1 counters evictable={tree.evictable_size} protected={tree.protected_size}, "
             f"recomputed {evictable} and {protected}"
         )
-    if tree.device_leaves != device_leaves:
-        v.append(
-            f"device leaf set differs from recomputation by {tree.device_leaves ^ device_leaves}"
-        )
-    if tree.host_leaves != host_leaves:
-        v.append(f"host leaf set differs from recomputation by {tree.host_leaves ^ host_leaves}")
+    for name, queue, expected in (
+        ("device", tree.device_leaves, device_leaves),
+        ("host", tree.host_leaves, host_leaves),
+    ):
+        if queue.members != expected:
+            v.append(f"{name} leaf set differs from recomputation by {queue.members ^ expected}")
+        if queue.queued() != queue.members:
+            v.append(f"{name} leaves without a heap entry: {queue.members - queue.queued()}")
     if cache.pinned_size != pinned:
         v.append(f"pinned_size={cache.pinned_size}, recomputed {pinned}")
 

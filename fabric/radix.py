@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from fabric.errors import InvalidInput
 from fabric.keys import TOKEN_BYTES, chain_hashes, namespace_seed
+from fabric.leaves import LeafQueue
 from fabric.node import TreeNode
+from policies import EvictionPolicy
 
 
 def common_pages(node_key: bytes, data: bytes, start: int, end: int, page_bytes: int) -> int:
@@ -35,14 +37,14 @@ class RadixTree:
     with no children (L2 eviction candidates).
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, eviction: EvictionPolicy) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.root = TreeNode(b"", "", None, 0.0)
         self.evictable_size = 0
         self.protected_size = 0
-        self.device_leaves: set[TreeNode] = set()
-        self.host_leaves: set[TreeNode] = set()
+        self.device_leaves = LeafQueue(eviction.key, eviction.monotone)
+        self.host_leaves = LeafQueue(eviction.key, eviction.monotone)
 
     def tokens(self, node: TreeNode) -> int:
         return len(node.key) // TOKEN_BYTES

@@ -20,9 +20,12 @@ class EvictableNode(Protocol):
 
 
 class EvictionPolicy:
-    """Base strategy: subclasses set ``name`` and override ``key``."""
+    """Base strategy: subclasses set ``name`` and override ``key``. ``monotone``
+    says a node's key never decreases over its life (accesses and hits only
+    raise it), which lets eviction keep one heap instead of rebuilding it."""
 
     name = ""
+    monotone = True
 
     def key(self, node: EvictableNode) -> tuple[Any, ...]:
         raise NotImplementedError
@@ -37,6 +40,7 @@ class LRU(EvictionPolicy):
 
 class MRU(EvictionPolicy):
     name = "mru"
+    monotone = False
 
     def key(self, node: EvictableNode) -> tuple[Any, ...]:
         return (-node.last_access, -node.id)

@@ -49,7 +49,9 @@ def put(cache: HiCache, tokens: list[int], namespace: str = "default", priority:
     m = cache.match_prefix(key)
     pages = cache.alloc_device(key.num_tokens - m.device_tokens)
     assert pages is not None
-    return cache.insert(key, m.device_pages + pages, priority)
+    result = cache.insert(key, m.device_pages + pages, priority)
+    cache.write_through()
+    return result
 
 
 @pytest.fixture

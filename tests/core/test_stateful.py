@@ -111,6 +111,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.complete_writes(n, failed)
 
     @rule()
+    def write_through(self):
+        self.cache.write_through()
+
+    @rule()
     def flush(self):
         c = self.cache
         c.complete_writes(len(c.pending_writes))

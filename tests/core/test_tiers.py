@@ -53,6 +53,24 @@ def test_write_through_demotes_backed_up_leaves_and_write_back_writes_first():
     wb.check_integrity()
 
 
+def test_write_through_is_queued_once_per_step_not_inside_insert():
+    c = make_cache()
+    key = c.key(toks(1, 2))
+    c.insert(key, c.alloc_device(2 * P))
+    assert c.ctl.writes == [] and list(c.write_candidates) == [c.match_prefix(key).last_device_node]
+    assert c.write_through() == 2 * P and c.ctl.writes == [1]
+    assert c.write_through() == 0, "each candidate is written once"
+
+
+def test_write_through_skips_candidates_evicted_before_the_step():
+    c = make_cache()
+    key = c.key(toks(1, 2))
+    c.insert(key, c.alloc_device(2 * P))
+    assert c.evict(2 * P) == 2 * P
+    assert c.write_through() == 0 and c.ctl.writes == []
+    c.check_integrity()
+
+
 def test_selective_write_through_waits_for_the_second_hit():
     c = make_cache(write_policy="write_through_selective")
     put(c, toks(1))
