@@ -132,17 +132,96 @@ class PrefetchConfig(_Section):
     query_batch_pages: int = _positive_int(128)
 
 
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The KV cache's shape: what one token's KV is, for the whole model."""
+
+    section: ClassVar[str] = "model"
+    model_id: str = _setting("kvfabric-synthetic", str, "a non-empty str", bool)
+    layers: int = _positive_int(4)
+    kv_heads: int = _positive_int(4)
+    head_dim: int = _positive_int(32)
+    dtype: str = _one_of("bfloat16", DTYPES)
+    layout: str = _one_of("layer_first", LAYOUTS)
+
+
+@dataclass(frozen=True)
+class TopologyConfig(_Section):
+    """Model parallelism: one rank actor per (pp, cp, tp)."""
+
+    section: ClassVar[str] = "topology"
+    tp: int = _positive_int(2)
+    cp: int = _positive_int(1)
+    pp: int = _positive_int(1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(_Section):
+    """How the fabric runs on Ray."""
+
+    section: ClassVar[str] = "runtime"
+    name: str = _setting(
+        "kvfabric",
+        str,
+        "a non-empty str of [A-Za-z0-9_-]",
+        lambda v: bool(v) and v.replace("-", "").replace("_", "").isalnum(),
+    )
+    ray_namespace: str = _setting("kvfabric", str, "a non-empty str", bool)
+    address: str = _setting("", str, "a Ray address, or empty to start a local Ray", lambda v: True)
+    device: str = _one_of("auto", ("auto", "cpu", "cuda"))
+    namespaces: str = _setting(
+        "*", str, "'*' (any namespace) or a comma-separated list of namespaces", bool
+    )
+    step_interval_s: float = _non_negative_float(0.001)
+    rank_timeout_s: float = _setting(30.0, float, "a number > 0", lambda v: v > 0)
+    max_message_bytes: int = _setting(64 << 20, int, "an integer >= 4096", lambda v: v >= 4096)
+    max_pending_requests: int = _positive_int(4096)
+
+    def allowed_namespaces(self) -> frozenset[str] | None:
+        """``None`` when any namespace is allowed."""
+        if self.namespaces.strip() == "*":
+            return None
+        return frozenset(n.strip() for n in self.namespaces.split(",") if n.strip())
+
+
 @dataclass(frozen=True)
 class FabricConfig:
-    """The whole configuration. ``FabricConfig()`` runs on a laptop."""
+    """The whole configuration. ``FabricConfig()`` runs on a laptop: TP=2, one
+    pipeline stage, CPU pools."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     _sections: ClassVar[dict[str, type[_Section]]] = {
         "cache": CacheConfig,
         "prefetch": PrefetchConfig,
+        "model": ModelConfig,
+        "topology": TopologyConfig,
+        "runtime": RuntimeConfig,
     }
+
+    def __post_init__(self) -> None:
+        topo, model, cache = self.topology, self.model, self.cache
+        for key, value, divisor, what in (
+            ("model.layers", model.layers, topo.pp, "topology.pp"),
+            ("model.kv_heads", model.kv_heads, topo.tp, "topology.tp"),
+            ("cache.page_size", cache.page_size, topo.cp, "topology.cp"),
+        ):
+            if value % divisor:
+                raise ConfigError(
+                    f"config {key}={value} is refused: allowed is a multiple of {what} ({divisor})"
+                )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> FabricConfig:

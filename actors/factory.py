@@ -1,0 +1,95 @@
+"""The one place that makes actor classes remote: names, restarts, resources and
+placement (each pipeline stage's ranks packed on one node)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.coordinator import CoordinatorActor
+from actors.rank import RankActor
+from fabric.config import FabricConfig
+from fabric.consensus import Topology
+
+# A rank reserves a sliver of a CPU, so a laptop can hold many; on GPU, one GPU each.
+_RANK_CPU = 0.01
+
+
+def rank_name(config: FabricConfig, index: int) -> str:
+    return f"{config.runtime.name}-rank-{index}"
+
+
+def coordinator_name(config: FabricConfig) -> str:
+    return f"{config.runtime.name}-coordinator"
+
+
+def uses_gpu(config: FabricConfig) -> bool:
+    device = config.runtime.device
+    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+
+
+def remote(cls: type, **options: Any) -> Any:
+    return ray.remote(**options)(cls)
+
+
+@dataclass
+class Deployment:
+    coordinator: Any
+    ranks: list[Any]
+    placement_groups: list[PlacementGroup]
+
+    def kill(self) -> None:
+        for actor in [self.coordinator, *self.ranks]:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+
+
+def deploy(config: FabricConfig) -> Deployment:
+    """Create the rank actors (one placement group per pipeline stage) and the
+    coordinator, and start its step loop."""
+    topo = Topology(config.topology)
+    gpu = uses_gpu(config)
+    bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}
+    ns = config.runtime.ray_namespace
+    data = config.to_dict()
+    groups: list[PlacementGroup] = []
+    ranks = []
+    for pp in range(config.topology.pp):
+        stage = topo.stage(pp)
+        pg = placement_group([bundle] * len(stage), strategy="STRICT_PACK")
+        ray.get(pg.ready(), timeout=120)
+        groups.append(pg)
+        for bundle_index, rank in enumerate(stage):
+            index = topo.ranks.index(rank)
+            cls = remote(
+                RankActor,
+                name=rank_name(config, index),
+                namespace=ns,
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=4,
+                num_cpus=_RANK_CPU,
+                num_gpus=1 if gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
+            )
+            ranks.append((index, cls.remote(data, index)))
+    ranks.sort(key=lambda pair: pair[0])
+    handles = [h for _, h in ranks]
+    ray.get([h.info.remote() for h in handles], timeout=300)
+    coordinator = remote(
+        CoordinatorActor,
+        name=coordinator_name(config),
+        namespace=ns,
+        max_restarts=-1,
+        max_concurrency=1000,
+        num_cpus=0,
+    ).remote(data, [rank_name(config, i) for i in range(topo.world_size)])
+    ray.get(coordinator.start.remote(), timeout=120)
+    return Deployment(coordinator, handles, groups)

@@ -1,0 +1,152 @@
+"""The driver-facing API. Ray is imported inside the functions that need it, so
+``import fabric`` never imports Ray.
+
+    fabric = launch()                      # local Ray, TP=2, CPU pools
+    result = fabric.submit(token_ids)      # where each prompt token came from
+    fabric.release(result.lease)
+    fabric.shutdown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from fabric.config import FabricConfig
+from fabric.coordinator import Lease, RequestResult
+from fabric.errors import FabricError
+from fabric.keys import pack_tokens
+
+
+class Fabric:
+    """A handle on a running fabric (its coordinator actor)."""
+
+    def __init__(
+        self, coordinator: Any, config: FabricConfig, deployment: Any = None, owns_ray: bool = False
+    ):
+        self.coordinator = coordinator
+        self.config = config
+        self._deployment = deployment
+        self._owns_ray = owns_ray
+
+    def _call(self, method: Any, *args: Any, timeout: float | None = None) -> Any:
+        import ray
+
+        try:
+            return ray.get(method.remote(*args), timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, FabricError):
+                raise exc.cause from None
+            raise
+
+    def submit(
+        self,
+        tokens: Sequence[int] | bytes,
+        namespace: str = "default",
+        priority: int = 0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestResult:
+        """Serve one prompt: returns where its tokens came from and a lease on its
+        L1 pages (release it when done). Bad input raises ``InvalidInput``."""
+        return self._call(
+            self.coordinator.submit,
+            self._pack(tokens),
+            namespace,
+            priority,
+            request_id,
+            timeout=timeout,
+        )
+
+    def submit_async(
+        self,
+        tokens: Sequence[int] | bytes,
+        namespace: str = "default",
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> Any:
+        """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it."""
+        return self.coordinator.submit.remote(self._pack(tokens), namespace, priority, request_id)
+
+    def result(self, ref: Any, timeout: float | None = None) -> RequestResult:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, FabricError):
+                raise exc.cause from None
+            raise
+
+    @staticmethod
+    def _pack(tokens: Sequence[int] | bytes) -> bytes:
+        return tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+
+    def release(self, lease: Lease | None) -> bool:
+        if lease is None:
+            return False
+        return self._call(self.coordinator.release, lease)
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(self.coordinator.abort, request_id)
+
+    def verify(self, result: RequestResult, tokens: Sequence[int] | bytes) -> list[bool]:
+        """Per rank: do the leased L1 pages hold exactly the KV a fresh computation
+        of ``tokens`` gives? (The synthetic producer only.)"""
+        if result.lease is None:
+            raise FabricError(f"{result.request_id} has no lease ({result.error})")
+        return self._call(self.coordinator.verify, result.lease, self._pack(tokens))
+
+    def stats(self) -> dict:
+        return self._call(self.coordinator.stats)
+
+    def check_integrity(self) -> None:
+        self._call(self.coordinator.check_integrity)
+
+    def shutdown(self) -> None:
+        """Stop the actors this handle launched (and Ray, if it started it)."""
+        import ray
+
+        if self._deployment is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.coordinator.stop.remote(), timeout=10)
+            self._deployment.kill()
+            self._deployment = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def launch(config: FabricConfig | None = None, address: str | None = None) -> Fabric:
+    """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``), or
+    start a local Ray when neither is given; then create its actors."""
+    import ray
+
+    from actors.factory import deploy
+
+    config = config or FabricConfig()
+    address = address or config.runtime.address or None
+    owns = False
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            namespace=config.runtime.ray_namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        owns = address is None
+    deployment = deploy(config)
+    return Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
+
+
+def connect(
+    name: str = "kvfabric", address: str = "auto", ray_namespace: str = "kvfabric"
+) -> Fabric:
+    """Attach to a running fabric by its ``runtime.name`` (from another driver)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
+    coordinator = ray.get_actor(f"{name}-coordinator", namespace=ray_namespace)
+    config = FabricConfig()
+    return Fabric(coordinator, config)

@@ -1,0 +1,126 @@
+"""Rank topology and the consensus rules, as pure functions over rank reports.
+
+What only ranks can know is decided by a reduction over every rank: MIN for
+progress (commit only what every rank has done), MAX for flags (any rank may
+fail or stop an operation). One round reduces one report from each rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fabric.config import ModelConfig, TopologyConfig
+from fabric.errors import InvalidInput
+from fabric.messages import Report
+
+
+@dataclass(frozen=True)
+class RankId:
+    pp: int
+    cp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"pp{self.pp}-cp{self.cp}-tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank holds of every page: layers ``[layer_start, layer_start +
+    layers)``, KV heads ``[head_start, head_start + heads)``, and token offsets
+    ``[cp_rank * page_tokens, (cp_rank + 1) * page_tokens)`` of each page."""
+
+    rank: RankId
+    layer_start: int
+    layers: int
+    head_start: int
+    heads: int
+    cp_rank: int
+    page_tokens: int
+
+
+class Topology:
+    """The ranks of a TP x CP x PP layout, in a fixed order (index = position)."""
+
+    def __init__(self, config: TopologyConfig) -> None:
+        self.config = config
+        self.ranks = [
+            RankId(pp, cp, tp)
+            for pp in range(config.pp)
+            for cp in range(config.cp)
+            for tp in range(config.tp)
+        ]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def stage(self, pp: int) -> list[RankId]:
+        return [r for r in self.ranks if r.pp == pp]
+
+    def shard(self, index: int, model: ModelConfig, page_size: int) -> Shard:
+        rank = self.ranks[index]
+        c = self.config
+        layers, heads = model.layers // c.pp, model.kv_heads // c.tp
+        return Shard(
+            rank, rank.pp * layers, layers, rank.tp * heads, heads, rank.cp, page_size // c.cp
+        )
+
+
+def reduce_min(values: Iterable[int]) -> int:
+    """Progress every rank has made."""
+    return min(values)
+
+
+def reduce_max(flags: Iterable[bool]) -> bool:
+    """Whether any rank raised the flag."""
+    return any(flags)
+
+
+@dataclass(frozen=True)
+class Round:
+    """The result of one consensus round. ``restarted`` lists rank indices whose
+    incarnation changed (their pools are empty); when it is non-empty, or a report
+    is from another epoch, the counters are ``None`` and nothing may be committed."""
+
+    computes_done: int | None
+    writes_done: int | None
+    loads_done: int | None
+    failed: frozenset[int]
+    restarted: tuple[int, ...]
+
+    @property
+    def usable(self) -> bool:
+        return self.computes_done is not None
+
+
+class Consensus:
+    """Reduces one report per rank per round and tracks rank incarnations."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.incarnations: dict[int, str] = {}
+
+    def reduce(self, reports: Sequence[Report], epoch: int) -> Round:
+        ranks = sorted(r.rank for r in reports)
+        if ranks != list(range(self.world_size)):
+            raise InvalidInput(
+                f"a round needs one report from each of {self.world_size} ranks, got {ranks}"
+            )
+        restarted = []
+        for r in reports:
+            known = self.incarnations.get(r.rank)
+            if known is not None and known != r.incarnation:
+                restarted.append(r.rank)
+            self.incarnations[r.rank] = r.incarnation
+        failed = frozenset().union(*(r.failed for r in reports))
+        if restarted or any(r.epoch != epoch for r in reports):
+            return Round(None, None, None, failed, tuple(sorted(restarted)))
+        return Round(
+            reduce_min(r.computes_done for r in reports),
+            reduce_min(r.writes_done for r in reports),
+            reduce_min(r.loads_done for r in reports),
+            failed,
+            (),
+        )

@@ -1,0 +1,217 @@
+"""Coordinator <-> rank messages: small frozen dataclasses with a versioned msgpack
+encoding.
+
+Every message on the wire is ``{"v": VERSION, "t": type name, ...fields}``.
+Decoding refuses oversized input, unknown versions and types, extension types,
+missing or unknown fields and values of the wrong type or range, with an
+``InvalidMessage`` that names what was wrong; nothing malformed is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from fabric.errors import InvalidInput
+
+VERSION = 1
+DEFAULT_MAX_BYTES = 64 << 20
+_MAX_INT = 2**63 - 1
+
+
+class InvalidMessage(InvalidInput):
+    """A message that failed to decode or validate."""
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_INT
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(_int(x) for x in v)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 256
+
+
+def _bytes(v: Any) -> bool:
+    return isinstance(v, bytes)
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+class Message:
+    """Base of every wire message. ``CHECKS`` maps each field to its validator."""
+
+    CHECKS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"v": VERSION, "t": type(self).__name__}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, tuple) and value and isinstance(value[0], Message):
+                value = [m.to_wire() for m in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Message:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        given = set(data) - {"v", "t"}
+        if given != names:
+            raise InvalidMessage(
+                f"{cls.__name__}: fields {sorted(given)} do not match {sorted(names)}"
+            )
+        values = {}
+        for name in names:
+            value = data[name]
+            if not cls.CHECKS[name](value):
+                raise InvalidMessage(f"{cls.__name__}.{name}={_short(value)} is invalid")
+            values[name] = tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class Compute(Message):
+    """Fill L1 ``pages`` with KV for token positions ``[start_token, len(tokens))``;
+    ``tokens`` is the packed whole prefix (``fabric.keys`` format)."""
+
+    cmd_id: int
+    namespace: str
+    tokens: bytes
+    start_token: int
+    pages: tuple[int, ...]
+    CHECKS: ClassVar = {
+        "cmd_id": _int,
+        "namespace": _str,
+        "tokens": _bytes,
+        "start_token": _int,
+        "pages": _ints,
+    }
+
+
+@dataclass(frozen=True)
+class Write(Message):
+    """Copy L1 pages to L2 pages."""
+
+    cmd_id: int
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+    CHECKS: ClassVar = {"cmd_id": _int, "device_pages": _ints, "host_pages": _ints}
+
+
+@dataclass(frozen=True)
+class Load(Message):
+    """Copy L2 pages to L1 pages."""
+
+    cmd_id: int
+    host_pages: tuple[int, ...]
+    device_pages: tuple[int, ...]
+    CHECKS: ClassVar = {"cmd_id": _int, "host_pages": _ints, "device_pages": _ints}
+
+
+COMMANDS: dict[str, type[Message]] = {c.__name__: c for c in (Compute, Write, Load)}
+
+
+def _commands(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(c, dict) for c in v)
+
+
+@dataclass(frozen=True)
+class Batch(Message):
+    """One step's commands for one rank, in the order to apply them. ``epoch`` changes
+    when the coordinator resets the fabric; a rank starts counting again then."""
+
+    epoch: int
+    commands: tuple[Message, ...]
+    CHECKS: ClassVar = {"epoch": _int, "commands": _commands}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Batch:
+        raw = dict(data)
+        commands = raw.get("commands")
+        if not _commands(commands):
+            raise InvalidMessage(f"Batch.commands={_short(commands)} is invalid")
+        raw["commands"] = []
+        batch = super().from_wire(raw)
+        decoded = tuple(_decode_obj(c, COMMANDS) for c in commands)  # type: ignore[union-attr]
+        return cls(batch.epoch, decoded)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Report(Message):
+    """A rank's counters, all at once: finished computes, writes and loads since
+    ``epoch`` began, and the command ids that failed (cumulative in the epoch)."""
+
+    rank: int
+    incarnation: str
+    epoch: int
+    computes_done: int
+    writes_done: int
+    loads_done: int
+    failed: tuple[int, ...]
+    CHECKS: ClassVar = {
+        "rank": _int,
+        "incarnation": _str,
+        "epoch": _int,
+        "computes_done": _int,
+        "writes_done": _int,
+        "loads_done": _int,
+        "failed": _ints,
+    }
+
+
+MESSAGES: dict[str, type[Message]] = {c.__name__: c for c in (Batch, Report)}
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise InvalidMessage(f"msgpack extension type {code} is not allowed")
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(message.to_wire(), use_bin_type=True)
+
+
+def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+    """Decode and validate one top-level message (``Batch`` or ``Report``)."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise InvalidMessage(f"a message must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise InvalidMessage(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_ext_len=0,
+        )
+    except InvalidMessage:
+        raise
+    except Exception as exc:
+        raise InvalidMessage(f"message does not decode: {exc}") from None
+    return _decode_obj(obj, MESSAGES)
+
+
+def _decode_obj(obj: Any, known: dict[str, type[Message]]) -> Message:
+    if not isinstance(obj, dict):
+        raise InvalidMessage(f"a message must be a map, got {type(obj).__name__}")
+    if obj.get("v") != VERSION:
+        raise InvalidMessage(f"message version {obj.get('v')!r} is not {VERSION}")
+    cls = known.get(obj.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise InvalidMessage(f"message type {obj.get('t')!r} is unknown; known: {sorted(known)}")
+    return cls.from_wire(obj)

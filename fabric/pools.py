@@ -1,0 +1,113 @@
+"""One rank's KV pools (its shard of every page) and page copies between them.
+
+A pool is one tensor in one of three layouts; every layout is also seen
+through the same canonical view ``(2, pages, page_tokens, layers, heads,
+head_dim)`` (K/V first), so copies and token writes are written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fabric.config import ModelConfig
+from fabric.consensus import Shard
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_MAX_SLICE_RUNS = 16
+
+
+def pick_device(preference: str) -> torch.device:
+    """``cuda`` when asked for or when ``auto`` finds a GPU, else ``cpu``."""
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class KVPool:
+    """``num_pages`` pages of one shard's KV in ``layout`` on ``device``."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        shard: Shard,
+        model: ModelConfig,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
+        self.num_pages = num_pages
+        self.layout = model.layout
+        pt, layers, heads, dim = shard.page_tokens, shard.layers, shard.heads, model.head_dim
+        shape = {
+            "layer_first": (2, layers, num_pages * pt, heads, dim),
+            "page_first": (2, num_pages * pt, layers, heads, dim),
+            "page_first_direct": (2, num_pages, layers, pt, heads, dim),
+        }[model.layout]
+        self.buffer = torch.zeros(
+            shape, dtype=DTYPES[model.dtype], device=device, pin_memory=pin_memory
+        )
+        b = self.buffer
+        if model.layout == "layer_first":
+            view = b.view(2, layers, num_pages, pt, heads, dim).permute(0, 2, 3, 1, 4, 5)
+        elif model.layout == "page_first":
+            view = b.view(2, num_pages, pt, layers, heads, dim)
+        else:
+            view = b.permute(0, 1, 3, 2, 4, 5)
+        self.pages = view  # (2, pages, page_tokens, layers, heads, head_dim)
+        self.layer_axis = 3
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def write_tokens(
+        self, pages: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Store ``values`` ``(2, T, layers, heads, head_dim)`` at token ``offsets`` of ``pages``."""
+        self.pages[:, pages, offsets] = values.to(self.buffer.device, self.buffer.dtype)
+
+    def read_tokens(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.pages[:, pages, offsets]
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, length)`` runs where both sides advance by one page."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def copy_pages(
+    src: KVPool,
+    src_pages: Sequence[int],
+    dst: KVPool,
+    dst_pages: Sequence[int],
+    per_layer: bool = False,
+) -> None:
+    """Copy pages between pools of the same shard. Contiguous runs move as slices;
+    scattered pages in one gather/scatter. ``per_layer`` copies layer by layer
+    (so compute on early layers can start while later ones arrive, on GPU)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"copy of {len(src_pages)} pages into {len(dst_pages)}")
+    if not src_pages:
+        return
+    runs = page_runs(src_pages, dst_pages)
+    layers = range(src.pages.shape[3]) if per_layer else [slice(None)]
+    for layer in layers:
+        s_view = src.pages[:, :, :, layer]
+        d_view = dst.pages[:, :, :, layer]
+        if len(runs) <= _MAX_SLICE_RUNS:
+            for s, d, n in runs:
+                d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
+        else:
+            device = dst.buffer.device
+            s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
+            d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
+            d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)

@@ -1,0 +1,109 @@
+"""Who fills new KV on a rank: a real model, or the synthetic producer.
+
+The synthetic producer makes every KV value a deterministic function of the
+namespace, the whole token prefix up to that position, the (global) layer,
+head, head dim and K/V. Any page that comes back from any tier can then be
+checked against a fresh computation: a stale, misplaced, cross-namespace or
+wrong-shard page does not match.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from fabric.config import ModelConfig
+from fabric.consensus import Shard
+from fabric.keys import TOKEN_BYTES, chain_hashes, namespace_seed, unpack_tokens
+from fabric.pools import KVPool
+
+# 31-bit arithmetic: no product below exceeds 2**62, so nothing overflows int64.
+_MASK = (1 << 31) - 1
+
+
+class KVFiller(Protocol):
+    """Fills L1 with the KV of new tokens (the prefill of the missing part)."""
+
+    def fill(
+        self, pool: KVPool, namespace: str, tokens: bytes, start_token: int, pages: list[int]
+    ) -> None:
+        """Compute KV for token positions ``[start_token, len(tokens) // 4)`` of the
+        packed prefix ``tokens`` and store this rank's shard of it in ``pages``
+        (one page per ``page_size`` tokens, from ``start_token`` on)."""
+
+
+class SyntheticKV:
+    """The deterministic producer; also recomputes expected values for checks."""
+
+    def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
+        self.shard = shard
+        self.page_size = page_size
+        self.head_dim = model.head_dim
+        layer = torch.arange(shard.layer_start, shard.layer_start + shard.layers)
+        head = torch.arange(shard.head_start, shard.head_start + shard.heads)
+        dim = torch.arange(model.head_dim)
+        kv = torch.arange(2)
+        # One salt per (kv, layer, head, dim) cell, broadcast against positions.
+        self.salt = (
+            kv.view(2, 1, 1, 1) * 0x3C6EF372
+            + layer.view(1, -1, 1, 1) * 0x1B873593
+            + head.view(1, 1, -1, 1) * 0x0E6546B6
+            + dim.view(1, 1, 1, -1) * 0x6A09E667
+        ) & _MASK
+
+    def positions(self, start_token: int, end_token: int) -> torch.Tensor:
+        """This shard's token positions in ``[start_token, end_token)``."""
+        pt, first = self.shard.page_tokens, self.shard.cp_rank * self.shard.page_tokens
+        t = torch.arange(start_token, end_token, dtype=torch.int64)
+        offset = t % self.page_size
+        return t[(offset >= first) & (offset < first + pt)]
+
+    def prefix_codes(self, namespace: str, tokens: bytes, positions: torch.Tensor) -> torch.Tensor:
+        """One 31-bit int per position that depends on the namespace and every token
+        up to it: the page-hash chain up to its page, then a running mix within it."""
+        if positions.numel() == 0:
+            return positions
+        ps, page_bytes = self.page_size, self.page_size * TOKEN_BYTES
+        first_page, last_page = int(positions[0]) // ps, int(positions[-1]) // ps
+        chain = [namespace_seed(namespace)]
+        chain += chain_hashes(chain[0], tokens[: last_page * page_bytes], page_bytes)
+        window = tokens[first_page * page_bytes : (last_page + 1) * page_bytes]
+        ids = torch.tensor(unpack_tokens(window), dtype=torch.int64).view(-1, ps) & _MASK
+        mixed = ((ids + 1) * 0x5851F42D + torch.arange(ps) * 0x14057B7E) & _MASK
+        running = torch.cumsum(mixed, dim=1) & _MASK
+        seeds = torch.tensor(
+            [int.from_bytes(h[:4], "little") & _MASK for h in chain[first_page : last_page + 1]],
+            dtype=torch.int64,
+        )
+        codes = (running + seeds.view(-1, 1) * 0x27D4EB2F) & _MASK
+        return codes.view(-1)[positions - first_page * ps]
+
+    def values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(2, T, layers, heads, head_dim)`` values in ``[-0.5, 0.5)``."""
+        x = ((codes.view(1, -1, 1, 1, 1) ^ self.salt.unsqueeze(1)) * 0x2127599B) & _MASK
+        x = (x >> 7) % 8191
+        return (x.to(torch.float32) / 8191 - 0.5).to(dtype)
+
+    def expected(self, namespace: str, tokens: bytes, start_token: int, dtype: torch.dtype):
+        """Positions of this shard from ``start_token`` on, and their expected KV."""
+        positions = self.positions(start_token, len(tokens) // TOKEN_BYTES)
+        return positions, self.values(self.prefix_codes(namespace, tokens, positions), dtype)
+
+    def fill(
+        self, pool: KVPool, namespace: str, tokens: bytes, start_token: int, pages: list[int]
+    ) -> None:
+        positions, values = self.expected(namespace, tokens, start_token, pool.buffer.dtype)
+        if positions.numel() == 0:
+            return
+        page_idx, offsets = self.locate(positions, start_token, pages)
+        pool.write_tokens(page_idx, offsets, values)
+
+    def locate(
+        self, positions: torch.Tensor, start_token: int, pages: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool page and in-page offset of each position (pages start at ``start_token``)."""
+        pos = positions
+        page_of = torch.tensor(pages, dtype=torch.int64)[(pos - start_token) // self.page_size]
+        offsets = pos % self.page_size - self.shard.cp_rank * self.shard.page_tokens
+        return page_of, offsets

@@ -1,0 +1,163 @@
+"""A rank's data plane, without Ray: its L1/L2 pools, the commands it applies in
+order, and the counters it reports.
+
+``accept`` takes a step's batch (from the message thread) and queues its
+commands; ``run_one``/``run_pending`` execute them (on the transfer thread);
+``report`` reads the counters. A command is counted only after its copy has
+finished (on GPU: after its stream's event), so a report never claims work
+that is not done. Thread-safe: the message thread and the transfer thread
+meet only under ``self.lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from fabric.config import FabricConfig
+from fabric.consensus import Topology
+from fabric.messages import Batch, Compute, Load, Message, Report, Write
+from fabric.pools import KVPool, copy_pages, pick_device
+from fabric.producer import KVFiller, SyntheticKV
+
+
+@dataclass
+class Faults:
+    """Injected faults for chaos tests: a delay before every copy, and op kinds that fail."""
+
+    delay_s: float = 0.0
+    fail_writes: bool = False
+
+
+class RankWorker:
+    def __init__(self, config: FabricConfig, index: int, filler: KVFiller | None = None) -> None:
+        self.config = config
+        self.index = index
+        self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
+        self.device = pick_device(config.runtime.device)
+        cuda = self.device.type == "cuda"
+        cache, model = config.cache, config.model
+        self.l1 = KVPool(cache.device_pages, self.shard, model, self.device)
+        self.l2 = KVPool(cache.host_pages, self.shard, model, torch.device("cpu"), pin_memory=cuda)
+        self.producer = SyntheticKV(self.shard, model, cache.page_size)
+        self.filler: KVFiller = filler or self.producer
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.incarnation = uuid.uuid4().hex
+        self.faults = Faults()
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.epoch = 0
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.queue: deque[Message] = deque()
+        self.last_cmd_id = 0
+        self.computes_done = self.writes_done = self.loads_done = 0
+        self.failed: list[int] = []
+
+    # -- message thread --------------------------------------------------------------
+
+    def accept(self, batch: Batch) -> None:
+        """Queue a batch's commands. A newer epoch starts counting afresh; an older
+        one is ignored; a command id seen before is not applied again."""
+        with self.lock:
+            if batch.epoch < self.epoch:
+                return
+            if batch.epoch > self.epoch:
+                self.epoch = batch.epoch
+                self._reset_counters()
+            for cmd in batch.commands:
+                if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
+                    continue
+                self.last_cmd_id = cmd.cmd_id  # type: ignore[attr-defined]
+                self.queue.append(cmd)
+            self.ready.notify()
+
+    def report(self) -> Report:
+        with self.lock:
+            return Report(
+                self.index,
+                self.incarnation,
+                self.epoch,
+                self.computes_done,
+                self.writes_done,
+                self.loads_done,
+                tuple(self.failed),
+            )
+
+    # -- transfer thread -------------------------------------------------------------
+
+    def run_pending(self) -> int:
+        """Apply every queued command now (tests and single-thread use)."""
+        n = 0
+        while self.run_one(block=False):
+            n += 1
+        return n
+
+    def run_one(self, block: bool = True, timeout: float | None = None) -> bool:
+        with self.lock:
+            if block and not self.queue:
+                self.ready.wait(timeout)
+            if not self.queue:
+                return False
+            cmd, epoch = self.queue.popleft(), self.epoch
+        ok = self._apply(cmd)
+        with self.lock:
+            if epoch != self.epoch:
+                return True  # a reset arrived meanwhile; this command belongs to the old epoch
+            if not ok:
+                self.failed.append(cmd.cmd_id)  # type: ignore[attr-defined]
+            if isinstance(cmd, Compute):
+                self.computes_done += 1
+            elif isinstance(cmd, Write):
+                self.writes_done += 1
+            else:
+                self.loads_done += 1
+        return True
+
+    def _apply(self, cmd: Message) -> bool:
+        try:
+            if isinstance(cmd, Compute):
+                self.filler.fill(
+                    self.l1, cmd.namespace, cmd.tokens, cmd.start_token, list(cmd.pages)
+                )
+            else:
+                if self.faults.delay_s:
+                    time.sleep(self.faults.delay_s)
+                if isinstance(cmd, Write):
+                    if self.faults.fail_writes:
+                        return False
+                    self._copy(self.l1, cmd.device_pages, self.l2, cmd.host_pages, per_layer=False)
+                else:
+                    assert isinstance(cmd, Load)
+                    self._copy(self.l2, cmd.host_pages, self.l1, cmd.device_pages, per_layer=True)
+            if self.stream is not None:
+                torch.cuda.current_stream(self.device).synchronize()
+            return True
+        except (IndexError, RuntimeError, ValueError):
+            return False
+
+    def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages, per_layer: bool) -> None:
+        if self.stream is None:
+            copy_pages(src, src_pages, dst, dst_pages)
+            return
+        with torch.cuda.stream(self.stream):
+            copy_pages(src, src_pages, dst, dst_pages, per_layer=per_layer)
+        self.stream.synchronize()
+
+    # -- checks ----------------------------------------------------------------------
+
+    def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
+        """Whether L1 ``pages`` hold exactly this shard's KV of the packed prefix
+        ``tokens`` (one page per page of it), as a fresh computation gives it."""
+        positions, expected = self.producer.expected(namespace, tokens, 0, self.l1.buffer.dtype)
+        if positions.numel() == 0:
+            return True
+        page_idx, offsets = self.producer.locate(positions, 0, pages)
+        actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device))
+        return bool(torch.equal(actual.cpu(), expected))
