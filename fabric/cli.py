@@ -16,41 +16,58 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfabric", description=__doc__)
     p.add_argument("--version", action="version", version=f"kvfabric {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="launch a local fabric on Ray and serve a workload through it",
+        description="Launch the fabric (coordinator and rank actors; local Ray unless "
+        "runtime.address is set) and replay a workload through it from this driver, then "
+        "print the prompt tokens served from each tier and the latency.",
+    )
+    _workload_args(run, default_requests=300)
+    run.add_argument(
+        "--inflight", type=int, default=8, help="requests in flight at once (default 8)"
+    )
     demo = sub.add_parser(
         "demo",
         help="replay a workload through the core with an in-process controller",
         description="Serve a workload through the cache core alone (no Ray) and print "
         "the prompt tokens served from each tier.",
     )
-    demo.add_argument(
+    _workload_args(demo, default_requests=2000)
+    return p
+
+
+def _workload_args(p: argparse.ArgumentParser, default_requests: int) -> None:
+    p.add_argument(
         "--trace", help="a Mooncake-format JSONL trace (default: a synthetic conversation workload)"
     )
-    demo.add_argument(
-        "--requests", type=int, default=2000, help="requests to replay (default 2000)"
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=default_requests,
+        help=f"requests to replay (default {default_requests})",
     )
-    demo.add_argument("--config", help="a config file (.json, .toml, .yaml)")
-    demo.add_argument(
+    p.add_argument("--config", help="a config file (.json, .toml, .yaml)")
+    p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override a config value",
     )
-    demo.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    return p
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _demo(args)
+        return _run(args) if args.command == "run" else _demo(args)
     except (FabricError, OSError) as exc:
         print(f"kvfabric: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from fabric.replay import CoreReplay
+def _setup(args: argparse.Namespace):
     from fabric.workload import read_trace, synthetic_trace
 
     if args.requests < 1:
@@ -61,17 +78,123 @@ def _demo(args: argparse.Namespace) -> int:
         requests, source = read_trace(args.trace, args.requests), args.trace
     else:
         requests, source = synthetic_trace(args.requests), "synthetic conversations"
-    replay = CoreReplay(config)
-    total = len(requests)
-    step = max(1, total // 20)
-    started = time.perf_counter()
+    return config, requests, source
 
-    def progress(done: int) -> None:
+
+def _progress(total: int):
+    step = max(1, total // 50)
+
+    def show(done: int) -> None:
         if done % step == 0 or done == total:
             bar = "#" * (30 * done // total)
             print(f"\r[{bar:<30}] {done}/{total} requests", end="", file=sys.stderr, flush=True)
 
-    stats = replay.run(requests, progress)
+    return show
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fabric.client import launch
+    from fabric.workload import iter_packed
+
+    config, requests, source = _setup(args)
+    if args.inflight < 1:
+        raise FabricError(f"--inflight {args.inflight} is refused: allowed is an int >= 1")
+    print(
+        f"kvfabric {__version__}: launching TP={config.topology.tp} CP={config.topology.cp} "
+        f"PP={config.topology.pp} ...",
+        file=sys.stderr,
+    )
+    fabric = launch(config)
+    try:
+        show = _progress(len(requests))
+        latencies: list[float] = []
+        tiers = {"device": 0, "host": 0, "computed": 0}
+        refused: dict[str, int] = {}
+        inflight: list = []
+        done = 0
+        started = time.perf_counter()
+
+        def collect(ref, t0: float) -> None:
+            nonlocal done
+            try:
+                result = fabric.result(ref)
+            except FabricError as exc:
+                refused[str(exc).split(" (")[0][:60]] = (
+                    refused.get(str(exc).split(" (")[0][:60], 0) + 1
+                )
+            else:
+                if result.error:
+                    refused[result.error] = refused.get(result.error, 0) + 1
+                else:
+                    latencies.append(time.perf_counter() - t0)
+                    tiers["device"] += result.device_hit_tokens
+                    tiers["host"] += result.host_hit_tokens
+                    tiers["computed"] += result.computed_tokens
+                    fabric.release(result.lease)
+            done += 1
+            show(done)
+
+        for _, packed in iter_packed(requests):
+            if len(packed) // 4 > config.cache.device_tokens:
+                refused["larger than L1"] = refused.get("larger than L1", 0) + 1
+                done += 1
+                show(done)
+                continue
+            inflight.append((fabric.submit_async(packed), time.perf_counter()))
+            if len(inflight) >= args.inflight:
+                collect(*inflight.pop(0))
+        for ref, t0 in inflight:
+            collect(ref, t0)
+        elapsed = time.perf_counter() - started
+        print(file=sys.stderr)
+        fabric.check_integrity()
+        stats = fabric.stats()
+    finally:
+        fabric.shutdown()
+    latencies.sort()
+    result = {
+        "source": source,
+        "requests": len(requests),
+        "served": len(latencies),
+        "refused": refused,
+        "tokens_by_tier": tiers,
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "latency_ms_p50": round(1000 * latencies[len(latencies) // 2], 2) if latencies else None,
+        "latency_ms_p99": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2)
+        if latencies
+        else None,
+        "resets": stats["resets"],
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"kvfabric {__version__}: {len(latencies)} of {len(requests)} requests from {source} served "
+        f"by {config.topology.tp * config.topology.cp * config.topology.pp} rank actors"
+    )
+    _print_tiers(tiers)
+    for reason, n in sorted(refused.items()):
+        print(f"  refused   {n:>12,} requests: {reason}")
+    print(
+        f"  latency   p50 {result['latency_ms_p50']} ms, p99 {result['latency_ms_p99']} ms; "
+        f"{result['requests_per_s']:,} requests/s"
+    )
+    return 0
+
+
+def _print_tiers(tiers: dict[str, int]) -> None:
+    served = max(1, sum(tiers.values()))
+    for tier, tokens in tiers.items():
+        print(f"  {tier:<9} {tokens:>12,} tokens  {100 * tokens / served:5.1f}%")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fabric.replay import CoreReplay
+
+    config, requests, source = _setup(args)
+    replay = CoreReplay(config)
+    started = time.perf_counter()
+    stats = replay.run(requests, _progress(len(requests)))
     print(file=sys.stderr)
     elapsed = time.perf_counter() - started
     replay.cache.check_integrity()
@@ -87,9 +210,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     print(f"kvfabric {__version__} core demo: {stats.requests} requests from {source}")
-    served = max(1, stats.prompt_tokens)
-    for tier, tokens in stats.tiers().items():
-        print(f"  {tier:<9} {tokens:>12,} tokens  {100 * tokens / served:5.1f}%")
+    _print_tiers(stats.tiers())
     print(f"  refused   {stats.refused_requests:>12,} requests (larger than L1 or no room)")
     print(f"  {result['requests_per_s']:,} requests/s through the core")
     return 0
