@@ -197,7 +197,6 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
             raw=False,
             strict_map_key=True,
             ext_hook=_reject_ext,
-            max_ext_len=0,
         )
     except InvalidMessage:
         raise

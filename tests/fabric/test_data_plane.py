@@ -1,0 +1,86 @@
+"""Pools, page copies, the synthetic producer and consensus rules, without Ray."""
+
+import pytest
+import torch
+
+from fabric.config import FabricConfig, ModelConfig
+from fabric.consensus import Consensus, Topology, reduce_max, reduce_min
+from fabric.errors import InvalidInput
+from fabric.keys import pack_tokens
+from fabric.local import LocalFabric
+from fabric.messages import Report
+from fabric.pools import KVPool, copy_pages, page_runs
+from fabric.producer import SyntheticKV
+
+from .conftest import prompt, small_config
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_every_layout_round_trips_pages_through_l2(layout):
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=8, layout=layout, dtype="float32")
+    shard = Topology(FabricConfig().topology).shard(1, model, 4)
+    kv = SyntheticKV(shard, model, 4)
+    l1 = KVPool(6, shard, model, torch.device("cpu"))
+    l2 = KVPool(6, shard, model, torch.device("cpu"))
+    tokens = pack_tokens(range(16))
+    kv.fill(l1, "ns", tokens, 0, [0, 3, 4, 5])
+    copy_pages(l1, [0, 3, 4, 5], l2, [5, 0, 1, 2])  # one scattered page, one run of three
+    l1.buffer.zero_()
+    copy_pages(l2, [5, 0, 1, 2], l1, [1, 2, 3, 4])
+    positions, expected = kv.expected("ns", tokens, 0, torch.float32)
+    pages, offsets = kv.locate(positions, 0, [1, 2, 3, 4])
+    assert torch.equal(l1.read_tokens(pages, offsets), expected)
+
+
+def test_page_runs_merge_contiguous_pairs():
+    assert page_runs([1, 2, 3, 7, 8], [4, 5, 6, 0, 1]) == [(1, 4, 3), (7, 0, 2)]
+    assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
+
+
+def test_producer_depends_on_whole_prefix_layer_head_and_shard():
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=8, dtype="float32")
+    topo = Topology(FabricConfig().topology)
+    a, b = (SyntheticKV(topo.shard(i, model, 4), model, 4) for i in (0, 1))
+    t1 = pack_tokens([1, 2, 3, 4, 5, 6, 7, 8])
+    t2 = pack_tokens([9, 2, 3, 4, 5, 6, 7, 8])  # differs only in the first token
+    _, v1 = a.expected("ns", t1, 4, torch.float32)
+    _, v2 = a.expected("ns", t2, 4, torch.float32)
+    _, v3 = b.expected("ns", t1, 4, torch.float32)
+    _, v4 = a.expected("other", t1, 4, torch.float32)
+    assert not torch.equal(v1, v2) and not torch.equal(v1, v3) and not torch.equal(v1, v4)
+    _, again = a.expected("ns", t1, 4, torch.float32)
+    assert torch.equal(v1, again)
+
+
+def test_context_parallel_ranks_hold_disjoint_token_offsets():
+    f = LocalFabric(small_config("topology.cp=2", "topology.pp=1"))
+    tokens = pack_tokens(prompt(3, pages=3))
+    r = f.serve(tokens)
+    assert f.verify(r, tokens) == [True] * 4
+    offsets = {w.shard.rank: tuple(w.producer.positions(0, 4).tolist()) for w in f.ranks}
+    assert sorted(set(offsets.values())) == [(0, 1), (2, 3)]
+
+
+def test_consensus_is_min_for_progress_and_max_for_flags():
+    c = Consensus(3)
+    reports = [
+        Report(i, f"inc{i}", 1, done, done + 1, 2, (7,) if i == 2 else ())
+        for i, done in enumerate((5, 3, 4))
+    ]
+    rnd = c.reduce(reports, epoch=1)
+    assert (rnd.computes_done, rnd.writes_done, rnd.loads_done) == (3, 4, 2)
+    assert rnd.failed == {7}
+    assert reduce_min([4, 2, 9]) == 2 and reduce_max([False, True]) and not reduce_max([False])
+    restarted = c.reduce([Report(0, "new", 1, 5, 5, 5, ()), *reports[1:]], epoch=1)
+    assert restarted.restarted == (0,) and not restarted.usable
+    with pytest.raises(InvalidInput, match="one report from each"):
+        c.reduce(reports[:2], epoch=1)
+
+
+def test_config_refuses_shapes_that_do_not_split_over_ranks():
+    with pytest.raises(ValueError, match=r"model\.kv_heads=3 .*topology\.tp"):
+        FabricConfig.from_dict({"model": {"kv_heads": 3}})
+    with pytest.raises(ValueError, match=r"cache\.page_size=4 .*topology\.cp"):
+        FabricConfig.from_dict(
+            {"cache": {"page_size": 4, "device_tokens": 64}, "topology": {"cp": 3}}
+        )

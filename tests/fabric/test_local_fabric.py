@@ -1,0 +1,149 @@
+"""The fabric's logic end to end in one process: coordinator core + rank workers,
+stepped by hand, so consensus is tested without timing."""
+
+import pytest
+
+from fabric.errors import InvalidInput
+from fabric.keys import pack_tokens
+from fabric.local import LocalFabric
+from fabric.messages import decode, encode
+from fabric.rank import RankWorker
+
+from .conftest import prompt, small_config
+
+
+def test_tp2_pp2_overlapping_prompts_evictions_and_load_backs_verify_on_every_rank():
+    f = LocalFabric(small_config())
+    prompts = [pack_tokens(prompt(seed, pages=6, shared=3)) for seed in range(8)]
+    served = {"device": 0, "host": 0}
+    for _ in range(2):
+        for p in prompts:
+            r = f.serve(p)
+            assert r.error is None
+            assert f.verify(r, p) == [True] * 4
+            served["device"] += r.device_hit_tokens
+            served["host"] += r.host_hit_tokens
+            assert f.core.release(r.lease)
+            f.core.cache.check_integrity()
+    assert served["device"] > 0, "shared prefixes hit L1"
+    assert served["host"] > 0, "L1 (24 pages) is too small for 8 prompts: some came back from L2"
+    assert f.core.cache.stats.device_evicted_tokens > 0
+
+
+def test_stale_or_cross_namespace_pages_fail_verification():
+    f = LocalFabric(small_config())
+    a = pack_tokens(prompt(1, pages=3))
+    r = f.serve(a)
+    assert f.verify(r, a) == [True] * 4
+    assert f.verify(r, pack_tokens(prompt(2, pages=3))) == [False] * 4
+    other = f.serve(a, namespace="tenant-b")
+    assert other.device_hit_tokens == 0, "namespaces share nothing"
+    assert set(other.lease.device_pages).isdisjoint(r.lease.device_pages)
+    assert f.ranks[0].verify("tenant-b", a[: 12 * 4], list(r.lease.device_pages)) is False
+
+
+def test_write_through_commits_only_when_the_slowest_rank_has_finished():
+    f = LocalFabric(small_config())
+    rid = f.core.submit(pack_tokens(prompt(1, pages=2)))
+    slow = f.ranks[3]
+    # The step that sends the compute and its write-through: one rank lags.
+    wire = encode(f.core.next_batch())
+    for rank in f.ranks:
+        rank.accept(decode(wire))
+        if rank is not slow:
+            rank.run_pending()
+    assert f.core.on_round([rank.report() for rank in f.ranks]) == [], "compute not done everywhere"
+    assert len(f.core.cache.pending_writes) == 1, "MIN over ranks: not committed"
+    assert f.core.cache.stats.written_tokens == 0
+    slow.run_pending()
+    assert [r.request_id for r in f.step()] == [rid]
+    assert len(f.core.cache.pending_writes) == 0
+    assert f.core.cache.stats.written_tokens == 8
+
+
+def test_a_write_failing_on_one_rank_fails_it_for_all():
+    f = LocalFabric(small_config())
+    f.ranks[1].faults.fail_writes = True
+    key_tokens = pack_tokens(prompt(1, pages=2))
+    r = f.serve(key_tokens)
+    f.step()
+    node = f.core.cache.match_prefix(f.core.cache.key(prompt(1, pages=2))).last_device_node
+    assert node.host_value is None, "MAX over ranks: one failure fails the copy"
+    assert f.core.cache.stats.failed_write_tokens == 8
+    assert f.verify(r, key_tokens) == [True] * 4
+    f.core.cache.check_integrity()
+
+
+def test_a_duplicated_command_is_applied_once():
+    f = LocalFabric(small_config())
+    f.core.submit(pack_tokens(prompt(1, pages=2)))
+    batch = f.core.next_batch()
+    assert [type(c).__name__ for c in batch.commands] == ["Compute", "Write"]
+    rank = f.ranks[0]
+    rank.accept(decode(encode(batch)))
+    rank.accept(decode(encode(batch)))  # Ray retried the message
+    assert rank.run_pending() == 2
+    report = rank.report()
+    assert (report.computes_done, report.writes_done) == (1, 1)
+
+
+def test_a_restarted_rank_makes_the_coordinator_drop_l1_l2_and_keep_serving():
+    config = small_config()
+    f = LocalFabric(config)
+    a = pack_tokens(prompt(1, pages=3))
+    first = f.serve(a)
+    f.core.release(first.lease)
+    f.ranks[2] = RankWorker(config, 2)  # Ray restarted it: empty pools, new incarnation
+    f.step()
+    assert f.core.stats.resets == 1 and f.core.epoch == 2
+    assert f.core.cache.tree.walk() == []
+    again = f.serve(a)
+    assert again.device_hit_tokens == 0 and again.computed_tokens == 12
+    assert f.verify(again, a) == [True] * 4
+    assert f.core.release(first.lease) is False, "leases die with a reset"
+    f.core.cache.check_integrity()
+
+
+def test_requests_in_flight_during_a_restart_are_retried():
+    config = small_config()
+    f = LocalFabric(config)
+    a = pack_tokens(prompt(1, pages=3))
+    rid = f.core.submit(a)
+    f.step(run_ranks=False)  # computes sent, not done
+    f.ranks[0] = RankWorker(config, 0)
+    f.step()
+    assert f.core.stats.retried == 1
+    for _ in range(5):
+        f.step()
+    result = f.results[rid]
+    assert result.error is None and f.verify(result, a) == [True] * 4
+
+
+def test_bad_input_is_refused_and_the_fabric_keeps_serving():
+    f = LocalFabric(small_config("runtime.namespaces=a,b"))
+    for args, match in [
+        ((b"",), "non-empty"),
+        ((b"\x01\x02\x03",), "non-empty"),
+        ((pack_tokens(range(200)), "a"), "larger than L1"),
+        ((pack_tokens(range(8)), "c"), "not allowed"),
+        ((pack_tokens(range(8)), "a", "high"), "priority"),
+    ]:
+        with pytest.raises(InvalidInput, match=match):
+            f.core.submit(*args)
+    f.core.submit(pack_tokens(range(8)), "a", request_id="x")
+    with pytest.raises(InvalidInput, match="already in use"):
+        f.core.submit(pack_tokens(range(8)), "a", request_id="x")
+    assert f.serve(pack_tokens(range(8)), "b").error is None
+
+
+def test_abort_of_waiting_and_running_requests():
+    f = LocalFabric(small_config())
+    rid = f.core.submit(pack_tokens(prompt(1, pages=2)))
+    assert f.core.abort(rid).error == "aborted"
+    rid = f.core.submit(pack_tokens(prompt(2, pages=2)))
+    f.step(run_ranks=False)
+    assert f.core.abort(rid) is None
+    f.step()
+    assert f.results[rid].error == "aborted"
+    assert f.core.cache.device_sizes().protected == 0
+    f.core.cache.check_integrity()

@@ -1,0 +1,78 @@
+import msgpack
+import pytest
+
+from fabric.messages import Batch, Compute, InvalidMessage, Load, Report, Write, decode, encode
+
+
+def test_round_trip_of_every_message():
+    batch = Batch(
+        3,
+        (
+            Compute(1, "ns", b"\x01\x00\x00\x00" * 4, 0, (5,)),
+            Write(2, (5,), (9,)),
+            Load(3, (9,), (6,)),
+        ),
+    )
+    assert decode(encode(batch)) == batch
+    report = Report(1, "abc", 3, 1, 1, 0, (2,))
+    assert decode(encode(report)) == report
+
+
+@pytest.mark.parametrize(
+    ("wire", "match"),
+    [
+        (b"\xc1", "does not decode"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb({"v": 2, "t": "Batch"}), "version 2"),
+        (msgpack.packb({"v": 1, "t": "Evil"}), "unknown"),
+        (msgpack.packb({"v": 1, "t": "Batch", "epoch": 1}), "commands"),
+        (msgpack.packb({"v": 1, "t": "Batch", "epoch": -1, "commands": []}), "epoch"),
+        (msgpack.packb({"v": 1, "t": "Batch", "epoch": 1, "commands": [], "x": 1}), "do not match"),
+        (
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "t": "Batch",
+                    "epoch": 1,
+                    "commands": [
+                        {"v": 1, "t": "Write", "cmd_id": 1, "device_pages": [1.5], "host_pages": []}
+                    ],
+                }
+            ),
+            "device_pages",
+        ),
+        (
+            msgpack.packb(
+                {"v": 1, "t": "Batch", "epoch": 1, "commands": [{"v": 1, "t": "Report"}]}
+            ),
+            "unknown",
+        ),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "extension"),
+        (
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "t": "Report",
+                    "rank": 0,
+                    "incarnation": "",
+                    "epoch": 1,
+                    "computes_done": 0,
+                    "writes_done": 0,
+                    "loads_done": 0,
+                    "failed": [],
+                }
+            ),
+            "incarnation",
+        ),
+    ],
+)
+def test_malformed_messages_are_refused_with_a_reason(wire, match):
+    with pytest.raises(InvalidMessage, match=match):
+        decode(wire)
+
+
+def test_oversized_messages_are_refused_before_decoding():
+    with pytest.raises(InvalidMessage, match="exceeds the limit"):
+        decode(b"\x00" * 5000, max_bytes=4096)
+    with pytest.raises(InvalidMessage, match="must be bytes"):
+        decode("text")

@@ -1,0 +1,158 @@
+"""The fabric on a real local Ray: one session and one fabric for the module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fabric.client import launch  # noqa: E402
+from fabric.errors import InvalidInput  # noqa: E402
+
+from .conftest import prompt, small_config  # noqa: E402
+
+NAME = "kvfabric-test"
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-tests", log_to_driver=False)
+    f = launch(small_config(f"runtime.name={NAME}", "runtime.ray_namespace=kvfabric-tests"))
+    try:
+        yield f
+    finally:
+        f.shutdown()
+        ray.shutdown()
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):
+    prompts = [prompt(seed, pages=6, shared=3) for seed in range(8)]
+    tiers = {"device": 0, "host": 0}
+    for _ in range(2):
+        for p in prompts:
+            r = fabric.submit(p, timeout=60)
+            assert r.error is None
+            assert fabric.verify(r, p) == [True] * 4
+            tiers["device"] += r.device_hit_tokens
+            tiers["host"] += r.host_hit_tokens
+            assert fabric.release(r.lease)
+    assert tiers["device"] > 0 and tiers["host"] > 0
+    fabric.check_integrity()
+
+
+def test_write_through_waits_for_the_slowest_rank(fabric):
+    slow = fabric._deployment.ranks[3]
+    ray.get(slow.set_faults.remote(delay_s=1.5))
+    try:
+        before = fabric.stats()["cache"]["written_tokens"]
+        r = fabric.submit(prompt(50, pages=2), timeout=60)
+        stats = fabric.stats()
+        assert stats["pending_writes"] >= 1, "3 of 4 ranks finished; MIN says not yet"
+        assert stats["cache"]["written_tokens"] == before
+        assert wait_for(lambda: fabric.stats()["cache"]["written_tokens"] >= before + 8)
+        fabric.release(r.lease)
+    finally:
+        ray.get(slow.set_faults.remote())
+    fabric.check_integrity()
+
+
+def test_a_write_failing_on_one_rank_fails_for_all(fabric):
+    rank = fabric._deployment.ranks[0]
+    ray.get(rank.set_faults.remote(fail_writes=True))
+    try:
+        before = fabric.stats()["cache"]["failed_write_tokens"]
+        r = fabric.submit(prompt(60, pages=2), timeout=60)
+        assert wait_for(lambda: fabric.stats()["cache"]["failed_write_tokens"] >= before + 8)
+        assert fabric.verify(r, prompt(60, pages=2)) == [True] * 4
+        fabric.release(r.lease)
+    finally:
+        ray.get(rank.set_faults.remote())
+    fabric.check_integrity()
+
+
+def test_bad_input_gets_clear_errors_and_the_fabric_keeps_serving(fabric):
+    with pytest.raises(InvalidInput, match="token -1 at position 1"):
+        fabric.submit([1, -1, 2])
+    with pytest.raises(InvalidInput, match="token 'x'"):
+        fabric.submit([1, "x"])
+    with pytest.raises(InvalidInput, match="larger than L1"):
+        fabric.submit(list(range(500)))
+    with pytest.raises(InvalidInput, match="namespace"):
+        fabric.submit([1, 2, 3, 4], namespace="")
+    with pytest.raises(InvalidInput, match="non-empty"):
+        fabric.submit([])
+    r = fabric.submit(prompt(70, pages=2), timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+
+
+def test_two_driver_processes_submit_at_once(fabric):
+    address = ray.get_runtime_context().gcs_address
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from fabric.client import connect
+        f = connect({NAME!r}, address={address!r}, ray_namespace="kvfabric-tests")
+        seed = int(sys.argv[1])
+        for i in range(6):
+            tokens = [7000 + t for t in range(12)] + [seed * 1000 + i * 100 + t for t in range(8)]
+            r = f.submit(tokens, timeout=120)
+            assert r.error is None, r.error
+            assert f.verify(r, tokens) == [True] * 4
+            f.release(r.lease)
+        print("driver ok")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(seed)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for seed in (101, 102)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+        assert "driver ok" in out
+    fabric.check_integrity()
+
+
+def test_a_rank_restarted_by_ray_makes_the_coordinator_reset_and_keep_serving(fabric):
+    p = prompt(80, pages=3)
+    first = fabric.submit(p, timeout=60)
+    fabric.release(first.lease)
+    resets = fabric.stats()["resets"]
+    old = ray.get(fabric._deployment.ranks[1].info.remote())
+    ray.kill(fabric._deployment.ranks[1], no_restart=False)
+    assert wait_for(lambda: _incarnation(fabric) not in (None, old["incarnation"]), timeout=120)
+    again = fabric.submit(p, timeout=120)
+    assert fabric.stats()["resets"] > resets
+    assert again.error is None and again.device_hit_tokens == 0, "L1/L2 were dropped"
+    assert fabric.verify(again, p) == [True] * 4
+    fabric.release(again.lease)
+    fabric.check_integrity()
+
+
+def _incarnation(fabric):
+    try:
+        return ray.get(fabric._deployment.ranks[1].info.remote(), timeout=5)["incarnation"]
+    except Exception:
+        return None
