@@ -8,6 +8,7 @@ round awaits every rank's reply together, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 
@@ -64,7 +65,10 @@ class CoordinatorActor:
         return request_id in self.core.running
 
     async def release(self, lease: Lease | str) -> bool:
-        return self.core.release(lease)
+        released = self.core.release(lease)
+        if released and self._wakeup is not None:
+            self._wakeup.set()
+        return released
 
     async def verify(self, lease: Lease, tokens: bytes) -> list[bool]:
         """Per rank, whether the lease's pages hold exactly the producer's KV of
@@ -99,7 +103,9 @@ class CoordinatorActor:
             if self.core.idle:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            started = time.perf_counter()
             data = encode(self.core.next_batch())
+            self.core.stats.core_time_s += time.perf_counter() - started
             calls = [rank.step.remote(data) for rank in self.ranks]
             try:
                 replies = await asyncio.wait_for(
@@ -125,7 +131,9 @@ class CoordinatorActor:
                 self._deliver(self.core.reset("a rank did not answer"))
                 await asyncio.sleep(0.05)
                 continue
+            started = time.perf_counter()
             self._deliver(self.core.on_round(reports))
+            self.core.stats.core_time_s += time.perf_counter() - started
             await asyncio.sleep(runtime.step_interval_s)
 
     def _deliver(self, results: list[RequestResult]) -> None:

@@ -84,6 +84,7 @@ class FabricStats:
     computed_tokens: int = 0
     latency_s_total: float = 0.0
     bad_messages: int = 0
+    core_time_s: float = 0.0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -102,6 +103,7 @@ class CoordinatorCore:
         self.leases: dict[str, tuple[Lease, TreeNode]] = {}
         self.stats = FabricStats()
         self._failed: list[RequestResult] = []
+        self._blocked = False
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -138,6 +140,7 @@ class CoordinatorCore:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
         self.waiting.append(_Request(rid, key, prompt, priority, self.clock()))
+        self._blocked = False
         self.stats.submitted += 1
         return rid
 
@@ -163,6 +166,7 @@ class CoordinatorCore:
         if held is None:
             return False
         self.cache.dec_lock_ref(held[1])
+        self._blocked = False
         return True
 
     # -- the step ------------------------------------------------------------------------
@@ -177,7 +181,8 @@ class CoordinatorCore:
                 blocked.append(req)
                 break
         self.waiting.extendleft(reversed(blocked))
-        if self.waiting and not self.running and not self.ctl.busy():
+        self._blocked = bool(blocked)
+        if self.waiting and not self.running and not self.leases and not self.ctl.busy():
             req = self.waiting.popleft()  # nothing will ever free room for it
             self.stats.failed += 1
             self._failed.append(RequestResult(req.rid, req.prompt_tokens, error="no room in L1"))
@@ -287,7 +292,8 @@ class CoordinatorCore:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.ctl.busy()
+        """Nothing to do until a request arrives or a lease is released."""
+        return not self.running and not self.ctl.busy() and (not self.waiting or self._blocked)
 
     def snapshot(self) -> dict:
         """Counters and sizes for ``stats()``."""
@@ -318,6 +324,7 @@ class CoordinatorCore:
             "pending_writes": len(self.cache.pending_writes),
             "pending_loads": len(self.cache.pending_loads),
             "bad_messages": s.bad_messages,
+            "core_time_s": s.core_time_s,
             "device": vars(self.cache.device_sizes()),
             "host": vars(self.cache.host_sizes()),
         }

@@ -147,3 +147,16 @@ def test_abort_of_waiting_and_running_requests():
     assert f.results[rid].error == "aborted"
     assert f.core.cache.device_sizes().protected == 0
     f.core.cache.check_integrity()
+
+
+def test_a_request_waits_for_a_lease_release_when_l1_is_held():
+    f = LocalFabric(small_config())  # L1: 24 pages
+    held = f.serve(pack_tokens(prompt(1, pages=20)))
+    rid = f.core.submit(pack_tokens(prompt(2, pages=10)))
+    for _ in range(3):
+        f.step()
+    assert rid not in f.results and f.core.idle, "waiting, not failed, and not spinning"
+    assert f.core.release(held.lease)
+    f.step()
+    f.step()
+    assert f.results[rid].error is None
