@@ -5,6 +5,10 @@
     result = fabric.submit(token_ids)      # where each prompt token came from
     fabric.release(result.lease)
     fabric.shutdown()
+
+While Ray restarts the coordinator, calls raise ``ray.exceptions.ActorUnavailableError``;
+the restarted coordinator starts with empty L1/L2 and old leases are gone, so a
+driver simply submits again.
 """
 
 from __future__ import annotations

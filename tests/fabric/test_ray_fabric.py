@@ -156,3 +156,35 @@ def _incarnation(fabric):
         return ray.get(fabric._deployment.ranks[1].info.remote(), timeout=5)["incarnation"]
     except Exception:
         return None
+
+
+def test_a_malformed_message_is_refused_by_a_rank_that_keeps_serving(fabric):
+    rank = fabric._deployment.ranks[0]
+    with pytest.raises(ray.exceptions.RayTaskError, match="does not decode"):
+        ray.get(rank.step.remote(b"\xc1garbage"))
+    r = fabric.submit(prompt(90, pages=2), timeout=60)
+    assert fabric.verify(r, prompt(90, pages=2)) == [True] * 4
+    fabric.release(r.lease)
+
+
+def test_a_restarted_coordinator_resets_the_ranks_and_serves_again(fabric):
+    p = prompt(95, pages=2)
+    fabric.release(fabric.submit(p, timeout=60).lease)
+    ray.kill(fabric.coordinator, no_restart=False)
+    results = []
+    # While Ray restarts it, calls raise ActorUnavailableError: a driver retries.
+    assert wait_for(lambda: _try_submit(fabric, p, results), timeout=120)
+    r = results[0]
+    stats = fabric.stats()
+    assert stats["epoch"] > 1, "a newer epoch than any rank has seen"
+    assert r.error is None and r.device_hit_tokens == 0, "L1/L2 start empty"
+    assert fabric.verify(r, p) == [True] * 4
+    fabric.release(r.lease)
+
+
+def _try_submit(fabric, tokens, results):
+    try:
+        results.append(fabric.submit(tokens, timeout=30))
+        return True
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+        return False
