@@ -18,12 +18,12 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.client import launch
 from fabric.config import FabricConfig
+from fabric.driver import drive
 from fabric.workload import iter_packed, read_trace, synthetic_trace
 
 
@@ -43,31 +43,13 @@ def main() -> None:
     packed = [p for _, p in iter_packed(requests) if len(p) // 4 <= config.cache.device_tokens]
     fabric = launch(config)
     try:
-        latencies: list[float] = []
-        tiers = {"device": 0, "host": 0, "computed": 0}
-        inflight: list = []
-
-        def collect(ref, t0):
-            r = fabric.result(ref)
-            if r.error is None:
-                latencies.append(time.perf_counter() - t0)
-                tiers["device"] += r.device_hit_tokens
-                tiers["host"] += r.host_hit_tokens
-                tiers["computed"] += r.computed_tokens
-                fabric.release(r.lease)
-
-        started = time.perf_counter()
-        for p in packed:
-            inflight.append((fabric.submit_async(p), time.perf_counter()))
-            if len(inflight) >= args.inflight:
-                collect(*inflight.pop(0))
-        for ref, t0 in inflight:
-            collect(ref, t0)
-        elapsed = time.perf_counter() - started
+        run = drive(fabric, packed, args.inflight)
         stats = fabric.stats()
     finally:
         fabric.shutdown()
-    latencies.sort()
+    latencies = sorted(run.latencies_s)
+    tiers = run.tokens_by_tier
+    elapsed = run.elapsed_s
     finished = max(1, stats["requests"]["finished"])
     overhead_ms = 1e3 * stats["core_time_s"] / finished
     mean_ms = 1e3 * sum(latencies) / max(1, len(latencies))

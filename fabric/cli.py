@@ -94,86 +94,47 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from fabric.client import launch
+    from fabric.driver import drive
     from fabric.workload import iter_packed
 
     config, requests, source = _setup(args)
     if args.inflight < 1:
         raise FabricError(f"--inflight {args.inflight} is refused: allowed is an int >= 1")
+    topo = config.topology
     print(
-        f"kvfabric {__version__}: launching TP={config.topology.tp} CP={config.topology.cp} "
-        f"PP={config.topology.pp} ...",
+        f"kvfabric {__version__}: launching TP={topo.tp} CP={topo.cp} PP={topo.pp} ...",
         file=sys.stderr,
     )
     fabric = launch(config)
     try:
-        show = _progress(len(requests))
-        latencies: list[float] = []
-        tiers = {"device": 0, "host": 0, "computed": 0}
-        refused: dict[str, int] = {}
-        inflight: list = []
-        done = 0
-        started = time.perf_counter()
-
-        def collect(ref, t0: float) -> None:
-            nonlocal done
-            try:
-                result = fabric.result(ref)
-            except FabricError as exc:
-                refused[str(exc).split(" (")[0][:60]] = (
-                    refused.get(str(exc).split(" (")[0][:60], 0) + 1
-                )
-            else:
-                if result.error:
-                    refused[result.error] = refused.get(result.error, 0) + 1
-                else:
-                    latencies.append(time.perf_counter() - t0)
-                    tiers["device"] += result.device_hit_tokens
-                    tiers["host"] += result.host_hit_tokens
-                    tiers["computed"] += result.computed_tokens
-                    fabric.release(result.lease)
-            done += 1
-            show(done)
-
-        for _, packed in iter_packed(requests):
-            if len(packed) // 4 > config.cache.device_tokens:
-                refused["larger than L1"] = refused.get("larger than L1", 0) + 1
-                done += 1
-                show(done)
-                continue
-            inflight.append((fabric.submit_async(packed), time.perf_counter()))
-            if len(inflight) >= args.inflight:
-                collect(*inflight.pop(0))
-        for ref, t0 in inflight:
-            collect(ref, t0)
-        elapsed = time.perf_counter() - started
+        prompts = (packed for _, packed in iter_packed(requests))
+        run = drive(fabric, prompts, args.inflight, _progress(len(requests)))
         print(file=sys.stderr)
         fabric.check_integrity()
         stats = fabric.stats()
     finally:
         fabric.shutdown()
-    latencies.sort()
+    served = len(run.latencies_s)
     result = {
         "source": source,
         "requests": len(requests),
-        "served": len(latencies),
-        "refused": refused,
-        "tokens_by_tier": tiers,
-        "requests_per_s": round(len(latencies) / elapsed, 1),
-        "latency_ms_p50": round(1000 * latencies[len(latencies) // 2], 2) if latencies else None,
-        "latency_ms_p99": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2)
-        if latencies
-        else None,
+        "served": served,
+        "refused": run.refused,
+        "tokens_by_tier": run.tokens_by_tier,
+        "requests_per_s": round(served / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+        "latency_ms_p50": run.percentile_ms(0.5),
+        "latency_ms_p99": run.percentile_ms(0.99),
         "resets": stats["resets"],
     }
     if args.json:
         print(json.dumps(result))
         return 0
     print(
-        f"kvfabric {__version__}: {len(latencies)} of {len(requests)} requests from {source} served "
-        f"by {config.topology.tp * config.topology.cp * config.topology.pp} rank actors"
+        f"kvfabric {__version__}: {served} of {len(requests)} requests from {source} served "
+        f"by {topo.world_size} rank actors"
     )
-    _print_tiers(tiers)
-    for reason, n in sorted(refused.items()):
+    _print_tiers(run.tokens_by_tier)
+    for reason, n in sorted(run.refused.items()):
         print(f"  refused   {n:>12,} requests: {reason}")
     print(
         f"  latency   p50 {result['latency_ms_p50']} ms, p99 {result['latency_ms_p99']} ms; "

@@ -35,14 +35,7 @@ class Fabric:
         self._owns_ray = owns_ray
 
     def _call(self, method: Any, *args: Any, timeout: float | None = None) -> Any:
-        import ray
-
-        try:
-            return ray.get(method.remote(*args), timeout=timeout)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, FabricError):
-                raise exc.cause from None
-            raise
+        return self.result(method.remote(*args), timeout=timeout)
 
     def submit(
         self,
@@ -73,7 +66,8 @@ class Fabric:
         """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it."""
         return self.coordinator.submit.remote(self._pack(tokens), namespace, priority, request_id)
 
-    def result(self, ref: Any, timeout: float | None = None) -> RequestResult:
+    def result(self, ref: Any, timeout: float | None = None) -> Any:
+        """Wait for a call's result; a ``FabricError`` raised in the actor is re-raised here."""
         import ray
 
         try:
@@ -82,6 +76,14 @@ class Fabric:
             if isinstance(exc.cause, FabricError):
                 raise exc.cause from None
             raise
+
+    def wait(
+        self, refs: Sequence[Any], timeout: float | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        """``(ready, pending)`` once at least one of ``refs`` is ready (or ``timeout``)."""
+        import ray
+
+        return ray.wait(list(refs), num_returns=1, timeout=timeout)
 
     @staticmethod
     def _pack(tokens: Sequence[int] | bytes) -> bytes:

@@ -227,6 +227,8 @@ class CoordinatorCore:
 
     def _commit(self, rnd: Round) -> list[RequestResult]:
         done = self.ctl.completions(rnd)
+        if done.writes or done.loads or done.computes:
+            self._blocked = False  # finished work may have unlocked pages: admit again
         self.cache.apply(
             Completions(writes=done.writes, failed_writes=done.failed_writes, loads=done.loads)
         )
@@ -277,6 +279,7 @@ class CoordinatorCore:
         self.cache.reset()
         self.cache.take_events()
         self.epoch += 1
+        self._blocked = False
         self.leases.clear()
         out = self._take_failed()
         for req in self.running.values():

@@ -25,6 +25,7 @@ class RoundDone:
     writes: int
     failed_writes: frozenset[int]
     loads: int
+    computes: int
     failed_computes: frozenset[int]
 
 
@@ -104,6 +105,7 @@ class FabricController(Controller):
             n_writes,
             frozenset(op for cmd, op in writes if cmd in rnd.failed),
             n_loads,
+            n_computes,
             frozenset(cmd for cmd in computes if cmd in rnd.failed),
         )
 

@@ -160,3 +160,27 @@ def test_a_request_waits_for_a_lease_release_when_l1_is_held():
     f.step()
     f.step()
     assert f.results[rid].error is None
+
+
+def test_a_blocked_request_is_admitted_when_write_throughs_unlock_room():
+    f = LocalFabric(small_config())  # L1: 24 pages
+    slow = f.ranks[3]
+    a = f.core.submit(pack_tokens(prompt(1, pages=20)))
+    # Step by hand, the slow rank runs only its computes: the write-through lags.
+    wire = encode(f.core.next_batch())
+    for rank in f.ranks:
+        rank.accept(decode(wire))
+        if rank is not slow:
+            rank.run_pending()
+    slow.run_one(block=False)  # the compute, not the write
+    (first,) = f.core.on_round([r.report() for r in f.ranks])
+    assert first.request_id == a and len(f.core.cache.pending_writes) == 1
+    f.core.release(first.lease)
+    b = f.core.submit(pack_tokens(prompt(2, pages=10)))
+    f.step(run_ranks=False)  # blocked: A's pages are locked by its write
+    slow.run_pending()
+    for _ in range(10):  # step only while the coordinator has something to do
+        if f.core.idle:
+            break
+        f.step()
+    assert b in f.results and f.results[b].error is None
