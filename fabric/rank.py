@@ -21,7 +21,7 @@ import torch
 
 from fabric.config import FabricConfig
 from fabric.consensus import Topology
-from fabric.messages import Batch, Compute, Load, Message, Report, Write
+from fabric.messages import Batch, Compute, Message, Report, Write
 from fabric.pools import KVPool, copy_pages, pick_device
 from fabric.producer import KVFiller, SyntheticKV
 
@@ -100,46 +100,56 @@ class RankWorker:
         return n
 
     def run_one(self, block: bool = True, timeout: float | None = None) -> bool:
+        """Apply the next command — with any copies of the same kind queued right
+        behind it, merged into one copy — and count them once finished."""
         with self.lock:
             if block and not self.queue:
                 self.ready.wait(timeout)
             if not self.queue:
                 return False
-            cmd, epoch = self.queue.popleft(), self.epoch
-        ok = self._apply(cmd)
+            group, epoch = [self.queue.popleft()], self.epoch
+            if not isinstance(group[0], Compute):
+                while self.queue and type(self.queue[0]) is type(group[0]):
+                    group.append(self.queue.popleft())
+        ok = self._apply(group)
         with self.lock:
             if epoch != self.epoch:
-                return True  # a reset arrived meanwhile; this command belongs to the old epoch
-            if not ok:
-                self.failed.append(cmd.cmd_id)  # type: ignore[attr-defined]
-            if isinstance(cmd, Compute):
-                self.computes_done += 1
-            elif isinstance(cmd, Write):
-                self.writes_done += 1
-            else:
-                self.loads_done += 1
+                return True  # a reset arrived meanwhile; these belong to the old epoch
+            for cmd in group:
+                if not ok:
+                    self.failed.append(cmd.cmd_id)  # type: ignore[attr-defined]
+                if isinstance(cmd, Compute):
+                    self.computes_done += 1
+                elif isinstance(cmd, Write):
+                    self.writes_done += 1
+                else:
+                    self.loads_done += 1
         return True
 
-    def _apply(self, cmd: Message) -> bool:
+    def _apply(self, group: list[Message]) -> bool:
+        first = group[0]
         try:
-            if isinstance(cmd, Compute):
+            if isinstance(first, Compute):
                 self.filler.fill(
-                    self.l1, cmd.namespace, cmd.tokens, cmd.start_token, list(cmd.pages)
+                    self.l1, first.namespace, first.tokens, first.start_token, list(first.pages)
                 )
             else:
                 if self.faults.delay_s:
                     time.sleep(self.faults.delay_s)
-                if isinstance(cmd, Write):
+                if isinstance(first, Write):
                     if self.faults.fail_writes:
                         return False
-                    self._copy(self.l1, cmd.device_pages, self.l2, cmd.host_pages, per_layer=False)
+                    device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
+                    host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
+                    self._copy(self.l1, device, self.l2, host, per_layer=False)
                 else:
-                    assert isinstance(cmd, Load)
-                    self._copy(self.l2, cmd.host_pages, self.l1, cmd.device_pages, per_layer=True)
+                    host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
+                    device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
+                    self._copy(self.l2, host, self.l1, device, per_layer=True)
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).synchronize()
             return True
-        except Exception:  # noqa: BLE001 - any failure is reported (MAX), never fatal
+        except Exception:
             return False
 
     def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages, per_layer: bool) -> None:

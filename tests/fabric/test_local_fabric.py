@@ -82,7 +82,7 @@ def test_a_duplicated_command_is_applied_once():
     rank = f.ranks[0]
     rank.accept(decode(encode(batch)))
     rank.accept(decode(encode(batch)))  # Ray retried the message
-    assert rank.run_pending() == 2
+    assert rank.run_pending() == 2, "the compute, then the write"
     report = rank.report()
     assert (report.computes_done, report.writes_done) == (1, 1)
 
@@ -184,3 +184,16 @@ def test_a_blocked_request_is_admitted_when_write_throughs_unlock_room():
             break
         f.step()
     assert b in f.results and f.results[b].error is None
+
+
+def test_consecutive_copies_of_a_step_are_merged_into_one_and_counted_each():
+    f = LocalFabric(small_config())
+    for seed in (1, 2, 3):
+        f.core.submit(pack_tokens(prompt(seed, pages=2)))
+    batch = f.core.next_batch()
+    kinds = [type(c).__name__ for c in batch.commands]
+    assert kinds == ["Compute"] * 3 + ["Write"] * 3
+    rank = f.ranks[0]
+    rank.accept(batch)
+    assert rank.run_pending() == 4, "three computes, then one merged copy"
+    assert rank.report().writes_done == 3
