@@ -193,6 +193,25 @@ class RuntimeConfig(_Section):
 
 
 @dataclass(frozen=True)
+class StorageConfig(_Section):
+    """L3: which backend, where, and how pages move to and from it."""
+
+    section: ClassVar[str] = "storage"
+    backend: str = _one_of("file", ("none", "file", "redis", "dynamic"))
+    path: str = _setting("kvfabric-l3", str, "a directory path (file backend)", bool)
+    max_bytes: int = _non_negative_int(0)
+    fsync: bool = _boolean(False)
+    extra_config: str = _setting(
+        "", str, "a JSON object, or @file.json/.toml/.yaml, of backend options", lambda v: True
+    )
+    transfer_batch_pages: int = _positive_int(32)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
+@dataclass(frozen=True)
 class FabricConfig:
     """The whole configuration. ``FabricConfig()`` runs on a laptop: TP=2, one
     pipeline stage, CPU pools."""
@@ -202,6 +221,7 @@ class FabricConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     _sections: ClassVar[dict[str, type[_Section]]] = {
         "cache": CacheConfig,
@@ -209,6 +229,7 @@ class FabricConfig:
         "model": ModelConfig,
         "topology": TopologyConfig,
         "runtime": RuntimeConfig,
+        "storage": StorageConfig,
     }
 
     def __post_init__(self) -> None:

@@ -123,7 +123,35 @@ class Load(Message):
     CHECKS: ClassVar = {"cmd_id": _int, "host_pages": _ints, "device_pages": _ints}
 
 
-COMMANDS: dict[str, type[Message]] = {c.__name__: c for c in (Compute, Write, Load)}
+def _hashes(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(h, bytes) and len(h) == 32 for h in v)
+
+
+@dataclass(frozen=True)
+class Backup(Message):
+    """Store L2 ``host_pages`` in L3 under ``page_hashes`` (this rank's shard of each)."""
+
+    cmd_id: int
+    host_pages: tuple[int, ...]
+    page_hashes: tuple[bytes, ...]
+    CHECKS: ClassVar = {"cmd_id": _int, "host_pages": _ints, "page_hashes": _hashes}
+
+
+@dataclass(frozen=True)
+class Prefetch(Message):
+    """Read pages ``page_hashes`` from L3 into L2 ``host_pages``, in batches,
+    reporting cumulative progress under ``op_id``."""
+
+    cmd_id: int
+    op_id: int
+    host_pages: tuple[int, ...]
+    page_hashes: tuple[bytes, ...]
+    CHECKS: ClassVar = {"cmd_id": _int, "op_id": _int, "host_pages": _ints, "page_hashes": _hashes}
+
+
+COMMANDS: dict[str, type[Message]] = {
+    c.__name__: c for c in (Compute, Write, Load, Backup, Prefetch)
+}
 
 
 def _commands(v: Any) -> bool:
@@ -137,7 +165,9 @@ class Batch(Message):
 
     epoch: int
     commands: tuple[Message, ...]
-    CHECKS: ClassVar = {"epoch": _int, "commands": _commands}
+    stop: tuple[int, ...] = ()
+    forget: tuple[int, ...] = ()
+    CHECKS: ClassVar = {"epoch": _int, "commands": _commands, "stop": _ints, "forget": _ints}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Batch:
@@ -148,13 +178,15 @@ class Batch(Message):
         raw["commands"] = []
         batch = super().from_wire(raw)
         decoded = tuple(_decode_obj(c, COMMANDS) for c in commands)  # type: ignore[union-attr]
-        return cls(batch.epoch, decoded)  # type: ignore[attr-defined]
+        return cls(batch.epoch, decoded, batch.stop, batch.forget)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
 class Report(Message):
-    """A rank's counters, all at once: finished computes, writes and loads since
-    ``epoch`` began, and the command ids that failed (cumulative in the epoch)."""
+    """A rank's counters, all at once: finished computes, writes, loads and
+    backups since ``epoch`` began, the command ids that failed (cumulative in
+    the epoch), and per prefetch ``(op_id, completed_tokens, finished,
+    terminated)`` — finished: this rank writes its host pages no more."""
 
     rank: int
     incarnation: str
@@ -163,6 +195,8 @@ class Report(Message):
     writes_done: int
     loads_done: int
     failed: tuple[int, ...]
+    backups_done: int = 0
+    prefetch: tuple[tuple[int, int, bool, bool], ...] = ()
     CHECKS: ClassVar = {
         "rank": _int,
         "incarnation": _str,
@@ -171,7 +205,26 @@ class Report(Message):
         "writes_done": _int,
         "loads_done": _int,
         "failed": _ints,
+        "backups_done": _int,
+        "prefetch": lambda v: (
+            isinstance(v, (list, tuple))
+            and all(
+                isinstance(e, (list, tuple))
+                and len(e) == 4
+                and _int(e[0])
+                and _int(e[1])
+                and _bool(e[2])
+                and _bool(e[3])
+                for e in v
+            )
+        ),
     }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Report:
+        report = super().from_wire(data)
+        entries = tuple(tuple(e) for e in report.prefetch)  # type: ignore[attr-defined]
+        return cls(**{**report.__dict__, "prefetch": entries})  # type: ignore[arg-type]
 
 
 MESSAGES: dict[str, type[Message]] = {c.__name__: c for c in (Batch, Report)}

@@ -26,7 +26,12 @@ def test_round_trip_of_every_message():
         (msgpack.packb({"v": 2, "t": "Batch"}), "version 2"),
         (msgpack.packb({"v": 1, "t": "Evil"}), "unknown"),
         (msgpack.packb({"v": 1, "t": "Batch", "epoch": 1}), "commands"),
-        (msgpack.packb({"v": 1, "t": "Batch", "epoch": -1, "commands": []}), "epoch"),
+        (
+            msgpack.packb(
+                {"v": 1, "t": "Batch", "epoch": -1, "commands": [], "stop": [], "forget": []}
+            ),
+            "epoch",
+        ),
         (msgpack.packb({"v": 1, "t": "Batch", "epoch": 1, "commands": [], "x": 1}), "do not match"),
         (
             msgpack.packb(
@@ -34,6 +39,8 @@ def test_round_trip_of_every_message():
                     "v": 1,
                     "t": "Batch",
                     "epoch": 1,
+                    "stop": [],
+                    "forget": [],
                     "commands": [
                         {"v": 1, "t": "Write", "cmd_id": 1, "device_pages": [1.5], "host_pages": []}
                     ],
@@ -43,7 +50,14 @@ def test_round_trip_of_every_message():
         ),
         (
             msgpack.packb(
-                {"v": 1, "t": "Batch", "epoch": 1, "commands": [{"v": 1, "t": "Report"}]}
+                {
+                    "v": 1,
+                    "t": "Batch",
+                    "epoch": 1,
+                    "stop": [],
+                    "forget": [],
+                    "commands": [{"v": 1, "t": "Report"}],
+                }
             ),
             "unknown",
         ),
@@ -60,6 +74,8 @@ def test_round_trip_of_every_message():
                     "writes_done": 0,
                     "loads_done": 0,
                     "failed": [],
+                    "backups_done": 0,
+                    "prefetch": [],
                 }
             ),
             "incarnation",

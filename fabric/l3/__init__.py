@@ -1,0 +1,112 @@
+"""L3 storage: backends by name, their extra config, and the page format.
+
+``make_backend(name, provenance, page_bytes, extra)`` builds ``file``, ``redis``
+or ``dynamic`` (a user's class: ``extra = {"module": "pkg.mod", "class": "Name",
+...}``, a subclass of ``fabric.l3.backend.L3Backend``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fabric.errors import ConfigError
+from fabric.l3.backend import L3Backend
+from fabric.l3.codec import Provenance
+
+BACKENDS = ("file", "redis", "dynamic")
+
+
+def parse_extra_config(text: str) -> dict[str, Any]:
+    """A backend's extra config: a JSON object, or ``@path`` to a .json, .toml or
+    .yaml file. Errors name the problem; an empty string is ``{}``."""
+    text = (text or "").strip()
+    if not text:
+        return {}
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            raw = path.read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"storage.extra_config: cannot read {str(path)!r}: {exc.strerror}"
+            ) from None
+        suffix = path.suffix.lower()
+        try:
+            if suffix == ".json":
+                data = json.loads(raw)
+            elif suffix == ".toml":
+                data = tomllib.loads(raw)
+            elif suffix in (".yaml", ".yml"):
+                data = yaml.safe_load(raw)
+            else:
+                raise ConfigError(
+                    f"storage.extra_config: file suffix {suffix!r} is refused: allowed .json, .toml, .yaml"
+                )
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(
+                f"storage.extra_config: {str(path)!r} does not parse: {exc}"
+            ) from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"storage.extra_config={text!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"storage.extra_config must be an object of keys, got {type(data).__name__}"
+        )
+    return data
+
+
+_KNOWN_EXTRA = {
+    "file": {"path", "max_bytes", "fsync"},
+    "redis": {"host", "port", "db", "password", "prefix", "timeout_s"},
+}
+
+
+def make_backend(
+    name: str, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]
+) -> L3Backend:
+    if name == "file":
+        from fabric.l3.file import FileBackend as cls
+    elif name == "redis":
+        from fabric.l3.redis import RedisBackend as cls  # type: ignore[assignment]
+    elif name == "dynamic":
+        return _dynamic(provenance, page_bytes, extra)
+    else:
+        raise ConfigError(
+            f"storage.backend={name!r} is refused: allowed is one of {', '.join(BACKENDS)}"
+        )
+    unknown = sorted(set(extra) - _KNOWN_EXTRA[name])
+    if unknown:
+        raise ConfigError(
+            f"storage.extra_config key(s) {unknown} unknown for backend {name!r}; "
+            f"known: {sorted(_KNOWN_EXTRA[name])}"
+        )
+    try:
+        return cls(provenance, page_bytes, extra)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"storage.extra_config for {name!r}: {exc}") from None
+
+
+def _dynamic(provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> L3Backend:
+    module, cls_name = extra.get("module"), extra.get("class")
+    if not isinstance(module, str) or not isinstance(cls_name, str):
+        raise ConfigError(
+            "storage.extra_config for 'dynamic' needs string keys 'module' and 'class'"
+        )
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"storage.extra_config: cannot load {module}.{cls_name}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, L3Backend)):
+        raise ConfigError(f"storage.extra_config: {module}.{cls_name} is not an L3Backend subclass")
+    rest = {k: v for k, v in extra.items() if k not in ("module", "class")}
+    return cls(provenance, page_bytes, rest)

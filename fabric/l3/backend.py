@@ -1,0 +1,109 @@
+"""The L3 backend interface: batches of page shards by key.
+
+Backends store opaque blobs (``fabric.l3.codec`` format); this base class does
+the batching, the verification and the counting, so a backend implements only
+``_read``, ``_write``, ``_exists``, ``_clear`` and ``_usage``. Keys are checked
+page keys (hex digest + shard suffix), never user text.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fabric.l3.codec import Provenance, check_key, decode_page, encode_page
+
+
+class L3Backend(ABC):
+    """Batch ``exists``/``get``/``set``, ``clear`` and ``stats``. Thread-safe
+    counters; subclasses make their own I/O safe to call from several threads."""
+
+    name = ""
+
+    def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
+        self.provenance = provenance
+        self.page_bytes = page_bytes
+        self.extra = dict(extra)
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, exist (unverified)."""
+        n = 0
+        for key in keys:
+            if not self._exists(check_key(key)):
+                break
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[str], out: np.ndarray) -> int:
+        """Read and verify pages into ``out`` (``len(keys) x page_bytes`` uint8) from
+        the first key on; stop at the first miss. Returns pages read. A corrupt,
+        truncated or foreign page is a miss and counted under its reason."""
+        n = 0
+        for key in keys:
+            blob = self._read(check_key(key))
+            if blob is None:
+                self.count("get_miss")
+                break
+            payload = decode_page(blob, self.provenance, self.page_bytes)
+            if isinstance(payload, str):
+                self.count(f"refused_{payload}")
+                break
+            out[n] = np.frombuffer(payload, dtype=np.uint8)
+            n += 1
+        self.count("get_pages", n)
+        return n
+
+    def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
+        """Store ``pages`` (``len(keys) x page_bytes`` uint8); per page, whether it was stored."""
+        ok = []
+        for i, key in enumerate(keys):
+            try:
+                self._write(
+                    check_key(key), encode_page(memoryview(pages[i]).cast("B"), self.provenance)
+                )
+                ok.append(True)
+            except OSError:
+                self.count("set_failed")
+                ok.append(False)
+        self.count("set_pages", sum(ok))
+        return ok
+
+    def clear(self) -> None:
+        self._clear()
+        self.count("clears")
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+        out.update(self._usage())
+        out["backend"] = self.name
+        return out
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or handles (default: nothing)."""
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def _write(self, key: str, blob: bytes) -> None: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    @abstractmethod
+    def _usage(self) -> dict[str, Any]: ...

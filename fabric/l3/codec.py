@@ -1,0 +1,92 @@
+"""The on-storage format of one page shard: a header, then the payload.
+
+``MAGIC | header length (4 bytes, little-endian) | header (msgpack) | payload``.
+The header holds the format version, the payload's length and BLAKE2b checksum,
+and the provenance (model id, layout, dtype, shard shape, page size). A page
+whose header, length, checksum or provenance does not match is a miss — never
+an error, never bytes handed to a rank — and ``decode_page`` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+MAGIC = b"KVFABRIC"
+FORMAT_VERSION = 1
+_MAX_HEADER = 4096
+_KEY = re.compile(r"^[0-9a-f]{64}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}$")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a page was computed for; a page is only served to the same."""
+
+    model_id: str
+    layout: str
+    dtype: str
+    shard_shape: tuple[int, ...]
+    page_size: int
+
+    def as_wire(self) -> dict:
+        d = asdict(self)
+        d["shard_shape"] = list(self.shard_shape)
+        return d
+
+
+def page_key(page_hash: bytes, suffix: str) -> str:
+    """The storage key of one shard of one page: hex hash + ``.pp-cp-tp``."""
+    return f"{page_hash.hex()}.{suffix}"
+
+
+def check_key(key: str) -> str:
+    """Keys become file names: only hex digests with a numeric shard suffix pass."""
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise ValueError(f"storage key {key!r} is not a page key")
+    return key
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def encode_page(payload: bytes | memoryview, provenance: Provenance) -> bytes:
+    header = msgpack.packb(
+        {
+            "v": FORMAT_VERSION,
+            "len": len(payload),
+            "sum": checksum(payload),
+            "prov": provenance.as_wire(),
+        },
+        use_bin_type=True,
+    )
+    return b"".join((MAGIC, len(header).to_bytes(4, "little"), header, bytes(payload)))
+
+
+def decode_page(blob: bytes, provenance: Provenance, payload_len: int) -> memoryview | str:
+    """The payload, or the reason it is refused: ``format``, ``truncated``,
+    ``checksum`` or ``provenance``."""
+    view = memoryview(blob)
+    if len(view) < len(MAGIC) + 4 or view[: len(MAGIC)] != MAGIC:
+        return "format"
+    n = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 4], "little")
+    start = len(MAGIC) + 4
+    if n > _MAX_HEADER or len(view) < start + n:
+        return "truncated"
+    try:
+        header = msgpack.unpackb(view[start : start + n], raw=False, strict_map_key=True)
+    except Exception:
+        return "format"
+    if not isinstance(header, dict) or header.get("v") != FORMAT_VERSION:
+        return "format"
+    if header.get("prov") != provenance.as_wire():
+        return "provenance"
+    payload = view[start + n :]
+    if header.get("len") != payload_len or len(payload) != payload_len:
+        return "truncated"
+    if header.get("sum") != checksum(payload):
+        return "checksum"
+    return payload
