@@ -8,7 +8,7 @@ fail or stop an operation). One round reduces one report from each rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fabric.config import ModelConfig, TopologyConfig
 from fabric.errors import InvalidInput
@@ -89,6 +89,11 @@ class Round:
     loads_done: int | None
     failed: frozenset[int]
     restarted: tuple[int, ...]
+    backups_done: int | None = None
+    prefetch_progress: dict[int, int] = field(default_factory=dict)
+    prefetch_terminated: frozenset[int] = frozenset()
+    prefetch_finished: frozenset[int] = frozenset()
+    prefetch_reported: frozenset[int] = frozenset()
 
     @property
     def usable(self) -> bool:
@@ -117,10 +122,27 @@ class Consensus:
         failed = frozenset().union(*(r.failed for r in reports))
         if restarted or any(r.epoch != epoch for r in reports):
             return Round(None, None, None, failed, tuple(sorted(restarted)))
+        per_rank = [{e[0]: e for e in r.prefetch} for r in reports]
+        ops = frozenset().union(*per_rank)
         return Round(
             reduce_min(r.computes_done for r in reports),
             reduce_min(r.writes_done for r in reports),
             reduce_min(r.loads_done for r in reports),
             failed,
             (),
+            backups_done=reduce_min(r.backups_done for r in reports),
+            # Progress counts once every rank has reported on the op (a batch done,
+            # or the op over); before that its MIN is "nothing known yet".
+            prefetch_progress={
+                op: reduce_min(m[op][1] for m in per_rank)
+                for op in ops
+                if all(op in m for m in per_rank)
+            },
+            prefetch_terminated=frozenset(
+                op for op in ops if reduce_max(op in m and m[op][3] for m in per_rank)
+            ),
+            prefetch_finished=frozenset(
+                op for op in ops if all(op in m and m[op][2] for m in per_rank)
+            ),
+            prefetch_reported=ops,
         )

@@ -49,6 +49,7 @@ class RequestResult:
     host_hit_tokens: int = 0
     computed_tokens: int = 0
     latency_s: float = 0.0
+    storage_hit_tokens: int = 0
     lease: Lease | None = None
     error: str | None = None
 
@@ -65,8 +66,11 @@ class _Request:
     device_pages: tuple[int, ...] = ()
     device_hit: int = 0
     host_hit: int = 0
+    storage_hit: int = 0
     computed: int = 0
     aborted: bool = False
+    prefetch_tried: bool = False
+    prefetched: int = 0
 
 
 @dataclass
@@ -81,6 +85,7 @@ class FabricStats:
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     computed_tokens: int = 0
     latency_s_total: float = 0.0
     bad_messages: int = 0
@@ -100,6 +105,8 @@ class CoordinatorCore:
         self.epoch = 1
         self.waiting: deque[_Request] = deque()
         self.running: dict[str, _Request] = {}
+        self.prefetching: dict[str, _Request] = {}
+        self._forget: set[int] = set()
         self.leases: dict[str, tuple[Lease, TreeNode]] = {}
         self.stats = FabricStats()
         self._failed: list[RequestResult] = []
@@ -134,7 +141,12 @@ class CoordinatorCore:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not 0 < len(rid) <= MAX_NAMESPACE_CHARS:
             raise InvalidInput(f"request_id {rid!r} is refused: allowed is a non-empty str")
-        if rid in self.running or rid in self.leases or any(r.rid == rid for r in self.waiting):
+        if (
+            rid in self.running
+            or rid in self.leases
+            or rid in self.prefetching
+            or any(r.rid == rid for r in self.waiting)
+        ):
             raise InvalidInput(f"request_id {rid!r} is already in use")
         if len(self.waiting) + len(self.running) >= self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
@@ -152,6 +164,11 @@ class CoordinatorCore:
                 self.waiting.remove(req)
                 self.stats.aborted += 1
                 return RequestResult(req.rid, req.prompt_tokens, error="aborted")
+        req = self.prefetching.pop(request_id, None)
+        if req is not None:
+            self.cache.storage.abort(request_id)
+            self.stats.aborted += 1
+            return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.running.get(request_id)
         if req is not None and not req.aborted:
             req.aborted = True
@@ -174,9 +191,23 @@ class CoordinatorCore:
     def next_batch(self) -> Batch:
         """Admit what fits, queue the step's write-throughs, and return every command
         queued since the last batch (the same batch goes to every rank)."""
+        ready = []
+        for rid, req in list(self.prefetching.items()):
+            loaded = self.cache.storage.check_prefetch(rid)
+            if loaded is not None:
+                del self.prefetching[rid]
+                req.prefetched = loaded
+                ready.append(req)
+        self.waiting.extendleft(reversed(ready))
         blocked = []
         while self.waiting:
             req = self.waiting.popleft()
+            if not req.prefetch_tried and self.cache.storage.attached:
+                req.prefetch_tried = True
+                match = self.cache.match_prefix(req.key)
+                if self.cache.storage.start_prefetch(req.rid, req.key, match).op_id is not None:
+                    self.prefetching[req.rid] = req
+                    continue
             if not self._admit(req):
                 blocked.append(req)
                 break
@@ -187,17 +218,23 @@ class CoordinatorCore:
             self.stats.failed += 1
             self._failed.append(RequestResult(req.rid, req.prompt_tokens, error="no room in L1"))
         self.cache.write_through()
-        return Batch(self.epoch, self.ctl.take_commands())
+        forget, self._forget = tuple(sorted(self._forget)), set()
+        return Batch(self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget)
+
+    def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
+        """This step's L3 hit queries, for the storage actor: ``(op_id, page_hashes)``."""
+        return self.ctl.take_queries()
 
     def _admit(self, req: _Request) -> bool:
         cache, key = self.cache, req.key
         match = cache.match_prefix(key)
         device_hit = match.device_tokens
-        host_hit = 0
+        host_hit = storage_hit = 0
         if match.host_tokens:
             loaded = cache.load_back(match.last_host_node)
             if loaded is not None:
-                host_hit = loaded.tokens
+                storage_hit = min(req.prefetched, loaded.tokens)
+                host_hit = loaded.tokens - storage_hit
                 match = cache.match_prefix(key)
         cache.inc_lock_ref(match.last_device_node)
         new_pages = cache.alloc_device(key.num_tokens - match.device_tokens)
@@ -210,28 +247,42 @@ class CoordinatorCore:
         cache.dec_lock_ref(match.last_device_node)
         req.node = result.last_node
         req.device_pages = match.device_pages + new_pages
-        req.device_hit, req.host_hit = device_hit, host_hit
-        req.computed = req.prompt_tokens - device_hit - host_hit
+        req.device_hit, req.host_hit, req.storage_hit = device_hit, host_hit, storage_hit
+        req.computed = req.prompt_tokens - device_hit - host_hit - storage_hit
         self.running[req.rid] = req
         return True
 
-    def on_round(self, reports: Sequence[Report]) -> list[RequestResult]:
-        """Reduce one report per rank and commit; returns requests that finished."""
+    def on_round(
+        self, reports: Sequence[Report], storage_hits: dict[int, int] | None = None
+    ) -> list[RequestResult]:
+        """Reduce one report per rank (and the storage actor's hit counts, already
+        MIN over shards) and commit; returns requests that finished."""
         self.stats.rounds += 1
         rnd = self.consensus.reduce(reports, self.epoch)
         if rnd.restarted:
             return self.reset(f"rank(s) {list(rnd.restarted)} restarted")
         if not rnd.usable:
             return self._take_failed()
-        return self._commit(rnd)
+        return self._commit(rnd, storage_hits or {})
 
-    def _commit(self, rnd: Round) -> list[RequestResult]:
+    def _commit(self, rnd: Round, storage_hits: dict[int, int]) -> list[RequestResult]:
         done = self.ctl.completions(rnd)
-        if done.writes or done.loads or done.computes:
+        if done.writes or done.loads or done.computes or done.backups:
             self._blocked = False  # finished work may have unlocked pages: admit again
         self.cache.apply(
-            Completions(writes=done.writes, failed_writes=done.failed_writes, loads=done.loads)
+            Completions(
+                writes=done.writes,
+                failed_writes=done.failed_writes,
+                loads=done.loads,
+                backups=done.backups,
+                failed_backups=done.failed_backups,
+                prefetch_hits=storage_hits,
+                prefetch_progress=rnd.prefetch_progress,
+                prefetch_terminated=rnd.prefetch_terminated,
+                prefetch_released=rnd.prefetch_finished,
+            )
         )
+        self._forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
         out = self._take_failed()
         for req in list(self.running.values()):
             if req.compute_cmd is None or req.compute_cmd > self.ctl.computes_committed:
@@ -253,13 +304,21 @@ class CoordinatorCore:
         s.prompt_tokens += req.prompt_tokens
         s.device_hit_tokens += req.device_hit
         s.host_hit_tokens += req.host_hit
+        s.storage_hit_tokens += req.storage_hit
         s.computed_tokens += req.computed
         s.latency_s_total += latency
         lease = Lease(req.rid, self.epoch, req.key.namespace, req.key.num_tokens, req.device_pages)
         assert req.node is not None
         self.leases[req.rid] = (lease, req.node)
         return RequestResult(
-            req.rid, req.prompt_tokens, req.device_hit, req.host_hit, req.computed, latency, lease
+            req.rid,
+            req.prompt_tokens,
+            device_hit_tokens=req.device_hit,
+            host_hit_tokens=req.host_hit,
+            storage_hit_tokens=req.storage_hit,
+            computed_tokens=req.computed,
+            latency_s=latency,
+            lease=lease,
         )
 
     def _unlock(self, req: _Request) -> None:
@@ -291,12 +350,23 @@ class CoordinatorCore:
             self.stats.retried += 1
             self.waiting.appendleft(req)
         self.running.clear()
+        for req in self.prefetching.values():
+            req.prefetch_tried, req.prefetched = False, 0
+            self.waiting.appendleft(req)
+        self.prefetching.clear()
+        self._forget.clear()
         return out
 
     @property
     def idle(self) -> bool:
         """Nothing to do until a request arrives or a lease is released."""
-        return not self.running and not self.ctl.busy() and (not self.waiting or self._blocked)
+        return (
+            not self.running
+            and not self.prefetching
+            and not self.ctl.busy()
+            and not self.cache.storage.by_op
+            and (not self.waiting or self._blocked)
+        )
 
     def snapshot(self) -> dict:
         """Counters and sizes for ``stats()``."""
@@ -317,6 +387,7 @@ class CoordinatorCore:
                 "prompt": s.prompt_tokens,
                 "device_hit": s.device_hit_tokens,
                 "host_hit": s.host_hit_tokens,
+                "storage_hit": s.storage_hit_tokens,
                 "computed": s.computed_tokens,
             },
             "mean_latency_s": s.latency_s_total / s.finished if s.finished else 0.0,
@@ -324,6 +395,13 @@ class CoordinatorCore:
             "reset_reasons": dict(s.by_reason),
             "rounds": s.rounds,
             "cache": vars(self.cache.stats),
+            "prefetching": len(self.prefetching),
+            "storage_ops": {
+                "attached": self.cache.storage.attached,
+                "inflight_prefetches": len(self.cache.storage.by_op),
+                "pending_backups": len(self.cache.storage.backups),
+                **{k: v for k, v in vars(self.cache.storage.stats).items()},
+            },
             "pending_writes": len(self.cache.pending_writes),
             "pending_loads": len(self.cache.pending_loads),
             "bad_messages": s.bad_messages,
@@ -331,3 +409,26 @@ class CoordinatorCore:
             "device": vars(self.cache.device_sizes()),
             "host": vars(self.cache.host_sizes()),
         }
+
+    # -- storage attach / detach ---------------------------------------------------------
+
+    def storage_attached(self) -> None:
+        """The storage actor has a backend: start prefetching and backing up."""
+        self.cache.storage.attach()
+
+    def storage_begin_detach(self) -> None:
+        """Issue no new storage work; stop every prefetch (their requests go on
+        without L3). Pending backups still end with their acks."""
+        self.cache.storage.attached = False
+        for rid, req in list(self.prefetching.items()):
+            self.cache.storage.abort(rid)
+            del self.prefetching[rid]
+            self.waiting.appendleft(req)
+
+    def storage_drained(self) -> bool:
+        return not self.cache.storage.by_op and not self.cache.storage.backups
+
+    def storage_force_detach(self) -> None:
+        """Release whatever storage work is left. Only once no rank will touch
+        its host pages any more (after a reset, say)."""
+        self.cache.storage.detach()

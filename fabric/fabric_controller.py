@@ -16,8 +16,7 @@ from fabric.allocator import PagedAllocator
 from fabric.config import CacheConfig
 from fabric.consensus import Round
 from fabric.controller import Completions, Controller
-from fabric.errors import FabricError
-from fabric.messages import Compute, Load, Message, Write
+from fabric.messages import Backup, Compute, Load, Message, Prefetch, Write
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,8 @@ class RoundDone:
     loads: int
     computes: int
     failed_computes: frozenset[int]
+    backups: int
+    failed_backups: frozenset[int]
 
 
 class FabricController(Controller):
@@ -43,8 +44,12 @@ class FabricController(Controller):
         self.writes: deque[tuple[int, int]] = deque()
         self.loads: deque[int] = deque()
         self.computes: deque[int] = deque()
+        self.backups: deque[tuple[int, int]] = deque()
+        self.queries: list[tuple[int, tuple[bytes, ...]]] = []
+        self.stops: list[int] = []
         self.writes_committed = self.loads_committed = self.computes_done_committed = 0
         self.computes_committed = 0
+        self.backups_committed = 0
 
     def _cmd_id(self) -> int:
         self._next_cmd += 1
@@ -67,23 +72,46 @@ class FabricController(Controller):
         self.computes.append(cmd)
         return cmd
 
-    def _no_storage(self, *_: object) -> None:
-        raise FabricError("no storage actors are attached to this fabric")
+    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        cmd = self._cmd_id()
+        self.outbox.append(Backup(cmd, tuple(host_pages), tuple(page_hashes)))
+        self.backups.append((cmd, op_id))
 
-    backup = query_storage = prefetch = _no_storage  # type: ignore[assignment]
+    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
+        self.queries.append((op_id, tuple(page_hashes)))
+
+    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+        cmd = self._cmd_id()
+        self.outbox.append(Prefetch(cmd, op_id, tuple(host_pages), tuple(page_hashes)))
 
     def stop_prefetch(self, op_id: int) -> None:
-        self._no_storage()
+        self.stops.append(op_id)
 
     def take_commands(self) -> tuple[Message, ...]:
         out, self.outbox = tuple(self.outbox), []
+        return out
+
+    def take_stops(self) -> tuple[int, ...]:
+        out, self.stops = tuple(self.stops), []
+        return out
+
+    def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
+        out, self.queries = self.queries, []
         return out
 
     def take_completions(self) -> Completions:
         return Completions()
 
     def busy(self) -> bool:
-        return bool(self.outbox or self.writes or self.loads or self.computes)
+        return bool(
+            self.outbox
+            or self.writes
+            or self.loads
+            or self.computes
+            or self.backups
+            or self.queries
+            or self.stops
+        )
 
     def completions(self, rnd: Round) -> RoundDone:
         """What to commit after a usable round; advances the committed counts."""
@@ -101,12 +129,17 @@ class FabricController(Controller):
         computes = [self.computes.popleft() for _ in range(n_computes)]
         if computes:
             self.computes_committed = computes[-1]
+        n_backups = self._newly((rnd.backups_done or 0) - self.backups_committed, self.backups)
+        self.backups_committed += n_backups
+        backups = [self.backups.popleft() for _ in range(n_backups)]
         return RoundDone(
             n_writes,
             frozenset(op for cmd, op in writes if cmd in rnd.failed),
             n_loads,
             n_computes,
             frozenset(cmd for cmd in computes if cmd in rnd.failed),
+            n_backups,
+            frozenset(op for cmd, op in backups if cmd in rnd.failed),
         )
 
     @staticmethod

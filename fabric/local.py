@@ -1,30 +1,43 @@
-"""The whole fabric in one process, no Ray: a ``CoordinatorCore`` and one
-``RankWorker`` per rank, stepped by hand. For tests, and for seeing the data
-plane work without a cluster. Messages still go through the wire encoding."""
+"""The whole fabric in one process, no Ray: a ``CoordinatorCore``, one
+``RankWorker`` per rank and a ``StorageService``, stepped by hand. For tests,
+and for seeing the data plane work without a cluster. Messages still go
+through the wire encoding."""
 
 from __future__ import annotations
 
 from fabric.config import FabricConfig
 from fabric.coordinator import CoordinatorCore, RequestResult
+from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
 from fabric.rank import RankWorker
 
 
 class LocalFabric:
-    def __init__(self, config: FabricConfig) -> None:
+    def __init__(self, config: FabricConfig, storage: StorageService | None = None) -> None:
+        self.config = config
         self.core = CoordinatorCore(config)
-        self.ranks = [RankWorker(config, i) for i in range(self.core.topology.world_size)]
+        self.storage = storage or StorageService(config)
+        self.ranks = [
+            RankWorker(config, i, storage=self.storage)
+            for i in range(self.core.topology.world_size)
+        ]
+        if self.storage.backend is not None:
+            self.core.storage_attached()
         self.results: dict[str, RequestResult] = {}
 
     def step(self, run_ranks: bool = True) -> list[RequestResult]:
-        """One coordinator step: send a batch, let ranks work, reduce their reports."""
+        """One coordinator step: send a batch, let ranks work, reduce their reports
+        and the storage service's hit counts."""
         wire = encode(self.core.next_batch())
+        batch_pages = self.config.prefetch.query_batch_pages
+        hits = {op: self.storage.query(h, batch_pages) for op, h in self.core.take_queries()}
         for rank in self.ranks:
             rank.accept(decode(wire))  # type: ignore[arg-type]
             if run_ranks:
                 rank.run_pending()
+                rank.run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]
-        done = self.core.on_round(reports)  # type: ignore[arg-type]
+        done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
         self.results.update((r.request_id, r) for r in done)
         return done
 
@@ -37,6 +50,14 @@ class LocalFabric:
             if rid in self.results:
                 return self.results.pop(rid)
         raise TimeoutError(f"{rid} did not finish in {max_steps} steps")
+
+    def settle(self, max_steps: int = 100) -> None:
+        """Step until the coordinator has nothing in flight (backups acked, ...)."""
+        for _ in range(max_steps):
+            if self.core.idle:
+                return
+            self.step()
+        raise TimeoutError(f"still busy after {max_steps} steps")
 
     def verify(self, result: RequestResult, tokens: bytes) -> list[bool]:
         """Per rank: does L1 hold exactly the fresh KV of the leased prefix?"""

@@ -111,3 +111,25 @@ def copy_pages(
             s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
             d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
             d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)
+
+
+def pages_to_bytes(pool: KVPool, pages: Sequence[int]):
+    """Pages as rows of bytes (``numpy`` uint8, one row per page) in the canonical
+    order ``(2, page_tokens, layers, heads, head_dim)`` whatever the layout."""
+    idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
+    rows = pool.pages[:, idx].permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
+    return rows.view(torch.uint8).reshape(len(pages), -1).numpy()
+
+
+def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
+    """Store rows from ``pages_to_bytes`` (possibly a read-only buffer) into ``pages``."""
+    import warnings
+
+    n = len(pages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers: we only read
+        flat = torch.frombuffer(memoryview(rows).cast("B"), dtype=torch.uint8)
+    shape = (n, 2, *pool.pages.shape[2:])
+    values = flat.view(pool.buffer.dtype).view(shape).permute(1, 0, 2, 3, 4, 5)
+    idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
+    pool.pages[:, idx] = values.to(pool.buffer.device)

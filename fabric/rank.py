@@ -16,14 +16,25 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from fabric.config import FabricConfig
 from fabric.consensus import Topology
-from fabric.messages import Batch, Compute, Message, Report, Write
-from fabric.pools import KVPool, copy_pages, pick_device
+from fabric.l3.service import shard_suffix
+from fabric.messages import Backup, Batch, Compute, Message, Prefetch, Report, Write
+from fabric.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
 from fabric.producer import KVFiller, SyntheticKV
+
+
+class StorageLink(Protocol):
+    """How a rank reaches L3 (a storage actor, or a ``StorageService`` in process)."""
+
+    def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray: ...
+
+    def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool: ...
 
 
 @dataclass
@@ -35,10 +46,19 @@ class Faults:
 
 
 class RankWorker:
-    def __init__(self, config: FabricConfig, index: int, filler: KVFiller | None = None) -> None:
+    def __init__(
+        self,
+        config: FabricConfig,
+        index: int,
+        filler: KVFiller | None = None,
+        storage: StorageLink | None = None,
+    ) -> None:
         self.config = config
         self.index = index
         self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
+        rank = self.shard.rank
+        self.suffix = shard_suffix(rank.pp, rank.cp, rank.tp)
+        self.storage = storage
         self.device = pick_device(config.runtime.device)
         cuda = self.device.type == "cuda"
         cache, model = config.cache, config.model
@@ -56,9 +76,14 @@ class RankWorker:
 
     def _reset_counters(self) -> None:
         self.queue: deque[Message] = deque()
+        self.storage_queue: deque[Message] = deque()
         self.last_cmd_id = 0
-        self.computes_done = self.writes_done = self.loads_done = 0
+        self.computes_done = self.writes_done = self.loads_done = self.backups_done = 0
         self.failed: list[int] = []
+        # op_id -> [completed_tokens, finished, terminated], from the first batch on
+        self.prefetch: dict[int, list] = {}
+        self.prefetch_ops: set[int] = set()
+        self.stopping: set[int] = set()
 
     # -- message thread --------------------------------------------------------------
 
@@ -75,8 +100,19 @@ class RankWorker:
                 if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
                     continue
                 self.last_cmd_id = cmd.cmd_id  # type: ignore[attr-defined]
-                self.queue.append(cmd)
-            self.ready.notify()
+                if isinstance(cmd, Prefetch):
+                    self.prefetch_ops.add(cmd.op_id)
+                    self.storage_queue.append(cmd)
+                elif isinstance(cmd, Backup):
+                    self.storage_queue.append(cmd)
+                else:
+                    self.queue.append(cmd)
+            self.stopping.update(op for op in batch.stop if op in self.prefetch_ops)
+            for op in batch.forget:
+                self.prefetch.pop(op, None)
+                self.prefetch_ops.discard(op)
+                self.stopping.discard(op)
+            self.ready.notify_all()
 
     def report(self) -> Report:
         with self.lock:
@@ -88,6 +124,8 @@ class RankWorker:
                 self.writes_done,
                 self.loads_done,
                 tuple(self.failed),
+                self.backups_done,
+                tuple((op, c, f, t) for op, (c, f, t) in self.prefetch.items()),
             )
 
     # -- transfer thread -------------------------------------------------------------
@@ -151,6 +189,84 @@ class RankWorker:
             return True
         except Exception:
             return False
+
+    # -- storage thread ---------------------------------------------------------------
+
+    def run_storage_pending(self) -> int:
+        n = 0
+        while self.run_storage_one(block=False):
+            n += 1
+        return n
+
+    def run_storage_one(self, block: bool = True, timeout: float | None = None) -> bool:
+        """Run the next backup or prefetch. A prefetch moves in batches, reporting
+        cumulative progress after each, and stops at the first missing or refused
+        page, on a failure, or when the coordinator stops it."""
+        with self.lock:
+            if block and not self.storage_queue:
+                self.ready.wait(timeout)
+            if not self.storage_queue:
+                return False
+            cmd, epoch = self.storage_queue.popleft(), self.epoch
+        if isinstance(cmd, Backup):
+            ok = self._backup(cmd)
+            with self.lock:
+                if epoch == self.epoch:
+                    self.backups_done += 1
+                    if not ok:
+                        self.failed.append(cmd.cmd_id)
+            return True
+        assert isinstance(cmd, Prefetch)
+        self._prefetch(cmd, epoch)
+        return True
+
+    def _backup(self, cmd: Backup) -> bool:
+        if self.storage is None:
+            return False
+        try:
+            rows = pages_to_bytes(self.l2, cmd.host_pages)
+            return bool(self.storage.store(self.suffix, list(cmd.page_hashes), rows))
+        except Exception:
+            return False
+
+    def _prefetch(self, cmd: Prefetch, epoch: int) -> None:
+        batch = self.config.storage.transfer_batch_pages
+        done, terminated = 0, False
+        total = len(cmd.page_hashes)
+        while done < total:
+            with self.lock:
+                if epoch != self.epoch:
+                    return
+                if cmd.op_id in self.stopping:
+                    terminated = True
+                    break
+            want = list(cmd.page_hashes[done : done + batch])
+            try:
+                if self.storage is None:
+                    raise RuntimeError("no storage link")
+                if self.faults.delay_s:
+                    time.sleep(self.faults.delay_s)
+                rows = self.storage.load(self.suffix, want)
+                got = len(rows)
+                if got:
+                    bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
+            except Exception:
+                got, terminated = 0, True
+            done += got
+            with self.lock:
+                if epoch != self.epoch or cmd.op_id not in self.prefetch_ops:
+                    return
+                entry = self.prefetch.setdefault(cmd.op_id, [0, False, False])
+                entry[0] = done * self.config.cache.page_size
+            if got < len(want):
+                terminated = terminated or done < total
+                break
+        with self.lock:
+            if epoch == self.epoch and cmd.op_id in self.prefetch_ops:
+                entry = self.prefetch.setdefault(
+                    cmd.op_id, [done * self.config.cache.page_size, False, False]
+                )
+                entry[1], entry[2] = True, terminated
 
     def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages, per_layer: bool) -> None:
         if self.stream is None:

@@ -50,6 +50,7 @@ class PrefetchOp:
     host_pages: tuple[int, ...] = ()
     completed_tokens: int = 0
     terminated: bool = False
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class StorageOps:
         cap = len(op.host_pages) * self.cache.page_size
         op.completed_tokens = max(op.completed_tokens, min(int(completed_tokens), cap))
         op.terminated = op.terminated or bool(terminated)
+        op.reported = True
 
     def check_prefetch(self, req_id: Hashable) -> int | None:
         """``None`` while the stop policy says wait; else the prefetch ends — its
@@ -237,7 +239,11 @@ class StorageOps:
         size = self.cache.page_size
         tokens = len(op.host_pages) * size if op.host_pages else op.reserved_tokens
         timing = PrefetchTiming(
-            tokens, op.completed_tokens, self.cache.clock() - op.started_at, op.terminated
+            tokens,
+            op.completed_tokens,
+            self.cache.clock() - op.started_at,
+            op.terminated,
+            started=op.reported,
         )
         if not self.stop_policy.should_stop(timing, self.timeout):
             return None

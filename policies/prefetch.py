@@ -1,8 +1,10 @@
 """Prefetch stop policies: when the cache stops waiting for an L3 -> L2 prefetch.
 
-``should_stop`` is asked once per step while a prefetch is loading. The
+``should_stop`` is asked once per step while a prefetch is in flight. The
 operation's ``terminated`` flag (MAX over ranks: any rank may stop it) always
-ends the wait.
+ends the wait. ``started`` says the ranks have reported on the transfer at
+least once: even ``best_effort`` waits that one round trip, or it would stop
+every prefetch before its first page could move.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class PrefetchTiming:
     completed_tokens: int
     elapsed_s: float
     terminated: bool
+    started: bool = True
 
     @property
     def complete(self) -> bool:
@@ -45,12 +48,12 @@ class PrefetchStopPolicy:
 
 
 class BestEffort(PrefetchStopPolicy):
-    """Never wait: take whatever has arrived by the time the request is scheduled."""
+    """Wait no longer than one report: take whatever has arrived by then."""
 
     name = "best_effort"
 
     def should_stop(self, op: PrefetchTiming, timeout: TimeoutParams) -> bool:
-        return True
+        return op.started or op.terminated
 
 
 class WaitComplete(PrefetchStopPolicy):

@@ -17,6 +17,7 @@ def small_config(*overrides: str) -> FabricConfig:
             "model.kv_heads=2",
             "model.head_dim=8",
             "runtime.step_interval_s=0",
+            "storage.backend=none",
             *overrides,
         ]
     )

@@ -1,0 +1,140 @@
+"""What a storage actor does, without Ray: own the L3 backend, answer hit queries
+for every shard at once (MIN over shards), and load or store page batches for
+one rank's shard. Bulk bytes are numpy arrays, which Ray's object store moves
+without copies; the coordinator never sees them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fabric.config import FabricConfig, StorageConfig
+from fabric.consensus import Topology
+from fabric.errors import ConfigError
+from fabric.l3 import make_backend, parse_extra_config
+from fabric.l3.backend import L3Backend
+from fabric.l3.codec import Provenance, page_key
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def shard_suffix(pp: int, cp: int, tp: int) -> str:
+    return f"{pp}-{cp}-{tp}"
+
+
+def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
+    """Every shard's page shape ``(2, page_tokens, layers, heads, head_dim)`` and bytes."""
+    topo, model = config.topology, config.model
+    shape = (
+        2,
+        config.cache.page_size // topo.cp,
+        model.layers // topo.pp,
+        model.kv_heads // topo.tp,
+        model.head_dim,
+    )
+    return shape, int(np.prod(shape)) * _ITEMSIZE[model.dtype]
+
+
+def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
+    """The backend name and its options from the config (``extra_config`` wins)."""
+    extra = parse_extra_config(storage.extra_config)
+    if storage.backend == "file":
+        extra = {
+            "path": storage.path,
+            "max_bytes": storage.max_bytes,
+            "fsync": storage.fsync,
+            **extra,
+        }
+    return storage.backend, extra
+
+
+class StorageService:
+    def __init__(self, config: FabricConfig) -> None:
+        self.config = config
+        topo = Topology(config.topology)
+        self.suffixes = [shard_suffix(r.pp, r.cp, r.tp) for r in topo.ranks]
+        shape, self.page_bytes = page_geometry(config)
+        m = config.model
+        self.provenance = Provenance(m.model_id, m.layout, m.dtype, shape, config.cache.page_size)
+        self.backend: L3Backend | None = None
+        self.spec: tuple[str, dict[str, Any]] | None = None
+        self._lock = threading.Lock()
+        if config.storage.enabled:
+            self.attach(*backend_spec(config.storage))
+
+    def attach(self, name: str, extra: Mapping[str, Any]) -> str:
+        """Open a backend. The same one again changes nothing; another one is
+        refused until ``detach``."""
+        spec = (name, dict(extra))
+        with self._lock:
+            if self.backend is not None:
+                if spec == self.spec:
+                    return "already attached"
+                raise ConfigError(
+                    f"storage backend {self.spec[0]!r} is attached; detach it before attaching {name!r}"  # type: ignore[index]
+                )
+            self.backend = make_backend(name, self.provenance, self.page_bytes, extra)
+            self.spec = spec
+        return "attached"
+
+    def detach(self) -> bool:
+        with self._lock:
+            backend, self.backend, self.spec = self.backend, None, None
+        if backend is None:
+            return False
+        backend.close()
+        return True
+
+    def clear(self) -> bool:
+        backend = self.backend
+        if backend is None:
+            return False
+        backend.clear()
+        return True
+
+    def query(self, page_hashes: Sequence[bytes], batch_pages: int = 128) -> int:
+        """Consecutive pages from the first that every shard holds (MIN over shards),
+        asked in batches of ``batch_pages``; 0 with no backend."""
+        backend = self.backend
+        if backend is None:
+            return 0
+        best = len(page_hashes)
+        for suffix in self.suffixes:
+            found = 0
+            for start in range(0, best, batch_pages):
+                keys = [
+                    page_key(h, suffix) for h in page_hashes[start : min(start + batch_pages, best)]
+                ]
+                n = backend.exists(keys)
+                found += n
+                if n < len(keys):
+                    break
+            best = min(best, found)
+            if best == 0:
+                break
+        return best
+
+    def load(self, suffix: str, page_hashes: Sequence[bytes]) -> np.ndarray:
+        """Verified payloads of the leading pages found, one row each (maybe fewer
+        rows than asked: the first miss or refused page ends the batch)."""
+        backend = self.backend
+        out = np.empty((len(page_hashes), self.page_bytes), dtype=np.uint8)
+        if backend is None:
+            return out[:0]
+        n = backend.get([page_key(h, suffix) for h in page_hashes], out)
+        return out[:n]
+
+    def store(self, suffix: str, page_hashes: Sequence[bytes], pages: np.ndarray) -> bool:
+        """Store one rank's shard of a backup; ``True`` only if every page was stored."""
+        backend = self.backend
+        if backend is None or pages.shape != (len(page_hashes), self.page_bytes):
+            return False
+        return all(backend.set([page_key(h, suffix) for h in page_hashes], pages))
+
+    def stats(self) -> dict[str, Any]:
+        backend = self.backend
+        return {"attached": backend is not None, **(backend.stats() if backend else {})}
