@@ -1,29 +1,34 @@
 """The coordinator actor: owns the ``CoordinatorCore`` and runs its step loop.
 
 An async actor: drivers' ``submit`` calls wait on futures while the loop runs
-one consensus round per step. Nothing in the loop blocks on a single rank: the
-round awaits every rank's reply together, with a deadline.
+one consensus round per step. Nothing in the loop blocks on a single actor:
+each round sends one batch to every rank (and the step's hit queries to the
+storage actor) and awaits all replies together, with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
+from typing import Any
 
 import ray
 
 from fabric.config import FabricConfig
 from fabric.coordinator import CoordinatorCore, Lease, RequestResult
 from fabric.errors import InvalidInput
+from fabric.l3.service import backend_spec
 from fabric.messages import InvalidMessage, Report, decode, encode
 
 
 class CoordinatorActor:
-    def __init__(self, config: dict, rank_names: list[str]) -> None:
+    def __init__(self, config: dict, rank_names: list[str], storage_name: str) -> None:
         self.config = FabricConfig.from_dict(config)
         self.core = CoordinatorCore(self.config)
         ns = self.config.runtime.ray_namespace
         self.ranks = [ray.get_actor(name, namespace=ns) for name in rank_names]
+        self.storage = ray.get_actor(storage_name, namespace=ns)
         self.futures: dict[str, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -33,11 +38,10 @@ class CoordinatorActor:
         newer than any rank has seen, so every rank resets its counters."""
         if self._task is None:
             self._wakeup = asyncio.Event()
-            epochs = [
-                decode(r).epoch
-                for r in await asyncio.gather(*(a.report.remote() for a in self.ranks))
-            ]  # type: ignore[attr-defined]
-            self.core.epoch = max([*epochs, 0]) + 1
+            reports = await asyncio.gather(*(a.report.remote() for a in self.ranks))
+            self.core.epoch = max([decode(r).epoch for r in reports] + [0]) + 1  # type: ignore[attr-defined]
+            if (await self.storage.stats.remote())["attached"]:
+                self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return self.core.epoch
 
@@ -53,8 +57,7 @@ class CoordinatorActor:
         rid = self.core.submit(tokens, namespace, priority, request_id)
         future = asyncio.get_running_loop().create_future()
         self.futures[rid] = future
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._wake()
         return await future
 
     async def abort(self, request_id: str) -> bool:
@@ -66,8 +69,8 @@ class CoordinatorActor:
 
     async def release(self, lease: Lease | str) -> bool:
         released = self.core.release(lease)
-        if released and self._wakeup is not None:
-            self._wakeup.set()
+        if released:
+            self._wake()
         return released
 
     async def verify(self, lease: Lease, tokens: bytes) -> list[bool]:
@@ -78,17 +81,58 @@ class CoordinatorActor:
             raise InvalidInput(f"lease {lease.request_id!r} is not held (released, or reset)")
         cached = tokens[: lease.tokens * 4]
         pages = list(lease.device_pages)
-        return list(
-            await asyncio.gather(
-                *(r.verify.remote(lease.namespace, cached, pages) for r in self.ranks)
-            )
-        )
+        calls = [r.verify.remote(lease.namespace, cached, pages) for r in self.ranks]
+        return list(await asyncio.gather(*calls))
 
-    async def stats(self) -> dict:
-        return self.core.snapshot()
+    async def stats(self) -> dict[str, Any]:
+        snapshot = self.core.snapshot()
+        try:
+            snapshot["l3"] = await asyncio.wait_for(self.storage.stats.remote(), 10)
+        except Exception as exc:
+            snapshot["l3"] = {"error": type(exc).__name__}
+        return snapshot
+
+    async def settle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until nothing is in flight (write-throughs, backups, prefetches);
+        ``False`` if that takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.core.idle:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     async def check_integrity(self) -> None:
         self.core.cache.check_integrity()
+
+    # -- L3 at runtime -----------------------------------------------------------------
+
+    async def attach_storage(self, backend: str, extra_config: str = "") -> str:
+        """Attach an L3 backend: the same one again keeps it; another is refused
+        until ``detach_storage``. Bad options raise ``ConfigError`` naming the key."""
+        storage = replace(self.config.storage, backend=backend, extra_config=extra_config)
+        name, extra = backend_spec(storage)
+        outcome = await self.storage.attach.remote(name, extra)
+        self.core.storage_attached()
+        self._wake()
+        return outcome
+
+    async def detach_storage(self, timeout_s: float = 30.0) -> bool:
+        """Issue no new L3 work, stop every prefetch and wait for what is in flight
+        to end, then close the backend. Past ``timeout_s`` the fabric resets (so no
+        rank writes a host page any more) and everything pending is released."""
+        self.core.storage_begin_detach()
+        self._wake()
+        deadline = time.monotonic() + timeout_s
+        while not self.core.storage_drained() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if not self.core.storage_drained():
+            self._deliver(self.core.reset("storage detach timed out"))
+            self.core.storage_force_detach()
+        return await self.storage.detach.remote()
+
+    async def clear_storage(self) -> bool:
+        return await self.storage.clear.remote()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -105,8 +149,10 @@ class CoordinatorActor:
                 await self._wakeup.wait()
             started = time.perf_counter()
             data = encode(self.core.next_batch())
+            queries = self.core.take_queries()
             self.core.stats.core_time_s += time.perf_counter() - started
             calls = [rank.step.remote(data) for rank in self.ranks]
+            hits_call = self.storage.query.remote(queries) if queries else None
             try:
                 replies = await asyncio.wait_for(
                     asyncio.gather(*calls, return_exceptions=True), runtime.rank_timeout_s
@@ -114,27 +160,47 @@ class CoordinatorActor:
             except TimeoutError:
                 self._deliver(self.core.reset("a rank timed out"))
                 continue
-            reports = []
-            for reply in replies:
-                try:
-                    if isinstance(reply, BaseException):
-                        raise reply
-                    report = decode(reply, runtime.max_message_bytes)
-                    if not isinstance(report, Report):
-                        raise InvalidMessage("a rank answered with something other than a Report")
-                    reports.append(report)
-                except InvalidMessage:
-                    self.core.stats.bad_messages += 1
-                except Exception:
-                    pass
+            reports = self._reports(replies)
+            hits = await self._hits(hits_call, queries)
             if len(reports) != len(self.ranks):
                 self._deliver(self.core.reset("a rank did not answer"))
                 await asyncio.sleep(0.05)
                 continue
             started = time.perf_counter()
-            self._deliver(self.core.on_round(reports))
+            self._deliver(self.core.on_round(reports, hits))
             self.core.stats.core_time_s += time.perf_counter() - started
             await asyncio.sleep(runtime.step_interval_s)
+
+    def _reports(self, replies: list[Any]) -> list[Report]:
+        reports = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue  # a dead or restarting rank
+            try:
+                report = decode(reply, self.config.runtime.max_message_bytes)
+            except InvalidMessage:
+                self.core.stats.bad_messages += 1
+                continue
+            if isinstance(report, Report):
+                reports.append(report)
+            else:
+                self.core.stats.bad_messages += 1
+        return reports
+
+    async def _hits(self, call: Any, queries: list) -> dict[int, int]:
+        """The storage actor's answer; a dead or slow one finds nothing (the
+        prefetches are revoked; the requests go on without L3)."""
+        if call is None:
+            return {}
+        try:
+            return await asyncio.wait_for(call, self.config.runtime.rank_timeout_s)
+        except Exception:
+            self.core.stats.storage_errors += 1
+            return {op: 0 for op, _ in queries}
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def _deliver(self, results: list[RequestResult]) -> None:
         for result in results:

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.coordinator import CoordinatorActor
 from actors.rank import RankActor
+from actors.storage import StorageActor
 from fabric.config import FabricConfig
 from fabric.consensus import Topology
 
@@ -28,6 +29,10 @@ def coordinator_name(config: FabricConfig) -> str:
     return f"{config.runtime.name}-coordinator"
 
 
+def storage_name(config: FabricConfig) -> str:
+    return f"{config.runtime.name}-storage"
+
+
 def uses_gpu(config: FabricConfig) -> bool:
     device = config.runtime.device
     return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
@@ -41,10 +46,11 @@ def remote(cls: type, **options: Any) -> Any:
 class Deployment:
     coordinator: Any
     ranks: list[Any]
+    storage: Any
     placement_groups: list[PlacementGroup]
 
     def kill(self) -> None:
-        for actor in [self.coordinator, *self.ranks]:
+        for actor in [self.coordinator, *self.ranks, self.storage]:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         for pg in self.placement_groups:
@@ -52,9 +58,18 @@ class Deployment:
 
 
 def deploy(config: FabricConfig) -> Deployment:
-    """Create the rank actors (one placement group per pipeline stage) and the
-    coordinator, and start its step loop."""
+    """Create the storage actor, the rank actors (one placement group per pipeline
+    stage) and the coordinator, and start its step loop."""
     topo = Topology(config.topology)
+    storage = remote(
+        StorageActor,
+        name=storage_name(config),
+        namespace=config.runtime.ray_namespace,
+        max_restarts=-1,
+        max_concurrency=16,
+        num_cpus=0,
+    ).remote(config.to_dict())
+    ray.get(storage.ping.remote(), timeout=120)
     gpu = uses_gpu(config)
     bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}
     ns = config.runtime.ray_namespace
@@ -79,7 +94,7 @@ def deploy(config: FabricConfig) -> Deployment:
                 num_gpus=1 if gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
             )
-            ranks.append((index, cls.remote(data, index)))
+            ranks.append((index, cls.remote(data, index, storage_name(config))))
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
     ray.get([h.info.remote() for h in handles], timeout=300)
@@ -90,6 +105,6 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=1000,
         num_cpus=0,
-    ).remote(data, [rank_name(config, i) for i in range(topo.world_size)])
+    ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_name(config))
     ray.get(coordinator.start.remote(), timeout=120)
-    return Deployment(coordinator, handles, groups)
+    return Deployment(coordinator, handles, storage, groups)

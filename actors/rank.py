@@ -1,31 +1,68 @@
-"""The rank actor: owns one ``RankWorker`` and its transfer thread."""
+"""The rank actor: owns one ``RankWorker``, its transfer thread and its storage thread."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
+
+import numpy as np
+import ray
 
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank import RankWorker
 
 
+class StorageActorLink:
+    """A rank's way to the storage actor: blocking calls, made only from the rank's
+    storage thread. A dead or restarting actor raises, which ends the operation."""
+
+    def __init__(self, name: str, namespace: str, timeout_s: float) -> None:
+        self.name, self.namespace, self.timeout_s = name, namespace, timeout_s
+        self._handle = None
+
+    def _actor(self):
+        if self._handle is None:
+            self._handle = ray.get_actor(self.name, namespace=self.namespace)
+        return self._handle
+
+    def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray:
+        return ray.get(self._actor().load.remote(suffix, page_hashes), timeout=self.timeout_s)
+
+    def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool:
+        return ray.get(
+            self._actor().store.remote(suffix, page_hashes, pages), timeout=self.timeout_s
+        )
+
+
 class RankActor:
     """One per (pp, cp, tp). ``step`` is the only message the coordinator sends per
-    step: it queues the batch and answers with all counters at once."""
+    step: it queues the batch and answers with all counters at once. Copies run
+    on a transfer thread, L3 traffic on a storage thread."""
 
-    def __init__(self, config: dict, index: int) -> None:
+    def __init__(self, config: dict, index: int, storage_name: str | None = None) -> None:
         self.config = FabricConfig.from_dict(config)
         self.max_bytes = self.config.runtime.max_message_bytes
-        self.worker = RankWorker(self.config, index)
+        link = None
+        if storage_name is not None:
+            runtime = self.config.runtime
+            link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
+        self.worker = RankWorker(self.config, index, storage=link)
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._transfer_loop, name="kv-transfers", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(run,), name=name, daemon=True)
+            for name, run in (
+                ("kv-transfers", self.worker.run_one),
+                ("kv-storage", self.worker.run_storage_one),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _transfer_loop(self) -> None:
+    def _loop(self, run_one: Callable[..., bool]) -> None:
         while not self._stop.is_set():
-            self.worker.run_one(block=True, timeout=0.1)
+            run_one(block=True, timeout=0.1)
 
     def step(self, batch: bytes) -> bytes:
         """Queue a step's commands; return this rank's report (msgpack)."""
@@ -45,7 +82,7 @@ class RankActor:
         return self.worker.verify(namespace, tokens, pages)
 
     def set_faults(self, delay_s: float = 0.0, fail_writes: bool = False) -> None:
-        """Chaos hook: delay every copy, or fail every write."""
+        """Chaos hook: delay every copy and L3 batch, or fail every write."""
         self.worker.faults.delay_s = delay_s
         self.worker.faults.fail_writes = fail_writes
 
@@ -58,7 +95,7 @@ class RankActor:
             "device": str(w.device),
             "l1_bytes": w.l1.nbytes,
             "l2_bytes": w.l2.nbytes,
-            "pid": __import__("os").getpid(),
+            "pid": os.getpid(),
         }
 
     def shutdown(self) -> None:

@@ -110,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         prompts = (packed for _, packed in iter_packed(requests))
         run = drive(fabric, prompts, args.inflight, _progress(len(requests)))
         print(file=sys.stderr)
+        fabric.settle()  # let the last backups reach L3 before the actors go
         fabric.check_integrity()
         stats = fabric.stats()
     finally:

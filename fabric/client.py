@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fabric.config import FabricConfig
@@ -107,6 +109,22 @@ class Fabric:
     def stats(self) -> dict:
         return self._call(self.coordinator.stats)
 
+    def attach_storage(self, backend: str, extra_config: str = "") -> str:
+        """Attach an L3 backend (``file``, ``redis``, ``dynamic``) at runtime;
+        ``extra_config`` is a JSON object or ``@file``."""
+        return self._call(self.coordinator.attach_storage, backend, extra_config)
+
+    def detach_storage(self, timeout_s: float = 30.0) -> bool:
+        return self._call(self.coordinator.detach_storage, timeout_s)
+
+    def clear_storage(self) -> bool:
+        """Delete every page in L3."""
+        return self._call(self.coordinator.clear_storage)
+
+    def settle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the fabric has nothing in flight (backups to L3 included)."""
+        return self._call(self.coordinator.settle, timeout_s)
+
     def check_integrity(self) -> None:
         self._call(self.coordinator.check_integrity)
 
@@ -131,6 +149,9 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     from actors.factory import deploy
 
     config = config or FabricConfig()
+    # Actors run in other working directories: pin a relative L3 path to this one.
+    path = str(Path(config.storage.path).expanduser().resolve())
+    config = config.replace(storage=replace(config.storage, path=path))
     address = address or config.runtime.address or None
     owns = False
     if not ray.is_initialized():

@@ -124,7 +124,7 @@ class PrefetchConfig(_Section):
 
     section: ClassVar[str] = "prefetch"
     threshold_tokens: int = _non_negative_int(256)
-    stop_policy: str = _one_of("best_effort", PREFETCH_STOP_POLICIES)
+    stop_policy: str = _one_of("timeout", PREFETCH_STOP_POLICIES)
     timeout_base_s: float = _non_negative_float(1.0)
     timeout_per_ki_token_s: float = _non_negative_float(0.25)
     timeout_max_s: float = _non_negative_float(10.0)

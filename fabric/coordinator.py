@@ -90,6 +90,7 @@ class FabricStats:
     latency_s_total: float = 0.0
     bad_messages: int = 0
     core_time_s: float = 0.0
+    storage_errors: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -406,6 +407,7 @@ class CoordinatorCore:
             "pending_loads": len(self.cache.pending_loads),
             "bad_messages": s.bad_messages,
             "core_time_s": s.core_time_s,
+            "storage_errors": s.storage_errors,
             "device": vars(self.cache.device_sizes()),
             "host": vars(self.cache.host_sizes()),
         }

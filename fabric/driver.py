@@ -19,7 +19,7 @@ from fabric.errors import FabricError
 class DriveStats:
     latencies_s: list[float] = field(default_factory=list)
     tokens_by_tier: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "computed": 0}
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0, "computed": 0}
     )
     refused: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -61,6 +61,7 @@ def drive(
                     stats.latencies_s.append(time.perf_counter() - t0)
                     stats.tokens_by_tier["device"] += result.device_hit_tokens
                     stats.tokens_by_tier["host"] += result.host_hit_tokens
+                    stats.tokens_by_tier["storage"] += result.storage_hit_tokens
                     stats.tokens_by_tier["computed"] += result.computed_tokens
                     fabric.release(result.lease)
             done += 1
