@@ -5,6 +5,9 @@ through the wire encoding."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from fabric.config import FabricConfig
 from fabric.coordinator import CoordinatorCore, RequestResult
 from fabric.l3.service import StorageService
@@ -13,9 +16,14 @@ from fabric.rank import RankWorker
 
 
 class LocalFabric:
-    def __init__(self, config: FabricConfig, storage: StorageService | None = None) -> None:
+    def __init__(
+        self,
+        config: FabricConfig,
+        storage: StorageService | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
-        self.core = CoordinatorCore(config)
+        self.core = CoordinatorCore(config, clock)
         self.storage = storage or StorageService(config)
         self.ranks = [
             RankWorker(config, i, storage=self.storage)
