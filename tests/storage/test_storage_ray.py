@@ -1,0 +1,140 @@
+"""L3 through real actors: persistence across fabrics, runtime attach/detach/clear,
+bad backend configs, and a storage actor killed mid-prefetch and mid-backup."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fabric.client import launch  # noqa: E402
+from fabric.errors import ConfigError  # noqa: E402
+from tests.fabric.conftest import prompt, small_config  # noqa: E402
+
+NS = "kvfabric-storage-tests"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make(tmp_path, name, *more):
+    return launch(
+        small_config(
+            f"runtime.name={name}",
+            f"runtime.ray_namespace={NS}",
+            "storage.backend=file",
+            f"storage.path={tmp_path / 'l3'}",
+            "prefetch.threshold_tokens=4",
+            "storage.transfer_batch_pages=2",
+            *more,
+        )
+    )
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_path):
+    tokens = prompt(1, pages=8)
+    first = make(tmp_path, "persist-a")
+    try:
+        r = first.submit(tokens, timeout=60)
+        first.release(r.lease)
+        assert first.settle(30)
+        assert first.stats()["storage_ops"]["backed_up_tokens"] == 32
+    finally:
+        first.shutdown()
+    second = make(tmp_path, "persist-b")
+    try:
+        r = second.submit(tokens, timeout=60)
+        assert r.storage_hit_tokens == 32 and r.computed_tokens == 0
+        assert second.verify(r, tokens) == [True] * 4
+        second.release(r.lease)
+        second.check_integrity()
+    finally:
+        second.shutdown()
+
+
+def test_attach_detach_clear_and_bad_configs_at_runtime(ray_session, tmp_path):
+    f = make(tmp_path, "attach", "storage.backend=none")
+    try:
+        tokens = prompt(2, pages=4)
+        assert f.stats()["l3"]["attached"] is False
+        with pytest.raises(ConfigError, match="is not JSON"):
+            f.attach_storage("file", "{not json")
+        with pytest.raises(ConfigError, match=r"\['bogus'\] unknown for backend 'file'"):
+            f.attach_storage("file", '{"bogus": 1}')
+        with pytest.raises(ConfigError, match="storage.backend='tape'"):
+            f.attach_storage("tape")
+        extra = f'{{"path": "{tmp_path / "l3"}"}}'
+        assert f.attach_storage("file", extra) == "attached"
+        assert f.attach_storage("file", extra) == "already attached"
+        with pytest.raises(ConfigError, match="detach it before"):
+            f.attach_storage(
+                "dynamic", '{"module": "tests.storage.memory_backend", "class": "MemoryBackend"}'
+            )
+        f.release(f.submit(tokens, timeout=60).lease)
+        assert f.settle(30)
+        assert f.stats()["l3"]["pages"] == 16
+        assert f.clear_storage()
+        assert f.stats()["l3"]["pages"] == 0
+        assert f.detach_storage(30)
+        assert f.stats()["l3"]["attached"] is False
+        r = f.submit(prompt(3, pages=4), timeout=60)
+        assert r.error is None and f.verify(r, prompt(3, pages=4)) == [True] * 4
+        f.release(r.lease)
+        f.check_integrity()
+    finally:
+        f.shutdown()
+
+
+def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path):
+    f = make(tmp_path, "chaos")
+    try:
+        storage = f._deployment.storage
+        # Mid-backup: every batch sleeps, then the actor dies under it.
+        ray.get(storage.set_faults.remote(delay_s=2.0))
+        r = f.submit(prompt(4, pages=6), timeout=60)
+        f.release(r.lease)
+        assert wait_for(lambda: f.stats()["storage_ops"]["pending_backups"] > 0, 10)
+        ray.kill(storage, no_restart=False)
+        assert f.settle(60), "failed backups are acked; nothing stays pending"
+        s = f.stats()["storage_ops"]
+        assert s["pending_backups"] == 0 and s["failed_backups"] >= 1
+        f.check_integrity()
+
+        # Store a prompt for real, then kill the actor while a fresh request prefetches it.
+        assert wait_for(lambda: "error" not in f.stats()["l3"], 60)
+        tokens = prompt(5, pages=8)
+        f.release(f.submit(tokens, timeout=60).lease)
+        assert f.settle(60)
+        g = make(tmp_path, "chaos-2")
+        try:
+            ray.get(g._deployment.storage.set_faults.remote(delay_s=1.0))
+            ref = g.submit_async(tokens)
+            assert wait_for(lambda: g.stats()["storage_ops"]["inflight_prefetches"] > 0, 20)
+            ray.kill(g._deployment.storage, no_restart=False)
+            r = g.result(ref, timeout=120)
+            assert r.error is None and r.storage_hit_tokens < 32
+            assert g.verify(r, tokens) == [True] * 4
+            g.release(r.lease)
+            assert g.settle(60)
+            assert g.stats()["storage_ops"]["inflight_prefetches"] == 0
+            g.check_integrity()
+        finally:
+            g.shutdown()
+        assert len(list((tmp_path / "l3").rglob("*.kv"))) >= 32, "L3 files are intact"
+    finally:
+        f.shutdown()
