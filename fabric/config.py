@@ -204,7 +204,7 @@ class StorageConfig(_Section):
     extra_config: str = _setting(
         "", str, "a JSON object, or @file.json/.toml/.yaml, of backend options", lambda v: True
     )
-    transfer_batch_pages: int = _positive_int(32)
+    transfer_batch_pages: int = _positive_int(64)
 
     @property
     def enabled(self) -> bool:
@@ -261,8 +261,9 @@ class FabricConfig:
         return asdict(self)
 
     def with_overrides(self, overrides: Iterable[str]) -> FabricConfig:
-        """A copy with ``section.key=value`` overrides applied; values are parsed as YAML
-        scalars, so ``cache.page_size=64`` gives an int and ``cache.kv_events=false`` a bool."""
+        """A copy with ``section.key=value`` overrides applied. Values of string keys
+        are taken as written; others are parsed as YAML scalars, so
+        ``cache.page_size=64`` gives an int and ``cache.kv_events=false`` a bool."""
         data = self.to_dict()
         for item in overrides:
             dotted, sep, raw = item.partition("=")
@@ -274,6 +275,10 @@ class FabricConfig:
                     f"unknown config section {section!r} in override {item!r}; "
                     f"known: {', '.join(sorted(data))}"
                 )
+            kinds = {f.name: f.metadata["kind"] for f in fields(self._sections[section])}  # type: ignore[arg-type]
+            if kinds.get(key) is str:
+                data[section][key] = raw  # strings are taken as written (JSON stays JSON)
+                continue
             try:
                 value = yaml.safe_load(raw)
             except yaml.YAMLError as exc:

@@ -1,0 +1,147 @@
+"""Backup and prefetch throughput through the storage actor against raw
+sequential file writes and reads of the same bytes in the same directory, same
+run; and the L3 hit rate on a workload after a restart.
+
+Backup: page batches go from a driver-side array, through Ray's object store,
+into the storage actor, which writes one verified file per page. Prefetch: the
+storage actor reads and verifies them and ships them back. The baseline writes
+(then reads) the same bytes as one file per page with plain ``open/write``:
+``backup_vs_raw_write`` and ``prefetch_vs_raw_read`` are raw time / actor time
+(goal >= 0.7 each).
+
+    python3 bench/storage_io.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import ray
+
+from actors.factory import remote
+from actors.storage import StorageActor
+from fabric.client import launch
+from fabric.config import FabricConfig
+from fabric.driver import drive
+from fabric.l3.service import page_geometry
+from fabric.workload import iter_packed, read_trace, synthetic_trace
+
+
+def io_throughput(root: pathlib.Path, pages: int, batch: int) -> dict:
+    config = FabricConfig().with_overrides(
+        [f"storage.path={root / 'actor'}", "model.layers=8", "model.head_dim=64"]
+    )
+    _, page_bytes = page_geometry(config)
+    data = np.random.default_rng(0).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
+    hashes = [os.urandom(32) for _ in range(pages)]
+    actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
+    ray.get(actor.ping.remote())
+
+    t0 = time.perf_counter()
+    oks = ray.get(
+        [
+            actor.store.remote("0-0-0", hashes[i : i + batch], data[i : i + batch])
+            for i in range(0, pages, batch)
+        ]
+    )
+    backup_s = time.perf_counter() - t0
+    assert all(oks)
+    t0 = time.perf_counter()
+    got = ray.get(
+        [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
+    )
+    prefetch_s = time.perf_counter() - t0
+    assert sum(len(g) for g in got) == pages
+
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
+    t0 = time.perf_counter()
+    for i in range(pages):
+        with open(raw_dir / f"{i}.bin", "wb") as f:
+            f.write(data[i].tobytes())
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(pages):
+        with open(raw_dir / f"{i}.bin", "rb") as f:
+            f.read()
+    read_s = time.perf_counter() - t0
+    ray.kill(actor)
+    mb = pages * page_bytes / 1e6
+    return {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "backup_MBps": round(mb / backup_s, 1),
+        "prefetch_MBps": round(mb / prefetch_s, 1),
+        "raw_write_MBps": round(mb / write_s, 1),
+        "raw_read_MBps": round(mb / read_s, 1),
+        "backup_vs_raw_write": round(write_s / backup_s, 3),
+        "prefetch_vs_raw_read": round(read_s / prefetch_s, 3),
+    }
+
+
+def hit_rate_after_restart(root: pathlib.Path, requests, inflight: int) -> dict:
+    config = FabricConfig().with_overrides(
+        [f"storage.path={root / 'fabric'}", "runtime.name=bench-l3", "cache.device_tokens=32768"]
+    )
+    packed = [p for _, p in iter_packed(requests)]
+    out = {}
+    for run in ("first", "after_restart"):
+        fabric = launch(config)
+        try:
+            stats = drive(fabric, packed, inflight)
+            fabric.settle(120)
+        finally:
+            fabric.shutdown()
+        tiers = stats.tokens_by_tier
+        total = max(1, sum(tiers.values()))
+        out[run] = {"tokens_by_tier": tiers, "l3_hit_rate": round(tiers["storage"] / total, 3)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer pages and requests, under a minute")
+    ap.add_argument(
+        "--trace", help="a Mooncake-format trace for the hit-rate part (default synthetic)"
+    )
+    ap.add_argument("--dir", help="directory to measure in (default: a temporary one)")
+    args = ap.parse_args()
+    root = pathlib.Path(tempfile.mkdtemp(dir=args.dir))
+    pages = 512 if args.quick else 4096
+    n = 30 if args.quick else 200
+    requests = read_trace(args.trace, n) if args.trace else synthetic_trace(n)
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False)
+        io = io_throughput(root, pages, batch=FabricConfig().storage.transfer_batch_pages)
+        print(
+            f"backup {io['backup_MBps']} MB/s vs raw write {io['raw_write_MBps']} MB/s "
+            f"({io['backup_vs_raw_write']}); prefetch {io['prefetch_MBps']} MB/s vs raw read "
+            f"{io['raw_read_MBps']} MB/s ({io['prefetch_vs_raw_read']})",
+            file=sys.stderr,
+        )
+        hits = hit_rate_after_restart(root, requests, inflight=8)
+        print(
+            f"L3 hit rate: first run {hits['first']['l3_hit_rate']}, after restart "
+            f"{hits['after_restart']['l3_hit_rate']}",
+            file=sys.stderr,
+        )
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({**io, "hit_rate": hits}))
+
+
+if __name__ == "__main__":
+    main()
