@@ -292,25 +292,29 @@ class FabricConfig:
         return replace(self, **sections)
 
 
-def load_config(path: str | Path) -> FabricConfig:
-    """Read a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file into a validated config."""
+def read_structured_file(path: str | Path, what: str) -> Any:
+    """The data in a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file; ``ConfigError``
+    naming ``what`` is being read and the problem otherwise."""
     path = Path(path)
     suffix = path.suffix.lower()
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     try:
         if suffix == ".json":
-            data = json.loads(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(
-                f"config file {str(path)!r} has suffix {suffix!r}; allowed: .json, .toml, .yaml, .yml"
-            )
+            return json.loads(text)
+        if suffix == ".toml":
+            return tomllib.loads(text)
+        if suffix in (".yaml", ".yml"):
+            return yaml.safe_load(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
-    return FabricConfig.from_dict(data)
+        raise ConfigError(f"{what}: {str(path)!r} does not parse: {exc}") from None
+    raise ConfigError(
+        f"{what}: {str(path)!r} has suffix {suffix!r}; allowed: .json, .toml, .yaml, .yml"
+    )
+
+
+def load_config(path: str | Path) -> FabricConfig:
+    """Read a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file into a validated config."""
+    return FabricConfig.from_dict(read_structured_file(path, "config file"))

@@ -12,98 +12,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 
+from fabric.cache_types import (
+    CacheStats,
+    InsertResult,
+    LoadBack,
+    MatchResult,
+    PinResult,
+    TierSizes,
+    WriteOp,
+)
 from fabric.config import CacheConfig, PrefetchConfig
 from fabric.controller import Completions, Controller
 from fabric.errors import InvalidInput
 from fabric.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from fabric.keys import TokenKey
 from fabric.node import TreeNode
-from fabric.radix import RadixTree, common_pages
+from fabric.radix import RadixTree
 from fabric.storage_ops import StorageOps
 from policies import get_eviction_policy, get_write_policy
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The cached prefix of a key.
-
-    ``device_pages``: L1 page indices of the device-resident prefix
-    (``device_tokens`` long). ``host_tokens``: the L2-only tail after it.
-    ``last_device_node``: the deepest matched node on device (root if none);
-    ``last_host_node``: the deepest matched node with a finished host copy
-    (root if none) — pass it to ``load_back`` when ``host_tokens > 0``.
-    """
-
-    device_pages: tuple[int, ...]
-    device_tokens: int
-    host_tokens: int
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-
-    @property
-    def matched_tokens(self) -> int:
-        return self.device_tokens + self.host_tokens
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    """``cached_tokens`` were on device already; the caller's pages for them were
-    freed (``duplicate_pages``). ``last_node`` ends the inserted key."""
-
-    cached_tokens: int
-    duplicate_pages: tuple[int, ...]
-    last_node: TreeNode
-
-
-@dataclass(frozen=True)
-class LoadBack:
-    """A queued L2 -> L1 load of ``tokens``; ``node`` stays locked until the load
-    completes."""
-
-    op_id: int
-    tokens: int
-    device_pages: tuple[int, ...]
-    node: TreeNode
-
-
-@dataclass(frozen=True)
-class PinResult:
-    pinned_tokens: int
-    reason: str | None
-
-
-@dataclass(frozen=True)
-class TierSizes:
-    """One tier's tokens: ``free + evictable + protected == capacity``."""
-
-    capacity: int
-    free: int
-    evictable: int
-    protected: int
-
-
-@dataclass(eq=False)
-class WriteOp:
-    """An in-flight L1 -> L2 copy of ``nodes`` (ancestors first; splits append).
-    ``lock_node`` holds one lock for the whole path; ``orphan_pages`` are host
-    pages already taken from their nodes, freed when the copy completes."""
-
-    op_id: int
-    nodes: list[TreeNode]
-    lock_node: TreeNode
-    evict_after: bool
-    orphan_pages: list[int] = field(default_factory=list)
-
-
-@dataclass
-class CacheStats:
-    device_evicted_tokens: int = 0
-    host_evicted_tokens: int = 0
-    written_tokens: int = 0
-    failed_write_tokens: int = 0
-    loaded_back_tokens: int = 0
 
 
 class HiCache:
@@ -614,44 +541,3 @@ class HiCache:
     def _check_count(kind: str, n: int, pending: int) -> None:
         if not isinstance(n, int) or not 0 <= n <= pending:
             raise InvalidInput(f"{n!r} {kind} completed but {pending} are pending")
-
-    def insert_host(
-        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: tuple[int, ...]
-    ) -> int:
-        """Insert ``host_pages`` (L2, filled by a prefetch) for the key's pages from
-        ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
-        them as their host copy; pages already in L2 are freed. Returns tokens
-        added as new L2-only nodes."""
-        tree, now = self.tree, self.clock()
-        pb, data = tree.page_bytes, key.data
-        start, end = start_page * pb, (start_page + len(host_pages)) * pb
-        node, used, duplicates = anchor, 0, []
-        while start < end:
-            child = node.children.get((key.namespace, data[start : start + pb]))
-            if child is None or child.write_op is not None:
-                break
-            if not data.startswith(child.key, start, end):
-                child = tree.split(child, common_pages(child.key, data, start, end, pb) * pb)
-            k = tree.pages(child)
-            child.last_access = now
-            if child.host_value is None:
-                child.host_value = host_pages[used : used + k]
-                self._stored(child, Medium.HOST)
-            else:
-                duplicates.extend(host_pages[used : used + k])
-            used += k
-            start += len(child.key)
-            node = child
-        added = 0
-        if start < end and (node.children.get((key.namespace, data[start : start + pb])) is None):
-            leaf = tree.attach(node, key.namespace, data[start:end], now, node.priority)
-            leaf.host_value = host_pages[used:]
-            tree.refresh(leaf)
-            tree.refresh(node)
-            self._stored(leaf, Medium.HOST)
-            added = len(host_pages) - used
-            used = len(host_pages)
-        duplicates.extend(host_pages[used:])
-        if duplicates:
-            self.ctl.host.free(duplicates)
-        return added * self.page_size

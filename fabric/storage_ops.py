@@ -22,6 +22,7 @@ from fabric.errors import InvalidInput
 from fabric.events import BlockStored, Medium
 from fabric.keys import TokenKey, chain_hashes, namespace_seed
 from fabric.node import TreeNode
+from fabric.radix import common_pages
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
 
@@ -252,9 +253,7 @@ class StorageOps:
             return 0
         done_pages = op.completed_tokens // size
         committed, tail = op.host_pages[:done_pages], op.host_pages[done_pages:]
-        added = (
-            self.cache.insert_host(op.anchor, op.key, op.start_page, committed) if committed else 0
-        )
+        added = self._insert_host(op.anchor, op.key, op.start_page, committed) if committed else 0
         self.stats.prefetched_tokens += added
         op.host_pages = tail
         self._reserve(op, len(tail) * size)
@@ -320,3 +319,45 @@ class StorageOps:
         self._release_anchor(op)
         self._reserve(op, 0)
         del self.by_op[op.op_id]
+
+    def _insert_host(
+        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: tuple[int, ...]
+    ) -> int:
+        """Insert ``host_pages`` (L2, filled by a prefetch) for the key's pages from
+        ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
+        them as their host copy; pages already in L2 are freed. Returns tokens
+        added as new L2-only nodes."""
+        cache = self.cache
+        tree, now = cache.tree, cache.clock()
+        pb, data = tree.page_bytes, key.data
+        start, end = start_page * pb, (start_page + len(host_pages)) * pb
+        node, used, duplicates = anchor, 0, []
+        while start < end:
+            child = node.children.get((key.namespace, data[start : start + pb]))
+            if child is None or child.write_op is not None:
+                break
+            if not data.startswith(child.key, start, end):
+                child = tree.split(child, common_pages(child.key, data, start, end, pb) * pb)
+            k = tree.pages(child)
+            child.last_access = now
+            if child.host_value is None:
+                child.host_value = host_pages[used : used + k]
+                cache._stored(child, Medium.HOST)
+            else:
+                duplicates.extend(host_pages[used : used + k])
+            used += k
+            start += len(child.key)
+            node = child
+        added = 0
+        if start < end and (node.children.get((key.namespace, data[start : start + pb])) is None):
+            leaf = tree.attach(node, key.namespace, data[start:end], now, node.priority)
+            leaf.host_value = host_pages[used:]
+            tree.refresh(leaf)
+            tree.refresh(node)
+            cache._stored(leaf, Medium.HOST)
+            added = len(host_pages) - used
+            used = len(host_pages)
+        duplicates.extend(host_pages[used:])
+        if duplicates:
+            cache.ctl.host.free(duplicates)
+        return added * cache.page_size

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from fabric.config import read_structured_file
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.codec import Provenance
@@ -30,29 +27,7 @@ def parse_extra_config(text: str) -> dict[str, Any]:
     if not text:
         return {}
     if text.startswith("@"):
-        path = Path(text[1:])
-        try:
-            raw = path.read_text()
-        except OSError as exc:
-            raise ConfigError(
-                f"storage.extra_config: cannot read {str(path)!r}: {exc.strerror}"
-            ) from None
-        suffix = path.suffix.lower()
-        try:
-            if suffix == ".json":
-                data = json.loads(raw)
-            elif suffix == ".toml":
-                data = tomllib.loads(raw)
-            elif suffix in (".yaml", ".yml"):
-                data = yaml.safe_load(raw)
-            else:
-                raise ConfigError(
-                    f"storage.extra_config: file suffix {suffix!r} is refused: allowed .json, .toml, .yaml"
-                )
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(
-                f"storage.extra_config: {str(path)!r} does not parse: {exc}"
-            ) from None
+        data = read_structured_file(text[1:], "storage.extra_config")
     else:
         try:
             data = json.loads(text)
