@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ from fabric.l3.service import page_geometry
 from fabric.workload import iter_packed, read_trace, synthetic_trace
 
 
-def io_throughput(root: pathlib.Path, pages: int, batch: int) -> dict:
+def io_throughput(root: pathlib.Path, pages: int, batch: int, repeats: int) -> dict:
     config = FabricConfig().with_overrides(
         [f"storage.path={root / 'actor'}", "model.layers=8", "model.head_dim=64"]
     )
@@ -47,34 +48,43 @@ def io_throughput(root: pathlib.Path, pages: int, batch: int) -> dict:
     actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
     ray.get(actor.ping.remote())
 
-    t0 = time.perf_counter()
-    oks = ray.get(
-        [
+    def backup() -> None:
+        calls = [
             actor.store.remote("0-0-0", hashes[i : i + batch], data[i : i + batch])
             for i in range(0, pages, batch)
         ]
-    )
-    backup_s = time.perf_counter() - t0
-    assert all(oks)
-    t0 = time.perf_counter()
-    got = ray.get(
-        [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
-    )
-    prefetch_s = time.perf_counter() - t0
-    assert sum(len(g) for g in got) == pages
+        assert all(ray.get(calls))
+
+    def prefetch() -> None:
+        calls = [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
+        assert sum(len(g) for g in ray.get(calls)) == pages
 
     raw_dir = root / "raw"
     raw_dir.mkdir()
-    t0 = time.perf_counter()
-    for i in range(pages):
-        with open(raw_dir / f"{i}.bin", "wb") as f:
-            f.write(data[i].tobytes())
-    write_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(pages):
-        with open(raw_dir / f"{i}.bin", "rb") as f:
-            f.read()
-    read_s = time.perf_counter() - t0
+
+    def raw_write() -> None:
+        for i in range(pages):
+            with open(raw_dir / f"{i}.bin", "wb") as f:
+                f.write(data[i].tobytes())
+
+    def raw_read() -> None:
+        for i in range(pages):
+            with open(raw_dir / f"{i}.bin", "rb") as f:
+                f.read()
+
+    # One warm-up pass each, then the median of interleaved repetitions.
+    times: dict[str, list[float]] = {"backup": [], "prefetch": [], "write": [], "read": []}
+    steps = (("backup", backup), ("write", raw_write), ("prefetch", prefetch), ("read", raw_read))
+    for _, fn in steps:
+        fn()
+    for _ in range(repeats):
+        for name, fn in steps:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    backup_s, write_s, prefetch_s, read_s = (
+        statistics.median(times[k]) for k in ("backup", "write", "prefetch", "read")
+    )
     ray.kill(actor)
     mb = pages * page_bytes / 1e6
     return {
@@ -124,7 +134,9 @@ def main() -> None:
     requests = read_trace(args.trace, n) if args.trace else synthetic_trace(n)
     try:
         ray.init(include_dashboard=False, log_to_driver=False)
-        io = io_throughput(root, pages, batch=FabricConfig().storage.transfer_batch_pages)
+        io = io_throughput(
+            root, pages, FabricConfig().storage.transfer_batch_pages, 3 if args.quick else 7
+        )
         print(
             f"backup {io['backup_MBps']} MB/s vs raw write {io['raw_write_MBps']} MB/s "
             f"({io['backup_vs_raw_write']}); prefetch {io['prefetch_MBps']} MB/s vs raw read "

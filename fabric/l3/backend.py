@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fabric.l3.codec import Provenance, check_key, decode_page, encode_page
+from fabric.l3.codec import Provenance, check_key, decode_page, encode_header
 
 
 class L3Backend(ABC):
@@ -51,27 +51,33 @@ class L3Backend(ABC):
         truncated or foreign page is a miss and counted under its reason."""
         n = 0
         for key in keys:
-            blob = self._read(check_key(key))
-            if blob is None:
-                self.count("get_miss")
+            refused = self._read_into(check_key(key), out[n])
+            if refused is not None:
+                self.count("get_miss" if refused == "miss" else f"refused_{refused}")
                 break
-            payload = decode_page(blob, self.provenance, self.page_bytes)
-            if isinstance(payload, str):
-                self.count(f"refused_{payload}")
-                break
-            out[n] = np.frombuffer(payload, dtype=np.uint8)
             n += 1
         self.count("get_pages", n)
         return n
+
+    def _read_into(self, key: str, row: np.ndarray) -> str | None:
+        """Verify one page into ``row``: ``None`` when served, else why not (``miss``,
+        or a ``decode_page`` reason). Backends may read straight into ``row``."""
+        blob = self._read(key)
+        if blob is None:
+            return "miss"
+        payload = decode_page(blob, self.provenance, self.page_bytes)
+        if isinstance(payload, str):
+            return payload
+        row[:] = np.frombuffer(payload, dtype=np.uint8)
+        return None
 
     def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
         """Store ``pages`` (``len(keys) x page_bytes`` uint8); per page, whether it was stored."""
         ok = []
         for i, key in enumerate(keys):
             try:
-                self._write(
-                    check_key(key), encode_page(memoryview(pages[i]).cast("B"), self.provenance)
-                )
+                payload = memoryview(pages[i]).cast("B")
+                self._write(check_key(key), (encode_header(payload, self.provenance), payload))
                 ok.append(True)
             except OSError:
                 self.count("set_failed")
@@ -97,7 +103,8 @@ class L3Backend(ABC):
     def _read(self, key: str) -> bytes | None: ...
 
     @abstractmethod
-    def _write(self, key: str, blob: bytes) -> None: ...
+    def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
+        """Store the page ``parts[0] + parts[1]`` (header, payload) under ``key``."""
 
     @abstractmethod
     def _exists(self, key: str) -> bool: ...

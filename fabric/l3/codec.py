@@ -59,7 +59,8 @@ def checksum(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload)
 
 
-def encode_page(payload: bytes | memoryview, provenance: Provenance) -> bytes:
+def encode_header(payload: bytes | memoryview, provenance: Provenance) -> bytes:
+    """Everything stored before ``payload``: ``encode_header(p) + p`` is the page."""
     header = msgpack.packb(
         {
             "v": FORMAT_VERSION,
@@ -69,29 +70,53 @@ def encode_page(payload: bytes | memoryview, provenance: Provenance) -> bytes:
         },
         use_bin_type=True,
     )
-    return b"".join((MAGIC, len(header).to_bytes(4, "little"), header, bytes(payload)))
+    return MAGIC + len(header).to_bytes(4, "little") + header
 
 
-def decode_page(blob: bytes, provenance: Provenance, payload_len: int) -> memoryview | str:
-    """The payload, or the reason it is refused: ``format``, ``truncated``,
-    ``checksum`` or ``provenance``."""
-    view = memoryview(blob)
-    if len(view) < len(MAGIC) + 4 or view[: len(MAGIC)] != MAGIC:
+def encode_page(payload: bytes | memoryview, provenance: Provenance) -> bytes:
+    return encode_header(payload, provenance) + bytes(payload)
+
+
+PREAMBLE = len(MAGIC) + 4
+
+
+def header_length(preamble: bytes | memoryview) -> int | str:
+    """The header's length from the first ``PREAMBLE`` bytes, or ``format``."""
+    if len(preamble) < PREAMBLE or preamble[: len(MAGIC)] != MAGIC:
         return "format"
-    n = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 4], "little")
-    start = len(MAGIC) + 4
-    if n > _MAX_HEADER or len(view) < start + n:
-        return "truncated"
+    n = int.from_bytes(preamble[len(MAGIC) : PREAMBLE], "little")
+    return n if n <= _MAX_HEADER else "format"
+
+
+def check_header(raw: bytes | memoryview, provenance: Provenance, payload_len: int) -> dict | str:
+    """The parsed header if it is this format, this provenance and this length."""
     try:
-        header = msgpack.unpackb(view[start : start + n], raw=False, strict_map_key=True)
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception:
         return "format"
     if not isinstance(header, dict) or header.get("v") != FORMAT_VERSION:
         return "format"
     if header.get("prov") != provenance.as_wire():
         return "provenance"
-    payload = view[start + n :]
-    if header.get("len") != payload_len or len(payload) != payload_len:
+    if header.get("len") != payload_len:
+        return "truncated"
+    return header
+
+
+def decode_page(blob: bytes, provenance: Provenance, payload_len: int) -> memoryview | str:
+    """The payload, or the reason it is refused: ``format``, ``truncated``,
+    ``checksum`` or ``provenance``."""
+    view = memoryview(blob)
+    n = header_length(view)
+    if isinstance(n, str):
+        return n
+    if len(view) < PREAMBLE + n:
+        return "truncated"
+    header = check_header(view[PREAMBLE : PREAMBLE + n], provenance, payload_len)
+    if isinstance(header, str):
+        return header
+    payload = view[PREAMBLE + n :]
+    if len(payload) != payload_len:
         return "truncated"
     if header.get("sum") != checksum(payload):
         return "checksum"

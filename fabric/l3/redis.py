@@ -39,11 +39,11 @@ class RedisBackend(L3Backend):
     def _read(self, key: str) -> bytes | None:
         return self.client.get(self.prefix + key)
 
-    def _write(self, key: str, blob: bytes) -> None:
+    def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
         import redis
 
         try:
-            self.client.set(self.prefix + key, blob)
+            self.client.set(self.prefix + key, b"".join(parts))
         except redis.RedisError as exc:
             raise OSError(str(exc)) from None
 

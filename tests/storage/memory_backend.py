@@ -16,8 +16,8 @@ class MemoryBackend(L3Backend):
     def _read(self, key):
         return self.blobs.get(key)
 
-    def _write(self, key, blob):
-        self.blobs[key] = blob
+    def _write(self, key, parts):
+        self.blobs[key] = b"".join(parts)
 
     def _exists(self, key):
         return key in self.blobs
