@@ -31,6 +31,7 @@ class CoordinatorActor:
         self.storage = ray.get_actor(storage_name, namespace=ns)
         self.futures: dict[str, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
 
     async def start(self) -> int:
@@ -43,6 +44,8 @@ class CoordinatorActor:
             if (await self.storage.stats.remote())["attached"]:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+            if self.config.runtime.metrics_port:
+                self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         return self.core.epoch
 
     async def submit(
@@ -197,6 +200,16 @@ class CoordinatorActor:
         except Exception:
             self.core.stats.storage_errors += 1
             return {op: 0 for op, _ in queries}
+
+    async def _export_metrics(self) -> None:
+        """Serve Prometheus metrics (localhost unless configured) refreshed each second."""
+        from fabric.metrics import MetricsExporter
+
+        exporter = MetricsExporter()
+        exporter.serve(self.config.runtime.metrics_port, self.config.runtime.metrics_host)
+        while True:
+            exporter.update(await self.stats())
+            await asyncio.sleep(1.0)
 
     def _wake(self) -> None:
         if self._wakeup is not None:

@@ -184,6 +184,12 @@ class RuntimeConfig(_Section):
     rank_timeout_s: float = _setting(30.0, float, "a number > 0", lambda v: v > 0)
     max_message_bytes: int = _setting(64 << 20, int, "an integer >= 4096", lambda v: v >= 4096)
     max_pending_requests: int = _positive_int(4096)
+    metrics_port: int = _setting(
+        0, int, "a TCP port, or 0 for no metrics endpoint", lambda v: 0 <= v < 65536
+    )
+    metrics_host: str = _setting(
+        "127.0.0.1", str, "an address to bind the metrics endpoint to", bool
+    )
 
     def allowed_namespaces(self) -> frozenset[str] | None:
         """``None`` when any namespace is allowed."""
