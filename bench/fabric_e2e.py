@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -38,7 +40,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
     n = 120 if args.quick else args.requests
-    config = FabricConfig().with_overrides(args.set)
+    l3 = tempfile.mkdtemp(prefix="kvfabric-bench-l3-")  # unless --set storage.path=...
+    config = FabricConfig().with_overrides([f"storage.path={l3}", *args.set])
     requests = read_trace(args.trace, n) if args.trace else synthetic_trace(n)
     packed = [p for _, p in iter_packed(requests) if len(p) // 4 <= config.cache.device_tokens]
     fabric = launch(config)
@@ -47,6 +50,7 @@ def main() -> None:
         stats = fabric.stats()
     finally:
         fabric.shutdown()
+        shutil.rmtree(l3, ignore_errors=True)
     latencies = sorted(run.latencies_s)
     tiers = run.tokens_by_tier
     elapsed = run.elapsed_s
