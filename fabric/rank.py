@@ -71,6 +71,8 @@ class RankWorker:
         self.faults = Faults()
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
+        self.idle = threading.Condition(self.lock)
+        self.copying = False
         self.epoch = 0
         self._reset_counters()
 
@@ -94,7 +96,12 @@ class RankWorker:
             if batch.epoch < self.epoch:
                 return
             if batch.epoch > self.epoch:
+                # Pages of the old epoch may already belong to new data: let the
+                # copy in flight finish (the storage thread checks the epoch
+                # before it writes) before the new epoch's commands are queued.
                 self.epoch = batch.epoch
+                while self.copying:
+                    self.idle.wait()
                 self._reset_counters()
             for cmd in batch.commands:
                 if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
@@ -149,7 +156,13 @@ class RankWorker:
             if not isinstance(group[0], Compute):
                 while self.queue and type(self.queue[0]) is type(group[0]):
                     group.append(self.queue.popleft())
-        ok = self._apply(group)
+            self.copying = True
+        try:
+            ok = self._apply(group)
+        finally:
+            with self.lock:
+                self.copying = False
+                self.idle.notify_all()
         with self.lock:
             if epoch != self.epoch:
                 return True  # a reset arrived meanwhile; these belong to the old epoch
@@ -209,7 +222,7 @@ class RankWorker:
                 return False
             cmd, epoch = self.storage_queue.popleft(), self.epoch
         if isinstance(cmd, Backup):
-            ok = self._backup(cmd)
+            ok = self._backup(cmd, epoch)
             with self.lock:
                 if epoch == self.epoch:
                     self.backups_done += 1
@@ -220,11 +233,14 @@ class RankWorker:
         self._prefetch(cmd, epoch)
         return True
 
-    def _backup(self, cmd: Backup) -> bool:
+    def _backup(self, cmd: Backup, epoch: int) -> bool:
         if self.storage is None:
             return False
         try:
-            rows = pages_to_bytes(self.l2, cmd.host_pages)
+            with self.lock:  # read the pages only while they are still this epoch's
+                if epoch != self.epoch:
+                    return False
+                rows = pages_to_bytes(self.l2, cmd.host_pages)
             return bool(self.storage.store(self.suffix, list(cmd.page_hashes), rows))
         except Exception:
             return False
@@ -248,8 +264,11 @@ class RankWorker:
                     time.sleep(self.faults.delay_s)
                 rows = self.storage.load(self.suffix, want)
                 got = len(rows)
-                if got:
-                    bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
+                with self.lock:  # write the pages only while they are still this op's
+                    if epoch != self.epoch:
+                        return
+                    if got:
+                        bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
             except Exception:
                 got, terminated = 0, True
             done += got

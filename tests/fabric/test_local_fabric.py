@@ -197,3 +197,34 @@ def test_consecutive_copies_of_a_step_are_merged_into_one_and_counted_each():
     rank.accept(batch)
     assert rank.run_pending() == 4, "three computes, then one merged copy"
     assert rank.report().writes_done == 3
+
+
+def test_a_new_epoch_waits_for_the_copy_in_flight():
+    import threading
+
+    from fabric.messages import Batch
+
+    f = LocalFabric(small_config())
+    rank = f.ranks[0]
+    started, release = threading.Event(), threading.Event()
+
+    class SlowFiller:
+        def fill(self, *args):
+            started.set()
+            release.wait(5)
+
+    rank.filler = SlowFiller()
+    f.core.submit(pack_tokens(prompt(1, pages=2)))
+    rank.accept(f.core.next_batch())
+    worker = threading.Thread(target=rank.run_one, kwargs={"block": False})
+    worker.start()
+    assert started.wait(5)
+    accepted = threading.Event()
+    threading.Thread(
+        target=lambda: (rank.accept(Batch(rank.epoch + 1, ())), accepted.set())
+    ).start()
+    assert not accepted.wait(0.3), "the new epoch waits while the old copy runs"
+    release.set()
+    assert accepted.wait(5)
+    worker.join(5)
+    assert rank.report().computes_done == 0, "the old epoch's compute is not counted in the new one"
