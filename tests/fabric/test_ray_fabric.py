@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ ray = pytest.importorskip("ray")
 
 from fabric.client import launch  # noqa: E402
 from fabric.errors import InvalidInput  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 from .conftest import prompt, small_config  # noqa: E402
 
@@ -29,15 +29,6 @@ def fabric():
     finally:
         f.shutdown()
         ray.shutdown()
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):

@@ -3,8 +3,6 @@ bad backend configs, and a storage actor killed mid-prefetch and mid-backup."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -12,6 +10,7 @@ ray = pytest.importorskip("ray")
 from fabric.client import launch  # noqa: E402
 from fabric.errors import ConfigError  # noqa: E402
 from tests.fabric.conftest import prompt, small_config  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 NS = "kvfabric-storage-tests"
 
@@ -35,15 +34,6 @@ def make(tmp_path, name, *more):
             *more,
         )
     )
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_path):
