@@ -44,46 +44,43 @@ def io_throughput(root: pathlib.Path, pages: int, batch: int, repeats: int) -> d
     )
     _, page_bytes = page_geometry(config)
     data = np.random.default_rng(0).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
-    hashes = [os.urandom(32) for _ in range(pages)]
     actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
     ray.get(actor.ping.remote())
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
 
-    def backup() -> None:
+    # Every round stores new pages under new names, as a backup does (a page's key
+    # is new until it is stored), and reads back what it just wrote.
+    def one_round(r: int) -> dict[str, float]:
+        hashes = [os.urandom(32) for _ in range(pages)]
+        took = {}
+        t0 = time.perf_counter()
         calls = [
             actor.store.remote("0-0-0", hashes[i : i + batch], data[i : i + batch])
             for i in range(0, pages, batch)
         ]
         assert all(ray.get(calls))
-
-    def prefetch() -> None:
+        took["backup"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         calls = [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
         assert sum(len(g) for g in ray.get(calls)) == pages
-
-    raw_dir = root / "raw"
-    raw_dir.mkdir()
-
-    def raw_write() -> None:
+        took["prefetch"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         for i in range(pages):
-            with open(raw_dir / f"{i}.bin", "wb") as f:
+            with open(raw_dir / f"{r}-{i}.bin", "wb") as f:
                 f.write(data[i].tobytes())
-
-    def raw_read() -> None:
+        took["write"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         for i in range(pages):
-            with open(raw_dir / f"{i}.bin", "rb") as f:
+            with open(raw_dir / f"{r}-{i}.bin", "rb") as f:
                 f.read()
+        took["read"] = time.perf_counter() - t0
+        return took
 
-    # One warm-up pass each, then the median of interleaved repetitions.
-    times: dict[str, list[float]] = {"backup": [], "prefetch": [], "write": [], "read": []}
-    steps = (("backup", backup), ("write", raw_write), ("prefetch", prefetch), ("read", raw_read))
-    for _, fn in steps:
-        fn()
-    for _ in range(repeats):
-        for name, fn in steps:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    one_round(-1)  # warm-up
+    rounds = [one_round(r) for r in range(repeats)]
     backup_s, write_s, prefetch_s, read_s = (
-        statistics.median(times[k]) for k in ("backup", "write", "prefetch", "read")
+        statistics.median(t[k] for t in rounds) for k in ("backup", "write", "prefetch", "read")
     )
     ray.kill(actor)
     mb = pages * page_bytes / 1e6
