@@ -149,7 +149,8 @@ class CoordinatorCore:
             or any(r.rid == rid for r in self.waiting)
         ):
             raise InvalidInput(f"request_id {rid!r} is already in use")
-        if len(self.waiting) + len(self.running) >= self.config.runtime.max_pending_requests:
+        pending = len(self.waiting) + len(self.running) + len(self.prefetching)
+        if pending >= self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
         self.waiting.append(_Request(rid, key, prompt, priority, self.clock()))
@@ -288,10 +289,11 @@ class CoordinatorCore:
         for req in list(self.running.values()):
             if req.compute_cmd is None or req.compute_cmd > self.ctl.computes_committed:
                 continue
-            del self.running[req.rid]
             if req.compute_cmd in done.failed_computes:
+                # Its pages may hold anything on some rank: drop L1/L2, retry it.
                 out.extend(self.reset(f"compute of {req.rid} failed on a rank"))
                 break
+            del self.running[req.rid]
             out.append(self._finish(req))
         return out
 

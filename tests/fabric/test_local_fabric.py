@@ -228,3 +228,23 @@ def test_a_new_epoch_waits_for_the_copy_in_flight():
     assert accepted.wait(5)
     worker.join(5)
     assert rank.report().computes_done == 0, "the old epoch's compute is not counted in the new one"
+
+
+def test_a_compute_failing_on_a_rank_resets_and_retries_the_request():
+    f = LocalFabric(small_config())
+    tokens = pack_tokens(prompt(1, pages=3))
+
+    class Broken:
+        def fill(self, *args):
+            raise RuntimeError("the model crashed")
+
+    healthy = f.ranks[2].filler
+    f.ranks[2].filler = Broken()
+    rid = f.core.submit(tokens)
+    f.step()
+    assert f.core.stats.resets == 1 and f.core.stats.retried == 1
+    f.ranks[2].filler = healthy
+    for _ in range(5):
+        f.step()
+    result = f.results[rid]
+    assert result.error is None and f.verify(result, tokens) == [True] * 4
