@@ -19,6 +19,7 @@ from fabric.config import FabricConfig
 from fabric.consensus import Consensus, Round, Topology
 from fabric.controller import Completions
 from fabric.errors import InvalidInput
+from fabric.events import KVEvent
 from fabric.fabric_controller import FabricController
 from fabric.hicache import HiCache
 from fabric.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
@@ -113,6 +114,8 @@ class CoordinatorCore:
         self._failed: list[RequestResult] = []
         self._blocked = False
         self._ids = itertools.count(1)
+        # KV events for a KV-aware router, oldest dropped past the bound.
+        self.events: deque[KVEvent] = deque(maxlen=config.runtime.max_pending_requests * 16)
 
     # -- client calls ------------------------------------------------------------------
 
@@ -220,6 +223,7 @@ class CoordinatorCore:
             self.stats.failed += 1
             self._failed.append(RequestResult(req.rid, req.prompt_tokens, error="no room in L1"))
         self.cache.write_through()
+        self.events.extend(self.cache.take_events())
         forget, self._forget = tuple(sorted(self._forget)), set()
         return Batch(self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget)
 
@@ -285,6 +289,7 @@ class CoordinatorCore:
             )
         )
         self._forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
+        self.events.extend(self.cache.take_events())
         out = self._take_failed()
         for req in list(self.running.values()):
             if req.compute_cmd is None or req.compute_cmd > self.ctl.computes_committed:
@@ -324,6 +329,11 @@ class CoordinatorCore:
             lease=lease,
         )
 
+    def take_events(self, limit: int = 10_000) -> list[KVEvent]:
+        """Drain up to ``limit`` of the oldest KV events (``BlockStored``,
+        ``BlockRemoved``, ``AllBlocksCleared``)."""
+        return [self.events.popleft() for _ in range(min(limit, len(self.events)))]
+
     def _unlock(self, req: _Request) -> None:
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
@@ -339,7 +349,7 @@ class CoordinatorCore:
         self.stats.resets += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.cache.reset()
-        self.cache.take_events()
+        self.events.extend(self.cache.take_events())
         self.epoch += 1
         self._blocked = False
         self.leases.clear()

@@ -248,3 +248,17 @@ def test_a_compute_failing_on_a_rank_resets_and_retries_the_request():
         f.step()
     result = f.results[rid]
     assert result.error is None and f.verify(result, tokens) == [True] * 4
+
+
+def test_kv_events_are_drained_each_step_and_kept_for_a_router():
+    from fabric.events import BlockStored, Medium
+
+    f = LocalFabric(small_config())
+    tokens = pack_tokens(prompt(1, pages=2))
+    f.core.release(f.serve(tokens).lease)
+    f.settle()
+    assert f.core.cache.events == [], "the cache's own queue is drained every step"
+    events = f.core.take_events()
+    stored = {e.medium for e in events if isinstance(e, BlockStored)}
+    assert stored == {Medium.DEVICE, Medium.HOST}
+    assert f.core.take_events() == []
