@@ -39,8 +39,8 @@ class CoordinatorActor:
         newer than any rank has seen, so every rank resets its counters."""
         if self._task is None:
             self._wakeup = asyncio.Event()
-            reports = await asyncio.gather(*(a.report.remote() for a in self.ranks))
-            self.core.epoch = max([decode(r).epoch for r in reports] + [0]) + 1  # type: ignore[attr-defined]
+            replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
+            self.core.start([decode(r) for r in replies])  # type: ignore[misc]
             if (await self.storage.stats.remote())["attached"]:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())

@@ -225,7 +225,19 @@ class CoordinatorCore:
         self.cache.write_through()
         self.events.extend(self.cache.take_events())
         forget, self._forget = tuple(sorted(self._forget)), set()
-        return Batch(self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget)
+        known = self.consensus.incarnations
+        incarnations = tuple(known.get(i, "") for i in range(self.topology.world_size))
+        return Batch(
+            self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget, incarnations
+        )
+
+    def start(self, reports: Sequence[Report]) -> int:
+        """Open the first epoch: newer than any rank has seen (so each resets its
+        counters), addressed to the incarnations the ranks report now."""
+        self.epoch = max([r.epoch for r in reports] + [0]) + 1
+        for r in reports:
+            self.consensus.incarnations[r.rank] = r.incarnation
+        return self.epoch
 
     def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
         """This step's L3 hit queries, for the storage actor: ``(op_id, page_hashes)``."""

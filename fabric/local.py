@@ -29,6 +29,7 @@ class LocalFabric:
             RankWorker(config, i, storage=self.storage)
             for i in range(self.core.topology.world_size)
         ]
+        self.core.start([r.report() for r in self.ranks])
         if self.storage.backend is not None:
             self.core.storage_attached()
         self.results: dict[str, RequestResult] = {}

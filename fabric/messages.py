@@ -160,14 +160,25 @@ def _commands(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class Batch(Message):
-    """One step's commands for one rank, in the order to apply them. ``epoch`` changes
-    when the coordinator resets the fabric; a rank starts counting again then."""
+    """One step's commands for every rank, in the order to apply them. ``epoch``
+    changes when the coordinator resets the fabric; a rank starts counting again
+    then. ``incarnations`` names, per rank index, the incarnation the commands are
+    for: a rank restarted since then holds none of their pages and applies none."""
 
     epoch: int
     commands: tuple[Message, ...]
     stop: tuple[int, ...] = ()
     forget: tuple[int, ...] = ()
-    CHECKS: ClassVar = {"epoch": _int, "commands": _commands, "stop": _ints, "forget": _ints}
+    incarnations: tuple[str, ...] = ()
+    CHECKS: ClassVar = {
+        "epoch": _int,
+        "commands": _commands,
+        "stop": _ints,
+        "forget": _ints,
+        "incarnations": lambda v: (
+            isinstance(v, (list, tuple)) and all(isinstance(s, str) and len(s) <= 64 for s in v)
+        ),
+    }
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Batch:
@@ -178,7 +189,7 @@ class Batch(Message):
         raw["commands"] = []
         batch = super().from_wire(raw)
         decoded = tuple(_decode_obj(c, COMMANDS) for c in commands)  # type: ignore[union-attr]
-        return cls(batch.epoch, decoded, batch.stop, batch.forget)  # type: ignore[attr-defined]
+        return cls(batch.epoch, decoded, batch.stop, batch.forget, batch.incarnations)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,10 @@ class RankWorker:
                 while self.copying:
                     self.idle.wait()
                 self._reset_counters()
-            for cmd in batch.commands:
+            addressed = self.index < len(batch.incarnations) and (
+                batch.incarnations[self.index] == self.incarnation
+            )
+            for cmd in batch.commands if addressed else ():
                 if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
                     continue
                 self.last_cmd_id = cmd.cmd_id  # type: ignore[attr-defined]

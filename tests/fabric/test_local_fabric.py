@@ -262,3 +262,15 @@ def test_kv_events_are_drained_each_step_and_kept_for_a_router():
     stored = {e.medium for e in events if isinstance(e, BlockStored)}
     assert stored == {Medium.DEVICE, Medium.HOST}
     assert f.core.take_events() == []
+
+
+def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():
+    config = small_config()
+    f = LocalFabric(config)
+    f.core.submit(pack_tokens(prompt(1, pages=2)))
+    batch = f.core.next_batch()
+    fresh = RankWorker(config, 0)  # restarted: empty pools, new incarnation
+    fresh.accept(batch)
+    assert fresh.run_pending() == 0, "its pages are gone: it must not compute or copy into them"
+    f.ranks[0].accept(batch)
+    assert f.ranks[0].run_pending() == 2

@@ -28,7 +28,15 @@ def test_round_trip_of_every_message():
         (msgpack.packb({"v": 1, "t": "Batch", "epoch": 1}), "commands"),
         (
             msgpack.packb(
-                {"v": 1, "t": "Batch", "epoch": -1, "commands": [], "stop": [], "forget": []}
+                {
+                    "v": 1,
+                    "t": "Batch",
+                    "epoch": -1,
+                    "commands": [],
+                    "stop": [],
+                    "forget": [],
+                    "incarnations": [],
+                }
             ),
             "epoch",
         ),
@@ -41,6 +49,7 @@ def test_round_trip_of_every_message():
                     "epoch": 1,
                     "stop": [],
                     "forget": [],
+                    "incarnations": [],
                     "commands": [
                         {"v": 1, "t": "Write", "cmd_id": 1, "device_pages": [1.5], "host_pages": []}
                     ],
@@ -56,6 +65,7 @@ def test_round_trip_of_every_message():
                     "epoch": 1,
                     "stop": [],
                     "forget": [],
+                    "incarnations": [],
                     "commands": [{"v": 1, "t": "Report"}],
                 }
             ),
