@@ -227,8 +227,9 @@ class CoordinatorCore:
         forget, self._forget = tuple(sorted(self._forget)), set()
         known = self.consensus.incarnations
         incarnations = tuple(known.get(i, "") for i in range(self.topology.world_size))
+        acked = self.ctl.acked()
         return Batch(
-            self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget, incarnations
+            self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget, incarnations, acked
         )
 
     def start(self, reports: Sequence[Report]) -> int:

@@ -102,6 +102,12 @@ class FabricController(Controller):
     def take_completions(self) -> Completions:
         return Completions()
 
+    def acked(self) -> int:
+        """The highest command id up to which every counted command is committed."""
+        oldest = [q[0][0] for q in (self.writes, self.backups) if q]
+        oldest += [q[0] for q in (self.loads, self.computes) if q]
+        return (min(oldest) if oldest else self._next_cmd + 1) - 1
+
     def busy(self) -> bool:
         return bool(
             self.outbox

@@ -163,14 +163,17 @@ class Batch(Message):
     """One step's commands for every rank, in the order to apply them. ``epoch``
     changes when the coordinator resets the fabric; a rank starts counting again
     then. ``incarnations`` names, per rank index, the incarnation the commands are
-    for: a rank restarted since then holds none of their pages and applies none."""
+    for: a rank restarted since then holds none of their pages and applies none.
+    Every command up to ``acked`` is committed: a rank forgets their failures."""
 
     epoch: int
     commands: tuple[Message, ...]
     stop: tuple[int, ...] = ()
     forget: tuple[int, ...] = ()
     incarnations: tuple[str, ...] = ()
+    acked: int = 0
     CHECKS: ClassVar = {
+        "acked": _int,
         "epoch": _int,
         "commands": _commands,
         "stop": _ints,
@@ -189,7 +192,14 @@ class Batch(Message):
         raw["commands"] = []
         batch = super().from_wire(raw)
         decoded = tuple(_decode_obj(c, COMMANDS) for c in commands)  # type: ignore[union-attr]
-        return cls(batch.epoch, decoded, batch.stop, batch.forget, batch.incarnations)  # type: ignore[attr-defined]
+        return cls(
+            batch.epoch,  # type: ignore[attr-defined]
+            decoded,
+            batch.stop,  # type: ignore[attr-defined]
+            batch.forget,  # type: ignore[attr-defined]
+            batch.incarnations,  # type: ignore[attr-defined]
+            batch.acked,  # type: ignore[attr-defined]
+        )
 
 
 @dataclass(frozen=True)

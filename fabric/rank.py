@@ -117,6 +117,8 @@ class RankWorker:
                     self.storage_queue.append(cmd)
                 else:
                     self.queue.append(cmd)
+            if batch.acked:
+                self.failed = [c for c in self.failed if c > batch.acked]
             self.stopping.update(op for op in batch.stop if op in self.prefetch_ops)
             for op in batch.forget:
                 self.prefetch.pop(op, None)

@@ -274,3 +274,15 @@ def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():
     assert fresh.run_pending() == 0, "its pages are gone: it must not compute or copy into them"
     f.ranks[0].accept(batch)
     assert f.ranks[0].run_pending() == 2
+
+
+def test_ranks_forget_failures_once_the_coordinator_has_committed_them():
+    f = LocalFabric(small_config())
+    f.ranks[1].faults.fail_writes = True
+    f.core.release(f.serve(pack_tokens(prompt(1, pages=2))).lease)
+    assert f.ranks[1].report().failed, "the failed write is reported"
+    f.ranks[1].faults.fail_writes = False
+    f.settle()
+    f.step()
+    assert f.ranks[1].report().failed == (), "committed, so forgotten: reports stay small"
+    assert f.core.cache.stats.failed_write_tokens == 8

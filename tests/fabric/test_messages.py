@@ -36,6 +36,7 @@ def test_round_trip_of_every_message():
                     "stop": [],
                     "forget": [],
                     "incarnations": [],
+                    "acked": 0,
                 }
             ),
             "epoch",
@@ -50,6 +51,7 @@ def test_round_trip_of_every_message():
                     "stop": [],
                     "forget": [],
                     "incarnations": [],
+                    "acked": 0,
                     "commands": [
                         {"v": 1, "t": "Write", "cmd_id": 1, "device_pages": [1.5], "host_pages": []}
                     ],
@@ -66,6 +68,7 @@ def test_round_trip_of_every_message():
                     "stop": [],
                     "forget": [],
                     "incarnations": [],
+                    "acked": 0,
                     "commands": [{"v": 1, "t": "Report"}],
                 }
             ),
