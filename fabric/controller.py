@@ -120,7 +120,6 @@ class InProcessController(Controller):
         self.page_size = page_size
         self.immediate = immediate
         self.storage: set[bytes] = set()
-        self.log: list[tuple[str, int]] = []
         self.reset_queues()
 
     def reset_queues(self) -> None:
@@ -132,27 +131,21 @@ class InProcessController(Controller):
         self.stopped: list[int] = []
 
     def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.log.append(("write", op_id))
         self.writes.append(op_id)
 
     def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.log.append(("load", op_id))
         self.loads.append(op_id)
 
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        self.log.append(("backup", op_id))
         self.backups.append(_Queued(op_id, tuple(host_pages), tuple(page_hashes)))
 
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
-        self.log.append(("query", op_id))
         self.queries.append(_Queued(op_id, (), tuple(page_hashes)))
 
     def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        self.log.append(("prefetch", op_id))
         self.prefetches[op_id] = _Queued(op_id, tuple(host_pages), tuple(page_hashes))
 
     def stop_prefetch(self, op_id: int) -> None:
-        self.log.append(("stop_prefetch", op_id))
         self.prefetches.pop(op_id, None)
         self.stopped.append(op_id)
 

@@ -6,7 +6,7 @@ through the wire encoding."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from fabric.config import FabricConfig
 from fabric.coordinator import CoordinatorCore, RequestResult
@@ -34,15 +34,16 @@ class LocalFabric:
             self.core.storage_attached()
         self.results: dict[str, RequestResult] = {}
 
-    def step(self, run_ranks: bool = True) -> list[RequestResult]:
-        """One coordinator step: send a batch, let ranks work, reduce their reports
-        and the storage service's hit counts."""
+    def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
+        """One coordinator step: send a batch, let ranks work (all but the indices
+        in ``lagging``; none without ``run_ranks``), reduce their reports and the
+        storage service's hit counts."""
         wire = encode(self.core.next_batch())
         batch_pages = self.config.prefetch.query_batch_pages
         hits = {op: self.storage.query(h, batch_pages) for op, h in self.core.take_queries()}
-        for rank in self.ranks:
+        for i, rank in enumerate(self.ranks):
             rank.accept(decode(wire))  # type: ignore[arg-type]
-            if run_ranks:
+            if run_ranks and i not in lagging:
                 rank.run_pending()
                 rank.run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]

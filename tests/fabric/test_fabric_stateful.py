@@ -67,17 +67,7 @@ class FabricMachine(RuleBasedStateMachine):
 
     @rule(lagging=st.sets(st.integers(0, 3), max_size=2))
     def step(self, lagging):
-        f = self.fabric
-        from fabric.messages import decode, encode
-
-        wire = encode(f.core.next_batch())
-        hits = {op: f.storage.query(h) for op, h in f.core.take_queries()}
-        for i, rank in enumerate(f.ranks):
-            rank.accept(decode(wire))
-            if i not in lagging:
-                rank.run_pending()
-                rank.run_storage_pending()
-        for result in f.core.on_round([r.report() for r in f.ranks], hits):
+        for result in self.fabric.step(lagging=lagging):
             if result.lease is not None:
                 self.held[result.request_id] = result
         self.restart_unseen = False
