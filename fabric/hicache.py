@@ -399,8 +399,12 @@ class HiCache:
             return None
         if mem_quota is not None and tokens > mem_quota:
             return None
+        # Making room in L1 may write back to L2 (write_back), which may evict L2:
+        # the chain being loaded must survive both.
         tree.inc_lock_ref(top)
+        node.host_ref += 1
         pages = self._alloc(self.ctl.device, tokens, self.evict)
+        node.host_ref -= 1
         tree.dec_lock_ref(top)
         if pages is None:
             return None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fabric.config import PrefetchConfig
 from fabric.storage_ops import PrefetchState
+from tests.helpers import machine_settings
 
 from .conftest import FakeClock, P, make_cache, toks
 
@@ -195,10 +195,25 @@ class CacheMachine(RuleBasedStateMachine):
             )
 
 
-CacheMachine.TestCase.settings = settings(
-    max_examples=400,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+CacheMachine.TestCase.settings = machine_settings(examples=400, steps=60)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_load_back_survives_the_l2_eviction_its_own_l1_eviction_causes():
+    """Found by this machine: under write_back, making L1 room for a load-back wrote
+    an L1 leaf back to L2, which evicted the very L2 chain being loaded."""
+    m = CacheMachine()
+    m.setup(write_policy="write_back", eviction_policy="mru", stop_policy="best_effort")
+    m.start_prefetch("a", [1])
+    m.insert("a", [1, 0, 0, 0, 0, 0], 0)
+    m.advance_all_prefetches(1)
+    m.start_prefetch("a", [0])
+    m.start_prefetch("a", [0, 0, 0, 0])
+    m.start_prefetch("a", [0, 0, 0, 0])
+    m.start_prefetch("a", [0, 0])
+    m.advance_all_prefetches(4)
+    m.insert("a", [2, 0, 0, 0], 0)
+    m.insert("a", [0], 0)
+    m.insert("a", [0, 0, 0, 0, 0, 0], 0)
+    m.load_back("a", [1], None)
+    m.integrity()

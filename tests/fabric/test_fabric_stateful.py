@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import tempfile
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fabric.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.rank import RankWorker
+from tests.helpers import machine_settings
 
 from .conftest import small_config
 
@@ -107,10 +107,5 @@ class FabricMachine(RuleBasedStateMachine):
             assert f.verify(self.held[rid], self.tokens[rid]) == [True] * 4, rid
 
 
-FabricMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FabricMachine.TestCase.settings = machine_settings(examples=60, steps=30)
 TestFabricMachine = FabricMachine.TestCase
