@@ -31,20 +31,35 @@ def namespace_seed(namespace: str) -> bytes:
 
 
 def check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
+    """``namespace`` if it is a non-empty str of at most ``MAX_NAMESPACE_CHARS`` that
+    encodes as UTF-8 (it seeds hashes and travels in messages); else ``InvalidInput``."""
+    ok = isinstance(namespace, str) and 0 < len(namespace) <= MAX_NAMESPACE_CHARS
+    if ok:
+        try:
+            namespace.encode("utf-8")  # type: ignore[union-attr]
+        except UnicodeEncodeError:
+            ok = False
+    if not ok:
         raise InvalidInput(
             f"namespace {namespace!r} is refused: allowed is a non-empty str of at most "
-            f"{MAX_NAMESPACE_CHARS} characters"
+            f"{MAX_NAMESPACE_CHARS} characters that encodes as UTF-8"
         )
-    return namespace
+    return namespace  # type: ignore[return-value]
 
 
 def pack_tokens(tokens: Iterable[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes; ``InvalidInput`` naming the first bad token."""
+    """Token ids as little-endian uint32 bytes; ``InvalidInput`` naming the first bad
+    token (bools are refused although Python counts them as ints)."""
     try:
-        packed = array(_TOKEN_TYPECODE, tokens)
+        items = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    except TypeError:
+        raise InvalidInput(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from None
+    try:
+        if bool in set(map(type, items)):
+            raise TypeError("bool token")
+        packed = array(_TOKEN_TYPECODE, items)
     except (TypeError, OverflowError, ValueError):
-        raise _bad_token(tokens) from None
+        raise _bad_token(items) from None
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()

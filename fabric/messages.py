@@ -35,7 +35,13 @@ def _ints(v: Any) -> bool:
 
 
 def _str(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= 256
+    if not (isinstance(v, str) and 0 < len(v) <= 256):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bytes(v: Any) -> bool:
@@ -260,7 +266,8 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
-    """Decode and validate one top-level message (``Batch`` or ``Report``)."""
+    """Decode and validate one top-level message (``Batch`` or ``Report``). Raises
+    ``InvalidMessage`` — and nothing else — for any input that is not one."""
     if not isinstance(data, (bytes, bytearray)):
         raise InvalidMessage(f"a message must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -276,15 +283,22 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
         raise
     except Exception as exc:
         raise InvalidMessage(f"message does not decode: {exc}") from None
-    return _decode_obj(obj, MESSAGES)
+    try:
+        return _decode_obj(obj, MESSAGES)
+    except InvalidMessage:
+        raise
+    except Exception as exc:  # RecursionError, TypeError, ...: malformed, whatever the cause
+        raise InvalidMessage(f"message is malformed ({type(exc).__name__})") from None
 
 
 def _decode_obj(obj: Any, known: dict[str, type[Message]]) -> Message:
     if not isinstance(obj, dict):
         raise InvalidMessage(f"a message must be a map, got {type(obj).__name__}")
-    if obj.get("v") != VERSION:
-        raise InvalidMessage(f"message version {obj.get('v')!r} is not {VERSION}")
-    cls = known.get(obj.get("t"))  # type: ignore[arg-type]
+    version = obj.get("v")
+    if type(version) is not int or version != VERSION:
+        raise InvalidMessage(f"message version {_short(version)} is not {VERSION}")
+    kind = obj.get("t")
+    cls = known.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise InvalidMessage(f"message type {obj.get('t')!r} is unknown; known: {sorted(known)}")
+        raise InvalidMessage(f"message type {_short(kind)} is unknown; known: {sorted(known)}")
     return cls.from_wire(obj)

@@ -20,13 +20,15 @@ def test_key_cuts_unaligned_tail_and_chains_hashes_from_namespace():
     assert TokenKey(list(range(8)), 4, "tenant-b").page_hashes()[0] != h0
 
 
-@pytest.mark.parametrize("tokens", [[1, -1], [1, 2.5], [2**32], "ab", None, [1, "2"]])
+@pytest.mark.parametrize(
+    "tokens", [[1, -1], [1, 2.5], [2**32], "ab", None, [1, "2"], [1, True], (False, 2)]
+)
 def test_bad_tokens_are_refused_naming_the_token(tokens):
     with pytest.raises(InvalidInput, match="token|tokens"):
         TokenKey(tokens, 4)
 
 
-@pytest.mark.parametrize("namespace", ["", None, 3, "x" * 300])
+@pytest.mark.parametrize("namespace", ["", None, 3, "x" * 300, "tenant-\udcff", "\ud800"])
 def test_bad_namespaces_are_refused(namespace):
     with pytest.raises(InvalidInput, match="namespace"):
         TokenKey([1, 2, 3, 4], 4, namespace)
