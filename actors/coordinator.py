@@ -9,6 +9,8 @@ storage actor) and awaits all replies together, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -20,6 +22,24 @@ from fabric.coordinator import CoordinatorCore, Lease, RequestResult
 from fabric.errors import InvalidInput
 from fabric.l3.service import backend_spec
 from fabric.messages import InvalidMessage, Report, decode, encode
+
+log = logging.getLogger(__name__)
+
+# How often the coordinator checks that the drivers holding leases still run.
+OWNER_CHECK_S = 2.0
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def _dead_jobs() -> set[str]:
+    """Ray job ids of drivers that have exited (empty if Ray cannot say)."""
+    try:
+        from ray._private.state import jobs
+    except ImportError:  # pragma: no cover - a Ray without the private state API
+        return set()
+    return {job["JobID"] for job in jobs() if job.get("IsDead")}
 
 
 class CoordinatorActor:
@@ -33,6 +53,7 @@ class CoordinatorActor:
         self._task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._next_owner_check = 0.0
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
@@ -54,10 +75,11 @@ class CoordinatorActor:
         namespace: str = "default",
         priority: int = 0,
         request_id: str | None = None,
+        owner: str | None = None,
     ) -> RequestResult:
         if self._task is None:  # a restarted coordinator starts on its first request
             await self.start()
-        rid = self.core.submit(tokens, namespace, priority, request_id)
+        rid = self.core.submit(tokens, namespace, priority, request_id, owner)
         future = asyncio.get_running_loop().create_future()
         self.futures[rid] = future
         self._wake()
@@ -70,18 +92,22 @@ class CoordinatorActor:
             return True
         return request_id in self.core.running
 
-    async def release(self, lease: Lease | str) -> bool:
+    async def release(self, lease: Lease) -> bool:
         released = self.core.release(lease)
         if released:
             self._wake()
         return released
 
+    async def renew(self, lease: Lease) -> bool:
+        """Extend a lease by its TTL from now; ``False`` if it is gone."""
+        return self.core.renew(lease)
+
     async def verify(self, lease: Lease, tokens: bytes) -> list[bool]:
         """Per rank, whether the lease's pages hold exactly the producer's KV of
         ``tokens``. Call while holding the lease."""
-        held = self.core.leases.get(lease.request_id)
-        if held is None or held[0] != lease:
-            raise InvalidInput(f"lease {lease.request_id!r} is not held (released, or reset)")
+        held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
+        if held is None or held.lease != lease:
+            raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
         cached = tokens[: lease.tokens * 4]
         pages = list(lease.device_pages)
         calls = [r.verify.remote(lease.namespace, cached, pages) for r in self.ranks]
@@ -148,51 +174,86 @@ class CoordinatorActor:
     # -- the step loop ---------------------------------------------------------------
 
     async def _loop(self) -> None:
-        runtime = self.config.runtime
-        assert self._wakeup is not None
+        """One step after another, for ever: an error in a step is logged, counted
+        and recovered from (the request it concerns fails); the loop goes on."""
         while True:
-            if self.core.idle:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            started = time.perf_counter()
-            data = encode(self.core.next_batch())
-            queries = self.core.take_queries()
-            self.core.stats.core_time_s += time.perf_counter() - started
-            calls = [rank.step.remote(data) for rank in self.ranks]
-            hits_call = self.storage.query.remote(queries) if queries else None
             try:
-                replies = await asyncio.wait_for(
-                    asyncio.gather(*calls, return_exceptions=True), runtime.rank_timeout_s
-                )
-            except TimeoutError:
-                self._deliver(self.core.reset("a rank timed out"))
-                continue
-            reports = self._reports(replies)
-            hits = await self._hits(hits_call, queries)
-            if len(reports) != len(self.ranks):
-                self._deliver(self.core.reset("a rank did not answer"))
+                await self._wait_for_work()
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._deliver(self.core.recover(exc))
                 await asyncio.sleep(0.05)
-                continue
-            started = time.perf_counter()
-            self._deliver(self.core.on_round(reports, hits))
-            self.core.stats.core_time_s += time.perf_counter() - started
-            await asyncio.sleep(runtime.step_interval_s)
 
-    def _reports(self, replies: list[Any]) -> list[Report]:
-        reports = []
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                continue  # a dead or restarting rank
-            try:
-                report = decode(reply, self.config.runtime.max_message_bytes)
-            except InvalidMessage:
-                self.core.stats.bad_messages += 1
+    async def _wait_for_work(self) -> None:
+        """Sleep while idle, until woken, the next lease expires or drivers are due
+        a liveness check; reclaim the leases of drivers that have exited."""
+        assert self._wakeup is not None
+        now = time.monotonic()
+        if now >= self._next_owner_check:
+            self._next_owner_check = now + OWNER_CHECK_S
+            owners = self.core.owners()
+            if owners:
+                for owner in owners & await asyncio.to_thread(_dead_jobs):
+                    log.warning("driver %s exited: reclaiming its leases", owner)
+                    self._deliver(self.core.reclaim(owner))
+        if not self.core.idle:
+            return
+        self._wakeup.clear()
+        wake_at = [self._next_owner_check] if self.core.owners() else []
+        expiry = self.core.next_lease_expiry()
+        if expiry is not None:
+            wake_at.append(expiry)
+        timeout = max(0.0, min(wake_at) - time.monotonic()) if wake_at else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    async def _step(self) -> None:
+        runtime = self.config.runtime
+        started = time.perf_counter()
+        data = encode(self.core.next_batch())
+        queries = self.core.take_queries()
+        self.core.stats.core_time_s += time.perf_counter() - started
+        calls = [asyncio.ensure_future(_await(rank.step.remote(data))) for rank in self.ranks]
+        hits_call = self.storage.query.remote(queries) if queries else None
+        _, pending = await asyncio.wait(calls, timeout=runtime.rank_timeout_s)
+        for call in pending:
+            call.cancel()
+        hits = await self._hits(hits_call, queries)
+        reports, missing = self._reports(calls, pending)
+        started = time.perf_counter()
+        if missing:
+            self._deliver(self.core.on_missing(missing))
+            await asyncio.sleep(0.05)
+        else:
+            self._deliver(self.core.on_round(reports, hits))
+        self.core.stats.core_time_s += time.perf_counter() - started
+        await asyncio.sleep(runtime.step_interval_s)
+
+    def _reports(
+        self, calls: list[asyncio.Future], pending: set[asyncio.Future]
+    ) -> tuple[list[Report], dict[int, str]]:
+        """Each rank's report, and why for the ranks that gave none usable."""
+        reports, missing = [], {}
+        for index, call in enumerate(calls):
+            if call in pending:
+                missing[index] = f"no reply within {self.config.runtime.rank_timeout_s} s"
                 continue
-            if isinstance(report, Report):
-                reports.append(report)
-            else:
+            exc = call.exception()
+            if exc is not None:  # a dead, restarting or failing rank
+                missing[index] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            try:
+                report = decode(call.result(), self.config.runtime.max_message_bytes)
+                if not isinstance(report, Report) or report.rank != index:
+                    raise InvalidMessage(f"not a Report of rank {index}")
+            except InvalidMessage as bad:
                 self.core.stats.bad_messages += 1
-        return reports
+                missing[index] = f"bad report: {bad}"
+                continue
+            reports.append(report)
+        return reports, missing
 
     async def _hits(self, call: Any, queries: list) -> dict[int, int]:
         """The storage actor's answer; a dead or slow one finds nothing (the

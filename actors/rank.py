@@ -49,6 +49,7 @@ class RankActor:
             runtime = self.config.runtime
             link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
         self.worker = RankWorker(self.config, index, storage=link)
+        self._bad_report: bytes | None = None
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, args=(run,), name=name, daemon=True)
@@ -70,6 +71,8 @@ class RankActor:
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
         self.worker.accept(message)
+        if self._bad_report is not None:
+            return self._bad_report
         return encode(self.worker.report())
 
     def ping(self) -> None:
@@ -81,10 +84,19 @@ class RankActor:
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
         return self.worker.verify(namespace, tokens, pages)
 
-    def set_faults(self, delay_s: float = 0.0, fail_writes: bool = False) -> None:
-        """Chaos hook: delay every copy and L3 batch, or fail every write."""
+    def set_faults(
+        self,
+        delay_s: float = 0.0,
+        fail_writes: bool = False,
+        fail_computes: bool = False,
+        bad_report: bytes | None = None,
+    ) -> None:
+        """Chaos hook: delay every copy and L3 batch, fail every write or compute, or
+        answer every step with ``bad_report`` instead of a report."""
         self.worker.faults.delay_s = delay_s
         self.worker.faults.fail_writes = fail_writes
+        self.worker.faults.fail_computes = fail_computes
+        self._bad_report = bad_report
 
     def info(self) -> dict:
         w = self.worker

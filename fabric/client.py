@@ -14,6 +14,7 @@ driver simply submits again.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,19 @@ from fabric.config import FabricConfig
 from fabric.coordinator import Lease, RequestResult
 from fabric.errors import FabricError
 from fabric.keys import pack_tokens
+
+# After a client-side timeout, how long to wait for a result that raced the abort.
+_ABANDON_WAIT_S = 5.0
+
+
+def _job_id() -> str | None:
+    """This driver's Ray job id: the coordinator reclaims its leases when it exits."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_job_id()
+    except Exception:
+        return None
 
 
 class Fabric:
@@ -48,15 +62,30 @@ class Fabric:
         timeout: float | None = None,
     ) -> RequestResult:
         """Serve one prompt: returns where its tokens came from and a lease on its
-        L1 pages (release it when done). Bad input raises ``InvalidInput``."""
-        return self._call(
-            self.coordinator.submit,
-            self._pack(tokens),
-            namespace,
-            priority,
-            request_id,
-            timeout=timeout,
-        )
+        L1 pages (release it when done; it expires after ``runtime.lease_ttl_s``
+        unless renewed). Bad input raises ``InvalidInput``. Past ``timeout`` the
+        request is aborted and ``TimeoutError`` raised; nothing stays held."""
+        request_id = request_id or uuid.uuid4().hex
+        ref = self.submit_async(tokens, namespace, priority, request_id)
+        try:
+            return self.result(ref, timeout=timeout)
+        except TimeoutError:
+            self._abandon(ref, request_id)
+            raise TimeoutError(
+                f"request {request_id} did not finish within {timeout} s; it was aborted"
+            ) from None
+
+    def _abandon(self, ref: Any, request_id: str) -> None:
+        """Abort a request this driver stopped waiting for; if it finished meanwhile,
+        release the lease it got."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            self.abort(request_id)
+        with contextlib.suppress(Exception):
+            late = ray.get(ref, timeout=_ABANDON_WAIT_S)
+            if late.lease is not None:
+                self.release(late.lease)
 
     def submit_async(
         self,
@@ -66,10 +95,13 @@ class Fabric:
         request_id: str | None = None,
     ) -> Any:
         """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it."""
-        return self.coordinator.submit.remote(self._pack(tokens), namespace, priority, request_id)
+        return self.coordinator.submit.remote(
+            self._pack(tokens), namespace, priority, request_id, _job_id()
+        )
 
     def result(self, ref: Any, timeout: float | None = None) -> Any:
-        """Wait for a call's result; a ``FabricError`` raised in the actor is re-raised here."""
+        """Wait for a call's result; a ``FabricError`` raised in the actor is re-raised
+        here, and Ray's timeout as ``TimeoutError``."""
         import ray
 
         try:
@@ -78,6 +110,8 @@ class Fabric:
             if isinstance(exc.cause, FabricError):
                 raise exc.cause from None
             raise
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(str(exc)) from None
 
     def wait(
         self, refs: Sequence[Any], timeout: float | None = None
@@ -91,10 +125,14 @@ class Fabric:
     def _pack(tokens: Sequence[int] | bytes) -> bytes:
         return tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
 
-    def release(self, lease: Lease | None) -> bool:
-        if lease is None:
-            return False
+    def release(self, lease: Lease) -> bool:
+        """Let a result's L1 pages be evicted again. Takes the ``Lease`` itself (a
+        request id is refused); ``False`` if it already expired or was reset."""
         return self._call(self.coordinator.release, lease)
+
+    def renew(self, lease: Lease) -> bool:
+        """Keep a lease for another ``runtime.lease_ttl_s``; ``False`` if it is gone."""
+        return self._call(self.coordinator.renew, lease)
 
     def abort(self, request_id: str) -> bool:
         return self._call(self.coordinator.abort, request_id)

@@ -182,6 +182,9 @@ class RuntimeConfig(_Section):
     )
     step_interval_s: float = _non_negative_float(0.001)
     rank_timeout_s: float = _setting(30.0, float, "a number > 0", lambda v: v > 0)
+    rank_absent_timeout_s: float = _setting(60.0, float, "a number > 0", lambda v: v > 0)
+    max_request_retries: int = _non_negative_int(3)
+    lease_ttl_s: float = _setting(300.0, float, "a number > 0", lambda v: v > 0)
     max_message_bytes: int = _setting(64 << 20, int, "an integer >= 4096", lambda v: v >= 4096)
     max_pending_requests: int = _positive_int(4096)
     metrics_port: int = _setting(

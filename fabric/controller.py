@@ -61,6 +61,8 @@ class Controller(ABC):
 
     device: PagedAllocator
     host: PagedAllocator
+    # The most pages one prefetch may carry (a message limit); ``None``: no limit.
+    max_prefetch_pages: int | None = None
 
     @abstractmethod
     def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:

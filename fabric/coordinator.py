@@ -2,17 +2,25 @@
 
 Each step the shell (``actors/coordinator.py``) asks ``next_batch()`` for the
 commands to send — admitting waiting requests, queuing write-throughs — sends
-that one batch to every rank, and hands the ranks' reports to ``on_round``,
-which reduces them (MIN/MAX), commits exactly the reduced number of each kind
-of operation and returns the requests that finished.
+that one batch to every rank, and hands the ranks' reports to ``on_round``
+(or, when some rank did not answer, ``on_missing``), which reduces them
+(MIN/MAX), commits exactly the reduced number of each kind of operation and
+returns the requests that finished.
+
+Nothing here may stop the fabric: an exception while handling one request
+fails that request (and resets L1/L2, whose state it may have left half
+changed); retries and waits are bounded and end in an error naming why.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import logging
+import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fabric.config import FabricConfig
@@ -23,20 +31,26 @@ from fabric.events import KVEvent
 from fabric.fabric_controller import FabricController
 from fabric.hicache import HiCache
 from fabric.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
-from fabric.messages import Batch, Report
+from fabric.messages import Batch, Report, batch_header_bound
 from fabric.node import TreeNode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Holds a request's pages in L1 until released. ``device_pages`` cover the
-    cached (page-aligned) part of the prompt; ``epoch`` dies with a reset."""
+    """Holds a request's pages in L1 until released or expired. ``device_pages``
+    cover the cached (page-aligned) part of the prompt; ``epoch`` dies with a
+    reset. ``token`` is unguessable: only the holder of the lease itself can
+    release or renew it."""
 
     request_id: str
+    token: str
     epoch: int
     namespace: str
     tokens: int
     device_pages: tuple[int, ...]
+    ttl_s: float
 
 
 @dataclass(frozen=True)
@@ -62,7 +76,8 @@ class _Request:
     prompt_tokens: int
     priority: int
     submitted: float
-    compute_cmd: int | None = None
+    owner: str | None = None
+    compute_cmds: tuple[int, ...] = ()
     node: TreeNode | None = None
     device_pages: tuple[int, ...] = ()
     device_hit: int = 0
@@ -72,6 +87,15 @@ class _Request:
     aborted: bool = False
     prefetch_tried: bool = False
     prefetched: int = 0
+    retries: int = 0
+
+
+@dataclass(eq=False)
+class _Held:
+    lease: Lease
+    node: TreeNode
+    owner: str | None
+    expires_at: float
 
 
 @dataclass
@@ -81,6 +105,7 @@ class FabricStats:
     failed: int = 0
     aborted: int = 0
     retried: int = 0
+    gave_up: int = 0
     resets: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
@@ -90,8 +115,11 @@ class FabricStats:
     computed_tokens: int = 0
     latency_s_total: float = 0.0
     bad_messages: int = 0
+    step_errors: int = 0
     core_time_s: float = 0.0
     storage_errors: int = 0
+    leases_expired: int = 0
+    leases_reclaimed: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -100,7 +128,7 @@ class CoordinatorCore:
         self.config = config
         self.clock = clock
         self.topology = Topology(config.topology)
-        self.ctl = FabricController(config.cache)
+        self.ctl = FabricController(config.cache, config.runtime.max_message_bytes)
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock)
         self.consensus = Consensus(self.topology.world_size)
         self.allowed_namespaces = config.runtime.allowed_namespaces()
@@ -109,10 +137,14 @@ class CoordinatorCore:
         self.running: dict[str, _Request] = {}
         self.prefetching: dict[str, _Request] = {}
         self._forget: set[int] = set()
-        self.leases: dict[str, tuple[Lease, TreeNode]] = {}
+        self.leases: dict[str, _Held] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self.absent: dict[int, float] = {}
+        self._absent_reason: dict[int, str] = {}
         self.stats = FabricStats()
         self._failed: list[RequestResult] = []
         self._blocked = False
+        self._current: _Request | None = None
         self._ids = itertools.count(1)
         # KV events for a KV-aware router, oldest dropped past the bound.
         self.events: deque[KVEvent] = deque(maxlen=config.runtime.max_pending_requests * 16)
@@ -125,8 +157,10 @@ class CoordinatorCore:
         namespace: str = "default",
         priority: int = 0,
         request_id: str | None = None,
+        owner: str | None = None,
     ) -> str:
-        """Queue a request; its packed ``tokens`` are validated here. Raises
+        """Queue a request; its packed ``tokens`` are validated here. ``owner`` names
+        the driver (its Ray job id) whose leases are reclaimed when it exits. Raises
         ``InvalidInput`` naming the problem; nothing is queued then."""
         if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
             raise InvalidInput("tokens must be a non-empty sequence of non-negative ints")
@@ -137,6 +171,8 @@ class CoordinatorCore:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
+        if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 64):
+            raise InvalidInput(f"owner {owner!r} is refused: allowed is a Ray job id")
         prompt = len(tokens) // TOKEN_BYTES
         if prompt > self.config.cache.device_tokens:
             raise InvalidInput(
@@ -145,21 +181,25 @@ class CoordinatorCore:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not 0 < len(rid) <= MAX_NAMESPACE_CHARS:
             raise InvalidInput(f"request_id {rid!r} is refused: allowed is a non-empty str")
-        if (
-            rid in self.running
-            or rid in self.leases
-            or rid in self.prefetching
-            or any(r.rid == rid for r in self.waiting)
-        ):
+        check_namespace(rid)  # the same rules: it travels in results and logs
+        if self._known(rid):
             raise InvalidInput(f"request_id {rid!r} is already in use")
         pending = len(self.waiting) + len(self.running) + len(self.prefetching)
         if pending >= self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
-        self.waiting.append(_Request(rid, key, prompt, priority, self.clock()))
+        self.waiting.append(_Request(rid, key, prompt, priority, self.clock(), owner))
         self._blocked = False
         self.stats.submitted += 1
         return rid
+
+    def _known(self, rid: str) -> bool:
+        return (
+            rid in self.running
+            or rid in self.prefetching
+            or any(r.rid == rid for r in self.waiting)
+            or any(h.lease.request_id == rid for h in self.leases.values())
+        )
 
     def abort(self, request_id: str) -> RequestResult | None:
         """Abort a waiting or running request; its result (an error) is returned
@@ -180,33 +220,121 @@ class CoordinatorCore:
             self._unlock(req)
         return None
 
-    def release(self, lease: Lease | str) -> bool:
-        """Let a finished request's pages go; ``False`` if the lease is unknown or
-        died with a reset."""
-        rid = lease.request_id if isinstance(lease, Lease) else lease
-        held = self.leases.pop(rid, None)
+    def release(self, lease: Lease) -> bool:
+        """Let a finished request's pages go. Only the ``Lease`` itself releases:
+        a bare id or a lease that does not match the one handed out raises
+        ``InvalidInput``. ``False`` if it expired or died with a reset."""
+        held = self._held(lease)
         if held is None:
             return False
-        self.cache.dec_lock_ref(held[1])
-        self._blocked = False
+        self._drop_lease(held)
         return True
+
+    def renew(self, lease: Lease) -> bool:
+        """Extend a held lease by its TTL from now; ``False`` if it is gone."""
+        held = self._held(lease)
+        if held is None:
+            return False
+        held.expires_at = self.clock() + lease.ttl_s
+        heapq.heappush(self._expiry, (held.expires_at, lease.token))
+        return True
+
+    def _held(self, lease: Lease) -> _Held | None:
+        if not isinstance(lease, Lease):
+            raise InvalidInput(
+                f"release and renew take the Lease of a result, not {type(lease).__name__}"
+            )
+        held = self.leases.get(lease.token) if isinstance(lease.token, str) else None
+        if held is not None and held.lease != lease:
+            raise InvalidInput(f"lease of {lease.request_id!r} does not match the one handed out")
+        return held
+
+    def _drop_lease(self, held: _Held) -> None:
+        del self.leases[held.lease.token]
+        self.cache.dec_lock_ref(held.node)
+        self._blocked = False
+
+    def expire_leases(self) -> int:
+        """Release every lease past its TTL; returns how many."""
+        now, n = self.clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, token = heapq.heappop(self._expiry)
+            held = self.leases.get(token)
+            if held is not None and held.expires_at == expires_at:
+                self._drop_lease(held)
+                n += 1
+        self.stats.leases_expired += n
+        return n
+
+    def next_lease_expiry(self) -> float | None:
+        """When the next lease expires (``clock`` time), for a loop that sleeps."""
+        while self._expiry and self._expiry[0][1] not in self.leases:
+            heapq.heappop(self._expiry)
+        return self._expiry[0][0] if self._expiry else None
+
+    def owners(self) -> set[str]:
+        """Drivers that hold leases or have requests pending."""
+        reqs = [*self.waiting, *self.running.values(), *self.prefetching.values()]
+        return {r.owner for r in reqs if r.owner} | {
+            h.owner for h in self.leases.values() if h.owner
+        }
+
+    def reclaim(self, owner: str) -> list[RequestResult]:
+        """A driver exited: release its leases and abort its requests; returns the
+        results of those that ended here (running ones end with their round)."""
+        out = []
+        for req in [*self.waiting, *self.running.values(), *self.prefetching.values()]:
+            if req.owner == owner:
+                result = self.abort(req.rid)
+                if result is not None:
+                    out.append(result)
+        mine = [h for h in self.leases.values() if h.owner == owner]
+        for held in mine:
+            self._drop_lease(held)
+        self.stats.leases_reclaimed += len(mine)
+        return out
 
     # -- the step ------------------------------------------------------------------------
 
     def next_batch(self) -> Batch:
-        """Admit what fits, queue the step's write-throughs, and return every command
-        queued since the last batch (the same batch goes to every rank)."""
+        """Admit what fits, queue the step's write-throughs, and return the commands
+        queued since the last batch that fit in one message (the same batch goes
+        to every rank)."""
+        try:
+            self.expire_leases()
+            self._schedule()
+            self.cache.write_through()
+        except Exception as exc:
+            self.recover(exc)
+        self.events.extend(self.cache.take_events())
+        max_bytes = self.config.runtime.max_message_bytes
+        world = self.topology.world_size
+        room = (max_bytes - self.ctl.command_budget - batch_header_bound(world, 0, 0)) // 9
+        stops = self.ctl.take_stops(room)
+        forget = tuple(sorted(self._forget)[: room - len(stops)])
+        self._forget.difference_update(forget)
+        known = self.consensus.incarnations
+        incarnations = tuple(known.get(i, "") for i in range(world))
+        acked = self.ctl.acked()
+        return Batch(self.epoch, self.ctl.take_commands(), stops, forget, incarnations, acked)
+
+    def _schedule(self) -> None:
         ready = []
         for rid, req in list(self.prefetching.items()):
+            self._current = req
             loaded = self.cache.storage.check_prefetch(rid)
             if loaded is not None:
                 del self.prefetching[rid]
                 req.prefetched = loaded
                 ready.append(req)
         self.waiting.extendleft(reversed(ready))
+        self._current = None
+        if self.absent:
+            self._fail_if_absent_too_long()
+            return  # nothing is admitted until every rank answers again
         blocked = []
         while self.waiting:
-            req = self.waiting.popleft()
+            req = self._current = self.waiting.popleft()
             if not req.prefetch_tried and self.cache.storage.attached:
                 req.prefetch_tried = True
                 match = self.cache.match_prefix(req.key)
@@ -216,21 +344,12 @@ class CoordinatorCore:
             if not self._admit(req):
                 blocked.append(req)
                 break
+        self._current = None
         self.waiting.extendleft(reversed(blocked))
         self._blocked = bool(blocked)
         if self.waiting and not self.running and not self.leases and not self.ctl.busy():
             req = self.waiting.popleft()  # nothing will ever free room for it
-            self.stats.failed += 1
-            self._failed.append(RequestResult(req.rid, req.prompt_tokens, error="no room in L1"))
-        self.cache.write_through()
-        self.events.extend(self.cache.take_events())
-        forget, self._forget = tuple(sorted(self._forget)), set()
-        known = self.consensus.incarnations
-        incarnations = tuple(known.get(i, "") for i in range(self.topology.world_size))
-        acked = self.ctl.acked()
-        return Batch(
-            self.epoch, self.ctl.take_commands(), self.ctl.take_stops(), forget, incarnations, acked
-        )
+            self._fail(req, "no room in L1")
 
     def start(self, reports: Sequence[Report]) -> int:
         """Open the first epoch: newer than any rank has seen (so each resets its
@@ -260,7 +379,7 @@ class CoordinatorCore:
         if new_pages is None:
             cache.dec_lock_ref(match.last_device_node)
             return False
-        req.compute_cmd = self.ctl.compute(key.namespace, key.data, match.device_tokens, new_pages)
+        req.compute_cmds = self.ctl.compute(key, match.device_tokens // key.page_size, new_pages)
         result = cache.insert(key, match.device_pages + new_pages, req.priority)
         cache.inc_lock_ref(result.last_node)
         cache.dec_lock_ref(match.last_device_node)
@@ -272,19 +391,61 @@ class CoordinatorCore:
         return True
 
     def on_round(
-        self, reports: Sequence[Report], storage_hits: dict[int, int] | None = None
+        self, reports: Sequence[Report], storage_hits: Mapping[int, int] | None = None
     ) -> list[RequestResult]:
         """Reduce one report per rank (and the storage actor's hit counts, already
         MIN over shards) and commit; returns requests that finished."""
         self.stats.rounds += 1
-        rnd = self.consensus.reduce(reports, self.epoch)
-        if rnd.restarted:
-            return self.reset(f"rank(s) {list(rnd.restarted)} restarted")
-        if not rnd.usable:
-            return self._take_failed()
-        return self._commit(rnd, storage_hits or {})
+        self.absent.clear()
+        self._absent_reason.clear()
+        try:
+            rnd = self.consensus.reduce(reports, self.epoch)
+            if rnd.restarted:
+                return self.reset(f"rank(s) {self._names(rnd.restarted)} restarted")
+            if not rnd.usable:
+                return self._take_failed()
+            return self._commit(rnd, storage_hits or {})
+        except Exception as exc:
+            return self.recover(exc)
 
-    def _commit(self, rnd: Round, storage_hits: dict[int, int]) -> list[RequestResult]:
+    def on_missing(self, missing: Mapping[int, str]) -> list[RequestResult]:
+        """A round in which the ranks ``missing`` (index -> why) gave no usable
+        report. The first such round resets L1/L2 (their pools may be gone); until
+        every rank answers again nothing is admitted, and past
+        ``runtime.rank_absent_timeout_s`` requests fail with an error naming the rank."""
+        self.stats.rounds += 1
+        now = self.clock()
+        first = not self.absent
+        for index, why in missing.items():
+            self.absent.setdefault(index, now)
+            self._absent_reason[index] = why
+        out = []
+        if first:
+            names = self._names(sorted(missing))
+            out = self.reset(f"rank(s) {names} did not answer", count_retry=False)
+        return out + self._fail_if_absent_too_long()
+
+    def _fail_if_absent_too_long(self) -> list[RequestResult]:
+        now, limit = self.clock(), self.config.runtime.rank_absent_timeout_s
+        late = sorted(i for i, since in self.absent.items() if now - since >= limit)
+        if late:
+            index = late[0]
+            why = (
+                f"rank {self._names([index])} (index {index}) has not answered for "
+                f"{now - self.absent[index]:.1f} s: {self._absent_reason.get(index, 'no reply')}"
+            )
+            while self.waiting:
+                self._fail(self.waiting.popleft(), why)
+            for rid in list(self.prefetching):
+                self.cache.storage.abort(rid)
+                self._fail(self.prefetching.pop(rid), why)
+        return self._take_failed()
+
+    def _names(self, indices: Sequence[int]) -> str:
+        ranks = self.topology.ranks
+        return ", ".join(str(ranks[i]) if 0 <= i < len(ranks) else str(i) for i in indices)
+
+    def _commit(self, rnd: Round, storage_hits: Mapping[int, int]) -> list[RequestResult]:
         done = self.ctl.completions(rnd)
         if done.writes or done.loads or done.computes or done.backups:
             self._blocked = False  # finished work may have unlocked pages: admit again
@@ -295,7 +456,7 @@ class CoordinatorCore:
                 loads=done.loads,
                 backups=done.backups,
                 failed_backups=done.failed_backups,
-                prefetch_hits=storage_hits,
+                prefetch_hits=dict(storage_hits),
                 prefetch_progress=rnd.prefetch_progress,
                 prefetch_terminated=rnd.prefetch_terminated,
                 prefetch_released=rnd.prefetch_finished,
@@ -303,14 +464,14 @@ class CoordinatorCore:
         )
         self._forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
         self.events.extend(self.cache.take_events())
+        if done.failed_computes or done.failed_loads:
+            # Those pages may hold anything on some rank: drop L1/L2, retry.
+            what = "compute" if done.failed_computes else "load"
+            return self.reset(f"a {what} failed on a rank")
         out = self._take_failed()
         for req in list(self.running.values()):
-            if req.compute_cmd is None or req.compute_cmd > self.ctl.computes_committed:
+            if req.compute_cmds[-1] > self.ctl.computes_committed:
                 continue
-            if req.compute_cmd in done.failed_computes:
-                # Its pages may hold anything on some rank: drop L1/L2, retry it.
-                out.extend(self.reset(f"compute of {req.rid} failed on a rank"))
-                break
             del self.running[req.rid]
             out.append(self._finish(req))
         return out
@@ -328,9 +489,20 @@ class CoordinatorCore:
         s.storage_hit_tokens += req.storage_hit
         s.computed_tokens += req.computed
         s.latency_s_total += latency
-        lease = Lease(req.rid, self.epoch, req.key.namespace, req.key.num_tokens, req.device_pages)
+        ttl = self.config.runtime.lease_ttl_s
+        lease = Lease(
+            req.rid,
+            secrets.token_hex(16),
+            self.epoch,
+            req.key.namespace,
+            req.key.num_tokens,
+            req.device_pages,
+            ttl,
+        )
         assert req.node is not None
-        self.leases[req.rid] = (lease, req.node)
+        held = _Held(lease, req.node, req.owner, self.clock() + ttl)
+        self.leases[lease.token] = held
+        heapq.heappush(self._expiry, (held.expires_at, lease.token))
         return RequestResult(
             req.rid,
             req.prompt_tokens,
@@ -352,13 +524,39 @@ class CoordinatorCore:
             self.cache.dec_lock_ref(req.node)
             req.node = None
 
+    def _fail(self, req: _Request, error: str) -> None:
+        self.stats.failed += 1
+        self._failed.append(
+            RequestResult(
+                req.rid, req.prompt_tokens, latency_s=self.clock() - req.submitted, error=error
+            )
+        )
+
     def _take_failed(self) -> list[RequestResult]:
         out, self._failed = self._failed, []
         return out
 
-    def reset(self, reason: str) -> list[RequestResult]:
+    def recover(self, exc: BaseException) -> list[RequestResult]:
+        """An unexpected error in a step: fail the request it concerns (if one was
+        being handled), then reset L1/L2, which it may have left half changed; the
+        others are retried. Never raises."""
+        self.stats.step_errors += 1
+        req, self._current = self._current, None
+        log.error("coordinator step failed; resetting L1/L2", exc_info=exc)
+        error = f"internal error: {type(exc).__name__}: {exc}"
+        if req is not None:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self.running.pop(req.rid, None)
+            self.prefetching.pop(req.rid, None)
+            req.node = None
+            self._fail(req, error)
+        return self.reset(f"internal error: {type(exc).__name__}")
+
+    def reset(self, reason: str, count_retry: bool = True) -> list[RequestResult]:
         """Drop every L1/L2 page (a rank lost its pools, or a page may be bad), start a
-        new epoch, invalidate leases and send running requests back to waiting."""
+        new epoch, end leases and send running requests back to waiting — each at
+        most ``runtime.max_request_retries`` times, then it fails naming ``reason``."""
         self.stats.resets += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.cache.reset()
@@ -366,22 +564,30 @@ class CoordinatorCore:
         self.epoch += 1
         self._blocked = False
         self.leases.clear()
+        self._expiry.clear()
         out = self._take_failed()
-        for req in self.running.values():
+        limit = self.config.runtime.max_request_retries
+        back = []
+        for req in [*self.running.values(), *self.prefetching.values()]:
             if req.aborted:
                 self.stats.aborted += 1
                 out.append(RequestResult(req.rid, req.prompt_tokens, error="aborted"))
                 continue
-            req.compute_cmd, req.node = None, None
-            self.stats.retried += 1
-            self.waiting.appendleft(req)
-        self.running.clear()
-        for req in self.prefetching.values():
+            req.compute_cmds, req.node = (), None
             req.prefetch_tried, req.prefetched = False, 0
-            self.waiting.appendleft(req)
+            if count_retry:
+                req.retries += 1
+            if req.retries > limit:
+                self.stats.gave_up += 1
+                self._fail(req, f"gave up after {limit} retries: {reason}")
+                continue
+            self.stats.retried += 1
+            back.append(req)
+        self.running.clear()
         self.prefetching.clear()
+        self.waiting.extendleft(reversed(back))
         self._forget.clear()
-        return out
+        return out + self._take_failed()
 
     @property
     def idle(self) -> bool:
@@ -402,12 +608,14 @@ class CoordinatorCore:
             "waiting": len(self.waiting),
             "running": len(self.running),
             "leases": len(self.leases),
+            "absent_ranks": self._names(sorted(self.absent)) if self.absent else "",
             "requests": {
                 "submitted": s.submitted,
                 "finished": s.finished,
                 "failed": s.failed,
                 "aborted": s.aborted,
                 "retried": s.retried,
+                "gave_up": s.gave_up,
             },
             "tokens": {
                 "prompt": s.prompt_tokens,
@@ -431,6 +639,9 @@ class CoordinatorCore:
             "pending_writes": len(self.cache.pending_writes),
             "pending_loads": len(self.cache.pending_loads),
             "bad_messages": s.bad_messages,
+            "step_errors": s.step_errors,
+            "leases_expired": s.leases_expired,
+            "leases_reclaimed": s.leases_reclaimed,
             "core_time_s": s.core_time_s,
             "storage_errors": s.storage_errors,
             "device": vars(self.cache.device_sizes()),

@@ -4,6 +4,11 @@ Pools are symmetric, so the one pair of allocators here decides every rank's
 slots, and every rank gets the same commands in the same order. Completions
 come from consensus rounds: a rank's counters are cumulative within an epoch,
 so the MIN over ranks minus what was already committed is what to commit now.
+
+No message may exceed ``runtime.max_message_bytes``: an operation larger than
+one command may carry is split into several commands (it completes when its
+last one does, and fails if any of them fails), and each step sends only as
+many queued commands as fit; the rest go with the next step, in order.
 """
 
 from __future__ import annotations
@@ -16,7 +21,18 @@ from fabric.allocator import PagedAllocator
 from fabric.config import CacheConfig
 from fabric.consensus import Round
 from fabric.controller import Completions, Controller
-from fabric.messages import Backup, Compute, Load, Message, Prefetch, Write
+from fabric.errors import ConfigError
+from fabric.keys import MAX_NAMESPACE_CHARS, TokenKey, namespace_seed
+from fabric.messages import (
+    Backup,
+    Compute,
+    Load,
+    Message,
+    Prefetch,
+    Write,
+    command_bound,
+    pages_per_command,
+)
 
 
 @dataclass(frozen=True)
@@ -24,75 +40,159 @@ class RoundDone:
     writes: int
     failed_writes: frozenset[int]
     loads: int
+    failed_loads: frozenset[int]
     computes: int
     failed_computes: frozenset[int]
     backups: int
     failed_backups: frozenset[int]
 
 
+class _OpQueue:
+    """Commands of one kind in the order sent, each ``(cmd_id, op_id, last)``:
+    an operation may span several commands; ``last`` marks its final one."""
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[int, int, bool]] = deque()
+        self.committed = 0  # commands counted done so far in this epoch
+        self._failing: set[int] = set()
+
+    def add(self, cmd_ids: Sequence[int], op_id: int) -> None:
+        for i, cmd in enumerate(cmd_ids):
+            self.entries.append((cmd, op_id, i == len(cmd_ids) - 1))
+
+    def oldest(self) -> int | None:
+        return self.entries[0][0] if self.entries else None
+
+    def commit(self, reported: int, failed: frozenset[int]) -> tuple[int, frozenset[int], list[int]]:
+        """Commit up to ``reported`` commands counted done (a rank cannot have done
+        more than was sent: a bogus count is clamped). Returns the operations
+        now complete, those among them that failed, and the committed cmd ids."""
+        n = max(0, min(reported - self.committed, len(self.entries)))
+        self.committed += n
+        ops, bad, cmds = 0, set(), []
+        for _ in range(n):
+            cmd, op, last = self.entries.popleft()
+            cmds.append(cmd)
+            if cmd in failed:
+                self._failing.add(op)
+            if last:
+                ops += 1
+                if op in self._failing:
+                    self._failing.discard(op)
+                    bad.add(op)
+        return ops, frozenset(bad), cmds
+
+
 class FabricController(Controller):
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, max_message_bytes: int) -> None:
         self.device = PagedAllocator(config.device_pages, config.page_size, "L1 device pool")
         self.host = PagedAllocator(config.host_pages, config.page_size, "L2 host pool")
+        self.page_size = config.page_size
+        # Commands get half of every message; its header (stops, forgets,
+        # incarnations) the other half.
+        self.command_budget = max_message_bytes // 2
+        ns = MAX_NAMESPACE_CHARS
+        self.compute_pages = pages_per_command("compute", self.command_budget, self.page_size, ns)
+        self.copy_pages = pages_per_command("copy", self.command_budget, self.page_size, ns)
+        self.storage_pages = pages_per_command("storage", self.command_budget, self.page_size, ns)
+        if self.compute_pages < 1:
+            raise ConfigError(
+                f"config runtime.max_message_bytes={max_message_bytes} is refused: a message "
+                f"must hold the compute of one page of {self.page_size} tokens; allowed is at "
+                f"least {2 * (self.command_budget + 4 * self.page_size + 2048)}"
+            )
+        self.max_prefetch_pages = self.storage_pages
         self.reset()
 
     def reset(self) -> None:
         self.device.reset()
         self.host.reset()
-        self.outbox: list[Message] = []
+        self.outbox: deque[tuple[Message, int]] = deque()
         self._next_cmd = 0
-        self.writes: deque[tuple[int, int]] = deque()
-        self.loads: deque[int] = deque()
+        self.writes = _OpQueue()
+        self.loads = _OpQueue()
+        self.backups = _OpQueue()
         self.computes: deque[int] = deque()
-        self.backups: deque[tuple[int, int]] = deque()
+        self.computes_counted = 0
+        self.computes_committed = 0  # the highest compute cmd id committed
         self.queries: list[tuple[int, tuple[bytes, ...]]] = []
         self.stops: list[int] = []
-        self.writes_committed = self.loads_committed = self.computes_done_committed = 0
-        self.computes_committed = 0
-        self.backups_committed = 0
+
+    def _send(self, cmd: Message) -> None:
+        self.outbox.append((cmd, command_bound(cmd)))
 
     def _cmd_id(self) -> int:
         self._next_cmd += 1
         return self._next_cmd
 
+    def _copies(self, kind: type, op_id: int, src: Sequence[int], dst: Sequence[int]) -> list[int]:
+        step = self.copy_pages
+        cmds = []
+        for start in range(0, max(len(src), 1), step):
+            cmd = self._cmd_id()
+            self._send(kind(cmd, tuple(src[start : start + step]), tuple(dst[start : start + step])))
+            cmds.append(cmd)
+        return cmds
+
     def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        cmd = self._cmd_id()
-        self.outbox.append(Write(cmd, tuple(device_pages), tuple(host_pages)))
-        self.writes.append((cmd, op_id))
+        self.writes.add(self._copies(Write, op_id, device_pages, host_pages), op_id)
 
     def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        cmd = self._cmd_id()
-        self.outbox.append(Load(cmd, tuple(host_pages), tuple(device_pages)))
-        self.loads.append(cmd)
+        self.loads.add(self._copies(Load, op_id, host_pages, device_pages), op_id)
 
-    def compute(self, namespace: str, tokens: bytes, start_token: int, pages: Sequence[int]) -> int:
-        """Queue filling ``pages`` with KV of ``tokens[start_token:]``; returns its command id."""
-        cmd = self._cmd_id()
-        self.outbox.append(Compute(cmd, namespace, tokens, start_token, tuple(pages)))
-        self.computes.append(cmd)
-        return cmd
+    def compute(self, key: TokenKey, start_page: int, pages: Sequence[int]) -> tuple[int, ...]:
+        """Queue filling ``pages`` with the KV of ``key``'s pages from ``start_page`` on,
+        in as many commands as the message limit needs (one, empty, when nothing is
+        missing: it still orders the request after its loads). Returns their ids."""
+        pb = key.page_bytes
+        hashes = key.page_hashes() if start_page or len(pages) > self.compute_pages else []
+        cmds = []
+        for offset in range(0, max(len(pages), 1), self.compute_pages):
+            first = start_page + offset
+            chunk = tuple(pages[offset : offset + self.compute_pages])
+            prev = hashes[first - 1] if first else namespace_seed(key.namespace)
+            tokens = key.data[first * pb : (first + len(chunk)) * pb]
+            cmd = self._cmd_id()
+            self._send(Compute(cmd, key.namespace, prev, tokens, first * self.page_size, chunk))
+            self.computes.append(cmd)
+            cmds.append(cmd)
+        return tuple(cmds)
 
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        cmd = self._cmd_id()
-        self.outbox.append(Backup(cmd, tuple(host_pages), tuple(page_hashes)))
-        self.backups.append((cmd, op_id))
+        step, cmds = self.storage_pages, []
+        for start in range(0, max(len(host_pages), 1), step):
+            cmd = self._cmd_id()
+            self._send(
+                Backup(
+                    cmd,
+                    tuple(host_pages[start : start + step]),
+                    tuple(page_hashes[start : start + step]),
+                )
+            )
+            cmds.append(cmd)
+        self.backups.add(cmds, op_id)
 
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
         self.queries.append((op_id, tuple(page_hashes)))
 
     def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        cmd = self._cmd_id()
-        self.outbox.append(Prefetch(cmd, op_id, tuple(host_pages), tuple(page_hashes)))
+        assert len(host_pages) <= self.max_prefetch_pages, "the cache caps prefetches"
+        self._send(Prefetch(self._cmd_id(), op_id, tuple(host_pages), tuple(page_hashes)))
 
     def stop_prefetch(self, op_id: int) -> None:
         self.stops.append(op_id)
 
     def take_commands(self) -> tuple[Message, ...]:
-        out, self.outbox = tuple(self.outbox), []
-        return out
+        """The oldest queued commands that fit in one message's command budget."""
+        out, used = [], 0
+        while self.outbox and used + self.outbox[0][1] <= self.command_budget:
+            cmd, size = self.outbox.popleft()
+            out.append(cmd)
+            used += size
+        return tuple(out)
 
-    def take_stops(self) -> tuple[int, ...]:
-        out, self.stops = tuple(self.stops), []
+    def take_stops(self, limit: int) -> tuple[int, ...]:
+        out, self.stops = tuple(self.stops[:limit]), self.stops[limit:]
         return out
 
     def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
@@ -104,17 +204,18 @@ class FabricController(Controller):
 
     def acked(self) -> int:
         """The highest command id up to which every counted command is committed."""
-        oldest = [q[0][0] for q in (self.writes, self.backups) if q]
-        oldest += [q[0] for q in (self.loads, self.computes) if q]
-        return (min(oldest) if oldest else self._next_cmd + 1) - 1
+        oldest = [q.oldest() for q in (self.writes, self.loads, self.backups)]
+        oldest.append(self.computes[0] if self.computes else None)
+        pending = [c for c in oldest if c is not None]
+        return (min(pending) if pending else self._next_cmd + 1) - 1
 
     def busy(self) -> bool:
         return bool(
             self.outbox
-            or self.writes
-            or self.loads
+            or self.writes.entries
+            or self.loads.entries
             or self.computes
-            or self.backups
+            or self.backups.entries
             or self.queries
             or self.stops
         )
@@ -123,32 +224,22 @@ class FabricController(Controller):
         """What to commit after a usable round; advances the committed counts."""
         assert rnd.computes_done is not None and rnd.writes_done is not None
         assert rnd.loads_done is not None
-        n_writes = self._newly(rnd.writes_done - self.writes_committed, self.writes)
-        n_loads = self._newly(rnd.loads_done - self.loads_committed, self.loads)
-        n_computes = self._newly(rnd.computes_done - self.computes_done_committed, self.computes)
-        self.writes_committed += n_writes
-        self.loads_committed += n_loads
-        self.computes_done_committed += n_computes
-        writes = [self.writes.popleft() for _ in range(n_writes)]
-        for _ in range(n_loads):
-            self.loads.popleft()
-        computes = [self.computes.popleft() for _ in range(n_computes)]
+        failed = rnd.failed
+        writes, failed_writes, _ = self.writes.commit(rnd.writes_done, failed)
+        loads, failed_loads, _ = self.loads.commit(rnd.loads_done, failed)
+        backups, failed_backups, _ = self.backups.commit(rnd.backups_done or 0, failed)
+        n = max(0, min(rnd.computes_done - self.computes_counted, len(self.computes)))
+        self.computes_counted += n
+        computes = [self.computes.popleft() for _ in range(n)]
         if computes:
             self.computes_committed = computes[-1]
-        n_backups = self._newly((rnd.backups_done or 0) - self.backups_committed, self.backups)
-        self.backups_committed += n_backups
-        backups = [self.backups.popleft() for _ in range(n_backups)]
         return RoundDone(
-            n_writes,
-            frozenset(op for cmd, op in writes if cmd in rnd.failed),
-            n_loads,
-            n_computes,
-            frozenset(cmd for cmd in computes if cmd in rnd.failed),
-            n_backups,
-            frozenset(op for cmd, op in backups if cmd in rnd.failed),
+            writes,
+            failed_writes,
+            loads,
+            failed_loads,
+            n,
+            frozenset(cmd for cmd in computes if cmd in failed),
+            backups,
+            failed_backups,
         )
-
-    @staticmethod
-    def _newly(reported: int, pending: deque) -> int:
-        # A rank cannot have finished more than was sent; clamp a bogus report.
-        return max(0, min(reported, len(pending)))

@@ -90,19 +90,27 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _hash(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == 32
+
+
 @dataclass(frozen=True)
 class Compute(Message):
-    """Fill L1 ``pages`` with KV for token positions ``[start_token, len(tokens))``;
-    ``tokens`` is the packed whole prefix (``fabric.keys`` format)."""
+    """Fill L1 ``pages`` with KV for the packed ``tokens`` (``fabric.keys`` format) at
+    positions ``[start_token, start_token + len(tokens) // 4)``. ``start_token`` is
+    page aligned and ``prev_hash`` is the page-hash chain up to it: a compute
+    carries only its own tokens, never the prefix before them."""
 
     cmd_id: int
     namespace: str
+    prev_hash: bytes
     tokens: bytes
     start_token: int
     pages: tuple[int, ...]
     CHECKS: ClassVar = {
         "cmd_id": _int,
         "namespace": _str,
+        "prev_hash": _hash,
         "tokens": _bytes,
         "start_token": _int,
         "pages": _ints,
@@ -130,7 +138,7 @@ class Load(Message):
 
 
 def _hashes(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(isinstance(h, bytes) and len(h) == 32 for h in v)
+    return isinstance(v, (list, tuple)) and all(_hash(h) for h in v)
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,48 @@ class Report(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {c.__name__: c for c in (Batch, Report)}
+
+# Upper bounds of encoded sizes, so a batch is cut to fit ``max_message_bytes``
+# without encoding anything twice: a msgpack int takes at most 9 bytes, a str or
+# bytes value 5 + its length, a 32-byte hash 34; field names and headers fit in
+# ``_OVERHEAD``.
+_OVERHEAD = 160
+_INT = 9
+_HASH = 34
+
+
+def command_bound(cmd: Message) -> int:
+    """At most how many bytes ``cmd`` takes inside an encoded ``Batch``."""
+    if isinstance(cmd, Compute):
+        return (
+            _OVERHEAD
+            + 4 * len(cmd.namespace)
+            + len(cmd.tokens)
+            + _HASH
+            + _INT * len(cmd.pages)
+        )
+    if isinstance(cmd, (Write, Load)):
+        return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
+    if isinstance(cmd, (Backup, Prefetch)):
+        return _OVERHEAD + (_INT + _HASH) * len(cmd.page_hashes)
+    raise TypeError(f"{type(cmd).__name__} is not a command")
+
+
+def batch_header_bound(world_size: int, stops: int, forgets: int) -> int:
+    """At most how many bytes a ``Batch`` takes besides its commands."""
+    return _OVERHEAD + 2 * _INT + _INT * (stops + forgets) + (5 + 64) * world_size
+
+
+def pages_per_command(kind: str, budget: int, page_size: int, namespace_chars: int) -> int:
+    """The most pages one command of ``kind`` (``compute``, ``copy`` or ``storage``)
+    may carry within ``budget`` bytes; 0 when not even one fits."""
+    per_page = {
+        "compute": 4 * page_size + _INT,
+        "copy": 2 * _INT,
+        "storage": _INT + _HASH,
+    }[kind]
+    fixed = _OVERHEAD + (4 * namespace_chars + _HASH if kind == "compute" else 0)
+    return max(0, (budget - fixed) // per_page)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

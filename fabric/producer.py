@@ -15,7 +15,7 @@ import torch
 
 from fabric.config import ModelConfig
 from fabric.consensus import Shard
-from fabric.keys import TOKEN_BYTES, chain_hashes, namespace_seed, unpack_tokens
+from fabric.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
 from fabric.pools import KVPool
 
 # 31-bit arithmetic: no product below exceeds 2**62, so nothing overflows int64.
@@ -26,11 +26,19 @@ class KVFiller(Protocol):
     """Fills L1 with the KV of new tokens (the prefill of the missing part)."""
 
     def fill(
-        self, pool: KVPool, namespace: str, tokens: bytes, start_token: int, pages: list[int]
+        self,
+        pool: KVPool,
+        namespace: str,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        pages: list[int],
     ) -> None:
-        """Compute KV for token positions ``[start_token, len(tokens) // 4)`` of the
-        packed prefix ``tokens`` and store this rank's shard of it in ``pages``
-        (one page per ``page_size`` tokens, from ``start_token`` on)."""
+        """Compute KV for the packed ``tokens`` at positions ``[start_token,
+        start_token + len(tokens) // 4)`` and store this rank's shard of it in
+        ``pages`` (one page per ``page_size`` tokens). ``start_token`` is page
+        aligned; ``prev_hash`` is the page-hash chain up to it (the namespace
+        seed at 0), which stands for everything before it."""
 
 
 class SyntheticKV:
@@ -59,15 +67,19 @@ class SyntheticKV:
         offset = t % self.page_size
         return t[(offset >= first) & (offset < first + pt)]
 
-    def prefix_codes(self, namespace: str, tokens: bytes, positions: torch.Tensor) -> torch.Tensor:
-        """One 31-bit int per position that depends on the namespace and every token
-        up to it: the page-hash chain up to its page, then a running mix within it."""
+    def prefix_codes(
+        self, prev_hash: bytes, tokens: bytes, start_token: int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One 31-bit int per position that depends on everything before it: the
+        page-hash chain up to its page (continued from ``prev_hash``, the chain up to
+        the page-aligned ``start_token`` where ``tokens`` begin), then a running mix
+        within the page."""
         if positions.numel() == 0:
             return positions
         ps, page_bytes = self.page_size, self.page_size * TOKEN_BYTES
-        first_page, last_page = int(positions[0]) // ps, int(positions[-1]) // ps
-        chain = [namespace_seed(namespace)]
-        chain += chain_hashes(chain[0], tokens[: last_page * page_bytes], page_bytes)
+        base = start_token // ps
+        first_page, last_page = int(positions[0]) // ps - base, int(positions[-1]) // ps - base
+        chain = [prev_hash, *chain_hashes(prev_hash, tokens[: last_page * page_bytes], page_bytes)]
         window = tokens[first_page * page_bytes : (last_page + 1) * page_bytes]
         ids = torch.tensor(unpack_tokens(window), dtype=torch.int64).view(-1, ps) & _MASK
         mixed = ((ids + 1) * 0x5851F42D + torch.arange(ps) * 0x14057B7E) & _MASK
@@ -77,7 +89,7 @@ class SyntheticKV:
             dtype=torch.int64,
         )
         codes = (running + seeds.view(-1, 1) * 0x27D4EB2F) & _MASK
-        return codes.view(-1)[positions - first_page * ps]
+        return codes.view(-1)[positions - (base + first_page) * ps]
 
     def values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(2, T, layers, heads, head_dim)`` values in ``[-0.5, 0.5)``."""
@@ -85,15 +97,26 @@ class SyntheticKV:
         x = (x >> 7) % 8191
         return (x.to(torch.float32) / 8191 - 0.5).to(dtype)
 
-    def expected(self, namespace: str, tokens: bytes, start_token: int, dtype: torch.dtype):
-        """Positions of this shard from ``start_token`` on, and their expected KV."""
-        positions = self.positions(start_token, len(tokens) // TOKEN_BYTES)
-        return positions, self.values(self.prefix_codes(namespace, tokens, positions), dtype)
+    def expected(
+        self, prev_hash: bytes, tokens: bytes, start_token: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's positions among ``tokens`` (which begin at the page-aligned
+        ``start_token``, after the chain ``prev_hash``) and their expected KV."""
+        end = start_token + len(tokens) // TOKEN_BYTES
+        positions = self.positions(start_token, end)
+        codes = self.prefix_codes(prev_hash, tokens, start_token, positions)
+        return positions, self.values(codes, dtype)
 
     def fill(
-        self, pool: KVPool, namespace: str, tokens: bytes, start_token: int, pages: list[int]
+        self,
+        pool: KVPool,
+        namespace: str,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        pages: list[int],
     ) -> None:
-        positions, values = self.expected(namespace, tokens, start_token, pool.buffer.dtype)
+        positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype)
         if positions.numel() == 0:
             return
         page_idx, offsets = self.locate(positions, start_token, pages)

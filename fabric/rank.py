@@ -23,6 +23,7 @@ import torch
 
 from fabric.config import FabricConfig
 from fabric.consensus import Topology
+from fabric.keys import namespace_seed
 from fabric.l3.service import shard_suffix
 from fabric.messages import Backup, Batch, Compute, Message, Prefetch, Report, Write
 from fabric.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
@@ -43,6 +44,7 @@ class Faults:
 
     delay_s: float = 0.0
     fail_writes: bool = False
+    fail_computes: bool = False
 
 
 class RankWorker:
@@ -186,8 +188,15 @@ class RankWorker:
         first = group[0]
         try:
             if isinstance(first, Compute):
+                if self.faults.fail_computes:
+                    return False
                 self.filler.fill(
-                    self.l1, first.namespace, first.tokens, first.start_token, list(first.pages)
+                    self.l1,
+                    first.namespace,
+                    first.prev_hash,
+                    first.tokens,
+                    first.start_token,
+                    list(first.pages),
                 )
             else:
                 if self.faults.delay_s:
@@ -305,7 +314,8 @@ class RankWorker:
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
         """Whether L1 ``pages`` hold exactly this shard's KV of the packed prefix
         ``tokens`` (one page per page of it), as a fresh computation gives it."""
-        positions, expected = self.producer.expected(namespace, tokens, 0, self.l1.buffer.dtype)
+        seed = namespace_seed(namespace)
+        positions, expected = self.producer.expected(seed, tokens, 0, self.l1.buffer.dtype)
         if positions.numel() == 0:
             return True
         page_idx, offsets = self.producer.locate(positions, 0, pages)

@@ -201,6 +201,8 @@ class StorageOps:
             return
         cache, size = self.cache, self.cache.page_size
         pages = max(0, min(int(hit_pages), len(op.page_hashes)))
+        if cache.ctl.max_prefetch_pages is not None:
+            pages = min(pages, cache.ctl.max_prefetch_pages)
         threshold = max(self.config.threshold_tokens, 1)
         if (pages - op.cached_pages) * size < threshold:
             self._revoke(op)

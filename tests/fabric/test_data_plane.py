@@ -6,7 +6,7 @@ import torch
 from fabric.config import FabricConfig, ModelConfig
 from fabric.consensus import Consensus, Topology, reduce_max, reduce_min
 from fabric.errors import InvalidInput
-from fabric.keys import pack_tokens
+from fabric.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.local import LocalFabric
 from fabric.messages import Report
 from fabric.pools import KVPool, copy_pages, page_runs
@@ -23,11 +23,11 @@ def test_every_layout_round_trips_pages_through_l2(layout):
     l1 = KVPool(6, shard, model, torch.device("cpu"))
     l2 = KVPool(6, shard, model, torch.device("cpu"))
     tokens = pack_tokens(range(16))
-    kv.fill(l1, "ns", tokens, 0, [0, 3, 4, 5])
+    kv.fill(l1, "ns", namespace_seed("ns"), tokens, 0, [0, 3, 4, 5])
     copy_pages(l1, [0, 3, 4, 5], l2, [5, 0, 1, 2])  # one scattered page, one run of three
     l1.buffer.zero_()
     copy_pages(l2, [5, 0, 1, 2], l1, [1, 2, 3, 4])
-    positions, expected = kv.expected("ns", tokens, 0, torch.float32)
+    positions, expected = kv.expected(namespace_seed("ns"), tokens, 0, torch.float32)
     pages, offsets = kv.locate(positions, 0, [1, 2, 3, 4])
     assert torch.equal(l1.read_tokens(pages, offsets), expected)
 
@@ -37,19 +37,39 @@ def test_page_runs_merge_contiguous_pairs():
     assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
 
 
+def _after_first_page(namespace: str, tokens: bytes, page_size: int = 4):
+    """The chain hash after the first page, and the tokens after it."""
+    return TokenKey(tokens, page_size, namespace).page_hashes()[0], tokens[page_size * 4 :]
+
+
 def test_producer_depends_on_whole_prefix_layer_head_and_shard():
     model = ModelConfig(layers=2, kv_heads=2, head_dim=8, dtype="float32")
     topo = Topology(FabricConfig().topology)
     a, b = (SyntheticKV(topo.shard(i, model, 4), model, 4) for i in (0, 1))
     t1 = pack_tokens([1, 2, 3, 4, 5, 6, 7, 8])
     t2 = pack_tokens([9, 2, 3, 4, 5, 6, 7, 8])  # differs only in the first token
-    _, v1 = a.expected("ns", t1, 4, torch.float32)
-    _, v2 = a.expected("ns", t2, 4, torch.float32)
-    _, v3 = b.expected("ns", t1, 4, torch.float32)
-    _, v4 = a.expected("other", t1, 4, torch.float32)
+    _, v1 = a.expected(*_after_first_page("ns", t1), 4, torch.float32)
+    _, v2 = a.expected(*_after_first_page("ns", t2), 4, torch.float32)
+    _, v3 = b.expected(*_after_first_page("ns", t1), 4, torch.float32)
+    _, v4 = a.expected(*_after_first_page("other", t1), 4, torch.float32)
     assert not torch.equal(v1, v2) and not torch.equal(v1, v3) and not torch.equal(v1, v4)
-    _, again = a.expected("ns", t1, 4, torch.float32)
+    _, again = a.expected(*_after_first_page("ns", t1), 4, torch.float32)
     assert torch.equal(v1, again)
+
+
+def test_a_fill_in_chunks_equals_a_fill_of_the_whole_prompt():
+    """A compute carries only its new tokens and the chain hash before them."""
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=8, dtype="float32")
+    shard = Topology(FabricConfig().topology).shard(1, model, 4)
+    kv = SyntheticKV(shard, model, 4)
+    whole, chunked = (KVPool(6, shard, model, torch.device("cpu")) for _ in range(2))
+    tokens = pack_tokens(range(100, 120))
+    kv.fill(whole, "ns", namespace_seed("ns"), tokens, 0, [0, 1, 2, 3, 4])
+    hashes = TokenKey(tokens, 4, "ns").page_hashes()
+    kv.fill(chunked, "ns", namespace_seed("ns"), tokens[:32], 0, [0, 1])
+    kv.fill(chunked, "ns", hashes[1], tokens[32:48], 8, [2])
+    kv.fill(chunked, "ns", hashes[2], tokens[48:], 12, [3, 4])
+    assert torch.equal(whole.buffer, chunked.buffer)
 
 
 def test_context_parallel_ranks_hold_disjoint_token_offsets():

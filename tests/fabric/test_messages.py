@@ -10,7 +10,7 @@ def test_round_trip_of_every_message():
     batch = Batch(
         3,
         (
-            Compute(1, "ns", b"\x01\x00\x00\x00" * 4, 0, (5,)),
+            Compute(1, "ns", b"\x07" * 32, b"\x01\x00\x00\x00" * 4, 0, (5,)),
             Write(2, (5,), (9,)),
             Load(3, (9,), (6,)),
         ),
