@@ -305,7 +305,8 @@ class CoordinatorCore:
             self._schedule()
             self.cache.write_through()
         except Exception as exc:
-            self.recover(exc)
+            failed = self.recover(exc)
+            self._failed.extend(failed)  # delivered with the next round
         self.events.extend(self.cache.take_events())
         max_bytes = self.config.runtime.max_message_bytes
         world = self.topology.world_size
@@ -330,7 +331,6 @@ class CoordinatorCore:
         self.waiting.extendleft(reversed(ready))
         self._current = None
         if self.absent:
-            self._fail_if_absent_too_long()
             return  # nothing is admitted until every rank answers again
         blocked = []
         while self.waiting:
