@@ -91,7 +91,7 @@ class RankActor:
         fail_computes: bool = False,
         bad_report: bytes | None = None,
     ) -> None:
-        """Chaos hook: delay every copy and L3 batch, fail every write or compute, or
+        """Chaos hook: delay every command and L3 batch, fail every write or compute, or
         answer every step with ``bad_report`` instead of a report."""
         self.worker.faults.delay_s = delay_s
         self.worker.faults.fail_writes = fail_writes

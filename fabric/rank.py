@@ -40,7 +40,7 @@ class StorageLink(Protocol):
 
 @dataclass
 class Faults:
-    """Injected faults for chaos tests: a delay before every copy, and op kinds that fail."""
+    """Injected faults for chaos tests: a delay before every command, and op kinds that fail."""
 
     delay_s: float = 0.0
     fail_writes: bool = False
@@ -187,6 +187,8 @@ class RankWorker:
     def _apply(self, group: list[Message]) -> bool:
         first = group[0]
         try:
+            if self.faults.delay_s:
+                time.sleep(self.faults.delay_s)
             if isinstance(first, Compute):
                 if self.faults.fail_computes:
                     return False
@@ -199,8 +201,6 @@ class RankWorker:
                     list(first.pages),
                 )
             else:
-                if self.faults.delay_s:
-                    time.sleep(self.faults.delay_s)
                 if isinstance(first, Write):
                     if self.faults.fail_writes:
                         return False

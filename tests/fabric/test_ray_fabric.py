@@ -87,6 +87,12 @@ def test_bad_input_gets_clear_errors_and_the_fabric_keeps_serving(fabric):
         fabric.submit([1, 2, 3, 4], namespace="")
     with pytest.raises(InvalidInput, match="non-empty"):
         fabric.submit([])
+    with pytest.raises(InvalidInput, match="UTF-8"):
+        fabric.submit([1, 2, 3, 4], namespace="tenant-\udcff")
+    with pytest.raises(InvalidInput, match="token True"):
+        fabric.submit([1, True, 3, 4])
+    with pytest.raises(InvalidInput, match="not str"):
+        fabric.release("req-1")
     r = fabric.submit(prompt(70, pages=2), timeout=60)
     assert r.error is None and fabric.release(r.lease)
 
@@ -179,3 +185,53 @@ def _try_submit(fabric, tokens, results):
         return True
     except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
         return False
+
+
+def test_a_rank_answering_with_garbage_is_counted_and_serving_resumes(fabric):
+    rank = fabric._deployment.ranks[2]
+    nested = b"\x91" * 100_000 + b"\x00"
+    before = fabric.stats()["bad_messages"]
+    ray.get(rank.set_faults.remote(bad_report=nested))
+    ref = fabric.submit_async(prompt(110, pages=2))
+    assert wait_for(lambda: fabric.stats()["bad_messages"] > before, 30)
+    ray.get(rank.set_faults.remote())
+    r = fabric.result(ref, timeout=60)
+    assert r.error is None and fabric.verify(r, prompt(110, pages=2)) == [True] * 4
+    fabric.release(r.lease)
+    fabric.check_integrity()
+
+
+def test_a_client_timeout_aborts_the_request_and_holds_nothing(fabric):
+    slow = fabric._deployment.ranks[0]
+    ray.get(slow.set_faults.remote(delay_s=3.0))
+    try:
+        # A prompt that needs a load-back: its copy is slow, so the request is still
+        # running when the client gives up.
+        with pytest.raises(TimeoutError, match="aborted"):
+            fabric.submit(prompt(120, pages=2), timeout=0.3)
+    finally:
+        ray.get(slow.set_faults.remote())
+    assert wait_for(lambda: fabric.stats()["running"] == 0, 30)
+    assert fabric.stats()["leases"] == 0
+    fabric.check_integrity()
+
+
+def test_the_leases_of_a_driver_that_exits_are_reclaimed(fabric):
+    address = ray.get_runtime_context().gcs_address
+    script = textwrap.dedent(
+        f"""
+        from fabric.client import connect
+        f = connect({NAME!r}, address={address!r}, ray_namespace="kvfabric-tests")
+        r = f.submit([9000 + t for t in range(8)], timeout=120)
+        assert r.lease is not None
+        print("exiting with a lease held")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert wait_for(lambda: fabric.stats()["leases_reclaimed"] >= 1, 60)
+    assert fabric.stats()["leases"] == 0
+    fabric.check_integrity()

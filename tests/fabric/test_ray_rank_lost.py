@@ -1,0 +1,45 @@
+"""A rank that is gone for good: requests fail with an error naming it, they do
+not wait for ever, and the coordinator keeps answering."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fabric.client import launch  # noqa: E402
+
+from .conftest import prompt, small_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-lost", log_to_driver=False)
+    f = launch(
+        small_config(
+            "runtime.name=kvfabric-lost",
+            "runtime.ray_namespace=kvfabric-lost",
+            "runtime.rank_timeout_s=2",
+            "runtime.rank_absent_timeout_s=3",
+        )
+    )
+    try:
+        yield f
+    finally:
+        f.shutdown()
+        ray.shutdown()
+
+
+def test_requests_fail_naming_a_rank_that_is_gone_for_good(fabric):
+    r = fabric.submit(prompt(1, pages=2), timeout=60)
+    fabric.release(r.lease)
+    ray.kill(fabric._deployment.ranks[1], no_restart=True)
+    started = time.monotonic()
+    lost = fabric.submit(prompt(2, pages=2), timeout=60)
+    assert lost.error is not None and "rank pp0-cp0-tp1 (index 1) has not answered" in lost.error
+    assert time.monotonic() - started < 30
+    stats = fabric.stats()
+    assert stats["absent_ranks"] == "pp0-cp0-tp1"
+    assert stats["requests"]["failed"] >= 1 and stats["running"] == 0
