@@ -45,6 +45,13 @@ def _fraction(default: float) -> Any:
     return _setting(default, float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
 
 
+def _octal(value: str) -> bool:
+    try:
+        return 0 <= int(value, 8) <= 0o777
+    except ValueError:
+        return False
+
+
 def _boolean(default: bool) -> Any:
     return _setting(default, bool, "true or false", lambda v: True)
 
@@ -208,8 +215,13 @@ class StorageConfig(_Section):
     section: ClassVar[str] = "storage"
     backend: str = _one_of("file", ("none", "file", "redis", "dynamic"))
     path: str = _setting("kvfabric-l3", str, "a directory path (file backend)", bool)
-    max_bytes: int = _non_negative_int(0)
+    max_bytes: int = _setting(1 << 30, int, "an integer >= 0 (0: no cap)", lambda v: v >= 0)
     fsync: bool = _boolean(False)
+    file_mode: str = _setting("0600", str, "an octal mode such as 0600", lambda v: _octal(v))
+    dir_mode: str = _setting("0700", str, "an octal mode such as 0700", lambda v: _octal(v))
+    dynamic_modules: str = _setting(
+        "", str, "comma-separated module names the dynamic backend may load", lambda v: True
+    )
     extra_config: str = _setting(
         "", str, "a JSON object, or @file.json/.toml/.yaml, of backend options", lambda v: True
     )
@@ -218,6 +230,9 @@ class StorageConfig(_Section):
     @property
     def enabled(self) -> bool:
         return self.backend != "none"
+
+    def allowed_modules(self) -> frozenset[str]:
+        return frozenset(m.strip() for m in self.dynamic_modules.split(",") if m.strip())
 
 
 @dataclass(frozen=True)

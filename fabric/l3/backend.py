@@ -48,24 +48,33 @@ class L3Backend(ABC):
     def get(self, keys: Sequence[str], out: np.ndarray) -> int:
         """Read and verify pages into ``out`` (``len(keys) x page_bytes`` uint8) from
         the first key on; stop at the first miss. Returns pages read. A corrupt,
-        truncated or foreign page is a miss and counted under its reason."""
+        truncated or foreign page — one stored under another page's, shard's,
+        tenant's or model's key included — is a miss, counted under its reason."""
         n = 0
         for key in keys:
             refused = self._read_into(check_key(key), out[n])
             if refused is not None:
-                self.count("get_miss" if refused == "miss" else f"refused_{refused}")
+                self.refuse(refused)
                 break
             n += 1
         self.count("get_pages", n)
         return n
 
+    def refuse(self, reason: str) -> None:
+        """Count a page not served: ``get_miss``, or ``refused_<reason>``."""
+        self.count("get_miss" if reason == "miss" else f"refused_{reason}")
+
     def _read_into(self, key: str, row: np.ndarray) -> str | None:
         """Verify one page into ``row``: ``None`` when served, else why not (``miss``,
         or a ``decode_page`` reason). Backends may read straight into ``row``."""
-        blob = self._read(key)
+        return self.verify_into(key, self._read(key), row)
+
+    def verify_into(self, key: str, blob: bytes | None, row: np.ndarray) -> str | None:
+        """Check ``blob`` read under ``key`` and copy its payload into ``row``;
+        ``None`` when served, else why not."""
         if blob is None:
             return "miss"
-        payload = decode_page(blob, self.provenance, self.page_bytes)
+        payload = decode_page(blob, self.provenance, self.page_bytes, key)
         if isinstance(payload, str):
             return payload
         row[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -77,7 +86,8 @@ class L3Backend(ABC):
         for i, key in enumerate(keys):
             try:
                 payload = memoryview(pages[i]).cast("B")
-                self._write(check_key(key), (encode_header(payload, self.provenance), payload))
+                check_key(key)
+                self._write(key, (encode_header(payload, self.provenance, key), payload))
                 ok.append(True)
             except OSError:
                 self.count("set_failed")

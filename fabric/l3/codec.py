@@ -1,14 +1,21 @@
 """The on-storage format of one page shard: a header, then the payload.
 
 ``MAGIC | header length (4 bytes, little-endian) | header (msgpack) | payload``.
-The header holds the format version, the payload's length and CRC-32 checksum,
-and the provenance (model id, layout, dtype, shard shape, page size). A page
-whose header, length, checksum or provenance does not match is a miss — never
-an error, never bytes handed to a rank — and ``decode_page`` says why.
+The header holds the format version, the page's own full key (chain hash,
+model tag, shard), the payload's length and CRC-32 checksum, and the
+provenance (model id, layout, dtype, shard shape, page size). A page whose
+header, key, length, checksum or provenance does not match what it was read
+for is a miss — never an error, never bytes handed to a rank — and
+``decode_page`` says why. So a valid page copied, swapped or linked under
+another key (another page, shard, tenant or model) is never served.
+
+Keys are ``<chain hash hex>.<model tag>.<pp>-<cp>-<tp>``: the model tag (a
+digest of the provenance) keeps models and shapes apart in one shared L3.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 from dataclasses import asdict, dataclass
@@ -16,9 +23,9 @@ from dataclasses import asdict, dataclass
 import msgpack
 
 MAGIC = b"KVFABRIC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAX_HEADER = 4096
-_KEY = re.compile(r"^[0-9a-f]{64}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}$")
+_KEY = re.compile(r"[0-9a-f]{64}\.[0-9a-f]{16}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}")
 
 
 @dataclass(frozen=True)
@@ -41,14 +48,25 @@ class Provenance:
         return wire
 
 
-def page_key(page_hash: bytes, suffix: str) -> str:
-    """The storage key of one shard of one page: hex hash + ``.pp-cp-tp``."""
-    return f"{page_hash.hex()}.{suffix}"
+    @property
+    def tag(self) -> str:
+        """16 hex digits naming this provenance in page keys (models share no key)."""
+        tag = self.__dict__.get("_tag")
+        if tag is None:
+            wire = msgpack.packb(self.as_wire(), use_bin_type=True)
+            tag = hashlib.sha256(b"kvfabric/model\0" + wire).hexdigest()[:16]
+            object.__setattr__(self, "_tag", tag)
+        return tag
+
+
+def page_key(page_hash: bytes, model_tag: str, suffix: str) -> str:
+    """The storage key of one shard of one page: chain hash, model tag, ``pp-cp-tp``."""
+    return f"{page_hash.hex()}.{model_tag}.{suffix}"
 
 
 def check_key(key: str) -> str:
-    """Keys become file names: only hex digests with a numeric shard suffix pass."""
-    if not isinstance(key, str) or not _KEY.match(key):
+    """Keys become file names: only ``page_key`` forms pass (no newline, nothing else)."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"storage key {key!r} is not a page key")
     return key
 
@@ -59,11 +77,13 @@ def checksum(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload)
 
 
-def encode_header(payload: bytes | memoryview, provenance: Provenance) -> bytes:
-    """Everything stored before ``payload``: ``encode_header(p) + p`` is the page."""
+def encode_header(payload: bytes | memoryview, provenance: Provenance, key: str) -> bytes:
+    """Everything stored before ``payload`` under ``key``: ``encode_header(p) + p`` is
+    the page."""
     header = msgpack.packb(
         {
             "v": FORMAT_VERSION,
+            "key": key,
             "len": len(payload),
             "sum": checksum(payload),
             "prov": provenance.as_wire(),
@@ -73,8 +93,8 @@ def encode_header(payload: bytes | memoryview, provenance: Provenance) -> bytes:
     return MAGIC + len(header).to_bytes(4, "little") + header
 
 
-def encode_page(payload: bytes | memoryview, provenance: Provenance) -> bytes:
-    return encode_header(payload, provenance) + bytes(payload)
+def encode_page(payload: bytes | memoryview, provenance: Provenance, key: str) -> bytes:
+    return encode_header(payload, provenance, key) + bytes(payload)
 
 
 PREAMBLE = len(MAGIC) + 4
@@ -88,8 +108,11 @@ def header_length(preamble: bytes | memoryview) -> int | str:
     return n if n <= _MAX_HEADER else "format"
 
 
-def check_header(raw: bytes | memoryview, provenance: Provenance, payload_len: int) -> dict | str:
-    """The parsed header if it is this format, this provenance and this length."""
+def check_header(
+    raw: bytes | memoryview, provenance: Provenance, payload_len: int, key: str
+) -> dict | str:
+    """The parsed header if it is this format, this provenance, this page's key and
+    this length; else why not: ``format``, ``provenance``, ``key`` or ``truncated``."""
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception:
@@ -98,21 +121,25 @@ def check_header(raw: bytes | memoryview, provenance: Provenance, payload_len: i
         return "format"
     if header.get("prov") != provenance.as_wire():
         return "provenance"
+    if header.get("key") != key:
+        return "key"
     if header.get("len") != payload_len:
         return "truncated"
     return header
 
 
-def decode_page(blob: bytes, provenance: Provenance, payload_len: int) -> memoryview | str:
+def decode_page(
+    blob: bytes, provenance: Provenance, payload_len: int, key: str
+) -> memoryview | str:
     """The payload, or the reason it is refused: ``format``, ``truncated``,
-    ``checksum`` or ``provenance``."""
+    ``checksum``, ``provenance`` or ``key``."""
     view = memoryview(blob)
     n = header_length(view)
     if isinstance(n, str):
         return n
     if len(view) < PREAMBLE + n:
         return "truncated"
-    header = check_header(view[PREAMBLE : PREAMBLE + n], provenance, payload_len)
+    header = check_header(view[PREAMBLE : PREAMBLE + n], provenance, payload_len, key)
     if isinstance(header, str):
         return header
     payload = view[PREAMBLE + n :]

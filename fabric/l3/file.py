@@ -1,16 +1,28 @@
 """The default L3: one file per page shard in a directory (local disk or NFS).
 
-``<dir>/<first two hex digits>/<key>.kv``. Writes go to a temporary file in the
+``<dir>/<first two hex digits>/<key>.kv``. Every file and directory is created
+owner-only (``file_mode`` / ``dir_mode``, 0600 / 0700 by default, whatever the
+umask): a tenant's KV is nobody else's to read. Nothing below the configured
+directory is reached through a symbolic link — each subdirectory is opened once
+without following links and every file is opened relative to it with
+``O_NOFOLLOW`` — so a link planted in the store is a counted refusal, never a
+way to serve or overwrite another file. Writes go to a temporary file in the
 same directory and are renamed into place (atomic on POSIX, also over NFS);
-``fsync`` is optional. With ``max_bytes`` set, the least recently used pages go
-first when the directory outgrows it (recency is this process's view, seeded
-from file modification times at start-up).
+``fsync`` is optional; temporary files left by a crashed writer are swept when
+the store opens. With ``max_bytes`` set, the least recently used pages go first
+when the directory outgrows it (recency is this process's view, seeded from
+modification times when the store opens).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import stat
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -19,10 +31,33 @@ from typing import Any
 
 import numpy as np
 
+from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.codec import PREAMBLE, Provenance, check_header, checksum, header_length
 
+log = logging.getLogger(__name__)
+
 _SUFFIX = ".kv"
+_TMP = ".tmp"
+# A temporary file this old is a crashed writer's, not one in progress elsewhere.
+STALE_TMP_S = 60.0
+_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_DIR = _READ | os.O_DIRECTORY
+
+
+def _mode(value: Any, name: str, default: int) -> int:
+    """A permission mode from an int or an octal string (``"0600"``)."""
+    if value is None:
+        return default
+    mode = value
+    if isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError:
+            mode = -1
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"{name}={value!r} is refused: allowed is a mode such as 0600")
+    return mode
 
 
 class FileBackend(L3Backend):
@@ -30,88 +65,164 @@ class FileBackend(L3Backend):
 
     def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
         super().__init__(provenance, page_bytes, extra)
-        self.root = Path(extra.get("path", "kvfabric-l3")).resolve()
+        self.root = Path(extra.get("path", "kvfabric-l3")).expanduser().resolve()
         self.max_bytes = int(extra.get("max_bytes", 0))
+        if self.max_bytes < 0:
+            raise ValueError(f"max_bytes={self.max_bytes} is refused: allowed is >= 0")
         self.fsync = bool(extra.get("fsync", False))
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.file_mode = _mode(extra.get("file_mode"), "file_mode", 0o600)
+        self.dir_mode = _mode(extra.get("dir_mode"), "dir_mode", 0o700)
+        self._root_fd = self._open_root()
         self._index_lock = threading.Lock()
-        self._dirs: set[str] = set()
+        self._dirs: dict[str, int] = {}
         self._index: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
-        entries = []
-        for path in self.root.glob(f"??/*{_SUFFIX}"):
-            try:
-                st = path.stat()
-            except OSError:
+        self._load_index()
+
+    def _open_root(self) -> int:
+        where = f"storage path {str(self.root)!r}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=self.dir_mode)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise ConfigError(f"{where} cannot be used: {exc.strerror or exc}") from None
+        probe = f".probe-{uuid.uuid4().hex}{_TMP}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
+            os.unlink(probe, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
+        return fd
+
+    def _load_index(self) -> None:
+        entries, now = [], time.time()
+        for entry in os.scandir(self._root_fd):
+            if len(entry.name) != 2 or not entry.is_dir(follow_symlinks=False):
                 continue
-            entries.append((st.st_mtime, path.name[: -len(_SUFFIX)], st.st_size))
+            fd = self._dir(entry.name, create=False)
+            if fd is None:
+                continue
+            for item in os.scandir(fd):
+                st = item.stat(follow_symlinks=False)
+                if item.name.endswith(_TMP):
+                    if now - st.st_mtime > STALE_TMP_S:
+                        self._unlink(fd, item.name)
+                        self.count("swept_temp_files")
+                elif item.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
+                    entries.append((st.st_mtime, item.name[: -len(_SUFFIX)], st.st_size))
         for _, key, size in sorted(entries):
             self._index[key] = size
             self._bytes += size
 
-    def _path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}{_SUFFIX}"
+    def _dir(self, prefix: str, create: bool) -> int | None:
+        """The open subdirectory for keys starting ``prefix``; ``None`` when it is
+        missing (and not to be created) or is not a real directory."""
+        fd = self._dirs.get(prefix)
+        if fd is not None:
+            return fd
+        with self._index_lock:
+            fd = self._dirs.get(prefix)
+            if fd is not None:
+                return fd
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(prefix, self.dir_mode, dir_fd=self._root_fd)
+            try:
+                fd = os.open(prefix, _DIR, dir_fd=self._root_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    self.count("refused_symlink")
+                    log.warning("L3: %s/%s is not a directory; ignored", self.root, prefix)
+                return None
+            self._dirs[prefix] = fd
+            return fd
+
+    @staticmethod
+    def _unlink(dir_fd: int, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
 
     def _read(self, key: str) -> bytes | None:
-        try:
-            data = self._path(key).read_bytes()
-        except OSError:
+        fd = self._open(key)
+        if not isinstance(fd, int):
             return None
-        with self._index_lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+        with open(fd, "rb") as f:
+            data = f.read()
+        self._touch(key)
         return data
+
+    def _open(self, key: str) -> int | str:
+        """A read descriptor of ``key``'s file, or why not: ``miss``, ``symlink``."""
+        dir_fd = self._dir(key[:2], create=False)
+        if dir_fd is None:
+            return "miss"
+        try:
+            return os.open(f"{key}{_SUFFIX}", _READ, dir_fd=dir_fd)
+        except OSError as exc:
+            return "symlink" if exc.errno == errno.ELOOP else "miss"
 
     def _read_into(self, key: str, row: np.ndarray) -> str | None:
         # The payload goes from the file straight into the caller's row: no copy.
-        try:
-            f = open(self._path(key), "rb")  # noqa: SIM115 - closed below
-        except OSError:
-            return "miss"
-        with f:
+        fd = self._open(key)
+        if not isinstance(fd, int):
+            return fd
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return "format"
             n = header_length(f.read(PREAMBLE))
             if isinstance(n, str):
                 return n
             raw = f.read(n)
             if len(raw) != n:
                 return "truncated"
-            header = check_header(raw, self.provenance, self.page_bytes)
+            header = check_header(raw, self.provenance, self.page_bytes, key)
             if isinstance(header, str):
                 return header
             if f.readinto(memoryview(row).cast("B")) != self.page_bytes or f.read(1):
                 return "truncated"
         if header.get("sum") != checksum(row):
             return "checksum"
+        self._touch(key)
+        return None
+
+    def _touch(self, key: str) -> None:
         with self._index_lock:
             if key in self._index:
                 self._index.move_to_end(key)
-        return None
 
     def _exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        dir_fd = self._dir(key[:2], create=False)
+        if dir_fd is None:
+            return False
+        try:
+            st = os.stat(f"{key}{_SUFFIX}", dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            self.count("refused_symlink")
+        return stat.S_ISREG(st.st_mode)
 
     def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
-        path = self._path(key)
-        if key[:2] not in self._dirs:
-            path.parent.mkdir(exist_ok=True)
-            self._dirs.add(key[:2])
-        tmp = path.parent / f".{key}.{uuid.uuid4().hex}.tmp"
+        dir_fd = self._dir(key[:2], create=True)
+        if dir_fd is None:
+            raise OSError(errno.ENOTDIR, f"{key[:2]} is not a directory")
+        tmp = f".{key}.{uuid.uuid4().hex}{_TMP}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(tmp, flags, self.file_mode, dir_fd=dir_fd)
         try:
-            with open(tmp, "wb") as f:
+            os.fchmod(fd, self.file_mode)  # exactly the mode asked for, whatever the umask
+            with open(fd, "wb", closefd=True) as f:
                 for part in parts:
                     f.write(part)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, f"{key}{_SUFFIX}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             if self.fsync:
-                dir_fd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.fsync(dir_fd)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            self._unlink(dir_fd, tmp)
             raise
         self._account(key, sum(len(p) for p in parts))
 
@@ -125,20 +236,27 @@ class FileBackend(L3Backend):
                 self._bytes -= old_size
                 victims.append(old)
         for old in victims:
-            self._path(old).unlink(missing_ok=True)
+            dir_fd = self._dir(old[:2], create=False)
+            if dir_fd is not None:
+                self._unlink(dir_fd, f"{old}{_SUFFIX}")
             self.count("evicted_pages")
 
     def _clear(self) -> None:
         with self._index_lock:
-            keys = list(self._index)
             self._index.clear()
             self._bytes = 0
-        for key in keys:
-            self._path(key).unlink(missing_ok=True)
-        for path in self.root.glob(f"??/*{_SUFFIX}"):
-            path.unlink(missing_ok=True)
-        self._dirs.clear()
+        for entry in os.scandir(self._root_fd):  # also directories other writers made
+            dir_fd = self._dir(entry.name, create=False) if len(entry.name) == 2 else None
+            for item in os.scandir(dir_fd) if dir_fd is not None else ():
+                if item.name.endswith(_SUFFIX):
+                    self._unlink(dir_fd, item.name)
 
     def _usage(self) -> dict[str, Any]:
         with self._index_lock:
             return {"pages": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
+
+    def close(self) -> None:
+        with self._index_lock:
+            fds, self._dirs = list(self._dirs.values()), {}
+        for fd in [*fds, self._root_fd]:
+            os.close(fd)

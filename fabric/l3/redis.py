@@ -1,18 +1,31 @@
 """L3 in a Redis server: a shared tier across nodes without a shared file system.
 
 Each page shard is one Redis string under ``<prefix><key>``, in the same format
-as the file backend (header, checksum, provenance). Requires the ``redis``
-package (``pip install 'kvfabric[redis]'``). A size cap is Redis's own business
-(``maxmemory`` with an LRU policy).
+as the file backend (header with the page's own key, checksum, provenance).
+Batches travel in one round trip each (``MGET``, pipelined ``EXISTS`` and
+``SET``). The prefix is validated (letters, digits and ``_:.-``), and ``clear``
+deletes only keys of this prefix's exact page-key form, so two prefixes never
+touch each other's pages. Requires the ``redis`` package (``pip install
+'kvfabric[redis]'``). A size cap is Redis's own business (``maxmemory`` with an
+LRU policy); ``stats`` counts this process's traffic and never scans the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
-from fabric.l3.codec import Provenance
+from fabric.l3.codec import Provenance, check_key
+
+_PREFIX = re.compile(r"[A-Za-z0-9_:.\-]{1,64}")
+_GLOB = re.compile(r"([*?\[\]\\^])")
+_PAGE_KEY = r"[0-9a-f]{64}\.[0-9a-f]{16}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}"
+_CERT_REQS = ("required", "optional", "none")
 
 
 class RedisBackend(L3Backend):
@@ -24,39 +37,127 @@ class RedisBackend(L3Backend):
             import redis
         except ImportError:  # pragma: no cover - depends on the install
             raise ValueError(
-                "the redis backend needs the 'redis' package: pip install redis"
+                "the redis backend needs the 'redis' package: pip install 'kvfabric[redis]'"
             ) from None
-        self.prefix = str(extra.get("prefix", "kvfabric:"))
-        self.client = redis.Redis(
-            host=str(extra.get("host", "127.0.0.1")),
-            port=int(extra.get("port", 6379)),
-            db=int(extra.get("db", 0)),
-            password=extra.get("password"),
-            socket_timeout=float(extra.get("timeout_s", 5.0)),
-        )
-        self.client.ping()
+        prefix = extra.get("prefix", "kvfabric:")
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            raise ValueError(
+                f"prefix={prefix!r} is refused: allowed is 1-64 letters, digits or _:.-"
+            )
+        self.prefix = prefix
+        self._own = re.compile(re.escape(prefix) + _PAGE_KEY)
+        host, port = str(extra.get("host", "127.0.0.1")), int(extra.get("port", 6379))
+        self.where = f"{host}:{port}"
+        cert_reqs = extra.get("ssl_cert_reqs", "required")
+        if cert_reqs not in _CERT_REQS:
+            raise ValueError(f"ssl_cert_reqs={cert_reqs!r} is refused: allowed is {_CERT_REQS}")
+        tls = bool(extra.get("ssl", False))
+        options: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "db": int(extra.get("db", 0)),
+            "username": extra.get("username"),
+            "password": extra.get("password"),
+            "socket_timeout": float(extra.get("timeout_s", 5.0)),
+            "socket_connect_timeout": float(extra.get("timeout_s", 5.0)),
+        }
+        if tls:
+            options.update(
+                ssl=True,
+                ssl_ca_certs=extra.get("ssl_ca_certs"),
+                ssl_certfile=extra.get("ssl_certfile"),
+                ssl_keyfile=extra.get("ssl_keyfile"),
+                ssl_cert_reqs=cert_reqs,
+            )
+        self.client = redis.Redis(**options)
+        try:
+            self.client.ping()
+        except redis.AuthenticationError as exc:
+            raise ConfigError(
+                f"storage redis at {self.where}: authentication failed: {exc}"
+            ) from None
+        except redis.ResponseError as exc:
+            raise ConfigError(f"storage redis at {self.where}: refused: {exc}") from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise ConfigError(f"storage redis at {self.where} is unreachable: {exc}") from None
+        except redis.RedisError as exc:
+            raise ConfigError(f"storage redis at {self.where}: {exc}") from None
+        self._errors = redis.RedisError
+
+    # Batches: one round trip each.
+
+    def exists(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.prefix + check_key(key))
+        n = 0
+        for found in pipe.execute():
+            if not found:
+                break
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[str], out: np.ndarray) -> int:
+        if not keys:
+            return 0
+        names = [self.prefix + check_key(key) for key in keys]
+        n = 0
+        for key, blob in zip(keys, self.client.mget(names), strict=True):
+            refused = self.verify_into(key, blob, out[n])
+            if refused is not None:
+                self.refuse(refused)
+                break
+            n += 1
+        self.count("get_pages", n)
+        return n
+
+    def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
+        from fabric.l3.codec import encode_header
+
+        pipe = self.client.pipeline(transaction=False)
+        for i, key in enumerate(keys):
+            payload = memoryview(pages[i]).cast("B")
+            pipe.set(
+                self.prefix + check_key(key), encode_header(payload, self.provenance, key) + payload
+            )
+        try:
+            ok = [bool(r) for r in pipe.execute(raise_on_error=False)]
+        except self._errors:
+            ok = [False] * len(keys)
+        self.count("set_pages", sum(ok))
+        self.count("set_failed", len(ok) - sum(ok))
+        return ok
+
+    # One key at a time (the base class's fallbacks, and tests).
 
     def _read(self, key: str) -> bytes | None:
         return self.client.get(self.prefix + key)
 
     def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
-        import redis
-
         try:
             self.client.set(self.prefix + key, b"".join(parts))
-        except redis.RedisError as exc:
+        except self._errors as exc:
             raise OSError(str(exc)) from None
 
     def _exists(self, key: str) -> bool:
         return bool(self.client.exists(self.prefix + key))
 
     def _clear(self) -> None:
-        for key in self.client.scan_iter(match=self.prefix + "*", count=1000):
-            self.client.delete(key)
+        pattern = _GLOB.sub(r"\\\1", self.prefix) + "*"
+        batch: list[bytes] = []
+        for name in self.client.scan_iter(match=pattern, count=1000):
+            if self._own.fullmatch(name.decode("utf-8", "replace")):
+                batch.append(name)
+            if len(batch) >= 1000:
+                self.client.delete(*batch)
+                batch = []
+        if batch:
+            self.client.delete(*batch)
 
     def _usage(self) -> dict[str, Any]:
-        pages = sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000))
-        return {"pages": pages}
+        return {"server": self.where, "prefix": self.prefix}
 
     def close(self) -> None:
         self.client.close()

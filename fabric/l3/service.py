@@ -39,6 +39,13 @@ def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
     return shape, int(np.prod(shape)) * _ITEMSIZE[model.dtype]
 
 
+def storage_provenance(config: FabricConfig) -> Provenance:
+    """What this fabric's pages are computed for; its ``tag`` is in every page key."""
+    shape, _ = page_geometry(config)
+    m = config.model
+    return Provenance(m.model_id, m.layout, m.dtype, shape, config.cache.page_size)
+
+
 def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
     """The backend name and its options from the config (``extra_config`` wins)."""
     extra = parse_extra_config(storage.extra_config)
@@ -47,6 +54,8 @@ def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
             "path": storage.path,
             "max_bytes": storage.max_bytes,
             "fsync": storage.fsync,
+            "file_mode": storage.file_mode,
+            "dir_mode": storage.dir_mode,
             **extra,
         }
     return storage.backend, extra
@@ -57,14 +66,19 @@ class StorageService:
         self.config = config
         topo = Topology(config.topology)
         self.suffixes = [shard_suffix(r.pp, r.cp, r.tp) for r in topo.ranks]
-        shape, self.page_bytes = page_geometry(config)
-        m = config.model
-        self.provenance = Provenance(m.model_id, m.layout, m.dtype, shape, config.cache.page_size)
+        _, self.page_bytes = page_geometry(config)
+        self.provenance = storage_provenance(config)
+        self.model_tag = self.provenance.tag
+        self.allowed_modules = config.storage.allowed_modules()
         self.backend: L3Backend | None = None
         self.spec: tuple[str, dict[str, Any]] | None = None
         self._lock = threading.Lock()
         if config.storage.enabled:
             self.attach(*backend_spec(config.storage))
+
+    def key(self, page_hash: bytes, suffix: str) -> str:
+        """The L3 key of one shard of one page of this model."""
+        return page_key(page_hash, self.model_tag, suffix)
 
     def attach(self, name: str, extra: Mapping[str, Any]) -> str:
         """Open a backend. The same one again changes nothing; another one is
@@ -77,7 +91,9 @@ class StorageService:
                 raise ConfigError(
                     f"storage backend {self.spec[0]!r} is attached; detach it before attaching {name!r}"  # type: ignore[index]
                 )
-            self.backend = make_backend(name, self.provenance, self.page_bytes, extra)
+            self.backend = make_backend(
+                name, self.provenance, self.page_bytes, extra, self.allowed_modules
+            )
             self.spec = spec
         return "attached"
 
@@ -107,7 +123,8 @@ class StorageService:
             found = 0
             for start in range(0, best, batch_pages):
                 keys = [
-                    page_key(h, suffix) for h in page_hashes[start : min(start + batch_pages, best)]
+                    self.key(h, suffix)
+                    for h in page_hashes[start : min(start + batch_pages, best)]
                 ]
                 n = backend.exists(keys)
                 found += n
@@ -125,7 +142,7 @@ class StorageService:
         out = np.empty((len(page_hashes), self.page_bytes), dtype=np.uint8)
         if backend is None:
             return out[:0]
-        n = backend.get([page_key(h, suffix) for h in page_hashes], out)
+        n = backend.get([self.key(h, suffix) for h in page_hashes], out)
         return out[:n]
 
     def store(self, suffix: str, page_hashes: Sequence[bytes], pages: np.ndarray) -> bool:
@@ -133,7 +150,7 @@ class StorageService:
         backend = self.backend
         if backend is None or pages.shape != (len(page_hashes), self.page_bytes):
             return False
-        return all(backend.set([page_key(h, suffix) for h in page_hashes], pages))
+        return all(backend.set([self.key(h, suffix) for h in page_hashes], pages))
 
     def stats(self) -> dict[str, Any]:
         backend = self.backend

@@ -10,8 +10,8 @@ PROV = Provenance("m", "layer_first", "bfloat16", (2, 4, 1, 1, 8), 4)
 PAGE_BYTES = 2 * 4 * 1 * 1 * 8 * 2
 
 
-def keys(n: int, suffix: str = "0-0-0", start: int = 0) -> list[str]:
-    return [f"{i:064x}.{suffix}" for i in range(start, start + n)]
+def keys(n: int, suffix: str = "0-0-0", start: int = 0, prov: Provenance = PROV) -> list[str]:
+    return [f"{i:064x}.{prov.tag}.{suffix}" for i in range(start, start + n)]
 
 
 def pages(n: int, seed: int = 0) -> np.ndarray:

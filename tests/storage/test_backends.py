@@ -36,6 +36,7 @@ def _path(backend, key):
             lambda b: encode_page(
                 b"\0" * PAGE_BYTES,
                 Provenance("other", "layer_first", "bfloat16", (2, 4, 1, 1, 8), 4),
+                keys(2)[1],
             ),
             "refused_provenance",
         ),
@@ -51,7 +52,15 @@ def test_damaged_pages_are_misses_counted_by_reason(file_backend, damage, reason
 
 
 def test_nothing_user_supplied_becomes_a_path(file_backend):
-    for bad in ["../../etc/passwd", "0" * 64, "0" * 64 + ".0-0-0/x", "ZZ" * 32 + ".0-0-0"]:
+    good = keys(1)[0]
+    for bad in [
+        "../../etc/passwd",
+        "0" * 64,
+        good + "/x",
+        good + "\n",
+        "ZZ" * 32 + good[64:],
+        "0" * 64 + ".0-0-0",  # no model tag
+    ]:
         with pytest.raises(ValueError, match="not a page key"):
             file_backend.exists([bad])
 
@@ -63,7 +72,7 @@ def test_writes_are_atomic_and_leave_no_temp_files(file_backend):
 
 
 def test_size_cap_evicts_least_recently_used_pages(tmp_path):
-    blob = len(encode_page(b"\0" * PAGE_BYTES, PROV))
+    blob = len(encode_page(b"\0" * PAGE_BYTES, PROV, keys(1)[0]))
     b = FileBackend(PROV, PAGE_BYTES, {"path": str(tmp_path), "max_bytes": 3 * blob})
     b.set(keys(3), pages(3))
     out = np.zeros((1, PAGE_BYTES), dtype=np.uint8)
@@ -85,9 +94,11 @@ def test_a_new_backend_on_the_same_directory_sees_the_pages(tmp_path):
 
 
 def test_decode_refuses_wrong_lengths():
-    blob = encode_page(b"\1" * PAGE_BYTES, PROV)
-    assert decode_page(blob, PROV, PAGE_BYTES + 1) == "truncated"
-    assert bytes(decode_page(blob, PROV, PAGE_BYTES)) == b"\1" * PAGE_BYTES
+    key = keys(1)[0]
+    blob = encode_page(b"\1" * PAGE_BYTES, PROV, key)
+    assert decode_page(blob, PROV, PAGE_BYTES + 1, key) == "truncated"
+    assert bytes(decode_page(blob, PROV, PAGE_BYTES, key)) == b"\1" * PAGE_BYTES
+    assert decode_page(blob, PROV, PAGE_BYTES, keys(2)[1]) == "key"
 
 
 def test_extra_config_parses_json_and_files_and_names_errors(tmp_path):
@@ -115,9 +126,11 @@ def test_make_backend_refuses_unknown_names_and_keys(tmp_path):
     with pytest.raises(ConfigError, match="needs string keys 'module' and 'class'"):
         make_backend("dynamic", PROV, PAGE_BYTES, {})
     with pytest.raises(ConfigError, match="cannot load"):
-        make_backend("dynamic", PROV, PAGE_BYTES, {"module": "no.such", "class": "X"})
+        make_backend("dynamic", PROV, PAGE_BYTES, {"module": "no.such", "class": "X"}, {"no.such"})
     with pytest.raises(ConfigError, match="not an L3Backend"):
-        make_backend("dynamic", PROV, PAGE_BYTES, {"module": "json", "class": "JSONDecoder"})
+        make_backend(
+            "dynamic", PROV, PAGE_BYTES, {"module": "json", "class": "JSONDecoder"}, {"json"}
+        )
 
 
 def test_dynamic_backend_loads_a_user_class_by_module_path():
@@ -126,6 +139,7 @@ def test_dynamic_backend_loads_a_user_class_by_module_path():
         PROV,
         PAGE_BYTES,
         {"module": "tests.storage.memory_backend", "class": "MemoryBackend", "label": "mine"},
+        allowed_modules={"tests.storage.memory_backend"},
     )
     assert b.label == "mine"
     b.set(keys(2), pages(2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from fabric.errors import ConfigError
 from fabric.keys import pack_tokens
 from fabric.l3 import make_backend
 from fabric.local import LocalFabric
@@ -22,11 +24,15 @@ if shutil.which("redis-server") is None and not os.environ.get("CI"):
     pytest.skip("redis-server is not installed (CI installs it)", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def redis_port():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _redis_server(*args: str):
+    port = _free_port()
     proc = subprocess.Popen(
         [
             "redis-server",
@@ -38,6 +44,7 @@ def redis_port():
             "",
             "--appendonly",
             "no",
+            *args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -58,6 +65,12 @@ def redis_port():
         proc.wait(10)
 
 
+@pytest.fixture(scope="module")
+def redis_port():
+    with _redis_server() as port:
+        yield port
+
+
 def backend(port, prefix="t:"):
     return make_backend("redis", PROV, PAGE_BYTES, {"port": port, "prefix": prefix})
 
@@ -68,7 +81,7 @@ def test_round_trip_and_clear(redis_port):
     assert b.exists(keys(4)) == 3
     out = np.zeros((3, PAGE_BYTES), dtype=np.uint8)
     assert b.get(keys(3), out) == 3 and np.array_equal(out, pages(3))
-    assert b.stats()["pages"] == 3
+    assert b.stats()["set_pages"] == 3
     b.clear()
     assert b.exists(keys(1)) == 0
 
@@ -97,3 +110,63 @@ def test_a_fresh_fabric_serves_pages_from_redis(redis_port):
     r = second.serve(tokens)
     assert r.storage_hit_tokens == 24
     assert second.verify(r, tokens) == [True] * 4
+
+
+def _calls(b, command: str) -> int:
+    return int(b.client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_batches_take_one_round_trip_and_stats_never_scan(redis_port):
+    b = backend(redis_port, "batch:")
+    before = {c: _calls(b, c) for c in ("get", "mget", "set", "scan")}
+    assert b.set(keys(64), pages(64)) == [True] * 64
+    out = np.zeros((64, PAGE_BYTES), dtype=np.uint8)
+    assert b.get(keys(64), out) == 64 and np.array_equal(out, pages(64))
+    for _ in range(5):
+        b.stats()
+    assert _calls(b, "mget") == before["mget"] + 1 and _calls(b, "get") == before["get"]
+    assert _calls(b, "scan") == before["scan"]
+
+
+def test_a_page_stored_under_another_key_is_never_served(redis_port):
+    b = backend(redis_port, "swap:")
+    b.set(keys(3), pages(3))
+    first, second = ("swap:" + k for k in keys(3)[1:])
+    a, c = b.client.get(first), b.client.get(second)
+    b.client.set(first, c)
+    b.client.set(second, a)
+    out = np.zeros((3, PAGE_BYTES), dtype=np.uint8)
+    assert b.get(keys(3), out) == 1
+    assert b.stats()["refused_key"] == 1
+
+
+@pytest.mark.parametrize("prefix", ["", "a?", "a*", "a[b]", "x" * 65, "a b", "a\n"])
+def test_a_prefix_that_is_not_plain_is_refused(redis_port, prefix):
+    with pytest.raises(ConfigError, match="prefix"):
+        backend(redis_port, prefix)
+
+
+def test_clear_removes_only_its_own_keys(redis_port):
+    mine, longer = backend(redis_port, "a"), backend(redis_port, "ab")
+    mine.set(keys(2), pages(2))
+    longer.set(keys(2), pages(2))
+    mine.client.set("a-unrelated", b"keep me")
+    mine.clear()
+    assert mine.exists(keys(2)) == 0
+    assert longer.exists(keys(2)) == 2, "prefix 'ab' starts with 'a' and is not touched"
+    assert mine.client.get("a-unrelated") == b"keep me"
+
+
+def test_wrong_password_and_down_server_are_config_errors_naming_host_and_port():
+    with _redis_server("--requirepass", "s3cret") as port:
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: authentication failed"):
+            make_backend("redis", PROV, PAGE_BYTES, {"port": port, "password": "wrong"})
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: authentication|refused"):
+            make_backend("redis", PROV, PAGE_BYTES, {"port": port})
+        ok = make_backend(
+            "redis", PROV, PAGE_BYTES, {"port": port, "password": "s3cret", "username": "default"}
+        )
+        assert ok.set(keys(1), pages(1)) == [True]
+    down = _free_port()
+    with pytest.raises(ConfigError, match=f"127.0.0.1:{down} is unreachable"):
+        make_backend("redis", PROV, PAGE_BYTES, {"port": down, "timeout_s": 1})

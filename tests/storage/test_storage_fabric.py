@@ -8,6 +8,7 @@ import pytest
 from fabric.errors import ConfigError
 from fabric.keys import TokenKey, pack_tokens
 from fabric.l3.codec import page_key
+from fabric.l3.service import storage_provenance
 from fabric.local import LocalFabric
 from fabric.storage_ops import PrefetchState
 from tests.core.conftest import FakeClock
@@ -35,9 +36,9 @@ def fill_l3(cfg, tokens: bytes) -> None:
     assert f.core.cache.storage.stats.backed_up_tokens == len(tokens) // 4 // P * P
 
 
-def page_file(tmp_path, tokens: bytes, page: int, suffix: str):
-    h = TokenKey(tokens, P).page_hashes()[page]
-    key = page_key(h, suffix)
+def page_file(tmp_path, tokens: bytes, page: int, suffix: str, namespace: str = "default"):
+    h = TokenKey(tokens, P, namespace).page_hashes()[page]
+    key = page_key(h, storage_provenance(config(tmp_path)).tag, suffix)
     return tmp_path / "l3" / key[:2] / f"{key}.kv"
 
 

@@ -1,0 +1,191 @@
+"""L3 never serves a page under a key it was not stored for, and its backends
+keep tenants' pages private: pages swapped, linked or copied across pages,
+shards, tenants and models are counted misses; files are owner-only; links,
+stale temp files, bad paths and foreign modules are handled."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fabric.config import StorageConfig
+from fabric.errors import ConfigError
+from fabric.keys import pack_tokens
+from fabric.l3 import make_backend
+from fabric.l3.file import STALE_TMP_S, FileBackend
+from fabric.l3.service import StorageService, backend_spec
+from fabric.local import LocalFabric
+from tests.fabric.conftest import prompt
+
+from .conftest import PAGE_BYTES, PROV, keys, pages
+from .test_storage_fabric import config, fill_l3, page_file
+
+TOKENS = pack_tokens(prompt(1, pages=8))
+
+
+def serve_checked(cfg, tokens=TOKENS, namespace="default"):
+    """Serve ``tokens`` on a fresh fabric: every served page must verify."""
+    f = LocalFabric(cfg)
+    rid = f.core.submit(tokens, namespace)
+    for _ in range(50):
+        f.step()
+        if rid in f.results:
+            break
+    r = f.results.pop(rid)
+    assert r.error is None
+    assert f.verify(r, tokens) == [True] * 4
+    return r, f.storage.stats()
+
+
+def swap(a, b):
+    tmp = a.with_suffix(".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+def test_two_pages_of_one_prompt_swapped_are_never_served(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    swap(page_file(tmp_path, TOKENS, 2, "0-0-0"), page_file(tmp_path, TOKENS, 5, "0-0-0"))
+    r, stats = serve_checked(cfg)
+    assert r.storage_hit_tokens == 8, "pages 0-1 only: page 2 holds page 5's KV"
+    assert stats["refused_key"] >= 1
+
+
+def test_two_tp_shards_swapped_are_never_served(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    swap(page_file(tmp_path, TOKENS, 3, "1-0-0"), page_file(tmp_path, TOKENS, 3, "1-0-1"))
+    r, stats = serve_checked(cfg)
+    assert r.storage_hit_tokens == 12
+    assert stats["refused_key"] >= 1
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_page_linked_to_another_is_never_served(tmp_path, link):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    target, victim = (
+        page_file(tmp_path, TOKENS, 6, "0-0-1"),
+        page_file(tmp_path, TOKENS, 1, "0-0-1"),
+    )
+    victim.unlink()
+    if link == "symlink":
+        victim.symlink_to(target)
+    else:
+        os.link(target, victim)
+    r, stats = serve_checked(cfg)
+    assert r.storage_hit_tokens == 4
+    assert stats["refused_symlink" if link == "symlink" else "refused_key"] >= 1
+
+
+def test_another_tenants_page_copied_over_a_key_is_never_served(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    f = LocalFabric(cfg)
+    r = f.serve(TOKENS, namespace="tenant-b")
+    f.core.release(r.lease)
+    f.settle()
+    theirs = page_file(tmp_path, TOKENS, 0, "0-0-0", namespace="tenant-b")
+    mine = page_file(tmp_path, TOKENS, 0, "0-0-0")
+    mine.write_bytes(theirs.read_bytes())
+    r, stats = serve_checked(cfg)
+    assert r.storage_hit_tokens == 0 and r.computed_tokens == 32
+    assert stats["refused_key"] >= 1
+
+
+def test_two_models_share_one_l3_without_touching_each_others_pages(tmp_path):
+    one, two = config(tmp_path, "model.model_id=model-one"), config(tmp_path, "model.model_id=m2")
+    fill_l3(one, TOKENS)
+    fill_l3(two, TOKENS)
+    for cfg in (one, two):
+        r, stats = serve_checked(cfg)
+        assert r.storage_hit_tokens == 32 and stats.get("refused_provenance", 0) == 0
+    assert len(list((tmp_path / "l3").rglob("*.kv"))) == 2 * 8 * 4
+
+
+def test_files_and_directories_are_owner_only_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        b = FileBackend(PROV, PAGE_BYTES, {"path": str(tmp_path / "l3")})
+        b.set(keys(2), pages(2))
+        shared = FileBackend(PROV, PAGE_BYTES, {"path": str(tmp_path / "l3g"), "file_mode": "0640"})
+        shared.set(keys(1), pages(1))
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "l3").rglob("*"):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+    (page,) = (tmp_path / "l3g").rglob("*.kv")
+    assert stat.S_IMODE(page.stat().st_mode) == 0o640
+
+
+def test_a_subdirectory_replaced_by_a_link_is_not_followed(tmp_path):
+    root = tmp_path / "l3"
+    FileBackend(PROV, PAGE_BYTES, {"path": str(root)}).set(keys(1), pages(1))
+    elsewhere = tmp_path / "elsewhere"
+    (root / "00").rename(elsewhere)
+    (root / "00").symlink_to(elsewhere)
+    b = FileBackend(PROV, PAGE_BYTES, {"path": str(root)})
+    out = np.zeros((1, PAGE_BYTES), dtype=np.uint8)
+    assert b.exists(keys(1)) == 0 and b.get(keys(1), out) == 0
+    assert b.set(keys(1), pages(1)) == [False]
+    assert b.stats()["refused_symlink"] >= 1
+    assert len(list(elsewhere.iterdir())) == 1, "nothing written through the link"
+
+
+def test_stale_temp_files_are_swept_when_the_store_opens(tmp_path):
+    root = tmp_path / "l3"
+    FileBackend(PROV, PAGE_BYTES, {"path": str(root)}).set(keys(1), pages(1))
+    stale, fresh = root / "00" / ".crashed.tmp", root / "00" / ".writing.tmp"
+    stale.write_bytes(b"half a page")
+    fresh.write_bytes(b"in progress")
+    past = time.time() - STALE_TMP_S - 5
+    os.utime(stale, (past, past))
+    b = FileBackend(PROV, PAGE_BYTES, {"path": str(root)})
+    assert not stale.exists() and fresh.exists()
+    assert b.stats()["swept_temp_files"] == 1 and b.stats()["pages"] == 1
+
+
+def test_an_unusable_path_is_a_config_error_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for path in (blocker, blocker / "l3"):
+        with pytest.raises(ConfigError, match=f"storage path '{path}' cannot be used"):
+            make_backend("file", PROV, PAGE_BYTES, {"path": str(path)})
+    with pytest.raises(ConfigError, match="file_mode='rw'"):
+        make_backend("file", PROV, PAGE_BYTES, {"path": str(tmp_path), "file_mode": "rw"})
+
+
+def test_the_default_l3_has_a_size_cap():
+    name, extra = backend_spec(StorageConfig())
+    assert name == "file" and extra["max_bytes"] == StorageConfig().max_bytes == 1 << 30
+
+
+def test_the_dynamic_backend_imports_only_modules_the_launch_config_allows(tmp_path):
+    marker = tmp_path / "imported"
+    (tmp_path / "kvfabric_evil_backend.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cfg = config(tmp_path, "storage.backend=none")
+        service = StorageService(cfg)
+        with pytest.raises(ConfigError, match="'kvfabric_evil_backend' is not allowed"):
+            service.attach("dynamic", {"module": "kvfabric_evil_backend", "class": "B"})
+        assert not marker.exists() and "kvfabric_evil_backend" not in sys.modules
+        allowed = StorageService(
+            config(
+                tmp_path,
+                "storage.backend=none",
+                "storage.dynamic_modules=tests.storage.memory_backend",
+            )
+        )
+        spec = {"module": "tests.storage.memory_backend", "class": "MemoryBackend"}
+        assert allowed.attach("dynamic", spec) == "attached"
+    finally:
+        sys.path.remove(str(tmp_path))
