@@ -25,8 +25,10 @@ from fabric.messages import InvalidMessage, Report, decode, encode
 
 log = logging.getLogger(__name__)
 
-# How often the coordinator checks that the drivers holding leases still run.
+# How often the coordinator checks that the drivers holding leases still run,
+# and that the storage actor holds the L3 backend it should.
 OWNER_CHECK_S = 2.0
+STORAGE_CHECK_S = 1.0
 
 
 async def _await(ref: Any) -> Any:
@@ -54,6 +56,9 @@ class CoordinatorActor:
         self._metrics_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._next_owner_check = 0.0
+        self._storage_spec: tuple[str, dict[str, Any]] | None = None
+        self._next_storage_check = 0.0
+        self._storage_sync: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
@@ -62,7 +67,8 @@ class CoordinatorActor:
             self._wakeup = asyncio.Event()
             replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
             self.core.start([decode(r) for r in replies])  # type: ignore[misc]
-            if (await self.storage.stats.remote())["attached"]:
+            self._storage_spec = await self.storage.spec.remote()
+            if self._storage_spec is not None:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
             if self.config.runtime.metrics_port:
@@ -146,6 +152,7 @@ class CoordinatorActor:
         storage = replace(self.config.storage, backend=backend, extra_config=extra_config)
         name, extra = backend_spec(storage)
         outcome = await self.storage.attach.remote(name, extra)
+        self._storage_spec = (name, extra)
         self.core.storage_attached()
         self._wake()
         return outcome
@@ -162,7 +169,12 @@ class CoordinatorActor:
         if not self.core.storage_drained():
             self._deliver(self.core.reset("storage detach timed out"))
             self.core.storage_force_detach()
+        self._storage_spec = None
         return await self.storage.detach.remote()
+
+    async def storage_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """The L3 backend that should be attached (a restarted storage actor asks)."""
+        return self._storage_spec
 
     async def clear_storage(self) -> bool:
         return await self.storage.clear.remote()
@@ -209,8 +221,29 @@ class CoordinatorActor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout)
 
+    async def _sync_storage(self) -> None:
+        """Make the storage actor hold the backend this coordinator says is attached
+        (a restarted one comes back with the launch config's)."""
+        try:
+            outcome = await asyncio.wait_for(
+                self.storage.ensure.remote(self._storage_spec), STORAGE_CHECK_S * 10
+            )
+        except Exception as exc:
+            self.core.stats.storage_errors += 1
+            log.warning("storage actor unavailable: %s", exc)
+            return
+        if outcome == "restored":
+            self.core.stats.storage_restores += 1
+            log.warning("storage actor had lost its L3 backend: restored")
+
     async def _step(self) -> None:
         runtime = self.config.runtime
+        now = time.monotonic()
+        if now >= self._next_storage_check and (
+            self._storage_sync is None or self._storage_sync.done()
+        ):
+            self._next_storage_check = now + STORAGE_CHECK_S
+            self._storage_sync = asyncio.get_running_loop().create_task(self._sync_storage())
         started = time.perf_counter()
         data = encode(self.core.next_batch())
         queries = self.core.take_queries()

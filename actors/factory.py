@@ -68,7 +68,7 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=16,
         num_cpus=0,
-    ).remote(config.to_dict())
+    ).remote(config.to_dict(), coordinator_name(config))
     ray.get(storage.ping.remote(), timeout=120)
     gpu = uses_gpu(config)
     bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}

@@ -1,23 +1,52 @@
 """The storage actor: owns the L3 backend (``StorageService``). Ranks call it for
 their shard's page batches (bytes travel as numpy arrays through Ray's object
-store); the coordinator calls it for hit queries and attach/detach/clear."""
+store); the coordinator calls it for hit queries and attach/detach/clear.
+
+The coordinator owns which backend is attached: a storage actor restarted by Ray
+asks it for that spec on start (and the coordinator re-sends it with
+``ensure``), so a backend attached at runtime survives the restart."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 import numpy as np
+import ray
 
 from fabric.config import FabricConfig
 from fabric.l3.service import StorageService
 
+log = logging.getLogger(__name__)
+
+Spec = tuple[str, dict[str, Any]] | None
+
 
 class StorageActor:
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, coordinator_name: str | None = None) -> None:
         self.config = FabricConfig.from_dict(config)
         self.service = StorageService(self.config)
         self.delay_s = 0.0
+        self._released = threading.Event()
+        self._released.set()
+        if coordinator_name and ray.get_runtime_context().was_current_actor_reconstructed:
+            self._restore(coordinator_name)
+
+    def _restore(self, coordinator_name: str) -> None:
+        """Take the backend the coordinator says is attached (it may have been
+        attached or detached at runtime, unlike the launch config's)."""
+        try:
+            coordinator = ray.get_actor(
+                coordinator_name, namespace=self.config.runtime.ray_namespace
+            )
+            spec = ray.get(coordinator.storage_spec.remote(), timeout=10)
+        except Exception as exc:  # the coordinator re-sends it with ensure()
+            log.warning("storage restarted; could not ask the coordinator for L3: %s", exc)
+            return
+        log.warning("storage restarted: restoring L3 %s", spec[0] if spec else "none")
+        self.ensure(spec)
 
     def query(self, queries: list[tuple[int, list[bytes]]]) -> dict[int, int]:
         """Per op id, how many leading pages every shard holds."""
@@ -25,13 +54,11 @@ class StorageActor:
         return {op: self.service.query(hashes, batch) for op, hashes in queries}
 
     def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        self._fault()
         return self.service.load(suffix, page_hashes)
 
     def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        self._fault()
         return self.service.store(suffix, page_hashes, pages)
 
     def attach(self, name: str, extra: dict[str, Any]) -> str:
@@ -40,15 +67,38 @@ class StorageActor:
     def detach(self) -> bool:
         return self.service.detach()
 
+    def ensure(self, spec: Spec) -> str:
+        """Make the attached backend ``spec`` (``None``: none): ``kept`` when it
+        already is, else ``restored``."""
+        if spec == self.service.spec:
+            return "kept"
+        self.service.detach()
+        if spec is not None:
+            self.service.attach(*spec)
+        return "restored"
+
+    def spec(self) -> Spec:
+        return self.service.spec
+
     def clear(self) -> bool:
         return self.service.clear()
 
     def stats(self) -> dict[str, Any]:
         return self.service.stats()
 
-    def set_faults(self, delay_s: float = 0.0) -> None:
-        """Chaos hook: delay every page batch."""
+    def set_faults(self, delay_s: float = 0.0, hold: bool = False) -> None:
+        """Chaos hook: delay every page batch, or hold every one until released
+        (or until the actor is killed under it)."""
         self.delay_s = delay_s
+        if hold:
+            self._released.clear()
+        else:
+            self._released.set()
+
+    def _fault(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self._released.wait()
 
     def ping(self) -> None:
         """A no-op, for liveness checks."""

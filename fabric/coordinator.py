@@ -118,6 +118,7 @@ class FabricStats:
     step_errors: int = 0
     core_time_s: float = 0.0
     storage_errors: int = 0
+    storage_restores: int = 0
     leases_expired: int = 0
     leases_reclaimed: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
@@ -644,6 +645,7 @@ class CoordinatorCore:
             "leases_reclaimed": s.leases_reclaimed,
             "core_time_s": s.core_time_s,
             "storage_errors": s.storage_errors,
+            "storage_restores": s.storage_restores,
             "device": vars(self.cache.device_sizes()),
             "host": vars(self.cache.host_sizes()),
         }

@@ -94,8 +94,8 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
     f = make(tmp_path, "chaos")
     try:
         storage = f._deployment.storage
-        # Mid-backup: every batch sleeps, then the actor dies under it.
-        ray.get(storage.set_faults.remote(delay_s=2.0))
+        # Mid-backup: every batch is held until the actor dies under it.
+        ray.get(storage.set_faults.remote(hold=True))
         r = f.submit(prompt(4, pages=6), timeout=60)
         f.release(r.lease)
         assert wait_for(lambda: f.stats()["storage_ops"]["pending_backups"] > 0, 10)
@@ -112,7 +112,7 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
         assert f.settle(60)
         g = make(tmp_path, "chaos-2")
         try:
-            ray.get(g._deployment.storage.set_faults.remote(delay_s=1.0))
+            ray.get(g._deployment.storage.set_faults.remote(hold=True))
             ref = g.submit_async(tokens)
             assert wait_for(lambda: g.stats()["storage_ops"]["inflight_prefetches"] > 0, 20)
             ray.kill(g._deployment.storage, no_restart=False)
@@ -126,5 +126,25 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
         finally:
             g.shutdown()
         assert len(list((tmp_path / "l3").rglob("*.kv"))) >= 32, "L3 files are intact"
+    finally:
+        f.shutdown()
+
+
+def test_a_restarted_storage_actor_keeps_a_backend_attached_at_runtime(ray_session, tmp_path):
+    f = make(tmp_path, "restore", "storage.backend=none")
+    try:
+        l3 = tmp_path / "runtime-l3"
+        assert f.attach_storage("file", f'{{"path": "{l3}"}}') == "attached"
+        ray.kill(f._deployment.storage, no_restart=False)
+        assert wait_for(lambda: f.stats()["l3"].get("attached") is True, 60)
+        assert f.stats()["storage_ops"]["attached"] is True
+        tokens = prompt(6, pages=4)
+        f.release(f.submit(tokens, timeout=60).lease)
+        assert f.settle(60)
+        s = f.stats()
+        assert (
+            s["storage_ops"]["failed_backups"] == 0 and s["storage_ops"]["backed_up_tokens"] == 16
+        )
+        assert len(list(l3.rglob("*.kv"))) == 16, "the runtime backend, not the launch config's"
     finally:
         f.shutdown()
