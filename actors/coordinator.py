@@ -137,9 +137,9 @@ class CoordinatorActor:
             await asyncio.sleep(0.01)
         return True
 
-    async def take_events(self, limit: int = 10_000) -> list:
-        """The oldest KV events, for a KV-aware router to index the cache."""
-        return self.core.take_events(limit)
+    async def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list:
+        """The oldest KV events (of one namespace, if given), for a KV-aware router."""
+        return self.core.take_events(limit, namespace)
 
     async def check_integrity(self) -> None:
         self.core.cache.check_integrity()

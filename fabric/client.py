@@ -163,9 +163,10 @@ class Fabric:
         """Wait until the fabric has nothing in flight (backups to L3 included)."""
         return self._call(self.coordinator.settle, timeout_s)
 
-    def take_events(self, limit: int = 10_000) -> list:
-        """Drain KV events (``fabric.events``): which page hashes are stored where."""
-        return self._call(self.coordinator.take_events, limit)
+    def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list:
+        """Drain KV events (``fabric.events``): which page hashes are stored where;
+        only ``namespace``'s when given."""
+        return self._call(self.coordinator.take_events, limit, namespace)
 
     def check_integrity(self) -> None:
         self._call(self.coordinator.check_integrity)

@@ -515,10 +515,23 @@ class CoordinatorCore:
             lease=lease,
         )
 
-    def take_events(self, limit: int = 10_000) -> list[KVEvent]:
+    def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list[KVEvent]:
         """Drain up to ``limit`` of the oldest KV events (``BlockStored``,
-        ``BlockRemoved``, ``AllBlocksCleared``)."""
-        return [self.events.popleft() for _ in range(min(limit, len(self.events)))]
+        ``BlockRemoved``, ``AllBlocksCleared``) — of one ``namespace`` only when
+        given (the others stay queued for their consumers)."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise InvalidInput(f"limit {limit!r} is refused: allowed is an int >= 0")
+        if namespace is None:
+            return [self.events.popleft() for _ in range(min(limit, len(self.events)))]
+        check_namespace(namespace)
+        taken, kept = [], deque(maxlen=self.events.maxlen)
+        for event in self.events:
+            if len(taken) < limit and event.namespace == namespace:
+                taken.append(event)
+            else:
+                kept.append(event)
+        self.events = kept
+        return taken
 
     def _unlock(self, req: _Request) -> None:
         if req.node is not None:

@@ -2,7 +2,9 @@
 
 The cache appends events as tiers change; ``take_events`` on the cache drains
 them. A page moving down a tier is a ``BlockRemoved`` for the upper medium and
-(once the copy is confirmed) a ``BlockStored`` for the lower one.
+(once the copy is confirmed) a ``BlockStored`` for the lower one. Every event
+names its namespace (tenant), so a consumer can take only its own; a reset of
+L1/L2 is one ``AllBlocksCleared`` per namespace that had pages there.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ class BlockStored:
 class BlockRemoved:
     page_hashes: tuple[bytes, ...]
     medium: Medium
+    namespace: str
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    pass
+    """Every page of ``namespace`` left L1 and L2 (L3 keeps its pages)."""
+
+    namespace: str
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

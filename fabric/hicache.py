@@ -498,7 +498,8 @@ class HiCache:
 
     def _removed(self, node: TreeNode, medium: Medium) -> None:
         if self.config.kv_events:
-            self.events.append(BlockRemoved(tuple(self.tree.page_hashes(node)), medium))
+            hashes = tuple(self.tree.page_hashes(node))
+            self.events.append(BlockRemoved(hashes, medium, node.namespace))
 
     def device_sizes(self) -> TierSizes:
         tree, size = self.tree, self.page_size
@@ -530,10 +531,12 @@ class HiCache:
 
     def reset(self) -> None:
         """Forget everything in L1 and L2 (L3 stays) and reset the controller."""
+        namespaces = sorted({ns for ns, _ in self.tree.root.children})
         self.ctl.reset()
         self.storage.reset()
         self._init_state()
-        self.events.append(AllBlocksCleared())
+        if self.config.kv_events:
+            self.events.extend(AllBlocksCleared(ns) for ns in namespaces)
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.integrity``)."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fabric.events import BlockRemoved, BlockStored, Medium
+from fabric.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 
 from .conftest import P, make_cache, put, toks
 
@@ -212,7 +212,9 @@ def test_write_through_completion_emits_host_events():
 def test_reset_clears_everything_and_emits_all_cleared():
     c = make_cache()
     put(c, toks(1, 2))
+    put(c, toks(3), namespace="tenant-b")
+    c.take_events()
     c.reset()
     assert c.tree.walk() == [] and c.ctl.device.available_pages == 8
-    assert type(c.take_events()[-1]).__name__ == "AllBlocksCleared"
+    assert c.take_events() == [AllBlocksCleared("default"), AllBlocksCleared("tenant-b")]
     c.check_integrity()

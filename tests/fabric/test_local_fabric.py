@@ -264,6 +264,23 @@ def test_kv_events_are_drained_each_step_and_kept_for_a_router():
     assert f.core.take_events() == []
 
 
+def test_kv_events_name_their_namespace_and_a_consumer_can_take_only_its_own():
+    from fabric.events import BlockRemoved
+
+    f = LocalFabric(small_config())
+    for seed in range(6):  # more than L1 holds: some pages are removed from L1 too
+        for ns in ("tenant-a", "tenant-b"):
+            f.core.release(f.serve(pack_tokens(prompt(seed, pages=3)), namespace=ns).lease)
+    f.settle()
+    mine = f.core.take_events(namespace="tenant-a")
+    assert mine and {e.namespace for e in mine} == {"tenant-a"}
+    assert any(isinstance(e, BlockRemoved) for e in mine)
+    rest = f.core.take_events()
+    assert rest and {e.namespace for e in rest} == {"tenant-b"}
+    with pytest.raises(InvalidInput, match="namespace"):
+        f.core.take_events(namespace="\udcff")
+
+
 def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():
     config = small_config()
     f = LocalFabric(config)
