@@ -19,6 +19,17 @@ from fabric.consensus import Topology
 
 # A rank reserves a sliver of a CPU, so a laptop can hold many; on GPU, one GPU each.
 _RANK_CPU = 0.01
+# The custom resource of the node that should run the coordinator and the storage
+# actor (cluster.yaml gives it to the head node). Requested only where the cluster
+# has it, so a plain local Ray places them anywhere.
+HEAD_RESOURCE = "kvfabric_head"
+
+
+def head_placement() -> dict[str, Any]:
+    """Actor options that pin an actor to the head node, when the cluster has one."""
+    if ray.cluster_resources().get(HEAD_RESOURCE, 0) >= 2:
+        return {"resources": {HEAD_RESOURCE: 1}}
+    return {}
 
 
 def rank_name(config: FabricConfig, index: int) -> str:
@@ -68,6 +79,7 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=16,
         num_cpus=0,
+        **head_placement(),
     ).remote(config.to_dict(), coordinator_name(config))
     ray.get(storage.ping.remote(), timeout=120)
     gpu = uses_gpu(config)
@@ -105,6 +117,7 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=1000,
         num_cpus=0,
+        **head_placement(),
     ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_name(config))
     ray.get(coordinator.start.remote(), timeout=120)
     return Deployment(coordinator, handles, storage, groups)

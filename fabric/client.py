@@ -198,11 +198,15 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     address = address or config.runtime.address or None
     owns = False
     if not ray.is_initialized():
+        from actors.factory import HEAD_RESOURCE
+
         ray.init(
             address=address,
             namespace=config.runtime.ray_namespace,
             include_dashboard=False,
             log_to_driver=False,
+            # A local Ray is its own head node (a cluster's comes from cluster.yaml).
+            resources=None if address else {HEAD_RESOURCE: 1000},
         )
         owns = address is None
     deployment = deploy(config)

@@ -9,6 +9,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 
 from .conftest import prompt, small_config  # noqa: E402
@@ -16,7 +17,13 @@ from .conftest import prompt, small_config  # noqa: E402
 
 @pytest.fixture(scope="module")
 def fabric():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-lost", log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="kvfabric-lost",
+        log_to_driver=False,
+        resources={HEAD_RESOURCE: 10},
+    )
     f = launch(
         small_config(
             "runtime.name=kvfabric-lost",
@@ -43,3 +50,7 @@ def test_requests_fail_naming_a_rank_that_is_gone_for_good(fabric):
     stats = fabric.stats()
     assert stats["absent_ranks"] == "pp0-cp0-tp1"
     assert stats["requests"]["failed"] >= 1 and stats["running"] == 0
+
+
+def test_the_coordinator_and_storage_take_the_head_nodes_resource(fabric):
+    assert ray.available_resources().get(HEAD_RESOURCE) == 8
