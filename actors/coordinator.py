@@ -71,7 +71,7 @@ class CoordinatorActor:
             if self._storage_spec is not None:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
-            if self.config.runtime.metrics_port:
+            if self.config.runtime.metrics_port and self._metrics_task is None:
                 self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         return self.core.epoch
 
@@ -195,8 +195,23 @@ class CoordinatorActor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._deliver(self.core.recover(exc))
+                try:
+                    self._deliver(self.core.recover(exc))
+                except Exception:
+                    log.critical("coordinator could not recover; starting afresh", exc_info=True)
+                    self._start_afresh(f"coordinator failed: {type(exc).__name__}: {exc}")
+                    return
                 await asyncio.sleep(0.05)
+
+    def _start_afresh(self, error: str) -> None:
+        """Last resort: fail everything pending and drop the core; the next call
+        starts a new one (a new epoch: ranks reset, L3 stays)."""
+        for rid, future in list(self.futures.items()):
+            if not future.done():
+                future.set_result(RequestResult(rid, 0, error=error))
+        self.futures.clear()
+        self.core = CoordinatorCore(self.config)
+        self._task = None
 
     async def _wait_for_work(self) -> None:
         """Sleep while idle, until woken, the next lease expires or drivers are due
