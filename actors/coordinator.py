@@ -35,6 +35,12 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise InvalidInput(f"timeout_s={value!r} is refused: allowed is a number >= 0")
+    return float(value)
+
+
 def _dead_jobs() -> set[str]:
     """Ray job ids of drivers that have exited (empty if Ray cannot say)."""
     try:
@@ -111,6 +117,8 @@ class CoordinatorActor:
     async def verify(self, lease: Lease, tokens: bytes) -> list[bool]:
         """Per rank, whether the lease's pages hold exactly the producer's KV of
         ``tokens``. Call while holding the lease."""
+        if not isinstance(tokens, bytes):
+            raise InvalidInput(f"tokens must be packed bytes, got {type(tokens).__name__}")
         held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
         if held is None or held.lease != lease:
             raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
@@ -130,7 +138,7 @@ class CoordinatorActor:
     async def settle(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing is in flight (write-throughs, backups, prefetches);
         ``False`` if that takes longer than ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + _seconds(timeout_s)
         while not self.core.idle:
             if time.monotonic() > deadline:
                 return False
@@ -161,6 +169,7 @@ class CoordinatorActor:
         """Issue no new L3 work, stop every prefetch and wait for what is in flight
         to end, then close the backend. Past ``timeout_s`` the fabric resets (so no
         rank writes a host page any more) and everything pending is released."""
+        timeout_s = _seconds(timeout_s)
         self.core.storage_begin_detach()
         self._wake()
         deadline = time.monotonic() + timeout_s

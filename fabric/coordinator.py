@@ -205,6 +205,8 @@ class CoordinatorCore:
     def abort(self, request_id: str) -> RequestResult | None:
         """Abort a waiting or running request; its result (an error) is returned
         here for a waiting one, by ``on_round`` for a running one."""
+        if not isinstance(request_id, str):
+            raise InvalidInput(f"request_id {request_id!r} is refused: allowed is a str")
         for req in self.waiting:
             if req.rid == request_id:
                 self.waiting.remove(req)

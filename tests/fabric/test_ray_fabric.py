@@ -93,6 +93,12 @@ def test_bad_input_gets_clear_errors_and_the_fabric_keeps_serving(fabric):
         fabric.submit([1, True, 3, 4])
     with pytest.raises(InvalidInput, match="not str"):
         fabric.release("req-1")
+    with pytest.raises(InvalidInput, match="request_id"):
+        fabric.abort(["req-1"])
+    with pytest.raises(InvalidInput, match="timeout_s='soon'"):
+        fabric.settle("soon")
+    with pytest.raises(InvalidInput, match="limit"):
+        fabric.take_events(-1)
     r = fabric.submit(prompt(70, pages=2), timeout=60)
     assert r.error is None and fabric.release(r.lease)
 
