@@ -18,7 +18,6 @@ from tests.helpers import machine_settings
 
 from .conftest import small_config
 
-
 # Leases the invariant verified over the whole run: a machine whose invariant never
 # checks a page would pass for the wrong reason (see the test at the end).
 VERIFIED: Counter[str] = Counter()
