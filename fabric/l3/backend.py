@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,14 +51,20 @@ class L3Backend(ABC):
         truncated or foreign page — one stored under another page's, shard's,
         tenant's or model's key included — is a miss, counted under its reason."""
         n = 0
-        for key in keys:
-            refused = self._read_into(check_key(key), out[n])
+        for refused in self._read_rows([check_key(key) for key in keys], out):
             if refused is not None:
                 self.refuse(refused)
                 break
             n += 1
         self.count("get_pages", n)
         return n
+
+    def _read_rows(self, keys: Sequence[str], out: np.ndarray) -> Iterator[str | None]:
+        """Per key in order, read and verify its page into ``out[i]``: ``None`` when
+        served, else why not. The caller stops at the first refusal; a backend
+        that fetches batches in one round trip overrides this."""
+        for i, key in enumerate(keys):
+            yield self._read_into(key, out[i])
 
     def refuse(self, reason: str) -> None:
         """Count a page not served: ``get_miss``, or ``refused_<reason>``."""

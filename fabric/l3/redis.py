@@ -13,7 +13,7 @@ LRU policy); ``stats`` counts this process's traffic and never scans the server.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,19 +99,12 @@ class RedisBackend(L3Backend):
             n += 1
         return n
 
-    def get(self, keys: Sequence[str], out: np.ndarray) -> int:
+    def _read_rows(self, keys: Sequence[str], out: np.ndarray) -> Iterator[str | None]:
         if not keys:
-            return 0
-        names = [self.prefix + check_key(key) for key in keys]
-        n = 0
-        for key, blob in zip(keys, self.client.mget(names), strict=True):
-            refused = self.verify_into(key, blob, out[n])
-            if refused is not None:
-                self.refuse(refused)
-                break
-            n += 1
-        self.count("get_pages", n)
-        return n
+            return
+        blobs = self.client.mget([self.prefix + key for key in keys])
+        for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+            yield self.verify_into(key, blob, out[i])
 
     def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
         from fabric.l3.codec import encode_header
