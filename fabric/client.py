@@ -65,7 +65,7 @@ class Fabric:
         L1 pages (release it when done; it expires after ``runtime.lease_ttl_s``
         unless renewed). Bad input raises ``InvalidInput``. Past ``timeout`` the
         request is aborted and ``TimeoutError`` raised; nothing stays held."""
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex  # to abort it by, if it times out
         ref = self.submit_async(tokens, namespace, priority, request_id)
         try:
             return self.result(ref, timeout=timeout)
@@ -94,9 +94,10 @@ class Fabric:
         priority: int = 0,
         request_id: str | None = None,
     ) -> Any:
-        """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it."""
+        """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it.
+        Without a ``request_id`` one is made up at random."""
         return self.coordinator.submit.remote(
-            self._pack(tokens), namespace, priority, request_id, _job_id()
+            self._pack(tokens), namespace, priority, request_id or uuid.uuid4().hex, _job_id()
         )
 
     def result(self, ref: Any, timeout: float | None = None) -> Any:

@@ -217,8 +217,8 @@ class StorageConfig(_Section):
     path: str = _setting("kvfabric-l3", str, "a directory path (file backend)", bool)
     max_bytes: int = _setting(1 << 30, int, "an integer >= 0 (0: no cap)", lambda v: v >= 0)
     fsync: bool = _boolean(False)
-    file_mode: str = _setting("0600", str, "an octal mode such as 0600", lambda v: _octal(v))
-    dir_mode: str = _setting("0700", str, "an octal mode such as 0700", lambda v: _octal(v))
+    file_mode: str = _setting("0600", str, "an octal mode such as 0600", _octal)
+    dir_mode: str = _setting("0700", str, "an octal mode such as 0700", _octal)
     dynamic_modules: str = _setting(
         "", str, "comma-separated module names the dynamic backend may load", lambda v: True
     )

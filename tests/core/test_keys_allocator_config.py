@@ -63,6 +63,12 @@ def test_config_refuses_bad_values_naming_key_value_and_rule():
         FabricConfig.from_dict({"caches": {}})
     with pytest.raises(ConfigError, match=r"cache\.kv_events=1"):
         CacheConfig(kv_events=1)
+    with pytest.raises(ConfigError, match=r"storage\.file_mode='rw-r--r--' .*octal"):
+        FabricConfig().with_overrides(["storage.file_mode=rw-r--r--"])
+    with pytest.raises(ConfigError, match=r"runtime\.max_request_retries=-1"):
+        FabricConfig().with_overrides(["runtime.max_request_retries=-1"])
+    with pytest.raises(ConfigError, match=r"runtime\.lease_ttl_s=0"):
+        FabricConfig().with_overrides(["runtime.lease_ttl_s=0"])
 
 
 def test_config_loads_json_toml_yaml_and_overrides(tmp_path):
