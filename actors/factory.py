@@ -11,11 +11,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.coordinator import CoordinatorActor
-from actors.rank import RankActor
-from actors.storage import StorageActor
+from actors.coordinator_actor import CoordinatorActor
+from actors.rank_actor import RankActor
+from actors.storage_actor import StorageActor
 from fabric.config import FabricConfig
-from fabric.consensus import Topology
+from fabric.topology import Topology
 
 # A rank reserves a sliver of a CPU, so a laptop can hold many; on GPU, one GPU each.
 _RANK_CPU = 0.01

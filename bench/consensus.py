@@ -22,9 +22,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import ray
 
 from actors.factory import remote
-from actors.rank import RankActor
+from actors.rank_actor import RankActor
 from fabric.config import FabricConfig
-from fabric.consensus import Consensus
+from fabric.coordinator.consensus import Consensus
 from fabric.messages import Batch, decode, encode
 
 

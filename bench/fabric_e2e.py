@@ -25,8 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.client import launch
 from fabric.config import FabricConfig
-from fabric.driver import drive
-from fabric.workload import iter_packed, read_trace, synthetic_trace
+from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
 def main() -> None:

@@ -32,12 +32,11 @@ import numpy as np
 import ray
 
 from actors.factory import remote
-from actors.storage import StorageActor
+from actors.storage_actor import StorageActor
 from fabric.client import launch
 from fabric.config import FabricConfig
-from fabric.driver import drive
 from fabric.l3.service import page_geometry
-from fabric.workload import iter_packed, read_trace, synthetic_trace
+from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
 def drop_page_cache() -> bool:

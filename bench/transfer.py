@@ -23,8 +23,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 from fabric.config import FabricConfig
-from fabric.consensus import Topology
-from fabric.pools import KVPool, copy_pages, pick_device
+from fabric.rank.pools import KVPool, copy_pages, pick_device
+from fabric.topology import Topology
 
 
 def timed(fn, repeats: int) -> float:

@@ -33,8 +33,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from sglang_style_radix import SGLangStyleRadixCache
 
+from fabric.cache.keys import unpack_tokens
 from fabric.config import FabricConfig
-from fabric.keys import unpack_tokens
 from fabric.replay import CoreReplay
 from fabric.workload import iter_packed, read_trace, synthetic_trace
 

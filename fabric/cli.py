@@ -94,8 +94,7 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from fabric.client import launch
-    from fabric.driver import drive
-    from fabric.workload import iter_packed
+    from fabric.workload import drive, iter_packed
 
     config, requests, source = _setup(args)
     if args.inflight < 1:

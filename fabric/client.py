@@ -20,10 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
-from fabric.coordinator import Lease, RequestResult
+from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import FabricError
-from fabric.keys import pack_tokens
 
 # After a client-side timeout, how long to wait for a result that raced the abort.
 _ABANDON_WAIT_S = 5.0
@@ -165,7 +165,7 @@ class Fabric:
         return self._call(self.coordinator.settle, timeout_s)
 
     def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list:
-        """Drain KV events (``fabric.events``): which page hashes are stored where;
+        """Drain KV events (``fabric.cache.events``): which page hashes are stored where;
         only ``namespace``'s when given."""
         return self._call(self.coordinator.take_events, limit, namespace)
 

@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable, Collection
 
 from fabric.config import FabricConfig
-from fabric.coordinator import CoordinatorCore, RequestResult
+from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.requests import RequestResult
 from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
-from fabric.rank import RankWorker
+from fabric.rank.worker import RankWorker
 
 
 class LocalFabric:

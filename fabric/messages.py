@@ -96,7 +96,7 @@ def _hash(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class Compute(Message):
-    """Fill L1 ``pages`` with KV for the packed ``tokens`` (``fabric.keys`` format) at
+    """Fill L1 ``pages`` with KV for the packed ``tokens`` (``fabric.cache.keys`` format) at
     positions ``[start_token, start_token + len(tokens) // 4)``. ``start_token`` is
     page aligned and ``prev_hash`` is the page-hash chain up to it: a compute
     carries only its own tokens, never the prefix before them."""

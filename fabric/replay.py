@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from fabric.cache.hicache import HiCache
+from fabric.cache.inprocess import InProcessController
+from fabric.cache.keys import TokenKey
 from fabric.config import FabricConfig
-from fabric.controller import InProcessController
-from fabric.hicache import HiCache
-from fabric.keys import TokenKey
 from fabric.workload import Request, iter_packed
 
 

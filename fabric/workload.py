@@ -1,5 +1,8 @@
-"""Workloads: the Mooncake trace format, a synthetic conversation generator, and
-the mapping from block hash ids to token ids.
+"""Workloads: the Mooncake trace format, a synthetic conversation generator, the
+mapping from block hash ids to token ids, and ``drive``, which replays packed
+prompts through a running fabric with a window in flight (results in
+completion order: a request waiting for L1 room must not wait behind leases
+this driver has not yet released).
 
 A request names its prompt as a run of block ids; each id stands for a fixed
 block of ``BLOCK_TOKENS`` token ids, the same every run, so two requests that
@@ -11,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from fabric.errors import InvalidInput
-from fabric.keys import TOKEN_BYTES
+from fabric.cache.keys import TOKEN_BYTES
+from fabric.errors import FabricError, InvalidInput
 
 BLOCK_TOKENS = 512
 
@@ -86,7 +91,7 @@ class BlockTokens:
         return hashlib.shake_128(self.seed + hash_id.to_bytes(8, "little")).digest(self.block_bytes)
 
     def packed(self, request: Request) -> bytes:
-        """The request's prompt as packed uint32 tokens (``fabric.keys`` format)."""
+        """The request's prompt as packed uint32 tokens (``fabric.cache.keys`` format)."""
         data = b"".join(self.block(h) for h in request.hash_ids)
         return data[: request.input_length * TOKEN_BYTES]
 
@@ -95,3 +100,73 @@ def iter_packed(requests: list[Request], seed: int = 0) -> Iterator[tuple[Reques
     blocks = BlockTokens(seed)
     for r in requests:
         yield r, blocks.packed(r)
+
+
+@dataclass
+class DriveStats:
+    latencies_s: list[float] = field(default_factory=list)
+    tokens_by_tier: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0, "computed": 0}
+    )
+    refused: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def percentile_ms(self, q: float) -> float | None:
+        xs = sorted(self.latencies_s)
+        return round(1000 * xs[int(q * (len(xs) - 1))], 2) if xs else None
+
+
+def drive(
+    fabric: Any,
+    prompts: Iterable[bytes],
+    inflight: int = 8,
+    on_done: Callable[[int], None] | None = None,
+) -> DriveStats:
+    """Submit every prompt (packed tokens), keep at most ``inflight`` pending,
+    release each lease as soon as its result arrives."""
+    stats = DriveStats()
+    pending: dict[Any, float] = {}
+    done = 0
+    started = time.perf_counter()
+
+    def collect_one() -> None:
+        nonlocal done
+        ready, _ = fabric.wait(list(pending))
+        for ref in ready:
+            t0 = pending.pop(ref)
+            try:
+                result = fabric.result(ref)
+            except FabricError as exc:
+                stats.refuse(str(exc))
+            else:
+                if result.error:
+                    stats.refuse(result.error)
+                else:
+                    stats.latencies_s.append(time.perf_counter() - t0)
+                    stats.tokens_by_tier["device"] += result.device_hit_tokens
+                    stats.tokens_by_tier["host"] += result.host_hit_tokens
+                    stats.tokens_by_tier["storage"] += result.storage_hit_tokens
+                    stats.tokens_by_tier["computed"] += result.computed_tokens
+                    fabric.release(result.lease)
+            done += 1
+            if on_done is not None:
+                on_done(done)
+
+    limit = fabric.config.cache.device_tokens
+    for packed in prompts:
+        if len(packed) // 4 > limit:
+            stats.refuse("larger than L1")
+            done += 1
+            if on_done is not None:
+                on_done(done)
+            continue
+        pending[fabric.submit_async(packed)] = time.perf_counter()
+        while len(pending) >= inflight:
+            collect_one()
+    while pending:
+        collect_one()
+    stats.elapsed_s = time.perf_counter() - started
+    return stats

@@ -17,7 +17,7 @@ from typing import Any
 from fabric.config import read_structured_file
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
-from fabric.l3.codec import Provenance
+from fabric.l3.format import Provenance
 
 BACKENDS = ("file", "redis", "dynamic")
 

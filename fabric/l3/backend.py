@@ -1,6 +1,6 @@
 """The L3 backend interface: batches of page shards by key.
 
-Backends store opaque blobs (``fabric.l3.codec`` format); this base class does
+Backends store opaque blobs (``fabric.l3.format`` format); this base class does
 the batching, the verification and the counting, so a backend implements only
 ``_read``, ``_write``, ``_exists``, ``_clear`` and ``_usage``. Keys are checked
 page keys (hex digest + shard suffix), never user text.
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fabric.l3.codec import Provenance, check_key, decode_page, encode_header
+from fabric.l3.format import Provenance, check_key, decode_page, encode_header
 
 
 class L3Backend(ABC):

@@ -33,7 +33,7 @@ import numpy as np
 
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
-from fabric.l3.codec import PREAMBLE, Provenance, check_header, checksum, header_length
+from fabric.l3.format import PREAMBLE, Provenance, check_header, checksum, header_length
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
-from fabric.l3.codec import Provenance, check_key
+from fabric.l3.format import Provenance, check_key
 
 _PREFIX = re.compile(r"[A-Za-z0-9_:.\-]{1,64}")
 _GLOB = re.compile(r"([*?\[\]\\^])")
@@ -107,7 +107,7 @@ class RedisBackend(L3Backend):
             yield self.verify_into(key, blob, out[i])
 
     def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
-        from fabric.l3.codec import encode_header
+        from fabric.l3.format import encode_header
 
         pipe = self.client.pipeline(transaction=False)
         for i, key in enumerate(keys):

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from fabric.config import FabricConfig, StorageConfig
-from fabric.consensus import Topology
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend, parse_extra_config
 from fabric.l3.backend import L3Backend
-from fabric.l3.codec import Provenance, page_key
+from fabric.l3.format import Provenance, page_key
+from fabric.topology import Topology
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from fabric.cache.hicache import HiCache
+from fabric.cache.inprocess import InProcessController
 from fabric.config import CacheConfig, PrefetchConfig
-from fabric.controller import InProcessController
-from fabric.hicache import HiCache
 
 P = 4
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from fabric.cache.keys import TokenKey
 from fabric.errors import InvalidInput
-from fabric.keys import TokenKey
 
 from .conftest import P, make_cache, put, toks
 

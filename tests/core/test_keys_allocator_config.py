@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from fabric.allocator import PagedAllocator
+from fabric.cache.allocator import PagedAllocator
+from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.config import CacheConfig, FabricConfig, load_config
 from fabric.errors import ConfigError, InvalidInput
-from fabric.keys import TokenKey, namespace_seed, pack_tokens
 from policies import get_eviction_policy, get_prefetch_stop_policy, get_write_policy
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-from fabric.storage_ops import PrefetchState
 from tests.helpers import machine_settings
 
 from .conftest import FakeClock, P, make_cache, toks

@@ -2,10 +2,10 @@
 
 import pytest
 
+from fabric.cache.controller import Completions
+from fabric.cache.events import BlockStored, Medium
+from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-from fabric.controller import Completions
-from fabric.events import BlockStored, Medium
-from fabric.storage_ops import PrefetchState
 
 from .conftest import P, make_cache, put, toks
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fabric.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
+from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 
 from .conftest import P, make_cache, put, toks
 

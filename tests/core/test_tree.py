@@ -2,8 +2,8 @@
 
 import pytest
 
+from fabric.cache.events import BlockStored, Medium
 from fabric.errors import InvalidInput
-from fabric.events import BlockStored, Medium
 
 from .conftest import P, make_cache, put, toks
 

@@ -3,14 +3,15 @@
 import pytest
 import torch
 
+from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.config import FabricConfig, ModelConfig
-from fabric.consensus import Consensus, Topology, reduce_max, reduce_min
+from fabric.coordinator.consensus import Consensus, reduce_max, reduce_min
 from fabric.errors import InvalidInput
-from fabric.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.local import LocalFabric
 from fabric.messages import Report
-from fabric.pools import KVPool, copy_pages, page_runs
-from fabric.producer import SyntheticKV
+from fabric.rank.pools import KVPool, copy_pages, page_runs
+from fabric.rank.producer import SyntheticKV
+from fabric.topology import Topology
 
 from .conftest import prompt, small_config
 

@@ -10,9 +10,9 @@ from collections import Counter
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fabric.keys import pack_tokens
+from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
-from fabric.rank import RankWorker
+from fabric.rank.worker import RankWorker
 from tests.core.conftest import FakeClock
 from tests.helpers import machine_settings
 

@@ -3,11 +3,11 @@ stepped by hand, so consensus is tested without timing."""
 
 import pytest
 
+from fabric.cache.keys import pack_tokens
 from fabric.errors import InvalidInput
-from fabric.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.messages import decode, encode
-from fabric.rank import RankWorker
+from fabric.rank.worker import RankWorker
 
 from .conftest import prompt, small_config
 
@@ -251,7 +251,7 @@ def test_a_compute_failing_on_a_rank_resets_and_retries_the_request():
 
 
 def test_kv_events_are_drained_each_step_and_kept_for_a_router():
-    from fabric.events import BlockStored, Medium
+    from fabric.cache.events import BlockStored, Medium
 
     f = LocalFabric(small_config())
     tokens = pack_tokens(prompt(1, pages=2))
@@ -265,7 +265,7 @@ def test_kv_events_are_drained_each_step_and_kept_for_a_router():
 
 
 def test_kv_events_name_their_namespace_and_a_consumer_can_take_only_its_own():
-    from fabric.events import BlockRemoved
+    from fabric.cache.events import BlockRemoved
 
     f = LocalFabric(small_config())
     for seed in range(6):  # more than L1 holds: some pages are removed from L1 too

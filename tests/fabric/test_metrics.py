@@ -1,4 +1,4 @@
-from fabric.keys import pack_tokens
+from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.metrics import MetricsExporter, flatten
 

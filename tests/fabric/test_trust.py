@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fabric import local
-from fabric.coordinator import Lease
+from fabric.cache.keys import pack_tokens
+from fabric.coordinator.requests import Lease
 from fabric.errors import ConfigError, InvalidInput
-from fabric.keys import pack_tokens
 from fabric.local import LocalFabric
 
 from .conftest import prompt, small_config

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric.l3.codec import Provenance
 from fabric.l3.file import FileBackend
+from fabric.l3.format import Provenance
 
 PROV = Provenance("m", "layer_first", "bfloat16", (2, 4, 1, 1, 8), 4)
 PAGE_BYTES = 2 * 4 * 1 * 1 * 8 * 2

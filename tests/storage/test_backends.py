@@ -7,8 +7,8 @@ import pytest
 
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend, parse_extra_config
-from fabric.l3.codec import Provenance, decode_page, encode_page
 from fabric.l3.file import FileBackend
+from fabric.l3.format import Provenance, decode_page, encode_page
 
 from .conftest import PAGE_BYTES, PROV, keys, pages
 

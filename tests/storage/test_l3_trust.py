@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
+from fabric.cache.keys import pack_tokens
 from fabric.config import StorageConfig
 from fabric.errors import ConfigError
-from fabric.keys import pack_tokens
 from fabric.l3 import make_backend
 from fabric.l3.file import STALE_TMP_S, FileBackend
 from fabric.l3.service import StorageService, backend_spec

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from fabric.cache.keys import pack_tokens
 from fabric.errors import ConfigError
-from fabric.keys import pack_tokens
 from fabric.l3 import make_backend
 from fabric.local import LocalFabric
 from tests.fabric.conftest import prompt, small_config

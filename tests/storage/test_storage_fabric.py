@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from fabric.cache.keys import TokenKey, pack_tokens
+from fabric.cache.l3_queues import PrefetchState
 from fabric.errors import ConfigError
-from fabric.keys import TokenKey, pack_tokens
-from fabric.l3.codec import page_key
+from fabric.l3.format import page_key
 from fabric.l3.service import storage_provenance
 from fabric.local import LocalFabric
-from fabric.storage_ops import PrefetchState
 from tests.core.conftest import FakeClock
 from tests.fabric.conftest import prompt, small_config
 

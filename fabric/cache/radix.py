@@ -1,16 +1,16 @@
 """The radix tree's structure: walk, split, attach, detach, tier values, locks and
-the evictable-leaf sets. No tier policy lives here (see ``fabric.hicache``).
+the evictable-leaf sets. No tier policy lives here (see ``fabric.cache.hicache``).
 
-Keys are packed page-aligned bytes (``fabric.keys``); a child is found by
+Keys are packed page-aligned bytes (``fabric.cache.keys``); a child is found by
 ``(namespace, first page bytes)``, so two namespaces never share a node.
 """
 
 from __future__ import annotations
 
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, namespace_seed
+from fabric.cache.leaves import LeafQueue
+from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
-from fabric.keys import TOKEN_BYTES, chain_hashes, namespace_seed
-from fabric.leaves import LeafQueue
-from fabric.node import TreeNode
 from policies import EvictionPolicy
 
 

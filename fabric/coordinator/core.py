@@ -21,107 +21,20 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
+from fabric.cache.controller import Completions
+from fabric.cache.events import KVEvent
+from fabric.cache.hicache import HiCache
+from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
 from fabric.config import FabricConfig
-from fabric.consensus import Consensus, Round, Topology
-from fabric.controller import Completions
+from fabric.coordinator.commands import FabricController
+from fabric.coordinator.consensus import Consensus, Round
+from fabric.coordinator.requests import FabricStats, HeldLease, Lease, RequestResult, ServingRequest
 from fabric.errors import InvalidInput
-from fabric.events import KVEvent
-from fabric.fabric_controller import FabricController
-from fabric.hicache import HiCache
-from fabric.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
 from fabric.messages import Batch, Report, batch_header_bound
-from fabric.node import TreeNode
+from fabric.topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Holds a request's pages in L1 until released or expired. ``device_pages``
-    cover the cached (page-aligned) part of the prompt; ``epoch`` dies with a
-    reset. ``token`` is unguessable: only the holder of the lease itself can
-    release or renew it."""
-
-    request_id: str
-    token: str
-    epoch: int
-    namespace: str
-    tokens: int
-    device_pages: tuple[int, ...]
-    ttl_s: float
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    """Where a request's prompt tokens came from. ``error`` is set (and the rest
-    zero) when it failed or was aborted."""
-
-    request_id: str
-    prompt_tokens: int
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    computed_tokens: int = 0
-    latency_s: float = 0.0
-    storage_hit_tokens: int = 0
-    lease: Lease | None = None
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    key: TokenKey
-    prompt_tokens: int
-    priority: int
-    submitted: float
-    owner: str | None = None
-    compute_cmds: tuple[int, ...] = ()
-    node: TreeNode | None = None
-    device_pages: tuple[int, ...] = ()
-    device_hit: int = 0
-    host_hit: int = 0
-    storage_hit: int = 0
-    computed: int = 0
-    aborted: bool = False
-    prefetch_tried: bool = False
-    prefetched: int = 0
-    retries: int = 0
-
-
-@dataclass(eq=False)
-class _Held:
-    lease: Lease
-    node: TreeNode
-    owner: str | None
-    expires_at: float
-
-
-@dataclass
-class FabricStats:
-    submitted: int = 0
-    finished: int = 0
-    failed: int = 0
-    aborted: int = 0
-    retried: int = 0
-    gave_up: int = 0
-    resets: int = 0
-    rounds: int = 0
-    prompt_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    computed_tokens: int = 0
-    latency_s_total: float = 0.0
-    bad_messages: int = 0
-    step_errors: int = 0
-    core_time_s: float = 0.0
-    storage_errors: int = 0
-    storage_restores: int = 0
-    leases_expired: int = 0
-    leases_reclaimed: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class CoordinatorCore:
@@ -134,18 +47,18 @@ class CoordinatorCore:
         self.consensus = Consensus(self.topology.world_size)
         self.allowed_namespaces = config.runtime.allowed_namespaces()
         self.epoch = 1
-        self.waiting: deque[_Request] = deque()
-        self.running: dict[str, _Request] = {}
-        self.prefetching: dict[str, _Request] = {}
+        self.waiting: deque[ServingRequest] = deque()
+        self.running: dict[str, ServingRequest] = {}
+        self.prefetching: dict[str, ServingRequest] = {}
         self._forget: set[int] = set()
-        self.leases: dict[str, _Held] = {}
+        self.leases: dict[str, HeldLease] = {}
         self._expiry: list[tuple[float, str]] = []
         self.absent: dict[int, float] = {}
         self._absent_reason: dict[int, str] = {}
         self.stats = FabricStats()
         self._failed: list[RequestResult] = []
         self._blocked = False
-        self._current: _Request | None = None
+        self._current: ServingRequest | None = None
         self._ids = itertools.count(1)
         # KV events for a KV-aware router, oldest dropped past the bound.
         self.events: deque[KVEvent] = deque(maxlen=config.runtime.max_pending_requests * 16)
@@ -189,7 +102,7 @@ class CoordinatorCore:
         if pending >= self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
-        self.waiting.append(_Request(rid, key, prompt, priority, self.clock(), owner))
+        self.waiting.append(ServingRequest(rid, key, prompt, priority, self.clock(), owner))
         self._blocked = False
         self.stats.submitted += 1
         return rid
@@ -242,7 +155,7 @@ class CoordinatorCore:
         heapq.heappush(self._expiry, (held.expires_at, lease.token))
         return True
 
-    def _held(self, lease: Lease) -> _Held | None:
+    def _held(self, lease: Lease) -> HeldLease | None:
         if not isinstance(lease, Lease):
             raise InvalidInput(
                 f"release and renew take the Lease of a result, not {type(lease).__name__}"
@@ -252,7 +165,7 @@ class CoordinatorCore:
             raise InvalidInput(f"lease of {lease.request_id!r} does not match the one handed out")
         return held
 
-    def _drop_lease(self, held: _Held) -> None:
+    def _drop_lease(self, held: HeldLease) -> None:
         del self.leases[held.lease.token]
         self.cache.dec_lock_ref(held.node)
         self._blocked = False
@@ -366,7 +279,7 @@ class CoordinatorCore:
         """This step's L3 hit queries, for the storage actor: ``(op_id, page_hashes)``."""
         return self.ctl.take_queries()
 
-    def _admit(self, req: _Request) -> bool:
+    def _admit(self, req: ServingRequest) -> bool:
         cache, key = self.cache, req.key
         match = cache.match_prefix(key)
         device_hit = match.device_tokens
@@ -479,7 +392,7 @@ class CoordinatorCore:
             out.append(self._finish(req))
         return out
 
-    def _finish(self, req: _Request) -> RequestResult:
+    def _finish(self, req: ServingRequest) -> RequestResult:
         latency = self.clock() - req.submitted
         if req.aborted:
             self.stats.aborted += 1
@@ -503,7 +416,7 @@ class CoordinatorCore:
             ttl,
         )
         assert req.node is not None
-        held = _Held(lease, req.node, req.owner, self.clock() + ttl)
+        held = HeldLease(lease, req.node, req.owner, self.clock() + ttl)
         self.leases[lease.token] = held
         heapq.heappush(self._expiry, (held.expires_at, lease.token))
         return RequestResult(
@@ -535,12 +448,12 @@ class CoordinatorCore:
         self.events = kept
         return taken
 
-    def _unlock(self, req: _Request) -> None:
+    def _unlock(self, req: ServingRequest) -> None:
         if req.node is not None:
             self.cache.dec_lock_ref(req.node)
             req.node = None
 
-    def _fail(self, req: _Request, error: str) -> None:
+    def _fail(self, req: ServingRequest, error: str) -> None:
         self.stats.failed += 1
         self._failed.append(
             RequestResult(

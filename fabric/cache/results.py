@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fabric.node import TreeNode
+from fabric.cache.node import TreeNode
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from fabric.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from fabric.hicache import HiCache
-    from fabric.node import TreeNode
+    from fabric.cache.hicache import HiCache
+    from fabric.cache.node import TreeNode
 
 
 def check_integrity(cache: HiCache) -> None:

@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fabric.node import TreeNode
+from fabric.cache.node import TreeNode
 
 _COMPACT_SLACK = 64
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from fabric.config import ModelConfig
-from fabric.consensus import Shard
+from fabric.topology import Shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_SLICE_RUNS = 16

@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
 from fabric.config import ModelConfig
-from fabric.consensus import Shard
-from fabric.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
-from fabric.pools import KVPool
+from fabric.rank.pools import KVPool
+from fabric.topology import Shard
 
 # 31-bit arithmetic: no product below exceeds 2**62, so nothing overflows int64.
 _MASK = (1 << 31) - 1

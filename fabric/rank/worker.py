@@ -21,13 +21,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from fabric.cache.keys import namespace_seed
 from fabric.config import FabricConfig
-from fabric.consensus import Topology
-from fabric.keys import namespace_seed
 from fabric.l3.service import shard_suffix
 from fabric.messages import Backup, Batch, Compute, Message, Prefetch, Report, Write
-from fabric.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
-from fabric.producer import KVFiller, SyntheticKV
+from fabric.rank.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
+from fabric.rank.producer import KVFiller, SyntheticKV
+from fabric.topology import Topology
 
 
 class StorageLink(Protocol):

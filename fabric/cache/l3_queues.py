@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from fabric.cache.controller import Completions
+from fabric.cache.events import BlockStored, Medium
+from fabric.cache.keys import TokenKey, chain_hashes, namespace_seed
+from fabric.cache.node import TreeNode
+from fabric.cache.radix import common_pages
 from fabric.config import PrefetchConfig
-from fabric.controller import Completions
 from fabric.errors import InvalidInput
-from fabric.events import BlockStored, Medium
-from fabric.keys import TokenKey, chain_hashes, namespace_seed
-from fabric.node import TreeNode
-from fabric.radix import common_pages
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
 
 if TYPE_CHECKING:
-    from fabric.hicache import HiCache, MatchResult
+    from fabric.cache.hicache import HiCache, MatchResult
 
 
 class PrefetchState(StrEnum):

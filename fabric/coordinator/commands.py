@@ -17,12 +17,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fabric.allocator import PagedAllocator
+from fabric.cache.allocator import PagedAllocator
+from fabric.cache.controller import Completions, Controller
+from fabric.cache.keys import MAX_NAMESPACE_CHARS, TokenKey, namespace_seed
 from fabric.config import CacheConfig
-from fabric.consensus import Round
-from fabric.controller import Completions, Controller
+from fabric.coordinator.consensus import Round
 from fabric.errors import ConfigError
-from fabric.keys import MAX_NAMESPACE_CHARS, TokenKey, namespace_seed
 from fabric.messages import (
     Backup,
     Compute,

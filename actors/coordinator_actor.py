@@ -18,7 +18,8 @@ from typing import Any
 import ray
 
 from fabric.config import FabricConfig
-from fabric.coordinator import CoordinatorCore, Lease, RequestResult
+from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
 from fabric.l3.service import backend_spec
 from fabric.messages import InvalidMessage, Report, decode, encode

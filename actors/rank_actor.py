@@ -11,7 +11,7 @@ import ray
 
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
-from fabric.rank import RankWorker
+from fabric.rank.worker import RankWorker
 
 
 class StorageActorLink:

@@ -11,7 +11,7 @@ _ids = itertools.count(1)
 class TreeNode:
     """One edge of the radix tree: a run of whole pages under one parent.
 
-    ``key`` is the packed tokens of the run (see ``fabric.keys``); ``device_value``
+    ``key`` is the packed tokens of the run (see ``fabric.cache.keys``); ``device_value``
     and ``host_value`` are page indices in the L1 and L2 pools, ``None`` when the
     run is not in that tier. ``lock_ref`` counts L1 protections along the path
     to the root (a lock on a node is counted on each ancestor too); ``host_ref``

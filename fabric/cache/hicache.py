@@ -13,7 +13,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
-from fabric.cache_types import (
+from fabric.cache.controller import Completions, Controller
+from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from fabric.cache.keys import TokenKey
+from fabric.cache.l3_queues import StorageOps
+from fabric.cache.node import TreeNode
+from fabric.cache.radix import RadixTree
+from fabric.cache.results import (
     CacheStats,
     InsertResult,
     LoadBack,
@@ -23,13 +29,7 @@ from fabric.cache_types import (
     WriteOp,
 )
 from fabric.config import CacheConfig, PrefetchConfig
-from fabric.controller import Completions, Controller
 from fabric.errors import InvalidInput
-from fabric.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
-from fabric.keys import TokenKey
-from fabric.node import TreeNode
-from fabric.radix import RadixTree
-from fabric.storage_ops import StorageOps
 from policies import get_eviction_policy, get_write_policy
 
 
@@ -539,8 +539,8 @@ class HiCache:
             self.events.extend(AllBlocksCleared(ns) for ns in namespaces)
 
     def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.integrity``)."""
-        from fabric.integrity import check_integrity
+        """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.cache.integrity``)."""
+        from fabric.cache.integrity import check_integrity
 
         check_integrity(self)
 
