@@ -1,4 +1,5 @@
-"""Helpers shared by test modules."""
+"""Helpers shared by every test package: fake clock, small caches and fabrics,
+prompts, L3 pages, Hypothesis settings, polling."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 from hypothesis import HealthCheck, settings
+
+from fabric.cache.hicache import HiCache
+from fabric.cache.inprocess import InProcessController
+from fabric.config import CacheConfig, FabricConfig, PrefetchConfig
+from fabric.l3.format import Provenance
 
 # ``ci`` (the default) keeps the suite quick; ``deep`` runs thousands of examples per
 # state machine with fresh random seeds: KVFABRIC_HYPOTHESIS=deep python3 -m pytest tests -k Machine
@@ -39,3 +46,99 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# -- the cache core ------------------------------------------------------------
+
+P = 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_cache(
+    device_pages: int = 8,
+    host_pages: int = 16,
+    immediate: bool = False,
+    clock: FakeClock | None = None,
+    prefetch: PrefetchConfig | None = None,
+    **cache_options,
+) -> HiCache:
+    cfg = CacheConfig(
+        page_size=P,
+        device_tokens=device_pages * P,
+        host_tokens=host_pages * P,
+        **{"load_back_threshold": 0, **cache_options},
+    )
+    ctl = InProcessController(device_pages, host_pages, P, immediate=immediate)
+    return HiCache(cfg, ctl, prefetch, clock=clock or FakeClock())
+
+
+def toks(*pages: int) -> list[int]:
+    """Tokens of whole pages, page ``n`` being ``[n, n, n, n]``."""
+    return [t for p in pages for t in [p] * P]
+
+
+def put(cache: HiCache, tokens: list[int], namespace: str = "default", priority: int = 0):
+    """Insert like a server would: match, lease pages for the rest, insert."""
+    key = cache.key(tokens, namespace)
+    m = cache.match_prefix(key)
+    pages = cache.alloc_device(key.num_tokens - m.device_tokens)
+    assert pages is not None
+    result = cache.insert(key, m.device_pages + pages, priority)
+    cache.write_through()
+    return result
+
+
+# -- fabrics and prompts ----------------------------------------------------------
+
+def small_config(*overrides: str) -> FabricConfig:
+    """TP=2 x PP=2, tiny pools and model: every path of the data plane in milliseconds."""
+    return FabricConfig().with_overrides(
+        [
+            "topology.tp=2",
+            "topology.pp=2",
+            "cache.page_size=4",
+            "cache.device_tokens=96",
+            "cache.host_tokens=192",
+            "cache.load_back_threshold=0",
+            "model.layers=2",
+            "model.kv_heads=2",
+            "model.head_dim=8",
+            "runtime.step_interval_s=0",
+            "storage.backend=none",
+            *overrides,
+        ]
+    )
+
+
+def prompt(seed: int, pages: int, shared: int = 0, page_size: int = 4) -> list[int]:
+    """``shared`` pages common to every seed, then pages unique to ``seed``."""
+    common = [7000 + t for t in range(shared * page_size)]
+    return common + [seed * 1000 + t for t in range((pages - shared) * page_size)]
+
+
+# -- L3 pages ---------------------------------------------------------------------
+
+PROV = Provenance("m", "layer_first", "bfloat16", (2, 4, 1, 1, 8), 4)
+PAGE_BYTES = 2 * 4 * 1 * 1 * 8 * 2
+
+
+def keys(n: int, suffix: str = "0-0-0", start: int = 0, prov: Provenance = PROV) -> list[str]:
+    return [f"{i:064x}.{prov.tag}.{suffix}" for i in range(start, start + n)]
+
+
+def pages(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, PAGE_BYTES), dtype=np.uint8)
+
+
+def storage_options(tmp_path, *more: str) -> list[str]:
+    return [f"storage.path={tmp_path / 'l3'}", "storage.backend=file", *more]

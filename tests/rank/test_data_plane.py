@@ -12,8 +12,7 @@ from fabric.messages import Report
 from fabric.rank.pools import KVPool, copy_pages, page_runs
 from fabric.rank.producer import SyntheticKV
 from fabric.topology import Topology
-
-from .conftest import prompt, small_config
+from tests.helpers import prompt, small_config
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])

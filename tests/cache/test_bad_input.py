@@ -4,8 +4,7 @@ import pytest
 
 from fabric.cache.keys import TokenKey
 from fabric.errors import InvalidInput
-
-from .conftest import P, make_cache, put, toks
+from tests.helpers import P, make_cache, put, toks
 
 
 def snapshot(c):

@@ -9,8 +9,7 @@ from fabric.errors import ConfigError
 from fabric.l3 import make_backend, parse_extra_config
 from fabric.l3.file import FileBackend
 from fabric.l3.format import Provenance, decode_page, encode_page
-
-from .conftest import PAGE_BYTES, PROV, keys, pages
+from tests.helpers import PAGE_BYTES, PROV, keys, pages
 
 
 def test_set_get_exists_round_trip(file_backend):
@@ -138,8 +137,8 @@ def test_dynamic_backend_loads_a_user_class_by_module_path():
         "dynamic",
         PROV,
         PAGE_BYTES,
-        {"module": "tests.storage.memory_backend", "class": "MemoryBackend", "label": "mine"},
-        allowed_modules={"tests.storage.memory_backend"},
+        {"module": "tests.l3.memory_backend", "class": "MemoryBackend", "label": "mine"},
+        allowed_modules={"tests.l3.memory_backend"},
     )
     assert b.label == "mine"
     b.set(keys(2), pages(2))

@@ -9,8 +9,11 @@ ray = pytest.importorskip("ray")
 
 from fabric.client import launch  # noqa: E402
 from fabric.errors import ConfigError  # noqa: E402
-from tests.fabric.conftest import prompt, small_config  # noqa: E402
-from tests.helpers import wait_for  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    prompt,
+    small_config,
+    wait_for,
+)
 
 NS = "kvfabric-storage-tests"
 
@@ -73,7 +76,7 @@ def test_attach_detach_clear_and_bad_configs_at_runtime(ray_session, tmp_path):
         assert f.attach_storage("file", extra) == "already attached"
         with pytest.raises(ConfigError, match="detach it before"):
             f.attach_storage(
-                "dynamic", '{"module": "tests.storage.memory_backend", "class": "MemoryBackend"}'
+                "dynamic", '{"module": "tests.l3.memory_backend", "class": "MemoryBackend"}'
             )
         f.release(f.submit(tokens, timeout=60).lease)
         assert f.settle(30)

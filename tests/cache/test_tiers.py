@@ -3,8 +3,7 @@
 import pytest
 
 from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
-
-from .conftest import P, make_cache, put, toks
+from tests.helpers import P, make_cache, put, toks
 
 
 def leaf(c, *pages):

@@ -6,8 +6,7 @@ from fabric.cache.controller import Completions
 from fabric.cache.events import BlockStored, Medium
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-
-from .conftest import P, make_cache, put, toks
+from tests.helpers import P, make_cache, put, toks
 
 
 def storage_cache(clock=None, **prefetch):

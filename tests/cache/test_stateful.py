@@ -7,9 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-from tests.helpers import machine_settings
-
-from .conftest import FakeClock, P, make_cache, toks
+from tests.helpers import FakeClock, P, machine_settings, make_cache, toks
 
 page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 namespaces = st.sampled_from(["a", "b"])

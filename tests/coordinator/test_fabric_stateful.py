@@ -13,10 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.rank.worker import RankWorker
-from tests.core.conftest import FakeClock
-from tests.helpers import machine_settings
-
-from .conftest import small_config
+from tests.helpers import FakeClock, machine_settings, small_config
 
 # Leases the invariant verified over the whole run: a machine whose invariant never
 # checks a page would pass for the wrong reason (see the test at the end).

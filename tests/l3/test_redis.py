@@ -16,9 +16,7 @@ from fabric.cache.keys import pack_tokens
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
 from fabric.local import LocalFabric
-from tests.fabric.conftest import prompt, small_config
-
-from .conftest import PAGE_BYTES, PROV, keys, pages
+from tests.helpers import PAGE_BYTES, PROV, keys, pages, prompt, small_config
 
 if shutil.which("redis-server") is None and not os.environ.get("CI"):
     pytest.skip("redis-server is not installed (CI installs it)", allow_module_level=True)

@@ -20,9 +20,8 @@ from fabric.l3 import make_backend
 from fabric.l3.file import STALE_TMP_S, FileBackend
 from fabric.l3.service import StorageService, backend_spec
 from fabric.local import LocalFabric
-from tests.fabric.conftest import prompt
+from tests.helpers import PAGE_BYTES, PROV, keys, pages, prompt
 
-from .conftest import PAGE_BYTES, PROV, keys, pages
 from .test_storage_fabric import config, fill_l3, page_file
 
 TOKENS = pack_tokens(prompt(1, pages=8))
@@ -182,10 +181,10 @@ def test_the_dynamic_backend_imports_only_modules_the_launch_config_allows(tmp_p
             config(
                 tmp_path,
                 "storage.backend=none",
-                "storage.dynamic_modules=tests.storage.memory_backend",
+                "storage.dynamic_modules=tests.l3.memory_backend",
             )
         )
-        spec = {"module": "tests.storage.memory_backend", "class": "MemoryBackend"}
+        spec = {"module": "tests.l3.memory_backend", "class": "MemoryBackend"}
         assert allowed.attach("dynamic", spec) == "attached"
     finally:
         sys.path.remove(str(tmp_path))

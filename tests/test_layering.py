@@ -3,7 +3,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_core_packages_never_import_ray_or_torch_distributed():
@@ -24,6 +24,29 @@ def test_core_packages_never_import_ray_or_torch_distributed():
                         offenders.append(f"{path.relative_to(ROOT)}: {name}")
                     if name.startswith("torch.distributed"):
                         offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []
+
+
+def test_only_the_data_plane_imports_torch():
+    """The tree core, the coordinator's logic, L3 and the driver tools work without
+    torch; ``fabric/rank`` (and ``local``, which runs ranks in process) use it."""
+    allowed = {ROOT / "fabric" / "rank", ROOT / "fabric" / "local.py"}
+    offenders = []
+    for path in (ROOT / "fabric").rglob("*.py"):
+        if any(path == a or a in path.parents for a in allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "torch"
+            ]
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("fabric.rank")
+            ]
     assert offenders == []
 
 

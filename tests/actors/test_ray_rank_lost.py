@@ -11,8 +11,7 @@ ray = pytest.importorskip("ray")
 
 from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
-
-from .conftest import prompt, small_config  # noqa: E402
+from tests.helpers import prompt, small_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from fabric.cache.keys import pack_tokens
 from fabric.coordinator.requests import Lease
 from fabric.errors import ConfigError, InvalidInput
 from fabric.local import LocalFabric
-
-from .conftest import prompt, small_config
+from tests.helpers import prompt, small_config
 
 
 class Clock:

@@ -8,8 +8,7 @@ from fabric.errors import InvalidInput
 from fabric.local import LocalFabric
 from fabric.messages import decode, encode
 from fabric.rank.worker import RankWorker
-
-from .conftest import prompt, small_config
+from tests.helpers import prompt, small_config
 
 
 def test_tp2_pp2_overlapping_prompts_evictions_and_load_backs_verify_on_every_rank():

@@ -1,8 +1,7 @@
 from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.metrics import MetricsExporter, flatten
-
-from .conftest import prompt, small_config
+from tests.helpers import prompt, small_config
 
 
 def test_every_number_in_a_snapshot_becomes_a_gauge():

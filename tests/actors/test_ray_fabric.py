@@ -13,9 +13,11 @@ ray = pytest.importorskip("ray")
 
 from fabric.client import launch  # noqa: E402
 from fabric.errors import InvalidInput  # noqa: E402
-from tests.helpers import wait_for  # noqa: E402
-
-from .conftest import prompt, small_config  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    prompt,
+    small_config,
+    wait_for,
+)
 
 NAME = "kvfabric-test"
 

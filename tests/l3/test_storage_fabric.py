@@ -11,10 +11,7 @@ from fabric.errors import ConfigError
 from fabric.l3.format import page_key
 from fabric.l3.service import storage_provenance
 from fabric.local import LocalFabric
-from tests.core.conftest import FakeClock
-from tests.fabric.conftest import prompt, small_config
-
-from .conftest import storage_options
+from tests.helpers import FakeClock, prompt, small_config, storage_options
 
 P = 4
 
@@ -185,7 +182,7 @@ def test_attach_detach_clear_at_runtime(tmp_path):
     assert f.storage.attach(name, extra) == "already attached"
     with pytest.raises(ConfigError, match="detach it before attaching 'dynamic'"):
         f.storage.attach(
-            "dynamic", {"module": "tests.storage.memory_backend", "class": "MemoryBackend"}
+            "dynamic", {"module": "tests.l3.memory_backend", "class": "MemoryBackend"}
         )
     f.core.storage_begin_detach()
     f.settle()
