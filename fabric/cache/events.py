@@ -9,8 +9,11 @@ L1/L2 is one ``AllBlocksCleared`` per namespace that had pages there.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from fabric.cache.node import TreeNode
 
 
 class Medium(StrEnum):
@@ -41,3 +44,38 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventLog:
+    """The queue of KV events one cache appends to (nothing when disabled). Tier
+    moves report the node; ``page_hashes`` gives a node's hashes on demand, so
+    nothing is hashed while events are off."""
+
+    def __init__(self, page_hashes: Callable[[TreeNode], list[bytes]], enabled: bool) -> None:
+        self.page_hashes = page_hashes
+        self.enabled = enabled
+        self._events: list[KVEvent] = []
+
+    def stored(self, node: TreeNode, medium: Medium) -> None:
+        if self.enabled:
+            self._events.append(BlockStored(tuple(self.page_hashes(node)), medium, node.namespace))
+
+    def removed(self, node: TreeNode, medium: Medium) -> None:
+        if self.enabled:
+            self._events.append(BlockRemoved(tuple(self.page_hashes(node)), medium, node.namespace))
+
+    def stored_hashes(self, hashes: tuple[bytes, ...], medium: Medium, namespace: str) -> None:
+        if self.enabled:
+            self._events.append(BlockStored(hashes, medium, namespace))
+
+    def cleared(self, namespaces: Iterable[str]) -> None:
+        if self.enabled:
+            self._events.extend(AllBlocksCleared(ns) for ns in namespaces)
+
+    def take(self) -> list[KVEvent]:
+        """Drain the queued events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -9,15 +9,17 @@ tensor.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 from fabric.cache.controller import Completions, Controller
-from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from fabric.cache.events import EventLog, KVEvent, Medium
+from fabric.cache.integrity import check_integrity
 from fabric.cache.keys import TokenKey
-from fabric.cache.l3_queues import StorageOps
-from fabric.cache.node import TreeNode
+from fabric.cache.l3_queues import L3Queues
+from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.radix import RadixTree
 from fabric.cache.results import (
     CacheStats,
@@ -26,7 +28,7 @@ from fabric.cache.results import (
     MatchResult,
     PinResult,
     TierSizes,
-    WriteOp,
+    check_count,
 )
 from fabric.config import CacheConfig, PrefetchConfig
 from fabric.errors import InvalidInput
@@ -51,23 +53,29 @@ class HiCache:
         self.eviction = get_eviction_policy(config.eviction_policy)
         self.write_policy = get_write_policy(config.write_policy)
         self.pin_budget = int(config.pin_budget_fraction * config.host_tokens)
-        self.storage = StorageOps(self, prefetch or PrefetchConfig())
+        self.tree = RadixTree(self.page_size, self.eviction)
+        self.events = EventLog(self.tree.page_hashes, config.kv_events)
+        self.next_op_id = itertools.count(1).__next__
+        self.storage = L3Queues(
+            self.tree,
+            controller,
+            prefetch or PrefetchConfig(),
+            config.host_tokens,
+            clock,
+            self.events,
+            self.evict_host,
+            self.next_op_id,
+        )
         self._init_state()
 
     def _init_state(self) -> None:
-        self.tree = RadixTree(self.page_size, self.eviction)
+        self.tree.clear()
         self.leased: set[int] = set()
         self.pending_writes: deque[WriteOp] = deque()
         self.pending_loads: deque[tuple[int, TreeNode]] = deque()
         self.write_candidates: dict[TreeNode, None] = {}
         self.pinned_size = 0
-        self.events: list[KVEvent] = []
         self.stats = CacheStats()
-        self._next_op = 0
-
-    def next_op_id(self) -> int:
-        self._next_op += 1
-        return self._next_op
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
         return TokenKey(tokens, self.page_size, namespace)
@@ -137,7 +145,7 @@ class HiCache:
             n = tree.pages(node)
             if node.device_value is None:
                 tree.set_device(node, pages[offset : offset + n])
-                self._stored(node, Medium.DEVICE)
+                self.events.stored(node, Medium.DEVICE)
             else:
                 self._on_hit(node)
             offset += n
@@ -145,7 +153,7 @@ class HiCache:
         if offset < key.num_pages:
             last = tree.attach(last, ns, data[offset * pb :], now, priority)
             tree.set_device(last, pages[offset:])
-            self._stored(last, Medium.DEVICE)
+            self.events.stored(last, Medium.DEVICE)
             self._on_hit(last)
         assert offset >= cached
         duplicates = tuple(sorted(self.leased.intersection(pages[:cached])))
@@ -259,7 +267,7 @@ class HiCache:
     def complete_writes(self, n: int, failed: Collection[int] = ()) -> None:
         """The ``n`` oldest queued writes finished; those whose op id is in ``failed``
         did not, and their nodes stay L1-only."""
-        self._check_count("writes", n, len(self.pending_writes))
+        check_count("writes", n, len(self.pending_writes))
         for _ in range(n):
             op = self.pending_writes.popleft()
             ok = op.op_id not in failed
@@ -272,7 +280,7 @@ class HiCache:
                 tokens = self.tree.tokens(node)
                 if ok:
                     self.stats.written_tokens += tokens
-                    self._stored(node, Medium.HOST)
+                    self.events.stored(node, Medium.HOST)
                     self.storage.backup(node)
                 else:
                     self.stats.failed_write_tokens += tokens
@@ -341,15 +349,15 @@ class HiCache:
 
     def _demote(self, node: TreeNode) -> None:
         self.ctl.device.free(self.tree.clear_device(node))
-        self._removed(node, Medium.DEVICE)
+        self.events.removed(node, Medium.DEVICE)
 
     def _delete(self, node: TreeNode) -> None:
         if node.device_value is not None:
             self.ctl.device.free(node.device_value)
-            self._removed(node, Medium.DEVICE)
+            self.events.removed(node, Medium.DEVICE)
         if node.host_value is not None:
             self.ctl.host.free(node.host_value)
-            self._removed(node, Medium.HOST)
+            self.events.removed(node, Medium.HOST)
         self.tree.detach_leaf(node)
 
     # -- L2 eviction -----------------------------------------------------------------
@@ -414,7 +422,7 @@ class HiCache:
             k = tree.pages(n)
             host.extend(n.host_value)  # type: ignore[arg-type]
             tree.set_device(n, pages[offset : offset + k])
-            self._stored(n, Medium.DEVICE)
+            self.events.stored(n, Medium.DEVICE)
             offset += k
         tree.inc_lock_ref(node)
         op_id = self.next_op_id()
@@ -425,7 +433,7 @@ class HiCache:
 
     def complete_loads(self, n: int) -> None:
         """The ``n`` oldest queued loads finished on every rank."""
-        self._check_count("loads", n, len(self.pending_loads))
+        check_count("loads", n, len(self.pending_loads))
         for _ in range(n):
             _, node = self.pending_loads.popleft()
             self.tree.dec_lock_ref(node)
@@ -488,18 +496,7 @@ class HiCache:
 
     def take_events(self) -> list[KVEvent]:
         """Drain the queued KV events, oldest first."""
-        events, self.events = self.events, []
-        return events
-
-    def _stored(self, node: TreeNode, medium: Medium) -> None:
-        if self.config.kv_events:
-            hashes = tuple(self.tree.page_hashes(node))
-            self.events.append(BlockStored(hashes, medium, node.namespace))
-
-    def _removed(self, node: TreeNode, medium: Medium) -> None:
-        if self.config.kv_events:
-            hashes = tuple(self.tree.page_hashes(node))
-            self.events.append(BlockRemoved(hashes, medium, node.namespace))
+        return self.events.take()
 
     def device_sizes(self) -> TierSizes:
         tree, size = self.tree, self.page_size
@@ -535,16 +532,8 @@ class HiCache:
         self.ctl.reset()
         self.storage.reset()
         self._init_state()
-        if self.config.kv_events:
-            self.events.extend(AllBlocksCleared(ns) for ns in namespaces)
+        self.events.cleared(namespaces)
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.cache.integrity``)."""
-        from fabric.cache.integrity import check_integrity
-
         check_integrity(self)
-
-    @staticmethod
-    def _check_count(kind: str, n: int, pending: int) -> None:
-        if not isinstance(n, int) or not 0 <= n <= pending:
-            raise InvalidInput(f"{n!r} {kind} completed but {pending} are pending")

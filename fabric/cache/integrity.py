@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING
+from collections import Counter, deque
+from typing import Protocol
 
+from fabric.cache.controller import Controller
+from fabric.cache.l3_queues import L3Queues
+from fabric.cache.node import TreeNode, WriteOp
+from fabric.cache.radix import RadixTree
+from fabric.cache.results import TierSizes
 from fabric.errors import IntegrityError
-
-if TYPE_CHECKING:
-    from fabric.cache.hicache import HiCache
-    from fabric.cache.node import TreeNode
+from policies import WritePolicy
 
 
-def check_integrity(cache: HiCache) -> None:
+class CacheState(Protocol):
+    """What the check reads of a cache (``HiCache`` has it all)."""
+
+    tree: RadixTree
+    ctl: Controller
+    storage: L3Queues
+    write_policy: WritePolicy
+    leased: set[int]
+    pending_writes: deque[WriteOp]
+    pending_loads: deque[tuple[int, TreeNode]]
+    pinned_size: int
+
+    def device_sizes(self) -> TierSizes: ...
+
+    def host_sizes(self) -> TierSizes: ...
+
+
+def check_integrity(cache: CacheState) -> None:
     """Raise ``IntegrityError`` listing every violation; return quietly otherwise."""
     v: list[str] = []
     tree = cache.tree

@@ -11,23 +11,20 @@ holds the anchor of a prefetch and the node of a backup until they end.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-from fabric.cache.controller import Completions
-from fabric.cache.events import BlockStored, Medium
+from fabric.cache.controller import Completions, Controller
+from fabric.cache.events import EventLog, Medium
 from fabric.cache.keys import TokenKey, chain_hashes, namespace_seed
 from fabric.cache.node import TreeNode
-from fabric.cache.radix import common_pages
+from fabric.cache.radix import RadixTree, common_pages
+from fabric.cache.results import MatchResult, check_count
 from fabric.config import PrefetchConfig
 from fabric.errors import InvalidInput
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
-
-if TYPE_CHECKING:
-    from fabric.cache.hicache import HiCache, MatchResult
 
 
 class PrefetchState(StrEnum):
@@ -79,17 +76,35 @@ class StorageStats:
     refusals: dict[str, int] = field(default_factory=dict)
 
 
-class StorageOps:
-    """The prefetch and backup queues of one ``HiCache``."""
+class L3Queues:
+    """The prefetch and backup queues of one cache. Its collaborators: the tree, the
+    controller (L2 slots, storage commands), the cache's event log, a way to evict
+    L2 when a prefetch needs room, and the cache's operation ids."""
 
-    def __init__(self, cache: HiCache, config: PrefetchConfig) -> None:
-        self.cache = cache
+    def __init__(
+        self,
+        tree: RadixTree,
+        ctl: Controller,
+        config: PrefetchConfig,
+        host_tokens: int,
+        clock: Callable[[], float],
+        events: EventLog,
+        evict_host: Callable[[int], int],
+        next_op_id: Callable[[], int],
+    ) -> None:
+        self.tree = tree
+        self.ctl = ctl
         self.config = config
+        self.clock = clock
+        self.events = events
+        self.evict_host = evict_host
+        self.next_op_id = next_op_id
+        self.page_size = tree.page_size
         self.stop_policy = get_prefetch_stop_policy(config.stop_policy)
         self.timeout = TimeoutParams(
             config.timeout_base_s, config.timeout_per_ki_token_s, config.timeout_max_s
         )
-        self.max_inflight_tokens = int(config.max_inflight_fraction * cache.config.host_tokens)
+        self.max_inflight_tokens = int(config.max_inflight_fraction * host_tokens)
         self.attached = False
         self.reset()
 
@@ -117,7 +132,7 @@ class StorageOps:
             self._end_backup(self.backups.popleft(), ok=False)
         for op in list(self.by_op.values()):
             if op.host_pages:
-                self.cache.ctl.host.free(op.host_pages)
+                self.ctl.host.free(op.host_pages)
                 op.host_pages = ()
             self._drop(op)
         self.attached = False
@@ -128,15 +143,14 @@ class StorageOps:
         """Queue an L2 -> L3 copy of a node whose host copy just completed."""
         if not self.attached:
             return
-        cache = self.cache
-        op = BackupOp(cache.next_op_id(), node, tuple(cache.tree.page_hashes(node)))
+        op = BackupOp(self.next_op_id(), node, tuple(self.tree.page_hashes(node)))
         node.host_ref += 1
         self.backups.append(op)
-        cache.ctl.backup(op.op_id, node.host_value, op.page_hashes)  # type: ignore[arg-type]
+        self.ctl.backup(op.op_id, node.host_value, op.page_hashes)  # type: ignore[arg-type]
 
     def complete_backups(self, n: int, failed: Collection[int] = ()) -> None:
         """The ``n`` oldest backups ended; those in ``failed`` stored nothing."""
-        self.cache._check_count("backups", n, len(self.backups))
+        check_count("backups", n, len(self.backups))
         for _ in range(n):
             op = self.backups.popleft()
             self._end_backup(op, ok=op.op_id not in failed)
@@ -146,9 +160,8 @@ class StorageOps:
         if not ok:
             self.stats.failed_backups += 1
             return
-        self.stats.backed_up_tokens += len(op.page_hashes) * self.cache.page_size
-        if self.cache.config.kv_events:
-            self.cache.events.append(BlockStored(op.page_hashes, Medium.STORAGE, op.node.namespace))
+        self.stats.backed_up_tokens += len(op.page_hashes) * self.page_size
+        self.events.stored_hashes(op.page_hashes, Medium.STORAGE, op.node.namespace)
 
     # -- prefetch --------------------------------------------------------------------
 
@@ -157,14 +170,14 @@ class StorageOps:
         end of ``match.last_host_node`` on. Refusals are a result, not an error."""
         if req_id in self.prefetches:
             raise InvalidInput(f"request {req_id!r} already has a prefetch in flight")
-        cache, tree = self.cache, self.cache.tree
+        tree = self.tree
         if not self.attached:
             return self._refuse("no storage attached")
         if key.num_tokens - match.matched_tokens < max(self.config.threshold_tokens, 1):
             return self._refuse("below prefetch threshold")
         anchor = match.last_host_node
         start_page = tree.depth_pages(anchor)
-        requested = (key.num_pages - start_page) * cache.page_size
+        requested = (key.num_pages - start_page) * self.page_size
         if self.inflight_tokens + requested > self.max_inflight_tokens:
             return self._refuse("rate limited")
         prev = (
@@ -172,14 +185,14 @@ class StorageOps:
         )
         hashes = chain_hashes(prev, key.data[start_page * tree.page_bytes :], tree.page_bytes)
         op = PrefetchOp(
-            op_id=cache.next_op_id(),
+            op_id=self.next_op_id(),
             req_id=req_id,
             anchor=anchor,
             key=key,
             start_page=start_page,
-            cached_pages=match.matched_tokens // cache.page_size - start_page,
+            cached_pages=match.matched_tokens // self.page_size - start_page,
             page_hashes=hashes,
-            started_at=cache.clock(),
+            started_at=self.clock(),
             reserved_tokens=requested,
         )
         if anchor is not tree.root:
@@ -187,7 +200,7 @@ class StorageOps:
         self.inflight_tokens += requested
         self.prefetches[req_id] = self.by_op[op.op_id] = op
         self.stats.prefetch_started += 1
-        cache.ctl.query_storage(op.op_id, hashes)
+        self.ctl.query_storage(op.op_id, hashes)
         return PrefetchStart(op.op_id)
 
     def _refuse(self, reason: str) -> PrefetchStart:
@@ -199,18 +212,18 @@ class StorageOps:
         op = self.by_op.get(op_id)
         if op is None or op.state is not PrefetchState.QUERY:
             return
-        cache, size = self.cache, self.cache.page_size
+        size = self.page_size
         pages = max(0, min(int(hit_pages), len(op.page_hashes)))
-        if cache.ctl.max_prefetch_pages is not None:
-            pages = min(pages, cache.ctl.max_prefetch_pages)
+        if self.ctl.max_prefetch_pages is not None:
+            pages = min(pages, self.ctl.max_prefetch_pages)
         threshold = max(self.config.threshold_tokens, 1)
         if (pages - op.cached_pages) * size < threshold:
             self._revoke(op)
             return
-        host = cache.ctl.host
+        host = self.ctl.host
         got = host.alloc(pages)
         if got is None:
-            cache.evict_host((pages - host.available_pages) * size)
+            self.evict_host((pages - host.available_pages) * size)
             pages = min(pages, host.available_pages)
             if (pages - op.cached_pages) * size < threshold:
                 self._revoke(op)
@@ -220,14 +233,14 @@ class StorageOps:
         op.host_pages = got
         self._reserve(op, pages * size)
         op.state = PrefetchState.LOADING
-        cache.ctl.prefetch(op.op_id, got, op.page_hashes[:pages])
+        self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages])
 
     def update_progress(self, op_id: int, completed_tokens: int, terminated: bool = False) -> None:
         """Cumulative tokens every rank has (MIN), and whether any rank stopped (MAX)."""
         op = self.by_op.get(op_id)
         if op is None or op.state is not PrefetchState.LOADING:
             return
-        cap = len(op.host_pages) * self.cache.page_size
+        cap = len(op.host_pages) * self.page_size
         op.completed_tokens = max(op.completed_tokens, min(int(completed_tokens), cap))
         op.terminated = op.terminated or bool(terminated)
         op.reported = True
@@ -239,12 +252,12 @@ class StorageOps:
         op = self.prefetches.get(req_id)
         if op is None:
             return 0
-        size = self.cache.page_size
+        size = self.page_size
         tokens = len(op.host_pages) * size if op.host_pages else op.reserved_tokens
         timing = PrefetchTiming(
             tokens,
             op.completed_tokens,
-            self.cache.clock() - op.started_at,
+            self.clock() - op.started_at,
             op.terminated,
             started=op.reported,
         )
@@ -280,7 +293,7 @@ class StorageOps:
         op = self.by_op.get(op_id)
         if op is None or op.state is not PrefetchState.RELEASING:
             return
-        self.cache.ctl.host.free(op.host_pages)
+        self.ctl.host.free(op.host_pages)
         op.host_pages = ()
         self._drop(op)
 
@@ -304,13 +317,13 @@ class StorageOps:
     def _release_anchor(self, op: PrefetchOp) -> None:
         if self.prefetches.get(op.req_id) is op:
             del self.prefetches[op.req_id]
-            if op.anchor is not self.cache.tree.root:
+            if op.anchor is not self.tree.root:
                 op.anchor.host_ref -= 1
 
     def _start_release(self, op: PrefetchOp) -> None:
         self._release_anchor(op)
         op.state = PrefetchState.RELEASING
-        self.cache.ctl.stop_prefetch(op.op_id)
+        self.ctl.stop_prefetch(op.op_id)
 
     def _revoke(self, op: PrefetchOp) -> None:
         self.stats.prefetch_revoked += 1
@@ -329,8 +342,7 @@ class StorageOps:
         ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
         them as their host copy; pages already in L2 are freed. Returns tokens
         added as new L2-only nodes."""
-        cache = self.cache
-        tree, now = cache.tree, cache.clock()
+        tree, now = self.tree, self.clock()
         pb, data = tree.page_bytes, key.data
         start, end = start_page * pb, (start_page + len(host_pages)) * pb
         node, used, duplicates = anchor, 0, []
@@ -344,7 +356,7 @@ class StorageOps:
             child.last_access = now
             if child.host_value is None:
                 child.host_value = host_pages[used : used + k]
-                cache._stored(child, Medium.HOST)
+                self.events.stored(child, Medium.HOST)
             else:
                 duplicates.extend(host_pages[used : used + k])
             used += k
@@ -356,10 +368,10 @@ class StorageOps:
             leaf.host_value = host_pages[used:]
             tree.refresh(leaf)
             tree.refresh(node)
-            cache._stored(leaf, Medium.HOST)
+            self.events.stored(leaf, Medium.HOST)
             added = len(host_pages) - used
             used = len(host_pages)
         duplicates.extend(host_pages[used:])
         if duplicates:
-            cache.ctl.host.free(duplicates)
-        return added * cache.page_size
+            self.ctl.host.free(duplicates)
+        return added * self.page_size

@@ -1,9 +1,9 @@
-"""The radix tree's node."""
+"""The radix tree's node, and the in-flight L1 -> L2 write a node may belong to."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass, field
 
 _ids = itertools.count(1)
 
@@ -66,7 +66,7 @@ class TreeNode:
         self.page_hashes: list[bytes] | None = None
         self.pin_expiry = 0.0
         self.pin_ttl = 0.0
-        self.write_op: Any = None
+        self.write_op: WriteOp | None = None
 
     @property
     def on_device(self) -> bool:
@@ -83,3 +83,16 @@ class TreeNode:
     def __repr__(self) -> str:
         tiers = ("D" if self.on_device else "") + ("H" if self.backed_up else "")
         return f"TreeNode(id={self.id}, bytes={len(self.key)}, tiers={tiers or '-'}, lock={self.lock_ref})"
+
+
+@dataclass(eq=False)
+class WriteOp:
+    """An in-flight L1 -> L2 copy of ``nodes`` (ancestors first; splits append).
+    ``lock_node`` holds one lock for the whole path; ``orphan_pages`` are host
+    pages already taken from their nodes, freed when the copy completes."""
+
+    op_id: int
+    nodes: list[TreeNode]
+    lock_node: TreeNode
+    evict_after: bool
+    orphan_pages: list[int] = field(default_factory=list)

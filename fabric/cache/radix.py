@@ -40,11 +40,16 @@ class RadixTree:
     def __init__(self, page_size: int, eviction: EvictionPolicy) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
+        self.eviction = eviction
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every node (the object stays: collaborators keep their reference)."""
         self.root = TreeNode(b"", "", None, 0.0)
         self.evictable_size = 0
         self.protected_size = 0
-        self.device_leaves = LeafQueue(eviction.key, eviction.monotone)
-        self.host_leaves = LeafQueue(eviction.key, eviction.monotone)
+        self.device_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
+        self.host_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
 
     def tokens(self, node: TreeNode) -> int:
         return len(node.key) // TOKEN_BYTES

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fabric.cache.node import TreeNode
+from fabric.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,6 @@ class TierSizes:
     protected: int
 
 
-@dataclass(eq=False)
-class WriteOp:
-    """An in-flight L1 -> L2 copy of ``nodes`` (ancestors first; splits append).
-    ``lock_node`` holds one lock for the whole path; ``orphan_pages`` are host
-    pages already taken from their nodes, freed when the copy completes."""
-
-    op_id: int
-    nodes: list[TreeNode]
-    lock_node: TreeNode
-    evict_after: bool
-    orphan_pages: list[int] = field(default_factory=list)
-
-
 @dataclass
 class CacheStats:
     device_evicted_tokens: int = 0
@@ -86,3 +74,9 @@ class CacheStats:
     written_tokens: int = 0
     failed_write_tokens: int = 0
     loaded_back_tokens: int = 0
+
+
+def check_count(kind: str, n: int, pending: int) -> None:
+    """Refuse a completion count that is not an int in ``[0, pending]``."""
+    if not isinstance(n, int) or not 0 <= n <= pending:
+        raise InvalidInput(f"{n!r} {kind} completed but {pending} are pending")
