@@ -150,12 +150,13 @@ def _print_tiers(tiers: dict[str, int]) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from fabric.replay import CoreReplay
+    from fabric.cache.inprocess import CoreReplay
+    from fabric.workload import iter_packed
 
     config, requests, source = _setup(args)
     replay = CoreReplay(config)
     started = time.perf_counter()
-    stats = replay.run(requests, _progress(len(requests)))
+    stats = replay.run((p for _, p in iter_packed(requests)), _progress(len(requests)))
     print(file=sys.stderr)
     elapsed = time.perf_counter() - started
     replay.cache.check_integrity()

@@ -52,7 +52,7 @@ def test_only_the_data_plane_imports_torch():
 
 def test_importing_fabric_does_not_load_ray():
     code = (
-        "import sys, fabric, fabric.cache.hicache, fabric.cli, fabric.replay, policies\n"
+        "import sys, fabric, fabric.cache.hicache, fabric.cli, fabric.cache.inprocess, policies\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

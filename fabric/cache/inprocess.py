@@ -1,13 +1,21 @@
-"""A controller for tests, benches and the core-only demo: no bytes, only
-bookkeeping, and an in-memory stand-in for L3."""
+"""The cache in one process, without ranks: a controller that moves no bytes
+(only bookkeeping, with an in-memory stand-in for L3) for tests, and
+``CoreReplay``, which serves prompts through the request lifecycle
+(``fabric.cache.admission``) synchronously — the core-only demo and the tree
+benchmark run the code that serves."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
+from fabric.cache.admission import Admission
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.controller import Completions, Controller
+from fabric.cache.hicache import HiCache
+from fabric.cache.keys import TokenKey
+from fabric.config import FabricConfig
 
 
 @dataclass
@@ -93,3 +101,78 @@ class InProcessController(Controller):
         self.device.reset()
         self.host.reset()
         self.reset_queues()
+
+
+@dataclass
+class ReplayStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    computed_tokens: int = 0
+    refused_requests: int = 0
+    admit_us: list[float] = field(default_factory=list)
+
+    def tiers(self) -> dict[str, int]:
+        return {
+            "device": self.device_hit_tokens,
+            "host": self.host_hit_tokens,
+            "storage": self.storage_hit_tokens,
+            "computed": self.computed_tokens,
+        }
+
+
+class CoreReplay:
+    """One ``HiCache`` with an immediate in-process controller and, with
+    ``storage=True``, an in-memory L3 that backups fill. Each prompt goes through
+    ``Admission`` (prefetch, load-back, alloc and evict, insert) and is released
+    at once; ``admit_us`` times the admission itself."""
+
+    def __init__(self, config: FabricConfig, storage: bool = True, namespace: str = "default"):
+        cc = config.cache
+        self.ctl = InProcessController(cc.device_pages, cc.host_pages, cc.page_size)
+        self.cache = HiCache(cc, self.ctl, config.prefetch)
+        self.admission = Admission(self.cache)
+        if storage:
+            self.cache.storage.attach()
+        self.namespace = namespace
+        self.stats = ReplayStats()
+
+    def serve(self, packed: bytes) -> None:
+        cache, stats = self.cache, self.stats
+        key = TokenKey(packed, cache.page_size, self.namespace)
+        stats.requests += 1
+        stats.prompt_tokens += key.num_tokens
+        if key.num_tokens > cache.config.device_tokens:
+            stats.refused_requests += 1
+            return
+        prefetched = 0
+        if self.admission.start_prefetch(stats.requests, key):
+            done = None
+            while done is None:  # the hit query, then the pages, arrive with polls
+                cache.poll()
+                done = self.admission.check_prefetch(stats.requests)
+            prefetched = done
+        t0 = time.perf_counter()
+        admitted = self.admission.admit(key, 0, prefetched)
+        stats.admit_us.append((time.perf_counter() - t0) * 1e6)
+        if admitted is None:
+            stats.refused_requests += 1
+            return
+        stats.device_hit_tokens += admitted.device_hit
+        stats.host_hit_tokens += admitted.host_hit
+        stats.storage_hit_tokens += admitted.storage_hit
+        stats.computed_tokens += len(admitted.new_pages) * cache.page_size
+        cache.dec_lock_ref(admitted.node)
+        cache.poll()
+        cache.take_events()
+
+    def run(
+        self, prompts: Iterable[bytes], progress: Callable[[int], None] | None = None
+    ) -> ReplayStats:
+        for i, packed in enumerate(prompts, 1):
+            self.serve(packed)
+            if progress is not None:
+                progress(i)
+        return self.stats

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
+from fabric.cache.admission import Admission
 from fabric.cache.controller import Completions
 from fabric.cache.events import KVEvent
 from fabric.cache.hicache import HiCache
@@ -44,6 +45,7 @@ class CoordinatorCore:
         self.topology = Topology(config.topology)
         self.ctl = FabricController(config.cache, config.runtime.max_message_bytes)
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock)
+        self.admission = Admission(self.cache)
         self.consensus = Consensus(self.topology.world_size)
         self.allowed_namespaces = config.runtime.allowed_namespaces()
         self.epoch = 1
@@ -239,7 +241,7 @@ class CoordinatorCore:
         ready = []
         for rid, req in list(self.prefetching.items()):
             self._current = req
-            loaded = self.cache.storage.check_prefetch(rid)
+            loaded = self.admission.check_prefetch(rid)
             if loaded is not None:
                 del self.prefetching[rid]
                 req.prefetched = loaded
@@ -251,10 +253,9 @@ class CoordinatorCore:
         blocked = []
         while self.waiting:
             req = self._current = self.waiting.popleft()
-            if not req.prefetch_tried and self.cache.storage.attached:
+            if not req.prefetch_tried:
                 req.prefetch_tried = True
-                match = self.cache.match_prefix(req.key)
-                if self.cache.storage.start_prefetch(req.rid, req.key, match).op_id is not None:
+                if self.admission.start_prefetch(req.rid, req.key):
                     self.prefetching[req.rid] = req
                     continue
             if not self._admit(req):
@@ -280,29 +281,15 @@ class CoordinatorCore:
         return self.ctl.take_queries()
 
     def _admit(self, req: ServingRequest) -> bool:
-        cache, key = self.cache, req.key
-        match = cache.match_prefix(key)
-        device_hit = match.device_tokens
-        host_hit = storage_hit = 0
-        if match.host_tokens:
-            loaded = cache.load_back(match.last_host_node)
-            if loaded is not None:
-                storage_hit = min(req.prefetched, loaded.tokens)
-                host_hit = loaded.tokens - storage_hit
-                match = cache.match_prefix(key)
-        cache.inc_lock_ref(match.last_device_node)
-        new_pages = cache.alloc_device(key.num_tokens - match.device_tokens)
-        if new_pages is None:
-            cache.dec_lock_ref(match.last_device_node)
+        admitted = self.admission.admit(req.key, req.priority, req.prefetched)
+        if admitted is None:
             return False
-        req.compute_cmds = self.ctl.compute(key, match.device_tokens // key.page_size, new_pages)
-        result = cache.insert(key, match.device_pages + new_pages, req.priority)
-        cache.inc_lock_ref(result.last_node)
-        cache.dec_lock_ref(match.last_device_node)
-        req.node = result.last_node
-        req.device_pages = match.device_pages + new_pages
-        req.device_hit, req.host_hit, req.storage_hit = device_hit, host_hit, storage_hit
-        req.computed = req.prompt_tokens - device_hit - host_hit - storage_hit
+        req.compute_cmds = self.ctl.compute(req.key, admitted.start_page, admitted.new_pages)
+        req.node = admitted.node
+        req.device_pages = admitted.device_pages
+        req.device_hit, req.host_hit = admitted.device_hit, admitted.host_hit
+        req.storage_hit = admitted.storage_hit
+        req.computed = req.prompt_tokens - req.device_hit - req.host_hit - req.storage_hit
         self.running[req.rid] = req
         return True
 
