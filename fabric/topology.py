@@ -17,6 +17,11 @@ class RankId:
     def __str__(self) -> str:
         return f"pp{self.pp}-cp{self.cp}-tp{self.tp}"
 
+    @property
+    def suffix(self) -> str:
+        """The shard suffix of this rank's L3 page keys: ``pp-cp-tp``."""
+        return f"{self.pp}-{self.cp}-{self.tp}"
+
 
 @dataclass(frozen=True)
 class Shard:

@@ -75,9 +75,6 @@ class PagedAllocator:
     def is_free(self, page: int) -> bool:
         return page in self._free_set
 
-    def free_pages(self) -> list[int]:
-        return sorted(self._free_set)
-
     def reset(self) -> None:
         self._free_stack: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._free_set: set[int] = set(range(self.num_pages))

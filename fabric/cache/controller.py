@@ -38,18 +38,6 @@ class Completions:
     prefetch_terminated: frozenset[int] = frozenset()
     prefetch_released: frozenset[int] = frozenset()
 
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.writes
-            or self.loads
-            or self.backups
-            or self.prefetch_hits
-            or self.prefetch_progress
-            or self.prefetch_terminated
-            or self.prefetch_released
-        )
-
 
 class Controller(ABC):
     """Owns the L1 (``device``) and L2 (``host``) allocators and queues transfers.

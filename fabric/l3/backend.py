@@ -8,6 +8,7 @@ page keys (hex digest + shard suffix), never user text.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from fabric.l3.format import Provenance, check_key, decode_page, encode_header
+
+log = logging.getLogger(__name__)
 
 
 class L3Backend(ABC):
@@ -95,7 +98,8 @@ class L3Backend(ABC):
                 check_key(key)
                 self._write(key, (encode_header(payload, self.provenance, key), payload))
                 ok.append(True)
-            except OSError:
+            except OSError as exc:
+                log.warning("L3 %s: storing %s failed: %s", self.name, key, exc)
                 self.count("set_failed")
                 ok.append(False)
         self.count("set_pages", sum(ok))

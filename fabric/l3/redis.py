@@ -12,6 +12,7 @@ LRU policy); ``stats`` counts this process's traffic and never scans the server.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ import numpy as np
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, check_key
+
+log = logging.getLogger(__name__)
 
 _PREFIX = re.compile(r"[A-Za-z0-9_:.\-]{1,64}")
 _GLOB = re.compile(r"([*?\[\]\\^])")
@@ -117,7 +120,8 @@ class RedisBackend(L3Backend):
             )
         try:
             ok = [bool(r) for r in pipe.execute(raise_on_error=False)]
-        except self._errors:
+        except self._errors as exc:
+            log.warning("L3 redis at %s: storing %d pages failed: %s", self.where, len(keys), exc)
             ok = [False] * len(keys)
         self.count("set_pages", sum(ok))
         self.count("set_failed", len(ok) - sum(ok))

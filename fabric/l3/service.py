@@ -22,10 +22,6 @@ from fabric.topology import Topology
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def shard_suffix(pp: int, cp: int, tp: int) -> str:
-    return f"{pp}-{cp}-{tp}"
-
-
 def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
     """Every shard's page shape ``(2, page_tokens, layers, heads, head_dim)`` and bytes."""
     topo, model = config.topology, config.model
@@ -65,7 +61,7 @@ class StorageService:
     def __init__(self, config: FabricConfig) -> None:
         self.config = config
         topo = Topology(config.topology)
-        self.suffixes = [shard_suffix(r.pp, r.cp, r.tp) for r in topo.ranks]
+        self.suffixes = [r.suffix for r in topo.ranks]
         _, self.page_bytes = page_geometry(config)
         self.provenance = storage_provenance(config)
         self.model_tag = self.provenance.tag

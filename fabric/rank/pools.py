@@ -55,7 +55,6 @@ class KVPool:
         else:
             view = b.permute(0, 1, 3, 2, 4, 5)
         self.pages = view  # (2, pages, page_tokens, layers, heads, head_dim)
-        self.layer_axis = 3
 
     @property
     def nbytes(self) -> int:
@@ -89,28 +88,23 @@ def copy_pages(
     src_pages: Sequence[int],
     dst: KVPool,
     dst_pages: Sequence[int],
-    per_layer: bool = False,
 ) -> None:
     """Copy pages between pools of the same shard. Contiguous runs move as slices;
-    scattered pages in one gather/scatter. ``per_layer`` copies layer by layer
-    (so compute on early layers can start while later ones arrive, on GPU)."""
+    scattered pages in one gather/scatter."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"copy of {len(src_pages)} pages into {len(dst_pages)}")
     if not src_pages:
         return
     runs = page_runs(src_pages, dst_pages)
-    layers = range(src.pages.shape[3]) if per_layer else [slice(None)]
-    for layer in layers:
-        s_view = src.pages[:, :, :, layer]
-        d_view = dst.pages[:, :, :, layer]
-        if len(runs) <= _MAX_SLICE_RUNS:
-            for s, d, n in runs:
-                d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
-        else:
-            device = dst.buffer.device
-            s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
-            d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
-            d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)
+    s_view, d_view = src.pages, dst.pages
+    if len(runs) <= _MAX_SLICE_RUNS:
+        for s, d, n in runs:
+            d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
+    else:
+        device = dst.buffer.device
+        s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
+        d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
+        d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)
 
 
 def pages_to_bytes(pool: KVPool, pages: Sequence[int]):

@@ -11,6 +11,7 @@ meet only under ``self.lock``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -23,11 +24,12 @@ import torch
 
 from fabric.cache.keys import namespace_seed
 from fabric.config import FabricConfig
-from fabric.l3.service import shard_suffix
 from fabric.messages import Backup, Batch, Compute, Message, Prefetch, Report, Write
 from fabric.rank.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
 from fabric.rank.producer import KVFiller, SyntheticKV
 from fabric.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class StorageLink(Protocol):
@@ -59,7 +61,7 @@ class RankWorker:
         self.index = index
         self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
         rank = self.shard.rank
-        self.suffix = shard_suffix(rank.pp, rank.cp, rank.tp)
+        self.suffix = rank.suffix
         self.storage = storage
         self.device = pick_device(config.runtime.device)
         cuda = self.device.type == "cuda"
@@ -206,15 +208,21 @@ class RankWorker:
                         return False
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
-                    self._copy(self.l1, device, self.l2, host, per_layer=False)
+                    self._copy(self.l1, device, self.l2, host)
                 else:
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
-                    self._copy(self.l2, host, self.l1, device, per_layer=True)
+                    self._copy(self.l2, host, self.l1, device)
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).synchronize()
             return True
         except Exception:
+            log.exception(
+                "rank %s: %s of commands %s failed",
+                self.shard.rank,
+                type(first).__name__,
+                [c.cmd_id for c in group],  # type: ignore[attr-defined]
+            )
             return False
 
     # -- storage thread ---------------------------------------------------------------
@@ -257,6 +265,7 @@ class RankWorker:
                 rows = pages_to_bytes(self.l2, cmd.host_pages)
             return bool(self.storage.store(self.suffix, list(cmd.page_hashes), rows))
         except Exception:
+            log.exception("rank %s: backup command %d failed", self.shard.rank, cmd.cmd_id)
             return False
 
     def _prefetch(self, cmd: Prefetch, epoch: int) -> None:
@@ -284,6 +293,9 @@ class RankWorker:
                     if got:
                         bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
             except Exception:
+                log.exception(
+                    "rank %s: prefetch %d failed after %d pages", self.shard.rank, cmd.op_id, done
+                )
                 got, terminated = 0, True
             done += got
             with self.lock:
@@ -301,12 +313,12 @@ class RankWorker:
                 )
                 entry[1], entry[2] = True, terminated
 
-    def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages, per_layer: bool) -> None:
+    def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages) -> None:
         if self.stream is None:
             copy_pages(src, src_pages, dst, dst_pages)
             return
         with torch.cuda.stream(self.stream):
-            copy_pages(src, src_pages, dst, dst_pages, per_layer=per_layer)
+            copy_pages(src, src_pages, dst, dst_pages)
         self.stream.synchronize()
 
     # -- checks ----------------------------------------------------------------------

@@ -188,9 +188,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
         for node, ns, pages in self.locks:
             assert node.device_value is not None
-            assert (
-                self.cache.match_prefix(self.key(ns, list(pages))).device_tokens >= len(pages) * P
-            )
+            # peek, not match_prefix: the check must not split nodes or refresh access times
+            key = self.key(ns, list(pages))
+            assert self.cache.tree.peek_device_pages(ns, key.data) >= len(pages)
 
 
 CacheMachine.TestCase.settings = machine_settings(examples=400, steps=60)
