@@ -5,13 +5,16 @@ them. A page moving down a tier is a ``BlockRemoved`` for the upper medium and
 (once the copy is confirmed) a ``BlockStored`` for the lower one. Every event
 names its namespace (tenant), so a consumer can take only its own; a reset of
 L1/L2 is one ``AllBlocksCleared`` per namespace that had pages there.
+Events are ``msgspec`` structs: ``msgspec.msgpack.encode(events)`` is a compact
+feed for a router, and ``decode(data, type=list[KVEvent])`` reads it back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 from fabric.cache.node import TreeNode
 
@@ -22,22 +25,23 @@ class Medium(StrEnum):
     STORAGE = "storage"
 
 
-@dataclass(frozen=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, tag=True):
+    """``page_hashes`` (one per page, in order) are now in ``medium``."""
+
     page_hashes: tuple[bytes, ...]
     medium: Medium
     namespace: str
 
 
-@dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
+    """``page_hashes`` left ``medium``."""
+
     page_hashes: tuple[bytes, ...]
     medium: Medium
     namespace: str
 
 
-@dataclass(frozen=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
     """Every page of ``namespace`` left L1 and L2 (L3 keeps its pages)."""
 
     namespace: str

@@ -68,7 +68,7 @@ class Consensus:
         failed = frozenset().union(*(r.failed for r in reports))
         if restarted or any(r.epoch != epoch for r in reports):
             return Round(None, None, None, failed, tuple(sorted(restarted)))
-        per_rank = [{e[0]: e for e in r.prefetch} for r in reports]
+        per_rank = [{p.op_id: p for p in r.prefetch} for r in reports]
         ops = frozenset().union(*per_rank)
         return Round(
             reduce_min(r.computes_done for r in reports),
@@ -80,15 +80,15 @@ class Consensus:
             # Progress counts once every rank has reported on the op (a batch done,
             # or the op over); before that its MIN is "nothing known yet".
             prefetch_progress={
-                op: reduce_min(m[op][1] for m in per_rank)
+                op: reduce_min(m[op].completed_tokens for m in per_rank)
                 for op in ops
                 if all(op in m for m in per_rank)
             },
             prefetch_terminated=frozenset(
-                op for op in ops if reduce_max(op in m and m[op][3] for m in per_rank)
+                op for op in ops if reduce_max(op in m and m[op].terminated for m in per_rank)
             ),
             prefetch_finished=frozenset(
-                op for op in ops if all(op in m and m[op][2] for m in per_rank)
+                op for op in ops if all(op in m and m[op].finished for m in per_rank)
             ),
             prefetch_reported=ops,
         )

@@ -24,7 +24,16 @@ import torch
 
 from fabric.cache.keys import namespace_seed
 from fabric.config import FabricConfig
-from fabric.messages import Backup, Batch, Compute, Message, Prefetch, Report, Write
+from fabric.messages import (
+    Backup,
+    Batch,
+    Compute,
+    Message,
+    Prefetch,
+    PrefetchProgress,
+    Report,
+    Write,
+)
 from fabric.rank.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
 from fabric.rank.producer import KVFiller, SyntheticKV
 from fabric.topology import Topology
@@ -141,7 +150,7 @@ class RankWorker:
                 self.loads_done,
                 tuple(self.failed),
                 self.backups_done,
-                tuple((op, c, f, t) for op, (c, f, t) in self.prefetch.items()),
+                tuple(PrefetchProgress(op, c, f, t) for op, (c, f, t) in self.prefetch.items()),
             )
 
     # -- transfer thread -------------------------------------------------------------

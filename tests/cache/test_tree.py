@@ -99,3 +99,18 @@ def test_insert_emits_block_stored_for_device():
     assert isinstance(event, BlockStored) and event.medium is Medium.DEVICE
     assert list(event.page_hashes) == c.key(toks(1, 2)).page_hashes()
     assert c.take_events() == []
+
+
+def test_kv_events_round_trip_as_msgpack_for_a_router():
+    import msgspec
+
+    from fabric.cache.events import KVEvent
+
+    c = make_cache()
+    put(c, toks(1, 2), namespace="tenant-a")
+    c.evict(8)
+    c.reset()
+    events = c.take_events()
+    assert {type(e).__name__ for e in events} >= {"BlockStored", "AllBlocksCleared"}
+    wire = msgspec.msgpack.encode(events)
+    assert msgspec.msgpack.decode(wire, type=list[KVEvent]) == events
