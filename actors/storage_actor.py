@@ -31,6 +31,8 @@ class StorageActor:
         self.delay_s = 0.0
         self._released = threading.Event()
         self._released.set()
+        self._holding = 0
+        self._holding_lock = threading.Lock()
         if coordinator_name and ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore(coordinator_name)
 
@@ -95,10 +97,22 @@ class StorageActor:
         else:
             self._released.set()
 
+    def holding(self) -> int:
+        """How many page batches the ``hold`` fault is holding right now."""
+        return self._holding
+
     def _fault(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
-        self._released.wait()
+        if self._released.is_set():
+            return
+        with self._holding_lock:
+            self._holding += 1
+        try:
+            self._released.wait()
+        finally:
+            with self._holding_lock:
+                self._holding -= 1
 
     def ping(self) -> None:
         """A no-op, for liveness checks."""

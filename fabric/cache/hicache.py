@@ -66,6 +66,7 @@ class HiCache:
             self.evict_host,
             self.next_op_id,
         )
+        self.stats = CacheStats()  # counters survive resets
         self._init_state()
 
     def _init_state(self) -> None:
@@ -75,7 +76,6 @@ class HiCache:
         self.pending_loads: deque[tuple[int, TreeNode]] = deque()
         self.write_candidates: dict[TreeNode, None] = {}
         self.pinned_size = 0
-        self.stats = CacheStats()
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
         return TokenKey(tokens, self.page_size, namespace)

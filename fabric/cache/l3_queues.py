@@ -106,6 +106,7 @@ class L3Queues:
         )
         self.max_inflight_tokens = int(config.max_inflight_fraction * host_tokens)
         self.attached = False
+        self.stats = StorageStats()  # counters survive resets
         self.reset()
 
     def reset(self) -> None:
@@ -113,7 +114,6 @@ class L3Queues:
         self.by_op: dict[int, PrefetchOp] = {}
         self.backups: deque[BackupOp] = deque()
         self.inflight_tokens = 0
-        self.stats = StorageStats()
 
     def held_host_pages(self) -> int:
         """L2 pages allocated to prefetches and not yet in the tree."""

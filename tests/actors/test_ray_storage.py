@@ -101,11 +101,12 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
         ray.get(storage.set_faults.remote(hold=True))
         r = f.submit(prompt(4, pages=6), timeout=60)
         f.release(r.lease)
-        assert wait_for(lambda: f.stats()["storage_ops"]["pending_backups"] > 0, 10)
+        # Kill only once a rank's backup is really inside the storage actor.
+        assert wait_for(lambda: ray.get(storage.holding.remote()) > 0, 30)
         ray.kill(storage, no_restart=False)
         assert f.settle(60), "failed backups are acked; nothing stays pending"
         s = f.stats()["storage_ops"]
-        assert s["pending_backups"] == 0 and s["failed_backups"] >= 1
+        assert s["pending_backups"] == 0 and s["failed_backups"] >= 1, f.stats()
         f.check_integrity()
 
         # Store a prompt for real, then kill the actor while a fresh request prefetches it.
@@ -117,7 +118,7 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
         try:
             ray.get(g._deployment.storage.set_faults.remote(hold=True))
             ref = g.submit_async(tokens)
-            assert wait_for(lambda: g.stats()["storage_ops"]["inflight_prefetches"] > 0, 20)
+            assert wait_for(lambda: ray.get(g._deployment.storage.holding.remote()) > 0, 30)
             ray.kill(g._deployment.storage, no_restart=False)
             r = g.result(ref, timeout=120)
             assert r.error is None and r.storage_hit_tokens < 32
