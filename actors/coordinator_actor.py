@@ -12,12 +12,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import ray
 
-from fabric.config import FabricConfig
+from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
@@ -158,7 +157,9 @@ class CoordinatorActor:
     async def attach_storage(self, backend: str, extra_config: str = "") -> str:
         """Attach an L3 backend: the same one again keeps it; another is refused
         until ``detach_storage``. Bad options raise ``ConfigError`` naming the key."""
-        storage = replace(self.config.storage, backend=backend, extra_config=extra_config)
+        storage = StorageConfig(
+            **{**self.config.storage.model_dump(), "backend": backend, "extra_config": extra_config}
+        )
         name, extra = backend_spec(storage)
         outcome = await self.storage.attach.remote(name, extra)
         self._storage_spec = (name, extra)

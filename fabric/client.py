@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +194,7 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     config = config or FabricConfig()
     # Actors run in other working directories: pin a relative L3 path to this one.
     path = str(Path(config.storage.path).expanduser().resolve())
-    config = config.replace(storage=replace(config.storage, path=path))
+    config = config.replace(storage={**config.storage.model_dump(), "path": path})
     address = address or config.runtime.address or None
     owns = False
     if not ray.is_initialized():

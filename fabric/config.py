@@ -1,120 +1,127 @@
-"""The typed, validated configuration of kvfabric.
+"""The typed, validated configuration of kvfabric (pydantic models).
 
-Every section is a frozen dataclass; each field says what it allows, and a bad
-value is refused at construction with the dotted key, the value and the rule.
-Files are JSON, TOML or YAML; unknown keys are refused, listing the known ones.
+Every section is frozen and forbids unknown keys; types are strict (a bool is
+not an int, ``"5"`` is not a number). A bad value is refused at construction
+with a ``ConfigError`` naming the dotted key, the value and what is allowed —
+each field's description says that. Files are JSON, TOML or YAML;
+``--set section.key=value`` overrides parse values as YAML scalars (or lists).
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fabric.errors import ConfigError
 from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
 
 
-def _setting(default: Any, kind: type, allowed: str, ok: Callable[[Any], bool]) -> Any:
-    return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok})
+def _allowed(description: str, **constraints: Any) -> Any:
+    return Field(description=description, **constraints)
 
 
-def _positive_int(default: int) -> Any:
-    return _setting(default, int, "an integer >= 1", lambda v: v >= 1)
+PositiveInt = Annotated[int, _allowed("an integer >= 1", ge=1)]
+NonNegativeInt = Annotated[int, _allowed("an integer >= 0", ge=0)]
+NonNegativeFloat = Annotated[float, _allowed("a number >= 0", ge=0)]
+PositiveFloat = Annotated[float, _allowed("a number > 0", gt=0)]
+Fraction = Annotated[float, _allowed("a number in [0, 1]", ge=0, le=1)]
+Text = Annotated[str, _allowed("a non-empty str", min_length=1)]
+Mode = Annotated[str, _allowed("an octal mode such as 0600", pattern=r"^0?[0-7]{3}$", min_length=3)]
 
 
-def _non_negative_int(default: int) -> Any:
-    return _setting(default, int, "an integer >= 0", lambda v: v >= 0)
-
-
-def _non_negative_float(default: float) -> Any:
-    return _setting(default, float, "a number >= 0", lambda v: v >= 0)
-
-
-def _one_of(default: str, names: Iterable[str]) -> Any:
+def _one_of(names: Iterable[str], default: str) -> Any:
     known = sorted(names)
-    return _setting(default, str, f"one of {', '.join(known)}", lambda v: v in known)
+    return Field(
+        default, description=f"one of {', '.join(known)}", json_schema_extra={"enum": known}
+    )
 
 
-def _fraction(default: float) -> Any:
-    return _setting(default, float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
-
-
-def _octal(value: str) -> bool:
-    try:
-        return 0 <= int(value, 8) <= 0o777
-    except ValueError:
-        return False
-
-
-def _boolean(default: bool) -> Any:
-    return _setting(default, bool, "true or false", lambda v: True)
-
-
-class _Section:
+class _Section(BaseModel):
     """Validation shared by every config section."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     section: ClassVar[str] = ""
 
-    def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            kind, allowed = f.metadata["kind"], f.metadata["allowed"]
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-                object.__setattr__(self, f.name, value)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise self.refuse(f.name, value, allowed)
-            if not f.metadata["ok"](value):
-                raise self.refuse(f.name, value, allowed)
-        self.check()
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(exc, self.section) from None
 
-    def check(self) -> None:
-        """Rules that tie several fields together."""
+    @model_validator(mode="after")
+    def _choices(self) -> _Section:
+        for name, info in type(self).model_fields.items():
+            known = (info.json_schema_extra or {}).get("enum")  # type: ignore[union-attr]
+            if known is not None and getattr(self, name) not in known:
+                raise ValueError(
+                    f"{self.section}.{name}={getattr(self, name)!r} is refused: "
+                    f"allowed is {info.description}"
+                )
+        return self
 
-    def refuse(self, name: str, value: Any, allowed: str) -> ConfigError:
-        return ConfigError(
-            f"config {self.section}.{name}={value!r} is refused: allowed is {allowed}"
-        )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config section {cls.section!r} must be a mapping, got {data!r}")
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown config key(s) {', '.join(f'{cls.section}.{k}' for k in unknown)}; "
-                f"known in {cls.section!r}: {', '.join(sorted(known))}"
+    def _multiple(self, name: str, of: int, what: str) -> None:
+        value = getattr(self, name)
+        if value % of:
+            raise ValueError(
+                f"{self.section}.{name}={value!r} is refused: allowed is a multiple of {what} ({of})"
             )
-        return cls(**data)
 
 
-@dataclass(frozen=True)
+def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
+    """The first problem of ``exc`` as ``config <key>=<value> is refused: allowed is ...``."""
+    err = exc.errors()[0]
+    loc = [str(part) for part in err["loc"]]
+    if err["type"] == "value_error":  # our own checks say everything themselves
+        cause = err["ctx"]["error"]
+        return cause if isinstance(cause, ConfigError) else ConfigError(f"config {cause}")
+    dotted = ".".join([prefix, *loc] if prefix else loc)
+    owner = _model_at(exc.title, loc[:-1])
+    if err["type"] == "extra_forbidden":
+        known = sorted(owner.model_fields) if owner else []
+        where = ".".join([prefix, *loc[:-1]] if prefix else loc[:-1])
+        return ConfigError(
+            f"unknown config key(s) {dotted}; known in {where!r}: {', '.join(known)}"
+        )
+    field = owner.model_fields.get(loc[-1]) if owner and loc else None
+    allowed = (field.description if field else None) or err["msg"]
+    return ConfigError(f"config {dotted}={err['input']!r} is refused: allowed is {allowed}")
+
+
+def _model_at(title: str, loc: list[str]) -> type[BaseModel] | None:
+    """The model that ``loc`` (a path of field names) leads to from model ``title``."""
+    model: type[BaseModel] | None = _MODELS.get(title)
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) else None
+    return model
+
+
 class CacheConfig(_Section):
     """The radix tree and its two in-memory tiers (sizes in tokens)."""
 
     section: ClassVar[str] = "cache"
-    page_size: int = _positive_int(16)
-    device_tokens: int = _positive_int(32768)
-    host_tokens: int = _positive_int(131072)
-    eviction_policy: str = _one_of("lru", EVICTION_POLICIES)
-    write_policy: str = _one_of("write_through", WRITE_POLICIES)
-    load_back_threshold: int = _non_negative_int(16)
-    pin_budget_fraction: float = _fraction(0.2)
-    kv_events: bool = _boolean(True)
+    page_size: PositiveInt = 16
+    device_tokens: PositiveInt = 32768
+    host_tokens: PositiveInt = 131072
+    eviction_policy: str = _one_of(EVICTION_POLICIES, "lru")
+    write_policy: str = _one_of(WRITE_POLICIES, "write_through")
+    load_back_threshold: NonNegativeInt = 16
+    pin_budget_fraction: Fraction = 0.2
+    kv_events: bool = Field(True, description="true or false")
 
-    def check(self) -> None:
+    @model_validator(mode="after")
+    def _whole_pages(self) -> CacheConfig:
         for name in ("device_tokens", "host_tokens"):
-            value = getattr(self, name)
-            if value % self.page_size:
-                raise self.refuse(name, value, f"a multiple of page_size ({self.page_size})")
+            self._multiple(name, self.page_size, "page_size")
+        return self
 
     @property
     def device_pages(self) -> int:
@@ -125,138 +132,128 @@ class CacheConfig(_Section):
         return self.host_tokens // self.page_size
 
 
-@dataclass(frozen=True)
 class PrefetchConfig(_Section):
     """L3 -> L2 prefetch: when to start, when to stop waiting, how much may be in flight."""
 
     section: ClassVar[str] = "prefetch"
-    threshold_tokens: int = _non_negative_int(256)
-    stop_policy: str = _one_of("timeout", PREFETCH_STOP_POLICIES)
-    timeout_base_s: float = _non_negative_float(1.0)
-    timeout_per_ki_token_s: float = _non_negative_float(0.25)
-    timeout_max_s: float = _non_negative_float(10.0)
-    max_inflight_fraction: float = _fraction(0.5)
-    query_batch_pages: int = _positive_int(128)
+    threshold_tokens: NonNegativeInt = 256
+    stop_policy: str = _one_of(PREFETCH_STOP_POLICIES, "timeout")
+    timeout_base_s: NonNegativeFloat = 1.0
+    timeout_per_ki_token_s: NonNegativeFloat = 0.25
+    timeout_max_s: NonNegativeFloat = 10.0
+    max_inflight_fraction: Fraction = 0.5
+    query_batch_pages: PositiveInt = 128
 
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclass(frozen=True)
 class ModelConfig(_Section):
     """The KV cache's shape: what one token's KV is, for the whole model."""
 
     section: ClassVar[str] = "model"
-    model_id: str = _setting("kvfabric-synthetic", str, "a non-empty str", bool)
-    layers: int = _positive_int(4)
-    kv_heads: int = _positive_int(4)
-    head_dim: int = _positive_int(32)
-    dtype: str = _one_of("bfloat16", DTYPES)
-    layout: str = _one_of("layer_first", LAYOUTS)
+    model_id: Text = "kvfabric-synthetic"
+    layers: PositiveInt = 4
+    kv_heads: PositiveInt = 4
+    head_dim: PositiveInt = 32
+    dtype: str = _one_of(DTYPES, "bfloat16")
+    layout: str = _one_of(LAYOUTS, "layer_first")
 
 
-@dataclass(frozen=True)
 class TopologyConfig(_Section):
     """Model parallelism: one rank actor per (pp, cp, tp)."""
 
     section: ClassVar[str] = "topology"
-    tp: int = _positive_int(2)
-    cp: int = _positive_int(1)
-    pp: int = _positive_int(1)
+    tp: PositiveInt = 2
+    cp: PositiveInt = 1
+    pp: PositiveInt = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp
 
 
-@dataclass(frozen=True)
 class RuntimeConfig(_Section):
     """How the fabric runs on Ray."""
 
     section: ClassVar[str] = "runtime"
-    name: str = _setting(
-        "kvfabric",
-        str,
-        "a non-empty str of [A-Za-z0-9_-]",
-        lambda v: bool(v) and v.replace("-", "").replace("_", "").isalnum(),
+    name: Annotated[
+        str, _allowed("a non-empty str of [A-Za-z0-9_-]", pattern=r"^[A-Za-z0-9_-]+$")
+    ] = "kvfabric"
+    ray_namespace: Text = "kvfabric"
+    address: str = Field("", description="a Ray address, or empty to start a local Ray")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto, cpu or cuda")
+    namespaces: tuple[Text, ...] = Field(
+        ("*",),
+        strict=False,
+        min_length=1,
+        description="a list of allowed namespaces, or ['*'] for any",
     )
-    ray_namespace: str = _setting("kvfabric", str, "a non-empty str", bool)
-    address: str = _setting("", str, "a Ray address, or empty to start a local Ray", lambda v: True)
-    device: str = _one_of("auto", ("auto", "cpu", "cuda"))
-    namespaces: str = _setting(
-        "*", str, "'*' (any namespace) or a comma-separated list of namespaces", bool
-    )
-    step_interval_s: float = _non_negative_float(0.001)
-    rank_timeout_s: float = _setting(30.0, float, "a number > 0", lambda v: v > 0)
-    rank_absent_timeout_s: float = _setting(60.0, float, "a number > 0", lambda v: v > 0)
-    max_request_retries: int = _non_negative_int(3)
-    lease_ttl_s: float = _setting(300.0, float, "a number > 0", lambda v: v > 0)
-    max_message_bytes: int = _setting(64 << 20, int, "an integer >= 4096", lambda v: v >= 4096)
-    max_pending_requests: int = _positive_int(4096)
-    metrics_port: int = _setting(
-        0, int, "a TCP port, or 0 for no metrics endpoint", lambda v: 0 <= v < 65536
-    )
-    metrics_host: str = _setting(
-        "127.0.0.1", str, "an address to bind the metrics endpoint to", bool
-    )
+    step_interval_s: NonNegativeFloat = 0.001
+    rank_timeout_s: PositiveFloat = 30.0
+    rank_absent_timeout_s: PositiveFloat = 60.0
+    max_request_retries: NonNegativeInt = 3
+    lease_ttl_s: PositiveFloat = 300.0
+    max_message_bytes: Annotated[int, _allowed("an integer >= 4096", ge=4096)] = 64 << 20
+    max_pending_requests: PositiveInt = 4096
+    metrics_port: Annotated[int, _allowed("a TCP port, or 0 for none", ge=0, lt=65536)] = 0
+    metrics_host: Text = "127.0.0.1"
 
     def allowed_namespaces(self) -> frozenset[str] | None:
         """``None`` when any namespace is allowed."""
-        if self.namespaces.strip() == "*":
-            return None
-        return frozenset(n.strip() for n in self.namespaces.split(",") if n.strip())
+        return None if "*" in self.namespaces else frozenset(self.namespaces)
 
 
-@dataclass(frozen=True)
 class StorageConfig(_Section):
     """L3: which backend, where, and how pages move to and from it."""
 
     section: ClassVar[str] = "storage"
-    backend: str = _one_of("file", ("none", "file", "redis", "dynamic"))
-    path: str = _setting("kvfabric-l3", str, "a directory path (file backend)", bool)
-    max_bytes: int = _setting(1 << 30, int, "an integer >= 0 (0: no cap)", lambda v: v >= 0)
-    fsync: bool = _boolean(False)
-    file_mode: str = _setting("0600", str, "an octal mode such as 0600", _octal)
-    dir_mode: str = _setting("0700", str, "an octal mode such as 0700", _octal)
-    dynamic_modules: str = _setting(
-        "", str, "comma-separated module names the dynamic backend may load", lambda v: True
+    backend: Literal["none", "file", "redis", "dynamic"] = Field(
+        "file", description="one of none, file, redis, dynamic"
     )
-    extra_config: str = _setting(
-        "", str, "a JSON object, or @file.json/.toml/.yaml, of backend options", lambda v: True
+    path: Text = "kvfabric-l3"
+    max_bytes: Annotated[int, _allowed("an integer >= 0 (0: no cap)", ge=0)] = 1 << 30
+    fsync: bool = Field(False, description="true or false")
+    file_mode: Mode = "0600"
+    dir_mode: Mode = "0700"
+    dynamic_modules: tuple[Text, ...] = Field(
+        (), strict=False, description="a list of modules the dynamic backend may import"
     )
-    transfer_batch_pages: int = _positive_int(64)
+    extra_config: str = Field(
+        "", description="a JSON object, or @file.json/.toml/.yaml, of backend options"
+    )
+    transfer_batch_pages: PositiveInt = 64
 
     @property
     def enabled(self) -> bool:
         return self.backend != "none"
 
     def allowed_modules(self) -> frozenset[str]:
-        return frozenset(m.strip() for m in self.dynamic_modules.split(",") if m.strip())
+        return frozenset(self.dynamic_modules)
 
 
-@dataclass(frozen=True)
-class FabricConfig:
+class FabricConfig(BaseModel):
     """The whole configuration. ``FabricConfig()`` runs on a laptop: TP=2, one
-    pipeline stage, CPU pools."""
+    pipeline stage, CPU pools, file L3 in ``./kvfabric-l3``."""
 
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    topology: TopologyConfig = field(default_factory=TopologyConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    _sections: ClassVar[dict[str, type[_Section]]] = {
-        "cache": CacheConfig,
-        "prefetch": PrefetchConfig,
-        "model": ModelConfig,
-        "topology": TopologyConfig,
-        "runtime": RuntimeConfig,
-        "storage": StorageConfig,
-    }
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
-    def __post_init__(self) -> None:
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(exc, "") from None
+
+    @model_validator(mode="after")
+    def _shapes_split(self) -> FabricConfig:
         topo, model, cache = self.topology, self.model, self.cache
         for key, value, divisor, what in (
             ("model.layers", model.layers, topo.pp, "topology.pp"),
@@ -264,30 +261,35 @@ class FabricConfig:
             ("cache.page_size", cache.page_size, topo.cp, "topology.cp"),
         ):
             if value % divisor:
-                raise ConfigError(
-                    f"config {key}={value} is refused: allowed is a multiple of {what} ({divisor})"
+                raise ValueError(
+                    f"{key}={value} is refused: allowed is a multiple of {what} ({divisor})"
                 )
+        return self
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> FabricConfig:
         data = data or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"a config must be a mapping of sections, got {data!r}")
-        unknown = sorted(set(data) - set(cls._sections))
+        unknown = sorted(set(data) - set(cls.model_fields))
         if unknown:
             raise ConfigError(
                 f"unknown config section(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(sorted(cls._sections))}"
+                f"known: {', '.join(sorted(cls.model_fields))}"
             )
-        return cls(**{k: cls._sections[k].from_dict(v) for k, v in data.items()})
+        for name, value in data.items():
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config section {name!r} must be a mapping, got {value!r}")
+        return cls(**{name: dict(value) for name, value in data.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     def with_overrides(self, overrides: Iterable[str]) -> FabricConfig:
         """A copy with ``section.key=value`` overrides applied. Values of string keys
-        are taken as written; others are parsed as YAML scalars, so
-        ``cache.page_size=64`` gives an int and ``cache.kv_events=false`` a bool."""
+        are taken as written; others are parsed as YAML (``cache.page_size=64`` is
+        an int, ``cache.kv_events=false`` a bool, ``runtime.namespaces=[a, b]`` a
+        list; a bare ``a,b`` for a list key is split at commas)."""
         data = self.to_dict()
         for item in overrides:
             dotted, sep, raw = item.partition("=")
@@ -299,8 +301,9 @@ class FabricConfig:
                     f"unknown config section {section!r} in override {item!r}; "
                     f"known: {', '.join(sorted(data))}"
                 )
-            kinds = {f.name: f.metadata["kind"] for f in fields(self._sections[section])}  # type: ignore[arg-type]
-            if kinds.get(key) is str:
+            fields = type(getattr(self, section)).model_fields
+            annotation = fields[key].annotation if key in fields else None
+            if annotation is str:
                 data[section][key] = raw  # strings are taken as written (JSON stays JSON)
                 continue
             try:
@@ -309,11 +312,36 @@ class FabricConfig:
                 raise ConfigError(
                     f"override {item!r}: value {raw!r} does not parse: {exc}"
                 ) from None
+            if isinstance(data[section].get(key), tuple) and isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, list) and isinstance(data[section].get(key), tuple):
+                value = tuple(value)
             data[section][key] = value
         return FabricConfig.from_dict(data)
 
     def replace(self, **sections: Any) -> FabricConfig:
-        return replace(self, **sections)
+        """A copy with whole sections replaced (validated again)."""
+        return FabricConfig.from_dict(
+            {**self.to_dict(), **{k: _plain(v) for k, v in sections.items()}}
+        )
+
+
+def _plain(section: Any) -> Any:
+    return section.model_dump() if isinstance(section, BaseModel) else section
+
+
+_MODELS: dict[str, type[BaseModel]] = {
+    cls.__name__: cls
+    for cls in (
+        CacheConfig,
+        PrefetchConfig,
+        ModelConfig,
+        TopologyConfig,
+        RuntimeConfig,
+        StorageConfig,
+        FabricConfig,
+    )
+}
 
 
 def read_structured_file(path: str | Path, what: str) -> Any:

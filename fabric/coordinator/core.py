@@ -1,6 +1,6 @@
 """The coordinator's logic, without Ray: requests, the step, consensus, leases.
 
-Each step the shell (``actors/coordinator.py``) asks ``next_batch()`` for the
+Each step the shell (``actors/coordinator_actor.py``) asks ``next_batch()`` for the
 commands to send — admitting waiting requests, queuing write-throughs — sends
 that one batch to every rank, and hands the ranks' reports to ``on_round``
 (or, when some rank did not answer, ``on_missing``), which reduces them
