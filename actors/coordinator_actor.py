@@ -20,6 +20,7 @@ from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
+from fabric.l3 import parse_options
 from fabric.l3.service import backend_spec
 from fabric.messages import InvalidMessage, Report, decode, encode
 
@@ -154,15 +155,20 @@ class CoordinatorActor:
 
     # -- L3 at runtime -----------------------------------------------------------------
 
-    async def attach_storage(self, backend: str, extra_config: str = "") -> str:
-        """Attach an L3 backend: the same one again keeps it; another is refused
-        until ``detach_storage``. Bad options raise ``ConfigError`` naming the key."""
+    async def attach_storage(
+        self, backend: str, options: dict[str, Any] | str | None = None
+    ) -> str:
+        """Attach an L3 backend with its options (a mapping, or JSON / ``@file`` text):
+        the same one again keeps it; another is refused until ``detach_storage``.
+        Bad options raise ``ConfigError`` naming the key."""
+        if isinstance(options, str):
+            options = parse_options(options)
         storage = StorageConfig(
-            **{**self.config.storage.model_dump(), "backend": backend, "extra_config": extra_config}
+            **{**self.config.storage.model_dump(), "backend": backend, "options": options or {}}
         )
-        name, extra = backend_spec(storage)
-        outcome = await self.storage.attach.remote(name, extra)
-        self._storage_spec = (name, extra)
+        name, spec_options = backend_spec(storage)
+        outcome = await self.storage.attach.remote(name, spec_options)
+        self._storage_spec = (name, spec_options)
         self.core.storage_attached()
         self._wake()
         return outcome

@@ -147,10 +147,10 @@ class Fabric:
     def stats(self) -> dict:
         return self._call(self.coordinator.stats)
 
-    def attach_storage(self, backend: str, extra_config: str = "") -> str:
-        """Attach an L3 backend (``file``, ``redis``, ``dynamic``) at runtime;
-        ``extra_config`` is a JSON object or ``@file``."""
-        return self._call(self.coordinator.attach_storage, backend, extra_config)
+    def attach_storage(self, backend: str, options: dict[str, Any] | str | None = None) -> str:
+        """Attach an L3 backend (``file``, ``redis``, ``dynamic``) at runtime with its
+        options (``fabric.l3.options``): a mapping, or JSON / ``@file`` text."""
+        return self._call(self.coordinator.attach_storage, backend, options)
 
     def detach_storage(self, timeout_s: float = 30.0) -> bool:
         return self._call(self.coordinator.detach_storage, timeout_s)

@@ -220,8 +220,9 @@ class StorageConfig(_Section):
     dynamic_modules: tuple[Text, ...] = Field(
         (), strict=False, description="a list of modules the dynamic backend may import"
     )
-    extra_config: str = Field(
-        "", description="a JSON object, or @file.json/.toml/.yaml, of backend options"
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the backend's options, a mapping (see fabric.l3.options)",
     )
     transfer_batch_pages: PositiveInt = 64
 

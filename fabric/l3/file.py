@@ -34,6 +34,7 @@ import numpy as np
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import PREAMBLE, Provenance, check_header, checksum, header_length
+from fabric.l3.options import FileOptions
 
 log = logging.getLogger(__name__)
 
@@ -45,33 +46,17 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _DIR = _READ | os.O_DIRECTORY
 
 
-def _mode(value: Any, name: str, default: int) -> int:
-    """A permission mode from an int or an octal string (``"0600"``)."""
-    if value is None:
-        return default
-    mode = value
-    if isinstance(value, str):
-        try:
-            mode = int(value, 8)
-        except ValueError:
-            mode = -1
-    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-        raise ValueError(f"{name}={value!r} is refused: allowed is a mode such as 0600")
-    return mode
-
-
 class FileBackend(L3Backend):
     name = "file"
 
     def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
         super().__init__(provenance, page_bytes, extra)
-        self.root = Path(extra.get("path", "kvfabric-l3")).expanduser().resolve()
-        self.max_bytes = int(extra.get("max_bytes", 0))
-        if self.max_bytes < 0:
-            raise ValueError(f"max_bytes={self.max_bytes} is refused: allowed is >= 0")
-        self.fsync = bool(extra.get("fsync", False))
-        self.file_mode = _mode(extra.get("file_mode"), "file_mode", 0o600)
-        self.dir_mode = _mode(extra.get("dir_mode"), "dir_mode", 0o700)
+        options = FileOptions.parse(extra, "file")
+        self.root = Path(options.path).expanduser().resolve()
+        self.max_bytes = options.max_bytes
+        self.fsync = options.fsync
+        self.file_mode = int(options.file_mode, 8)
+        self.dir_mode = int(options.dir_mode, 8)
         self._root_fd = self._open_root()
         self._index_lock = threading.Lock()
         self._dirs: dict[str, int] = {}

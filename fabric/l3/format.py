@@ -47,7 +47,6 @@ class Provenance:
             object.__setattr__(self, "_wire", wire)
         return wire
 
-
     @property
     def tag(self) -> str:
         """16 hex digits naming this provenance in page keys (models share no key)."""

@@ -22,13 +22,12 @@ import numpy as np
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, check_key
+from fabric.l3.options import RedisOptions
 
 log = logging.getLogger(__name__)
 
-_PREFIX = re.compile(r"[A-Za-z0-9_:.\-]{1,64}")
 _GLOB = re.compile(r"([*?\[\]\\^])")
 _PAGE_KEY = r"[0-9a-f]{64}\.[0-9a-f]{16}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}"
-_CERT_REQS = ("required", "optional", "none")
 
 
 class RedisBackend(L3Backend):
@@ -42,35 +41,26 @@ class RedisBackend(L3Backend):
             raise ValueError(
                 "the redis backend needs the 'redis' package: pip install 'kvfabric[redis]'"
             ) from None
-        prefix = extra.get("prefix", "kvfabric:")
-        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
-            raise ValueError(
-                f"prefix={prefix!r} is refused: allowed is 1-64 letters, digits or _:.-"
-            )
-        self.prefix = prefix
-        self._own = re.compile(re.escape(prefix) + _PAGE_KEY)
-        host, port = str(extra.get("host", "127.0.0.1")), int(extra.get("port", 6379))
-        self.where = f"{host}:{port}"
-        cert_reqs = extra.get("ssl_cert_reqs", "required")
-        if cert_reqs not in _CERT_REQS:
-            raise ValueError(f"ssl_cert_reqs={cert_reqs!r} is refused: allowed is {_CERT_REQS}")
-        tls = bool(extra.get("ssl", False))
+        opts = RedisOptions.parse(extra, "redis")
+        self.prefix = opts.prefix
+        self._own = re.compile(re.escape(opts.prefix) + _PAGE_KEY)
+        self.where = f"{opts.host}:{opts.port}"
         options: dict[str, Any] = {
-            "host": host,
-            "port": port,
-            "db": int(extra.get("db", 0)),
-            "username": extra.get("username"),
-            "password": extra.get("password"),
-            "socket_timeout": float(extra.get("timeout_s", 5.0)),
-            "socket_connect_timeout": float(extra.get("timeout_s", 5.0)),
+            "host": opts.host,
+            "port": opts.port,
+            "db": opts.db,
+            "username": opts.username,
+            "password": opts.password,
+            "socket_timeout": opts.timeout_s,
+            "socket_connect_timeout": opts.timeout_s,
         }
-        if tls:
+        if opts.ssl:
             options.update(
                 ssl=True,
-                ssl_ca_certs=extra.get("ssl_ca_certs"),
-                ssl_certfile=extra.get("ssl_certfile"),
-                ssl_keyfile=extra.get("ssl_keyfile"),
-                ssl_cert_reqs=cert_reqs,
+                ssl_ca_certs=opts.ssl_ca_certs,
+                ssl_certfile=opts.ssl_certfile,
+                ssl_keyfile=opts.ssl_keyfile,
+                ssl_cert_reqs=opts.ssl_cert_reqs,
             )
         self.client = redis.Redis(**options)
         try:

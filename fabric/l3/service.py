@@ -14,7 +14,7 @@ import numpy as np
 
 from fabric.config import FabricConfig, StorageConfig
 from fabric.errors import ConfigError
-from fabric.l3 import make_backend, parse_extra_config
+from fabric.l3 import make_backend
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, page_key
 from fabric.topology import Topology
@@ -43,18 +43,19 @@ def storage_provenance(config: FabricConfig) -> Provenance:
 
 
 def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
-    """The backend name and its options from the config (``extra_config`` wins)."""
-    extra = parse_extra_config(storage.extra_config)
+    """The backend name and its options from the config. The file backend's come
+    from ``storage.path`` and its neighbours, overridden by ``storage.options``."""
+    options = dict(storage.options)
     if storage.backend == "file":
-        extra = {
+        options = {
             "path": storage.path,
             "max_bytes": storage.max_bytes,
             "fsync": storage.fsync,
             "file_mode": storage.file_mode,
             "dir_mode": storage.dir_mode,
-            **extra,
+            **options,
         }
-    return storage.backend, extra
+    return storage.backend, options
 
 
 class StorageService:
@@ -119,8 +120,7 @@ class StorageService:
             found = 0
             for start in range(0, best, batch_pages):
                 keys = [
-                    self.key(h, suffix)
-                    for h in page_hashes[start : min(start + batch_pages, best)]
+                    self.key(h, suffix) for h in page_hashes[start : min(start + batch_pages, best)]
                 ]
                 n = backend.exists(keys)
                 found += n

@@ -65,9 +65,9 @@ def test_attach_detach_clear_and_bad_configs_at_runtime(ray_session, tmp_path):
     try:
         tokens = prompt(2, pages=4)
         assert f.stats()["l3"]["attached"] is False
-        with pytest.raises(ConfigError, match="is not JSON"):
+        with pytest.raises(ConfigError, match="are not JSON"):
             f.attach_storage("file", "{not json")
-        with pytest.raises(ConfigError, match=r"\['bogus'\] unknown for backend 'file'"):
+        with pytest.raises(ConfigError, match=r"key 'bogus' is unknown for backend 'file'"):
             f.attach_storage("file", '{"bogus": 1}')
         with pytest.raises(ConfigError, match="storage.backend='tape'"):
             f.attach_storage("tape")

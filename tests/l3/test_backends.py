@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fabric.errors import ConfigError
-from fabric.l3 import make_backend, parse_extra_config
+from fabric.l3 import make_backend, parse_options
 from fabric.l3.file import FileBackend
 from fabric.l3.format import Provenance, decode_page, encode_page
 from tests.helpers import PAGE_BYTES, PROV, keys, pages
@@ -100,29 +100,29 @@ def test_decode_refuses_wrong_lengths():
     assert decode_page(blob, PROV, PAGE_BYTES, keys(2)[1]) == "key"
 
 
-def test_extra_config_parses_json_and_files_and_names_errors(tmp_path):
-    assert parse_extra_config('{"path": "x"}') == {"path": "x"}
-    assert parse_extra_config("") == {}
+def test_options_text_parses_json_and_files_and_names_errors(tmp_path):
+    assert parse_options('{"path": "x"}') == {"path": "x"}
+    assert parse_options("") == {}
     (tmp_path / "e.yaml").write_text("path: y\n")
     (tmp_path / "e.toml").write_text('path = "z"\n')
     (tmp_path / "e.json").write_text(json.dumps({"path": "w"}))
-    assert parse_extra_config(f"@{tmp_path / 'e.yaml'}") == {"path": "y"}
-    assert parse_extra_config(f"@{tmp_path / 'e.toml'}") == {"path": "z"}
-    assert parse_extra_config(f"@{tmp_path / 'e.json'}") == {"path": "w"}
-    with pytest.raises(ConfigError, match="is not JSON"):
-        parse_extra_config("{path: x}")
+    assert parse_options(f"@{tmp_path / 'e.yaml'}") == {"path": "y"}
+    assert parse_options(f"@{tmp_path / 'e.toml'}") == {"path": "z"}
+    assert parse_options(f"@{tmp_path / 'e.json'}") == {"path": "w"}
+    with pytest.raises(ConfigError, match="are not JSON"):
+        parse_options("{path: x}")
     with pytest.raises(ConfigError, match="cannot read"):
-        parse_extra_config(f"@{tmp_path / 'missing.json'}")
+        parse_options(f"@{tmp_path / 'missing.json'}")
     with pytest.raises(ConfigError, match="must be an object"):
-        parse_extra_config("[1, 2]")
+        parse_options("[1, 2]")
 
 
 def test_make_backend_refuses_unknown_names_and_keys(tmp_path):
     with pytest.raises(ConfigError, match="storage.backend='s3'"):
         make_backend("s3", PROV, PAGE_BYTES, {})
-    with pytest.raises(ConfigError, match=r"key\(s\) \['pth'\] unknown for backend 'file'"):
+    with pytest.raises(ConfigError, match=r"key 'pth' is unknown for backend 'file'"):
         make_backend("file", PROV, PAGE_BYTES, {"pth": str(tmp_path)})
-    with pytest.raises(ConfigError, match="needs string keys 'module' and 'class'"):
+    with pytest.raises(ConfigError, match=r"storage\.options\.module is missing .*'dynamic'"):
         make_backend("dynamic", PROV, PAGE_BYTES, {})
     with pytest.raises(ConfigError, match="cannot load"):
         make_backend("dynamic", PROV, PAGE_BYTES, {"module": "no.such", "class": "X"}, {"no.such"})
@@ -137,7 +137,11 @@ def test_dynamic_backend_loads_a_user_class_by_module_path():
         "dynamic",
         PROV,
         PAGE_BYTES,
-        {"module": "tests.l3.memory_backend", "class": "MemoryBackend", "label": "mine"},
+        {
+            "module": "tests.l3.memory_backend",
+            "class": "MemoryBackend",
+            "options": {"label": "mine"},
+        },
         allowed_modules={"tests.l3.memory_backend"},
     )
     assert b.label == "mine"

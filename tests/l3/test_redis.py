@@ -97,7 +97,7 @@ def test_damaged_values_are_misses(redis_port):
 def test_a_fresh_fabric_serves_pages_from_redis(redis_port):
     cfg = small_config(
         "storage.backend=redis",
-        f'storage.extra_config={{"port": {redis_port}, "prefix": "fabric:"}}',
+        f'storage.options={{"port": {redis_port}, "prefix": "fabric:"}}',
         "prefetch.threshold_tokens=4",
     )
     tokens = pack_tokens(prompt(1, pages=6))
