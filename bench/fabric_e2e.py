@@ -51,7 +51,7 @@ def main() -> None:
         fabric.shutdown()
         shutil.rmtree(l3, ignore_errors=True)
     latencies = sorted(run.latencies_s)
-    tiers = run.tokens_by_tier
+    tiers = run.tokens.as_dict()
     elapsed = run.elapsed_s
     finished = max(1, stats["requests"]["finished"])
     overhead_ms = 1e3 * stats["core_time_s"] / finished

@@ -126,7 +126,7 @@ def hit_rate_after_restart(root: pathlib.Path, requests, inflight: int) -> dict:
             fabric.settle(120)
         finally:
             fabric.shutdown()
-        tiers = stats.tokens_by_tier
+        tiers = stats.tokens.as_dict()
         total = max(1, sum(tiers.values()))
         out[run] = {"tokens_by_tier": tiers, "l3_hit_rate": round(tiers["storage"] / total, 3)}
     return out

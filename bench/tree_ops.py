@@ -59,7 +59,7 @@ def run_ours(packed: list[bytes], config: FabricConfig) -> dict:
         "admit_us_p99": round(p99(s.admit_us), 2),
         "tree_us_per_request": round(statistics.fmean(s.admit_us), 2),
         "core_us_per_request": round(elapsed * 1e6 / len(packed), 2),
-        "tokens_by_tier": s.tiers(),
+        "tokens_by_tier": s.tokens.as_dict(),
         "refused_requests": s.refused_requests,
     }
 

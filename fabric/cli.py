@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         "requests": len(requests),
         "served": served,
         "refused": run.refused,
-        "tokens_by_tier": run.tokens_by_tier,
+        "tokens_by_tier": run.tokens.as_dict(),
         "requests_per_s": round(served / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         "latency_ms_p50": run.percentile_ms(0.5),
         "latency_ms_p99": run.percentile_ms(0.99),
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         f"kvfabric {__version__}: {served} of {len(requests)} requests from {source} served "
         f"by {topo.world_size} rank actors"
     )
-    _print_tiers(run.tokens_by_tier)
+    _print_tiers(run.tokens.as_dict())
     for reason, n in sorted(run.refused.items()):
         print(f"  refused   {n:>12,} requests: {reason}")
     print(
@@ -165,14 +165,14 @@ def _demo(args: argparse.Namespace) -> int:
         "requests": stats.requests,
         "refused_requests": stats.refused_requests,
         "prompt_tokens": stats.prompt_tokens,
-        "tokens_by_tier": stats.tiers(),
+        "tokens_by_tier": stats.tokens.as_dict(),
         "requests_per_s": round(stats.requests / elapsed, 1),
     }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"kvfabric {__version__} core demo: {stats.requests} requests from {source}")
-    _print_tiers(stats.tiers())
+    _print_tiers(stats.tokens.as_dict())
     print(f"  refused   {stats.refused_requests:>12,} requests (larger than L1 or no room)")
     print(f"  {result['requests_per_s']:,} requests/s through the core")
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric.cache.keys import TOKEN_BYTES
+from fabric.cache.results import TierTokens
 from fabric.errors import FabricError, InvalidInput
 
 BLOCK_TOKENS = 512
@@ -105,9 +106,7 @@ def iter_packed(requests: list[Request], seed: int = 0) -> Iterator[tuple[Reques
 @dataclass
 class DriveStats:
     latencies_s: list[float] = field(default_factory=list)
-    tokens_by_tier: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "storage": 0, "computed": 0}
-    )
+    tokens: TierTokens = field(default_factory=TierTokens)
     refused: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
@@ -146,10 +145,12 @@ def drive(
                     stats.refuse(result.error)
                 else:
                     stats.latencies_s.append(time.perf_counter() - t0)
-                    stats.tokens_by_tier["device"] += result.device_hit_tokens
-                    stats.tokens_by_tier["host"] += result.host_hit_tokens
-                    stats.tokens_by_tier["storage"] += result.storage_hit_tokens
-                    stats.tokens_by_tier["computed"] += result.computed_tokens
+                    stats.tokens.add(
+                        result.device_hit_tokens,
+                        result.host_hit_tokens,
+                        result.storage_hit_tokens,
+                        result.computed_tokens,
+                    )
                     fabric.release(result.lease)
             done += 1
             if on_done is not None:

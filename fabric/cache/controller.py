@@ -21,7 +21,8 @@ class Completions:
     """What every rank has finished since the last step.
 
     Counts commit that many of the oldest queued operations of each kind;
-    ``failed_*`` name the op ids among them that failed. Prefetch entries are
+    ``failed_*`` name the op ids among them that failed (for computes, which
+    the cache does not queue, the command ids). Prefetch entries are
     keyed by op id: ``prefetch_hits`` is the number of consecutive pages found
     in L3, ``prefetch_progress`` the cumulative completed tokens,
     ``prefetch_terminated`` the ops some rank stopped, ``prefetch_released``
@@ -31,6 +32,9 @@ class Completions:
     writes: int = 0
     failed_writes: frozenset[int] = frozenset()
     loads: int = 0
+    failed_loads: frozenset[int] = frozenset()
+    computes: int = 0
+    failed_computes: frozenset[int] = frozenset()
     backups: int = 0
     failed_backups: frozenset[int] = frozenset()
     prefetch_hits: Mapping[int, int] = field(default_factory=dict)

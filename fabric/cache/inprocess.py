@@ -15,6 +15,7 @@ from fabric.cache.allocator import PagedAllocator
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TokenKey
+from fabric.cache.results import TierTokens
 from fabric.config import FabricConfig
 
 
@@ -107,20 +108,9 @@ class InProcessController(Controller):
 class ReplayStats:
     requests: int = 0
     prompt_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    computed_tokens: int = 0
     refused_requests: int = 0
+    tokens: TierTokens = field(default_factory=TierTokens)
     admit_us: list[float] = field(default_factory=list)
-
-    def tiers(self) -> dict[str, int]:
-        return {
-            "device": self.device_hit_tokens,
-            "host": self.host_hit_tokens,
-            "storage": self.storage_hit_tokens,
-            "computed": self.computed_tokens,
-        }
 
 
 class CoreReplay:
@@ -160,10 +150,12 @@ class CoreReplay:
         if admitted is None:
             stats.refused_requests += 1
             return
-        stats.device_hit_tokens += admitted.device_hit
-        stats.host_hit_tokens += admitted.host_hit
-        stats.storage_hit_tokens += admitted.storage_hit
-        stats.computed_tokens += len(admitted.new_pages) * cache.page_size
+        stats.tokens.add(
+            admitted.device_hit,
+            admitted.host_hit,
+            admitted.storage_hit,
+            len(admitted.new_pages) * cache.page_size,
+        )
         cache.dec_lock_ref(admitted.node)
         cache.poll()
         cache.take_events()

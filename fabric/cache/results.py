@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
@@ -80,3 +80,24 @@ def check_count(kind: str, n: int, pending: int) -> None:
     """Refuse a completion count that is not an int in ``[0, pending]``."""
     if not isinstance(n, int) or not 0 <= n <= pending:
         raise InvalidInput(f"{n!r} {kind} completed but {pending} are pending")
+
+
+@dataclass
+class TierTokens:
+    """Prompt tokens by where they came from: L1 hits, L2 hits, L3 hits (prefetched
+    and loaded back), and computed. The one tally every harness and the
+    coordinator keep."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+    computed: int = 0
+
+    def add(self, device: int, host: int, storage: int, computed: int) -> None:
+        self.device += device
+        self.host += host
+        self.storage += storage
+        self.computed += computed
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

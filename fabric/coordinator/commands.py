@@ -14,8 +14,7 @@ many queued commands as fit; the rest go with the next step, in order.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.controller import Completions, Controller
@@ -33,18 +32,6 @@ from fabric.messages import (
     command_bound,
     pages_per_command,
 )
-
-
-@dataclass(frozen=True)
-class RoundDone:
-    writes: int
-    failed_writes: frozenset[int]
-    loads: int
-    failed_loads: frozenset[int]
-    computes: int
-    failed_computes: frozenset[int]
-    backups: int
-    failed_backups: frozenset[int]
 
 
 class _OpQueue:
@@ -220,8 +207,9 @@ class FabricController(Controller):
             or self.stops
         )
 
-    def completions(self, rnd: Round) -> RoundDone:
-        """What to commit after a usable round; advances the committed counts."""
+    def completions(self, rnd: Round, storage_hits: Mapping[int, int]) -> Completions:
+        """What to commit after a usable round (and the storage actor's hit counts,
+        already MIN over shards); advances the committed counts."""
         assert rnd.computes_done is not None and rnd.writes_done is not None
         assert rnd.loads_done is not None
         failed = rnd.failed
@@ -233,13 +221,17 @@ class FabricController(Controller):
         computes = [self.computes.popleft() for _ in range(n)]
         if computes:
             self.computes_committed = computes[-1]
-        return RoundDone(
-            writes,
-            failed_writes,
-            loads,
-            failed_loads,
-            n,
-            frozenset(cmd for cmd in computes if cmd in failed),
-            backups,
-            failed_backups,
+        return Completions(
+            writes=writes,
+            failed_writes=failed_writes,
+            loads=loads,
+            failed_loads=failed_loads,
+            computes=n,
+            failed_computes=frozenset(cmd for cmd in computes if cmd in failed),
+            backups=backups,
+            failed_backups=failed_backups,
+            prefetch_hits=dict(storage_hits),
+            prefetch_progress=rnd.prefetch_progress,
+            prefetch_terminated=rnd.prefetch_terminated,
+            prefetch_released=rnd.prefetch_finished,
         )

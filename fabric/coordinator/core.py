@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from fabric.cache.admission import Admission
-from fabric.cache.controller import Completions
 from fabric.cache.events import KVEvent
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
@@ -349,22 +348,10 @@ class CoordinatorCore:
         return ", ".join(str(ranks[i]) if 0 <= i < len(ranks) else str(i) for i in indices)
 
     def _commit(self, rnd: Round, storage_hits: Mapping[int, int]) -> list[RequestResult]:
-        done = self.ctl.completions(rnd)
+        done = self.ctl.completions(rnd, storage_hits)
         if done.writes or done.loads or done.computes or done.backups:
             self._blocked = False  # finished work may have unlocked pages: admit again
-        self.cache.apply(
-            Completions(
-                writes=done.writes,
-                failed_writes=done.failed_writes,
-                loads=done.loads,
-                backups=done.backups,
-                failed_backups=done.failed_backups,
-                prefetch_hits=dict(storage_hits),
-                prefetch_progress=rnd.prefetch_progress,
-                prefetch_terminated=rnd.prefetch_terminated,
-                prefetch_released=rnd.prefetch_finished,
-            )
-        )
+        self.cache.apply(done)
         self._forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
         self.events.extend(self.cache.take_events())
         if done.failed_computes or done.failed_loads:
@@ -387,10 +374,7 @@ class CoordinatorCore:
         s = self.stats
         s.finished += 1
         s.prompt_tokens += req.prompt_tokens
-        s.device_hit_tokens += req.device_hit
-        s.host_hit_tokens += req.host_hit
-        s.storage_hit_tokens += req.storage_hit
-        s.computed_tokens += req.computed
+        s.tokens.add(req.device_hit, req.host_hit, req.storage_hit, req.computed)
         s.latency_s_total += latency
         ttl = self.config.runtime.lease_ttl_s
         lease = Lease(
@@ -533,13 +517,7 @@ class CoordinatorCore:
                 "retried": s.retried,
                 "gave_up": s.gave_up,
             },
-            "tokens": {
-                "prompt": s.prompt_tokens,
-                "device_hit": s.device_hit_tokens,
-                "host_hit": s.host_hit_tokens,
-                "storage_hit": s.storage_hit_tokens,
-                "computed": s.computed_tokens,
-            },
+            "tokens": {"prompt": s.prompt_tokens, **s.tokens.as_dict()},
             "mean_latency_s": s.latency_s_total / s.finished if s.finished else 0.0,
             "resets": s.resets,
             "reset_reasons": dict(s.by_reason),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fabric.cache.keys import TokenKey
 from fabric.cache.node import TreeNode
+from fabric.cache.results import TierTokens
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,7 @@ class FabricStats:
     resets: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    computed_tokens: int = 0
+    tokens: TierTokens = field(default_factory=TierTokens)
     latency_s_total: float = 0.0
     bad_messages: int = 0
     step_errors: int = 0
