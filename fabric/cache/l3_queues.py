@@ -115,6 +115,20 @@ class L3Queues:
         self.backups: deque[BackupOp] = deque()
         self.inflight_tokens = 0
 
+    @property
+    def idle(self) -> bool:
+        """No prefetch and no backup in flight."""
+        return not self.by_op and not self.backups
+
+    def snapshot(self) -> dict:
+        """Counters and queue lengths for ``stats()``."""
+        return {
+            "attached": self.attached,
+            "inflight_prefetches": len(self.by_op),
+            "pending_backups": len(self.backups),
+            **vars(self.stats),
+        }
+
     def held_host_pages(self) -> int:
         """L2 pages allocated to prefetches and not yet in the tree."""
         return sum(len(op.host_pages) for op in self.by_op.values())
@@ -123,6 +137,10 @@ class L3Queues:
 
     def attach(self) -> None:
         self.attached = True
+
+    def pause(self) -> None:
+        """Start no new prefetch or backup (those in flight go on): before a detach."""
+        self.attached = False
 
     def detach(self) -> None:
         """Forget storage. Call only once the controller has stopped every storage

@@ -45,6 +45,7 @@ class CoordinatorCore:
         self.ctl = FabricController(config.cache, config.runtime.max_message_bytes)
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock)
         self.admission = Admission(self.cache)
+        self.l3 = self.cache.storage
         self.consensus = Consensus(self.topology.world_size)
         self.allowed_namespaces = config.runtime.allowed_namespaces()
         self.epoch = 1
@@ -128,7 +129,7 @@ class CoordinatorCore:
                 return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.prefetching.pop(request_id, None)
         if req is not None:
-            self.cache.storage.abort(request_id)
+            self.l3.abort(request_id)
             self.stats.aborted += 1
             return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.running.get(request_id)
@@ -339,7 +340,7 @@ class CoordinatorCore:
             while self.waiting:
                 self._fail(self.waiting.popleft(), why)
             for rid in list(self.prefetching):
-                self.cache.storage.abort(rid)
+                self.l3.abort(rid)
                 self._fail(self.prefetching.pop(rid), why)
         return self._take_failed()
 
@@ -352,7 +353,7 @@ class CoordinatorCore:
         if done.writes or done.loads or done.computes or done.backups:
             self._blocked = False  # finished work may have unlocked pages: admit again
         self.cache.apply(done)
-        self._forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
+        self._forget |= rnd.prefetch_reported - set(self.l3.by_op)
         self.events.extend(self.cache.take_events())
         if done.failed_computes or done.failed_loads:
             # Those pages may hold anything on some rank: drop L1/L2, retry.
@@ -496,7 +497,7 @@ class CoordinatorCore:
             not self.running
             and not self.prefetching
             and not self.ctl.busy()
-            and not self.cache.storage.by_op
+            and self.l3.idle
             and (not self.waiting or self._blocked)
         )
 
@@ -524,12 +525,7 @@ class CoordinatorCore:
             "rounds": s.rounds,
             "cache": vars(self.cache.stats),
             "prefetching": len(self.prefetching),
-            "storage_ops": {
-                "attached": self.cache.storage.attached,
-                "inflight_prefetches": len(self.cache.storage.by_op),
-                "pending_backups": len(self.cache.storage.backups),
-                **{k: v for k, v in vars(self.cache.storage.stats).items()},
-            },
+            "storage_ops": self.l3.snapshot(),
             "pending_writes": len(self.cache.pending_writes),
             "pending_loads": len(self.cache.pending_loads),
             "bad_messages": s.bad_messages,
@@ -547,21 +543,21 @@ class CoordinatorCore:
 
     def storage_attached(self) -> None:
         """The storage actor has a backend: start prefetching and backing up."""
-        self.cache.storage.attach()
+        self.l3.attach()
 
     def storage_begin_detach(self) -> None:
         """Issue no new storage work; stop every prefetch (their requests go on
         without L3). Pending backups still end with their acks."""
-        self.cache.storage.attached = False
+        self.l3.pause()
         for rid, req in list(self.prefetching.items()):
-            self.cache.storage.abort(rid)
+            self.l3.abort(rid)
             del self.prefetching[rid]
             self.waiting.appendleft(req)
 
     def storage_drained(self) -> bool:
-        return not self.cache.storage.by_op and not self.cache.storage.backups
+        return self.l3.idle
 
     def storage_force_detach(self) -> None:
         """Release whatever storage work is left. Only once no rank will touch
         its host pages any more (after a reset, say)."""
-        self.cache.storage.detach()
+        self.l3.detach()
