@@ -152,6 +152,7 @@ class HiCache:
         last = path[-1] if path else tree.root
         if offset < key.num_pages:
             last = tree.attach(last, ns, data[offset * pb :], now, priority)
+            last.page_hashes = key.known_hashes(offset)  # hashed once per request
             tree.set_device(last, pages[offset:])
             self.events.stored(last, Medium.DEVICE)
             self._on_hit(last)

@@ -6,6 +6,7 @@ from collections import Counter, deque
 from typing import Protocol
 
 from fabric.cache.controller import Controller
+from fabric.cache.keys import chain_hashes, namespace_seed
 from fabric.cache.l3_queues import L3Queues
 from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.radix import RadixTree
@@ -70,8 +71,13 @@ def check_integrity(cache: CacheState) -> None:
         for name, value in (("device", node.device_value), ("host", node.host_value)):
             if value is not None and len(value) != pages:
                 v.append(f"{node}: {name} value has {len(value)} pages, key has {pages}")
-        if node.page_hashes is not None and len(node.page_hashes) != pages:
-            v.append(f"{node}: {len(node.page_hashes)} page hashes for {pages} pages")
+        if node.page_hashes is not None:
+            # Hashes are L3 addresses: a wrong one would file KV under another prefix.
+            parent_hashes = node.parent.page_hashes if node.parent is not root else None
+            if node.parent is root or parent_hashes is not None:
+                prev = parent_hashes[-1] if parent_hashes else namespace_seed(node.namespace)
+                if node.page_hashes != chain_hashes(prev, node.key, pb):
+                    v.append(f"{node}: page hashes differ from the chain over its key")
         parent = node.parent
         assert parent is not None
         if node.device_value is not None:

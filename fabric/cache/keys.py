@@ -101,10 +101,11 @@ class TokenKey:
 
     ``data`` holds only the page-aligned part; ``num_tokens`` counts it. The
     unaligned tail of the input is never cached. Page hashes are computed on
-    first use and kept.
+    first use and kept — all of them (``page_hashes``), or those from some page
+    on (``chain_from``), so a request's pages are hashed once whoever needs them.
     """
 
-    __slots__ = ("_hashes", "data", "namespace", "page_bytes", "page_size")
+    __slots__ = ("_from", "_hashes", "data", "namespace", "page_bytes", "page_size")
 
     def __init__(
         self, tokens: Sequence[int] | bytes, page_size: int, namespace: str = DEFAULT_NAMESPACE
@@ -119,6 +120,7 @@ class TokenKey:
             raise InvalidInput(f"packed tokens of {len(data)} bytes are not whole uint32 tokens")
         self.data = data[: len(data) - len(data) % self.page_bytes]
         self._hashes: list[bytes] | None = None
+        self._from = 0  # _hashes holds the hashes of pages _from, _from + 1, ...
 
     @property
     def num_tokens(self) -> int:
@@ -133,9 +135,26 @@ class TokenKey:
 
     def page_hashes(self) -> list[bytes]:
         """The SHA-256 chain over every page of the key (computed once)."""
-        if self._hashes is None:
+        if self._hashes is None or self._from:
             self._hashes = chain_hashes(namespace_seed(self.namespace), self.data, self.page_bytes)
+            self._from = 0
         return self._hashes
+
+    def chain_from(self, start_page: int, prev: bytes) -> list[bytes]:
+        """The hashes of pages ``start_page`` on, given ``prev``, the chain hash of
+        the pages before it (the caller vouches for it). Kept for ``known_hashes``."""
+        known = self.known_hashes(start_page)
+        if known is not None:
+            return known
+        self._hashes = chain_hashes(prev, self.data[start_page * self.page_bytes :], self.page_bytes)
+        self._from = start_page
+        return self._hashes
+
+    def known_hashes(self, start_page: int) -> list[bytes] | None:
+        """The hashes of pages ``start_page`` on if already computed, else ``None``."""
+        if self._hashes is None or start_page < self._from:
+            return None
+        return self._hashes[start_page - self._from :]
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, Medium
-from fabric.cache.keys import TokenKey, chain_hashes, namespace_seed
+from fabric.cache.keys import TokenKey, namespace_seed
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree, common_pages
 from fabric.cache.results import MatchResult, check_count
@@ -201,7 +201,7 @@ class L3Queues:
         prev = (
             namespace_seed(key.namespace) if anchor is tree.root else tree.page_hashes(anchor)[-1]
         )
-        hashes = chain_hashes(prev, key.data[start_page * tree.page_bytes :], tree.page_bytes)
+        hashes = key.chain_from(start_page, prev)
         op = PrefetchOp(
             op_id=self.next_op_id(),
             req_id=req_id,

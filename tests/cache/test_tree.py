@@ -114,3 +114,25 @@ def test_kv_events_round_trip_as_msgpack_for_a_router():
     assert {type(e).__name__ for e in events} >= {"BlockStored", "AllBlocksCleared"}
     wire = msgspec.msgpack.encode(events)
     assert msgspec.msgpack.decode(wire, type=list[KVEvent]) == events
+
+
+def test_a_request_is_hashed_once_and_integrity_checks_every_kept_hash():
+    """Page hashes are L3 addresses: the prefetch's chain is reused by the insert,
+    and a node holding a wrong hash is an integrity violation."""
+    import pytest
+
+    from fabric.errors import IntegrityError
+
+    c = make_cache()
+    c.storage.attach()
+    key = c.key(toks(1, 2, 3))
+    put(c, toks(1))
+    anchor = c.match_prefix(key).last_device_node
+    hashes = key.chain_from(1, c.tree.page_hashes(anchor)[-1])
+    assert hashes == key.page_hashes()[1:]
+    leaf = c.insert(key, c.match_prefix(key).device_pages + c.alloc_device(8)).last_node
+    assert leaf.page_hashes == key.page_hashes()[1:]
+    c.check_integrity()
+    leaf.page_hashes = list(reversed(leaf.page_hashes))
+    with pytest.raises(IntegrityError, match="page hashes differ"):
+        c.check_integrity()
