@@ -30,6 +30,7 @@ from fabric.cache.results import (
     TierSizes,
     check_count,
 )
+from fabric.cache.writes import Writes
 from fabric.config import CacheConfig, PrefetchConfig
 from fabric.errors import InvalidInput
 from policies import get_eviction_policy, get_write_policy
@@ -67,14 +68,24 @@ class HiCache:
             self.next_op_id,
         )
         self.stats = CacheStats()  # counters survive resets
+        self.writes = Writes(
+            self.tree,
+            controller,
+            self.write_policy,
+            self.events,
+            lambda tokens: self._alloc(self.ctl.host, tokens, self.evict_host),
+            self.storage.backup,
+            self._demote,
+            self.next_op_id,
+            self.stats,
+        )
         self._init_state()
 
     def _init_state(self) -> None:
         self.tree.clear()
         self.leased: set[int] = set()
-        self.pending_writes: deque[WriteOp] = deque()
+        self.writes.reset()
         self.pending_loads: deque[tuple[int, TreeNode]] = deque()
-        self.write_candidates: dict[TreeNode, None] = {}
         self.pinned_size = 0
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
@@ -147,7 +158,7 @@ class HiCache:
                 tree.set_device(node, pages[offset : offset + n])
                 self.events.stored(node, Medium.DEVICE)
             else:
-                self._on_hit(node)
+                self.writes.on_hit(node)
             offset += n
         last = path[-1] if path else tree.root
         if offset < key.num_pages:
@@ -155,7 +166,7 @@ class HiCache:
             last.page_hashes = key.known_hashes(offset)  # hashed once per request
             tree.set_device(last, pages[offset:])
             self.events.stored(last, Medium.DEVICE)
-            self._on_hit(last)
+            self.writes.on_hit(last)
         assert offset >= cached
         duplicates = tuple(sorted(self.leased.intersection(pages[:cached])))
         self.leased -= fresh
@@ -214,98 +225,21 @@ class HiCache:
 
     # -- write policies --------------------------------------------------------------
 
-    def _on_hit(self, node: TreeNode) -> None:
-        node.hit_count += 1
-        threshold = self.write_policy.hit_threshold
-        if threshold is not None and node.host_value is None and node.hit_count >= threshold:
-            self.write_candidates[node] = None
+    @property
+    def pending_writes(self) -> deque[WriteOp]:
+        return self.writes.pending
 
     def write_through(self) -> int:
-        """Queue the L1 -> L2 copies that this step's hits asked for (the write
-        policy's threshold), once per step rather than inside ``insert``. Nodes
-        evicted, deleted or backed up since are skipped; one that finds no room in
-        L2 waits for its next hit. Returns tokens queued."""
-        queued = 0
-        candidates, self.write_candidates = self.write_candidates, {}
-        for node in candidates:
-            if (
-                node.parent is not None
-                and node.device_value is not None
-                and node.host_value is None
-            ):
-                queued += self.write_backup(node)
-        return queued
+        """Queue the L1 -> L2 copies this step's hits asked for (``Writes.write_through``)."""
+        return self.writes.write_through()
 
     def write_backup(self, node: TreeNode, evict_after: bool = False) -> int:
-        """Queue an L1 -> L2 copy of ``node`` (under write-through policies, with any
-        ancestors not yet backed up, so L2 stays prefix-closed). Returns tokens
-        queued; 0 when L2 has no room even after evicting."""
-        chain = [node]
-        if not self.write_policy.write_back:
-            parent = node.parent
-            while parent is not self.tree.root and parent.host_value is None:  # type: ignore[union-attr]
-                chain.append(parent)  # type: ignore[arg-type]
-                parent = parent.parent  # type: ignore[union-attr]
-            chain.reverse()
-        tokens = sum(self.tree.tokens(n) for n in chain)
-        host = self._alloc(self.ctl.host, tokens, self.evict_host)
-        if host is None:
-            return 0
-        op = WriteOp(self.next_op_id(), chain, node, evict_after)
-        device: list[int] = []
-        offset = 0
-        for n in chain:
-            k = len(n.device_value)  # type: ignore[arg-type]
-            n.host_value = host[offset : offset + k]
-            n.write_op = op
-            device.extend(n.device_value)  # type: ignore[arg-type]
-            offset += k
-        self.tree.inc_lock_ref(node)
-        self.pending_writes.append(op)
-        self.ctl.write(op.op_id, device, host)
-        return tokens
+        return self.writes.write_backup(node, evict_after)
 
     def complete_writes(self, n: int, failed: Collection[int] = ()) -> None:
         """The ``n`` oldest queued writes finished; those whose op id is in ``failed``
         did not, and their nodes stay L1-only."""
-        check_count("writes", n, len(self.pending_writes))
-        for _ in range(n):
-            op = self.pending_writes.popleft()
-            ok = op.op_id not in failed
-            for node in op.nodes:
-                if node.write_op is not op:
-                    continue
-                node.write_op = None
-                if node.host_value is None:
-                    continue
-                tokens = self.tree.tokens(node)
-                if ok:
-                    self.stats.written_tokens += tokens
-                    self.events.stored(node, Medium.HOST)
-                    self.storage.backup(node)
-                else:
-                    self.stats.failed_write_tokens += tokens
-                    self.ctl.host.free(node.host_value)
-                    node.host_value = None
-                    if not self.write_policy.write_back:
-                        self._orphan_pending_descendants(node)
-            if op.orphan_pages:
-                self.ctl.host.free(op.orphan_pages)
-            self.tree.dec_lock_ref(op.lock_node)
-            node = op.lock_node
-            if op.evict_after and ok and node in self.tree.device_leaves and node.host_value:
-                self._demote(node)
-
-    def _orphan_pending_descendants(self, node: TreeNode) -> None:
-        # A failed parent copy leaves in-flight child copies without a backed-up
-        # parent: take their host pages away now, free them when their copy ends.
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            if child.write_op is not None and child.host_value is not None:
-                child.write_op.orphan_pages.extend(child.host_value)
-                child.host_value = None
-            stack.extend(child.children.values())
+        self.writes.complete(n, failed)
 
     # -- L1 eviction -----------------------------------------------------------------
 
@@ -517,9 +451,7 @@ class HiCache:
                 owned += len(node.host_value)
                 if node.device_value is None and node.host_ref == 0:
                     evictable += len(node.host_value)
-        owned += self.storage.held_host_pages() + sum(
-            len(op.orphan_pages) for op in self.pending_writes
-        )
+        owned += self.storage.held_host_pages() + self.writes.orphan_pages()
         return TierSizes(
             self.ctl.host.capacity_tokens,
             self.ctl.host.available_pages * size,

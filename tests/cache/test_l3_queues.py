@@ -9,9 +9,14 @@ from fabric.config import PrefetchConfig
 from tests.helpers import P, make_cache, put, toks
 
 
-def storage_cache(clock=None, **prefetch):
+def storage_cache(clock=None, write_policy="write_through", **prefetch):
     options = {"threshold_tokens": P, **prefetch}
-    c = make_cache(clock=clock, host_pages=32, prefetch=PrefetchConfig(**options))
+    c = make_cache(
+        clock=clock,
+        host_pages=32,
+        prefetch=PrefetchConfig(**options),
+        write_policy=write_policy,
+    )
     c.storage.attach()
     return c
 
@@ -131,8 +136,7 @@ def test_abort_mid_prefetch_inserts_nothing_and_frees_after_release():
 
 
 def test_prefetch_gives_l1_only_nodes_their_host_copy_and_frees_duplicates():
-    c = storage_cache()
-    c.write_policy = type(c.write_policy)("write_through_selective", 2)
+    c = storage_cache(write_policy="write_through_selective")
     put(c, toks(1, 2))  # L1 only: one hit
     key, st = start(c, toks(1, 2, 3, 4))
     assert c.storage.by_op[st.op_id].start_page == 0
