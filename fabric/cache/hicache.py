@@ -20,6 +20,7 @@ from fabric.cache.integrity import check_integrity
 from fabric.cache.keys import TokenKey
 from fabric.cache.l3_queues import L3Queues
 from fabric.cache.node import TreeNode, WriteOp
+from fabric.cache.pins import Pins
 from fabric.cache.radix import RadixTree
 from fabric.cache.results import (
     CacheStats,
@@ -53,7 +54,6 @@ class HiCache:
         self.page_size = config.page_size
         self.eviction = get_eviction_policy(config.eviction_policy)
         self.write_policy = get_write_policy(config.write_policy)
-        self.pin_budget = int(config.pin_budget_fraction * config.host_tokens)
         self.tree = RadixTree(self.page_size, self.eviction)
         self.events = EventLog(self.tree.page_hashes, config.kv_events)
         self.next_op_id = itertools.count(1).__next__
@@ -68,6 +68,9 @@ class HiCache:
             self.next_op_id,
         )
         self.stats = CacheStats()  # counters survive resets
+        self.pins = Pins(
+            self.tree, int(config.pin_budget_fraction * config.host_tokens), clock, self.write_backup
+        )
         self.writes = Writes(
             self.tree,
             controller,
@@ -86,7 +89,7 @@ class HiCache:
         self.leased: set[int] = set()
         self.writes.reset()
         self.pending_loads: deque[tuple[int, TreeNode]] = deque()
-        self.pinned_size = 0
+        self.pins.reset()
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
         return TokenKey(tokens, self.page_size, namespace)
@@ -262,7 +265,7 @@ class HiCache:
                 break
             tokens = tree.tokens(node)
             if node.pinned and node.pin_expiry < now:
-                self._clear_pin(node)
+                self.pins.clear(node)
             if node.host_value is not None:
                 self._demote(node)
                 freed += tokens
@@ -274,7 +277,7 @@ class HiCache:
                 kept.append(node)
             else:
                 if node.pinned:
-                    self._clear_pin(node)
+                    self.pins.clear(node)
                 self._delete(node)
                 freed += tokens
         for node in kept:
@@ -310,7 +313,7 @@ class HiCache:
             if node is None:
                 break
             if node.pinned and node.pin_expiry < now:
-                self._clear_pin(node)
+                self.pins.clear(node)
             if node.host_ref > 0:
                 kept.append(node)
                 continue
@@ -376,39 +379,13 @@ class HiCache:
     # -- pins ------------------------------------------------------------------------
 
     def pin_prefix(self, key: TokenKey, ttl_s: float) -> PinResult:
-        """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds (refreshed by hits),
-        within the pin budget. Nodes not yet in L2 are written through."""
+        """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds (see ``Pins.pin``)."""
         self._check_key(key)
-        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a number > 0")
-        now = self.clock()
-        tree = self.tree
-        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
-        pinned = 0
-        reason = None
-        for node in path:
-            tokens = tree.tokens(node)
-            if not node.pinned:
-                if self.pinned_size + tokens > self.pin_budget:
-                    reason = (
-                        f"pin budget exhausted ({self.pinned_size}/{self.pin_budget} tokens pinned)"
-                    )
-                    break
-                node.host_ref += 1
-                self.pinned_size += tokens
-                if node.host_value is None:
-                    self.write_backup(node)
-            node.pin_expiry = max(node.pin_expiry, now + ttl_s)
-            node.pin_ttl = max(node.pin_ttl, float(ttl_s))
-            pinned += tokens
-        if reason is None and pinned < key.num_tokens:
-            reason = f"only {pinned} of {key.num_tokens} tokens are cached"
-        return PinResult(pinned, reason)
+        return self.pins.pin(key, ttl_s)
 
-    def _clear_pin(self, node: TreeNode) -> None:
-        self.pinned_size -= self.tree.tokens(node)
-        node.host_ref -= 1
-        node.pin_expiry = node.pin_ttl = 0.0
+    @property
+    def pinned_size(self) -> int:
+        return self.pins.pinned_size
 
     # -- completions, events, sizes ----------------------------------------------------
 

@@ -1,0 +1,66 @@
+"""Pins: prefixes kept in L2 until a TTL passes (refreshed by hits), within a
+budget — a share of L2. A pinned node holds one host protection; nodes not yet in
+L2 are written through when pinned."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fabric.cache.keys import TokenKey
+from fabric.cache.node import TreeNode
+from fabric.cache.radix import RadixTree
+from fabric.cache.results import PinResult
+from fabric.errors import InvalidInput
+
+
+class Pins:
+    def __init__(
+        self,
+        tree: RadixTree,
+        budget: int,
+        clock: Callable[[], float],
+        write_backup: Callable[[TreeNode], int],
+    ) -> None:
+        self.tree = tree
+        self.budget = budget
+        self.clock = clock
+        self.write_backup = write_backup
+        self.reset()
+
+    def reset(self) -> None:
+        self.pinned_size = 0
+
+    def pin(self, key: TokenKey, ttl_s: float) -> PinResult:
+        """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds, within the budget;
+        says how much was pinned and why not more."""
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
+            raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a number > 0")
+        now = self.clock()
+        tree = self.tree
+        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
+        pinned = 0
+        reason = None
+        for node in path:
+            tokens = tree.tokens(node)
+            if not node.pinned:
+                if self.pinned_size + tokens > self.budget:
+                    reason = (
+                        f"pin budget exhausted ({self.pinned_size}/{self.budget} tokens pinned)"
+                    )
+                    break
+                node.host_ref += 1
+                self.pinned_size += tokens
+                if node.host_value is None:
+                    self.write_backup(node)
+            node.pin_expiry = max(node.pin_expiry, now + ttl_s)
+            node.pin_ttl = max(node.pin_ttl, float(ttl_s))
+            pinned += tokens
+        if reason is None and pinned < key.num_tokens:
+            reason = f"only {pinned} of {key.num_tokens} tokens are cached"
+        return PinResult(pinned, reason)
+
+    def clear(self, node: TreeNode) -> None:
+        """Unpin ``node`` (its TTL passed, or it is being deleted)."""
+        self.pinned_size -= self.tree.tokens(node)
+        node.host_ref -= 1
+        node.pin_expiry = node.pin_ttl = 0.0
