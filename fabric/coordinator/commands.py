@@ -50,16 +50,15 @@ class _OpQueue:
     def oldest(self) -> int | None:
         return self.entries[0][0] if self.entries else None
 
-    def commit(self, reported: int, failed: frozenset[int]) -> tuple[int, frozenset[int], list[int]]:
+    def commit(self, reported: int, failed: frozenset[int]) -> tuple[int, frozenset[int]]:
         """Commit up to ``reported`` commands counted done (a rank cannot have done
-        more than was sent: a bogus count is clamped). Returns the operations
-        now complete, those among them that failed, and the committed cmd ids."""
+        more than was sent: a bogus count is clamped). Returns how many operations
+        are now complete and which of them failed."""
         n = max(0, min(reported - self.committed, len(self.entries)))
         self.committed += n
-        ops, bad, cmds = 0, set(), []
+        ops, bad = 0, set()
         for _ in range(n):
             cmd, op, last = self.entries.popleft()
-            cmds.append(cmd)
             if cmd in failed:
                 self._failing.add(op)
             if last:
@@ -67,7 +66,7 @@ class _OpQueue:
                 if op in self._failing:
                     self._failing.discard(op)
                     bad.add(op)
-        return ops, frozenset(bad), cmds
+        return ops, frozenset(bad)
 
 
 class FabricController(Controller):
@@ -213,9 +212,9 @@ class FabricController(Controller):
         assert rnd.computes_done is not None and rnd.writes_done is not None
         assert rnd.loads_done is not None
         failed = rnd.failed
-        writes, failed_writes, _ = self.writes.commit(rnd.writes_done, failed)
-        loads, failed_loads, _ = self.loads.commit(rnd.loads_done, failed)
-        backups, failed_backups, _ = self.backups.commit(rnd.backups_done or 0, failed)
+        writes, failed_writes = self.writes.commit(rnd.writes_done, failed)
+        loads, failed_loads = self.loads.commit(rnd.loads_done, failed)
+        backups, failed_backups = self.backups.commit(rnd.backups_done or 0, failed)
         n = max(0, min(rnd.computes_done - self.computes_counted, len(self.computes)))
         self.computes_counted += n
         computes = [self.computes.popleft() for _ in range(n)]
