@@ -1,22 +1,30 @@
-"""Tree cost of the kvfabric core against an SGLang-style pure-Python radix cache.
+"""The kvfabric core against SGLang's radix cache, request by request, in one run.
 
 Replays a workload (the synthetic conversations by default, or a Mooncake-format
-trace) through the full core — match, load-back, prefetch, alloc/evict, insert,
-write-through, with sized L1/L2 and an in-memory L3 — at page sizes 16 and 64,
-and through the baseline (match + insert + LRU eviction, one tier) in the same
-run. Prints requests/s, mean and p99 us per admission (match, load-back,
-allocation with eviction, insert: the code that serves, ``fabric.cache.admission``),
-tokens per tier, the tree's peak traced memory, and the ratio of per-request tree
-cost — the baseline's match + evict + insert over kvfabric's admission (> 1 means
-kvfabric is cheaper). It also
-prints the whole per-request core cost: for kvfabric everything the core does
-for a request (match, load-back, L3 prefetch bookkeeping, allocation and
-eviction of L1 and L2, insert, the step's write-through, completions, SHA-256
-page hashes for L3 and events); for the baseline match + eviction + insert of
-its single tier. The last line is one JSON object.
+trace) at page sizes 16 and 64 through:
+
+- **kvfabric, one tier** (L2 of one page, so no node fits there and nothing
+  survives L1 eviction, as in the baseline; no L3; events off): ``tree_us`` is the request lifecycle's
+  admission and release (``fabric.cache.admission``: match, lock, allocation
+  with eviction, insert, unlock) with the real page allocator;
+- **kvfabric, whole core** (L1, L2 and an in-memory L3; page hashes; events
+  off and on): ``request_us`` is everything the core does for a request — the
+  key and its SHA-256 page hashes, the L3 prefetch, the admission, the release,
+  the step's write-throughs, backups and completions, the events;
+- **the baseline**: SGLang's ``RadixCache`` algorithm and paged allocator
+  (``bench/sglang_style_radix.py``: match, lock, evict, allocate, insert,
+  unlock), one tier, events off and on; or, with ``--peer sglang``, the real
+  SGLang ``RadixCache`` when SGLang is installed.
+
+Ratios are baseline time over kvfabric time (> 1: kvfabric is cheaper):
+``tree_speedup`` (one tier, events off on both sides) and ``core_ratio_events_on``
+/ ``core_ratio_events_off`` (kvfabric's whole three-tier core against the
+one-tier baseline with the same events setting). Hit tokens are printed for
+both, to show they serve the same workload. The last line is one JSON object.
 
     python3 bench/tree_ops.py --quick
     python3 bench/tree_ops.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
+    python3 bench/tree_ops.py --trace ... --peer sglang     # needs sglang installed
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import pathlib
 import statistics
 import sys
 import time
-import tracemalloc
+from array import array
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -45,68 +53,115 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else 0.0
 
 
-def run_ours(packed: list[bytes], config: FabricConfig) -> dict:
-    replay = CoreReplay(config)
-    t0 = time.perf_counter()
+def config(page: int, device: int, host: int, events: bool, one_tier: bool) -> FabricConfig:
+    overrides = [
+        f"cache.page_size={page}",
+        f"cache.device_tokens={device}",
+        f"cache.host_tokens={page if one_tier else host}",
+        f"cache.kv_events={str(events).lower()}",
+    ]
+    return FabricConfig().with_overrides(overrides)
+
+
+def run_ours(packed: list[bytes], cfg: FabricConfig, storage: bool) -> dict:
+    gc.collect()
+    replay = CoreReplay(cfg, storage=storage)
     for p in packed:
         replay.serve(p)
-    elapsed = time.perf_counter() - t0
-    s = replay.stats
     replay.cache.check_integrity()
+    s = replay.stats
     return {
-        "requests_per_s": round(len(packed) / elapsed, 1),
-        "admit_us_mean": round(statistics.fmean(s.admit_us), 2),
-        "admit_us_p99": round(p99(s.admit_us), 2),
-        "tree_us_per_request": round(statistics.fmean(s.admit_us), 2),
-        "core_us_per_request": round(elapsed * 1e6 / len(packed), 2),
+        "tree_us": round(statistics.fmean(s.tree_us), 2),
+        "tree_us_p99": round(p99(s.tree_us), 2),
+        "request_us": round(statistics.fmean(s.request_us), 2),
+        "request_us_p99": round(p99(s.request_us), 2),
         "tokens_by_tier": s.tokens.as_dict(),
+        "hit_tokens": s.tokens.device + s.tokens.host + s.tokens.storage,
         "refused_requests": s.refused_requests,
     }
 
 
-def peak_memory(packed: list[bytes], config: FabricConfig) -> int:
-    tracemalloc.start()
-    replay = CoreReplay(config)
-    for p in packed:
-        replay.serve(p)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak
+class RealSGLang:
+    """The real SGLang ``RadixCache`` and ``PagedTokenToKVPoolAllocator`` on CPU,
+    driven per request as the baseline is (match, lock, evict, allocate, insert,
+    unlock)."""
+
+    def __init__(self, page: int, capacity: int, events: bool) -> None:
+        import torch
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.base_prefix_cache import (
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+        )
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+        self.torch = torch
+        self.types = (EvictParams, InsertParams, MatchPrefixParams, RadixKey)
+        self.page = page
+        self.events = events
+        self.allocator = PagedTokenToKVPoolAllocator(
+            capacity, page, torch.float16, "cpu", None, False
+        )
+        self.cache = RadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=None,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=page,
+                enable_kv_cache_events=events,
+            )
+        )
+
+    def serve(self, ids: array) -> int | None:
+        evict_params, insert_params, match_params, radix_key = self.types
+        cache = self.cache
+        key = radix_key(ids[: len(ids) // self.page * self.page])
+        m = cache.match_prefix(match_params(key=key))
+        prefix, node = m.device_indices, m.last_device_node
+        cache.inc_lock_ref(node)
+        need = len(key) - len(prefix)
+        short = need - self.allocator.available_size()
+        if short > 0:
+            cache.evict(evict_params(num_tokens=short))
+        new = self.allocator.alloc(need)
+        if new is None:
+            cache.dec_lock_ref(node)
+            return None
+        last = cache.insert(insert_params(key=key, value=self.torch.cat((prefix, new))))
+        cache.inc_lock_ref(last.last_device_node)
+        cache.dec_lock_ref(node)
+        cache.dec_lock_ref(last.last_device_node)
+        if self.events:
+            cache.take_events()
+        return len(prefix)
 
 
-def run_baseline(packed: list[bytes], page: int, capacity: int, hashes: bool) -> dict:
-    cache = SGLangStyleRadixCache(page, capacity, page_hashes=hashes)
-    match_us, insert_us, total_us = [], [], []
-    for data in packed:
-        # Lists are made per request, outside the timed region: holding every
-        # request's token list at once would make the cyclic GC dominate both runs.
-        key = unpack_tokens(data)
-        if len(key) > capacity:
+def run_peer(keys: list[array], page: int, capacity: int, events: bool, peer: str) -> dict:
+    gc.collect()
+    if peer == "sglang":
+        cache = RealSGLang(page, capacity, events)
+    else:
+        cache = SGLangStyleRadixCache(page, capacity, events)
+    times, hits, refused = [], 0, 0
+    for ids in keys:
+        if len(ids) // page * page > capacity:
+            refused += 1
             continue
         t0 = time.perf_counter()
-        hit = cache.match_prefix(key)
-        t1 = time.perf_counter()
-        new = len(key) // page * page - len(hit)
-        cache.evict_to_fit(new)
-        value = torch_cat(hit, cache.new_value(new))
-        t2 = time.perf_counter()
-        cache.insert(key, value)
-        t3 = time.perf_counter()
-        match_us.append((t1 - t0) * 1e6)
-        insert_us.append((t3 - t2) * 1e6)
-        total_us.append((t3 - t0) * 1e6)
+        hit = cache.serve(ids)
+        times.append((time.perf_counter() - t0) * 1e6)
+        if hit is None:
+            refused += 1
+        else:
+            hits += hit
     return {
-        "match_us_mean": round(statistics.fmean(match_us), 2),
-        "insert_us_mean": round(statistics.fmean(insert_us), 2),
-        "tree_us_per_request": round((sum(match_us) + sum(insert_us)) / len(match_us), 2),
-        "core_us_per_request": round(statistics.fmean(total_us), 2),
+        "us": round(statistics.fmean(times), 2),
+        "us_p99": round(p99(times), 2),
+        "hit_tokens": hits,
+        "refused_requests": refused,
     }
-
-
-def torch_cat(a, b):
-    import torch
-
-    return torch.cat([a, b])
 
 
 def main() -> None:
@@ -114,53 +169,62 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--trace", help="Mooncake-format JSONL trace (default: synthetic)")
-    ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--quick", action="store_true", help="600 requests, under a minute")
+    ap.add_argument("--requests", type=int, help="how many (default: all of a trace, 3000 synthetic)")
+    ap.add_argument("--quick", action="store_true", help="600 synthetic requests, small pools")
+    ap.add_argument("--peer", choices=("faithful", "sglang"), default="faithful")
+    ap.add_argument("--device-tokens", type=int, default=2_097_152, help="L1 (default 2M)")
+    ap.add_argument("--host-tokens", type=int, default=20_971_520, help="L2 (default 20M)")
     args = ap.parse_args()
-    n = 600 if args.quick else args.requests
-    requests = read_trace(args.trace, n) if args.trace else synthetic_trace(n)
+    device, host = args.device_tokens, args.host_tokens
+    if args.quick:
+        n, device, host = args.requests or 600, 65_536, 262_144
+    else:
+        n = args.requests if args.requests else (None if args.trace else 3000)
+    requests = read_trace(args.trace, n) if args.trace else synthetic_trace(n or 3000)
     packed = [p for _, p in iter_packed(requests)]
-    source = args.trace or "synthetic"
-    results: dict = {"source": source, "requests": len(packed), "pages": {}}
+    keys = [array("q", unpack_tokens(p)) for p in packed]
+    results: dict = {
+        "source": args.trace or "synthetic",
+        "requests": len(packed),
+        "peer": args.peer,
+        "device_tokens": device,
+        "host_tokens": host,
+        "pages": {},
+    }
+    print(f"{len(packed)} requests, L1 {device:,} tokens, L2 {host:,}", file=sys.stderr)
     for page in (16, 64):
-        row = {}
-        for events in (False, True):
-            config = FabricConfig().with_overrides(
-                [
-                    f"cache.page_size={page}",
-                    "cache.device_tokens=65536",
-                    "cache.host_tokens=262144",
-                    f"cache.kv_events={str(events).lower()}",
-                ]
-            )
-            gc.collect()
-            ours = run_ours(packed, config)
-            gc.collect()
-            base = run_baseline(packed, page, 65536, hashes=events)
-            ratio = base["core_us_per_request"] / ours["tree_us_per_request"]
-            tag = "events_on" if events else "events_off"
-            row[tag] = {"kvfabric": ours, "baseline": base, "tree_cost_ratio": round(ratio, 2)}
-            print(
-                f"page {page:>3} {tag:<10} kvfabric {ours['requests_per_s']:>8} req/s  "
-                f"admit {ours['admit_us_mean']:>7} us (p99 {ours['admit_us_p99']})  "
-                f"| baseline match+evict+insert {base['core_us_per_request']} us  "
-                f"| baseline/kvfabric tree cost {ratio:.2f}x  "
-                f"| whole core {ours['core_us_per_request']} us/req vs baseline "
-                f"{base['core_us_per_request']} us/req",
-                file=sys.stderr,
-            )
-        row["tokens_by_tier"] = row["events_on"]["kvfabric"]["tokens_by_tier"]
-        row["peak_tree_bytes"] = peak_memory(packed[: min(len(packed), 600)], config)
+        tree = run_ours(packed, config(page, device, host, False, True), storage=False)
+        base_off = run_peer(keys, page, device, False, args.peer)
+        core_off = run_ours(packed, config(page, device, host, False, False), storage=True)
+        core_on = run_ours(packed, config(page, device, host, True, False), storage=True)
+        base_on = run_peer(keys, page, device, True, args.peer)
+        row = {
+            "kvfabric_one_tier": tree,
+            "kvfabric_core_events_off": core_off,
+            "kvfabric_core_events_on": core_on,
+            "baseline_events_off": base_off,
+            "baseline_events_on": base_on,
+            "tree_speedup": round(base_off["us"] / tree["tree_us"], 2),
+            "core_ratio_events_off": round(base_off["us"] / core_off["request_us"], 2),
+            "core_ratio_events_on": round(base_on["us"] / core_on["request_us"], 2),
+        }
+        results["pages"][str(page)] = row
         print(
-            f"page {page:>3} tiers {row['tokens_by_tier']} peak {row['peak_tree_bytes']:,} B",
+            f"page {page:>2}: tree+allocator (one tier) kvfabric {tree['tree_us']} us vs "
+            f"{args.peer} {base_off['us']} us -> {row['tree_speedup']}x; "
+            f"hits {tree['hit_tokens']:,} vs {base_off['hit_tokens']:,} tokens",
             file=sys.stderr,
         )
-        results["pages"][str(page)] = row
-    results["requests_per_s"] = results["pages"]["16"]["events_on"]["kvfabric"]["requests_per_s"]
-    results["tree_cost_ratio_min"] = min(
-        results["pages"][p][e]["tree_cost_ratio"]
-        for p in ("16", "64")
-        for e in ("events_off", "events_on")
+        print(
+            f"page {page:>2}: whole core (3 tiers, hashes) events off {core_off['request_us']} us "
+            f"vs {base_off['us']} -> {row['core_ratio_events_off']}x; events on "
+            f"{core_on['request_us']} us vs {base_on['us']} -> {row['core_ratio_events_on']}x; "
+            f"tiers {core_on['tokens_by_tier']}",
+            file=sys.stderr,
+        )
+    results["tree_speedup_min"] = min(r["tree_speedup"] for r in results["pages"].values())
+    results["core_ratio_events_on_min"] = min(
+        r["core_ratio_events_on"] for r in results["pages"].values()
     )
     print(json.dumps(results))
 

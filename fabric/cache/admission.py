@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from fabric.cache.allocator import Pages
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TokenKey
 from fabric.cache.node import TreeNode
@@ -26,9 +27,9 @@ class Admitted:
     brought from L3 and that were loaded back."""
 
     node: TreeNode
-    device_pages: tuple[int, ...]
+    device_pages: Pages
     start_page: int
-    new_pages: tuple[int, ...]
+    new_pages: Pages
     device_hit: int
     host_hit: int
     storage_hit: int
@@ -65,15 +66,15 @@ class Admission:
                 host_hit = loaded.tokens - storage_hit
                 match = cache.match_prefix(key)
         cache.inc_lock_ref(match.last_device_node)
-        new_pages = cache.alloc_device(key.num_tokens - match.device_tokens)
-        if new_pages is None:
+        extended = cache.extend(key, match, priority)
+        if extended is None:
             cache.dec_lock_ref(match.last_device_node)
             return None
-        result = cache.insert(key, match.device_pages + new_pages, priority)
-        cache.inc_lock_ref(result.last_node)
+        node, new_pages = extended
+        cache.inc_lock_ref(node)
         cache.dec_lock_ref(match.last_device_node)
         return Admitted(
-            result.last_node,
+            node,
             match.device_pages + new_pages,
             match.device_tokens // key.page_size,
             new_pages,

@@ -1,8 +1,12 @@
-"""A paged slot allocator for one tier's pool.
+"""A paged slot allocator for one tier's pool, and ``Pages``, the page lists the
+cache keeps.
 
 Pools are symmetric across ranks, so one allocator in the coordinator decides
 every rank's slots. Units are pages; slot ``s`` of page ``p`` is
-``p * page_size + s``.
+``p * page_size + s``. A list of pages is an ``array('q')`` (``Pages``): the
+tree slices, joins and frees runs of thousands of pages per request, which
+as arrays are memory copies and vector operations rather than per-page
+Python objects.
 """
 
 from __future__ import annotations
@@ -10,15 +14,32 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from fabric.errors import InvalidInput
+
+Pages = array  # of typecode "q": page indices
+
+
+def as_pages(items: Iterable[int] = ()) -> Pages:
+    """``items`` as ``Pages`` (no copy when they already are)."""
+    if type(items) is array and items.typecode == "q":  # type: ignore[attr-defined]
+        return items  # type: ignore[return-value]
+    return array("q", items)
 
 
 class PagedAllocator:
-    """Hands out page indices in ``[0, num_pages)``; lowest free pages first.
+    """Hands out page indices in ``[0, num_pages)``: the free pages are a stack, at
+    first in ascending order; a free pushes its pages lowest on top, so recently
+    freed pages are reused first (as in SGLang's allocator).
 
     ``alloc`` returns ``None`` when fewer pages are free than asked for (an
     expected refusal). ``free`` of a page that is already free, out of range or
     repeated raises ``InvalidInput`` and frees nothing.
+
+    The free pages are a stack in a numpy array (lowest on top) and a per-page
+    free flag: an allocation or a free of thousands of pages (a long leaf
+    evicted) is a few vector operations, checks included, not a Python loop.
     """
 
     def __init__(self, num_pages: int, page_size: int, name: str = "pool") -> None:
@@ -31,53 +52,69 @@ class PagedAllocator:
 
     @property
     def available_pages(self) -> int:
-        return len(self._free_stack)
+        return self._top
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
-    def alloc(self, num_pages: int) -> tuple[int, ...] | None:
+    def alloc(self, num_pages: int) -> Pages | None:
         if num_pages < 0:
             raise InvalidInput(f"{self.name}: cannot allocate {num_pages} pages")
-        if num_pages > len(self._free_stack):
+        if num_pages > self._top:
             return None
         if num_pages == 0:
-            return ()
-        pages = self._free_stack[-num_pages:]
-        del self._free_stack[-num_pages:]
-        pages.reverse()
-        self._free_set.difference_update(pages)
-        return tuple(pages)
+            return array("q")
+        top = self._top - num_pages
+        out = self._stack[top : self._top][::-1]
+        self._top = top
+        self._is_free[out] = False
+        return array("q", out.tobytes())
 
-    def free(self, pages: Sequence[int]) -> None:
-        # Validated with C-level set and array operations: frees can be thousands of
-        # pages when a long L2 leaf is evicted.
+    def free(self, freed: Sequence[int]) -> None:
         try:
-            packed = array("q", pages)
+            packed = np.frombuffer(as_pages(freed), dtype=np.int64)
         except (TypeError, OverflowError):
-            bad = next((p for p in pages if not isinstance(p, int)), pages)
+            bad = next((p for p in freed if not isinstance(p, int)), freed)
             raise InvalidInput(f"{self.name}: page {bad!r} is not a page of this pool") from None
-        if not packed:
+        n = len(packed)
+        if not n:
             return
-        if min(packed) < 0 or max(packed) >= self.num_pages:
-            bad = next(p for p in packed if not 0 <= p < self.num_pages)
-            raise InvalidInput(f"{self.name}: page {bad!r} is not a page of this pool")
-        unique = set(packed)
-        if len(unique) != len(packed) or not unique.isdisjoint(self._free_set):
-            seen: set[int] = set()
-            bad = next(p for p in packed if p in self._free_set or p in seen or seen.add(p))
-            raise InvalidInput(f"{self.name}: double free of page {bad}")
-        self._free_set.update(unique)
-        # Keep low pages on top of the stack so reuse is deterministic and compact.
-        self._free_stack.extend(sorted(unique, reverse=True))
+        # A run freed from the tree is usually ascending already: then it has no
+        # repeats and needs no sort.
+        if n > 1 and not (packed[1:] > packed[:-1]).all():
+            packed = np.sort(packed)
+            if not (packed[1:] != packed[:-1]).all():
+                self._refuse(freed)
+        if packed[0] < 0 or packed[-1] >= self.num_pages:
+            self._refuse(freed)
+        is_free = self._is_free
+        if is_free[packed].any():
+            self._refuse(freed)
+        is_free[packed] = True
+        # Low pages on top of the stack: reuse is deterministic and compact.
+        self._stack[self._top : self._top + n] = packed[::-1]
+        self._top += n
+
+    def _refuse(self, freed: Sequence[int]) -> None:
+        """Raise ``InvalidInput`` naming the first page of ``freed`` that is out of
+        range, already free or repeated."""
+        seen: set[int] = set()
+        for p in freed:
+            if not 0 <= p < self.num_pages:
+                raise InvalidInput(f"{self.name}: page {p!r} is not a page of this pool")
+            if self._is_free[p] or p in seen:
+                raise InvalidInput(f"{self.name}: double free of page {p}")
+            seen.add(p)
+        raise AssertionError("no bad page found")
 
     def is_free(self, page: int) -> bool:
-        return page in self._free_set
+        return 0 <= page < self.num_pages and bool(self._is_free[page])
 
     def reset(self) -> None:
-        self._free_stack: list[int] = list(range(self.num_pages - 1, -1, -1))
-        self._free_set: set[int] = set(range(self.num_pages))
+        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = self.num_pages
+        self._is_free = np.ones(self.num_pages, dtype=bool)
 
     def slots(self, pages: Iterable[int]) -> list[int]:
         """Token slot indices of ``pages``, in order."""

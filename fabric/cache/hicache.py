@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
+from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, KVEvent, Medium
 from fabric.cache.integrity import check_integrity
@@ -103,7 +104,7 @@ class HiCache:
         now = self.clock()
         tree = self.tree
         path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
-        device_pages: list[int] = []
+        device_pages = as_pages()
         last_device = last_host = tree.root
         host_pages = 0
         for node in path:
@@ -117,7 +118,7 @@ class HiCache:
             if node.host_value is not None and node.write_op is None:
                 last_host = node
         return MatchResult(
-            tuple(device_pages),
+            device_pages,
             len(device_pages) * self.page_size,
             host_pages * self.page_size,
             last_device,
@@ -137,45 +138,59 @@ class HiCache:
         self._check_key(key)
         if not isinstance(priority, int):
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
-        pages = tuple(device_pages)
-        if len(pages) != key.num_pages:
+        given = as_pages(device_pages)
+        if len(given) != key.num_pages:
             raise InvalidInput(
-                f"insert of {key.num_pages} pages got {len(pages)} device pages: lengths differ"
+                f"insert of {key.num_pages} pages got {len(given)} device pages: lengths differ"
             )
-        tree = self.tree
-        cached = tree.peek_device_pages(key.namespace, key.data)
-        fresh = set(pages[cached:])
-        if len(fresh) != len(pages) - cached or not fresh <= self.leased:
+        cached = self.tree.peek_device_pages(key.namespace, key.data)
+        fresh = set(given[cached:])
+        if len(fresh) != len(given) - cached or not fresh <= self.leased:
             raise InvalidInput(
                 f"insert pages {sorted(fresh - self.leased) or 'repeated'} are not distinct "
                 "pages leased by alloc_device"
             )
-        now = self.clock()
-        pb, ns, data = tree.page_bytes, key.namespace, key.data
-        path = tree.descend(tree.root, ns, data, 0, len(data), now)
-        offset = 0
-        for node in path:
-            node.priority = max(node.priority, priority)
-            n = tree.pages(node)
-            if node.device_value is None:
-                tree.set_device(node, pages[offset : offset + n])
-                self.events.stored(node, Medium.DEVICE)
-            else:
-                self.writes.on_hit(node)
-            offset += n
-        last = path[-1] if path else tree.root
-        if offset < key.num_pages:
-            last = tree.attach(last, ns, data[offset * pb :], now, priority)
-            last.page_hashes = key.known_hashes(offset)  # hashed once per request
-            tree.set_device(last, pages[offset:])
-            self.events.stored(last, Medium.DEVICE)
-            self.writes.on_hit(last)
-        assert offset >= cached
-        duplicates = tuple(sorted(self.leased.intersection(pages[:cached])))
+        last = self._place(key, given, priority)
+        duplicates = tuple(sorted(self.leased.intersection(given[:cached])))
         self.leased -= fresh
         if duplicates:
             self.free_device(duplicates)
         return InsertResult(cached * self.page_size, duplicates, last)
+
+    def extend(self, key: TokenKey, match: MatchResult, priority: int = 0) -> tuple[TreeNode, Pages] | None:
+        """Allocate L1 pages for what ``match`` lacks of ``key`` (evicting if short) and
+        insert them: ``alloc_device`` and ``insert`` in one step, for the request
+        lifecycle (``fabric.cache.admission``). ``match`` must be current, its last
+        device node locked. Returns the last node and the new pages (their KV is
+        still to be computed), or ``None`` when L1 has no room now."""
+        new = self._alloc(self.ctl.device, key.num_tokens - match.device_tokens, self.evict)
+        if new is None:
+            return None
+        return self._place(key, match.device_pages + new, priority), new
+
+    def _place(self, key: TokenKey, given: Pages, priority: int) -> TreeNode:
+        # Nodes on the path without a device value (L1-evicted) take their pages
+        # from ``given``; the rest of the key becomes a new leaf.
+        tree, now = self.tree, self.clock()
+        pb, ns, data = tree.page_bytes, key.namespace, key.data
+        offset, last = 0, tree.root
+        for node in tree.descend(tree.root, ns, data, 0, len(data), now):
+            node.priority = max(node.priority, priority)
+            n = tree.pages(node)
+            if node.device_value is None:
+                tree.set_device(node, given[offset : offset + n])
+                self.events.stored(node, Medium.DEVICE)
+            else:
+                self.writes.on_hit(node)
+            offset += n
+            last = node
+        if offset < key.num_pages:
+            last = tree.attach(last, ns, data[offset * pb :], now, priority)
+            last.page_hashes = key.known_hashes(offset)  # hashed once per request
+            tree.set_device(last, given[offset:])
+            self.events.stored(last, Medium.DEVICE)
+            self.writes.on_hit(last)
+        return last
 
     def _check_key(self, key: TokenKey) -> None:
         if not isinstance(key, TokenKey):
@@ -185,7 +200,7 @@ class HiCache:
 
     # -- L1 allocation and locks ---------------------------------------------------
 
-    def alloc_device(self, num_tokens: int) -> tuple[int, ...] | None:
+    def alloc_device(self, num_tokens: int) -> Pages | None:
         """Lease L1 pages for ``num_tokens`` of new KV, evicting L1 if short. ``None``
         when not enough can be freed now (write-backs may free more later)."""
         if not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens % self.page_size:
@@ -193,29 +208,31 @@ class HiCache:
                 f"alloc_device({num_tokens!r}) is refused: allowed is a multiple of page_size "
                 f"({self.page_size}) >= 0"
             )
-        pages = self._alloc(self.ctl.device, num_tokens, self.evict)
-        if pages is not None:
-            self.leased.update(pages)
-        return pages
+        leased = self._alloc(self.ctl.device, num_tokens, self.evict)
+        if leased is not None:
+            self.leased.update(leased)
+        return leased
 
-    def free_device(self, pages: Sequence[int]) -> None:
+    def free_device(self, device_pages: Sequence[int]) -> None:
         """Return leased L1 pages; ``InvalidInput`` (nothing freed) for any page not leased."""
-        pages = tuple(pages)
-        bad = set(pages) - self.leased
-        if bad or len(set(pages)) != len(pages):
+        freed = tuple(device_pages)
+        bad = set(freed) - self.leased
+        if bad or len(set(freed)) != len(freed):
             raise InvalidInput(
                 f"free_device of pages {sorted(bad) or 'repeated'} that are not leased"
             )
-        self.ctl.device.free(pages)
-        self.leased.difference_update(pages)
+        self.ctl.device.free(freed)
+        self.leased.difference_update(freed)
 
-    def _alloc(self, pool, num_tokens: int, evict: Callable[[int], int]) -> tuple[int, ...] | None:
+    def _alloc(self, pool, num_tokens: int, evict: Callable[[int], int]) -> Pages | None:
         num_pages = num_tokens // self.page_size
-        pages = pool.alloc(num_pages)
-        if pages is None:
+        if num_pages > pool.num_pages:
+            return None  # no eviction can make room
+        got = pool.alloc(num_pages)
+        if got is None:
             evict((num_pages - pool.available_pages) * self.page_size)
-            pages = pool.alloc(num_pages)
-        return pages
+            got = pool.alloc(num_pages)
+        return got
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its path from L1 eviction (the node must be on device)."""
@@ -349,25 +366,25 @@ class HiCache:
         # the chain being loaded must survive both.
         tree.inc_lock_ref(top)
         node.host_ref += 1
-        pages = self._alloc(self.ctl.device, tokens, self.evict)
+        device = self._alloc(self.ctl.device, tokens, self.evict)
         node.host_ref -= 1
         tree.dec_lock_ref(top)
-        if pages is None:
+        if device is None:
             return None
-        host: list[int] = []
+        host = as_pages()
         offset = 0
         for n in chain:
             k = tree.pages(n)
             host.extend(n.host_value)  # type: ignore[arg-type]
-            tree.set_device(n, pages[offset : offset + k])
+            tree.set_device(n, device[offset : offset + k])
             self.events.stored(n, Medium.DEVICE)
             offset += k
         tree.inc_lock_ref(node)
         op_id = self.next_op_id()
         self.pending_loads.append((op_id, node))
-        self.ctl.load(op_id, host, pages)
+        self.ctl.load(op_id, host, device)
         self.stats.loaded_back_tokens += tokens
-        return LoadBack(op_id, tokens, pages, node)
+        return LoadBack(op_id, tokens, device, node)
 
     def complete_loads(self, n: int) -> None:
         """The ``n`` oldest queued loads finished on every rank."""

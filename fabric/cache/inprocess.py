@@ -110,14 +110,19 @@ class ReplayStats:
     prompt_tokens: int = 0
     refused_requests: int = 0
     tokens: TierTokens = field(default_factory=TierTokens)
-    admit_us: list[float] = field(default_factory=list)
+    tree_us: list[float] = field(default_factory=list)
+    request_us: list[float] = field(default_factory=list)
 
 
 class CoreReplay:
     """One ``HiCache`` with an immediate in-process controller and, with
     ``storage=True``, an in-memory L3 that backups fill. Each prompt goes through
     ``Admission`` (prefetch, load-back, alloc and evict, insert) and is released
-    at once; ``admit_us`` times the admission itself."""
+    at once. ``tree_us`` times the admission and the release of each served
+    prompt (match, load-back, locks, allocation with eviction, insert);
+    ``request_us`` everything the core does for it (the key and its page hashes,
+    the prefetch, the admission, the release, the step's write-throughs,
+    backups and completions, the events)."""
 
     def __init__(self, config: FabricConfig, storage: bool = True, namespace: str = "default"):
         cc = config.cache
@@ -131,6 +136,7 @@ class CoreReplay:
 
     def serve(self, packed: bytes) -> None:
         cache, stats = self.cache, self.stats
+        t0 = time.perf_counter()
         key = TokenKey(packed, cache.page_size, self.namespace)
         stats.requests += 1
         stats.prompt_tokens += key.num_tokens
@@ -144,21 +150,23 @@ class CoreReplay:
                 cache.poll()
                 done = self.admission.check_prefetch(stats.requests)
             prefetched = done
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         admitted = self.admission.admit(key, 0, prefetched)
-        stats.admit_us.append((time.perf_counter() - t0) * 1e6)
         if admitted is None:
             stats.refused_requests += 1
             return
+        cache.dec_lock_ref(admitted.node)
+        t2 = time.perf_counter()
         stats.tokens.add(
             admitted.device_hit,
             admitted.host_hit,
             admitted.storage_hit,
             len(admitted.new_pages) * cache.page_size,
         )
-        cache.dec_lock_ref(admitted.node)
         cache.poll()
         cache.take_events()
+        stats.tree_us.append((t2 - t1) * 1e6)
+        stats.request_us.append((time.perf_counter() - t0) * 1e6)
 
     def run(
         self, prompts: Iterable[bytes], progress: Callable[[int], None] | None = None

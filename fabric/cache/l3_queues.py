@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.keys import TokenKey, namespace_seed
@@ -45,7 +46,7 @@ class PrefetchOp:
     started_at: float
     reserved_tokens: int
     state: PrefetchState = PrefetchState.QUERY
-    host_pages: tuple[int, ...] = ()
+    host_pages: Pages = field(default_factory=as_pages)
     completed_tokens: int = 0
     terminated: bool = False
     reported: bool = False
@@ -151,7 +152,7 @@ class L3Queues:
         for op in list(self.by_op.values()):
             if op.host_pages:
                 self.ctl.host.free(op.host_pages)
-                op.host_pages = ()
+                op.host_pages = as_pages()
             self._drop(op)
         self.attached = False
 
@@ -312,7 +313,7 @@ class L3Queues:
         if op is None or op.state is not PrefetchState.RELEASING:
             return
         self.ctl.host.free(op.host_pages)
-        op.host_pages = ()
+        op.host_pages = as_pages()
         self._drop(op)
 
     def apply(self, done: Completions) -> None:
@@ -354,7 +355,7 @@ class L3Queues:
         del self.by_op[op.op_id]
 
     def _insert_host(
-        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: tuple[int, ...]
+        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: Pages
     ) -> int:
         """Insert ``host_pages`` (L2, filled by a prefetch) for the key's pages from
         ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
@@ -363,7 +364,7 @@ class L3Queues:
         tree, now = self.tree, self.clock()
         pb, data = tree.page_bytes, key.data
         start, end = start_page * pb, (start_page + len(host_pages)) * pb
-        node, used, duplicates = anchor, 0, []
+        node, used, duplicates = anchor, 0, as_pages()
         while start < end:
             child = node.children.get((key.namespace, data[start : start + pb]))
             if child is None or child.write_op is not None:

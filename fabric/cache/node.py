@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 
 _ids = itertools.count(1)
@@ -54,8 +55,8 @@ class TreeNode:
         self.namespace = namespace
         self.parent = parent
         self.children: dict[tuple[str, bytes], TreeNode] = {}
-        self.device_value: tuple[int, ...] | None = None
-        self.host_value: tuple[int, ...] | None = None
+        self.device_value: array | None = None
+        self.host_value: array | None = None
         self.device_children = 0
         self.lock_ref = 0
         self.host_ref = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from fabric.cache.allocator import Pages
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
 
@@ -19,7 +20,7 @@ class MatchResult:
     (root if none) — pass it to ``load_back`` when ``host_tokens > 0``.
     """
 
-    device_pages: tuple[int, ...]
+    device_pages: Pages
     device_tokens: int
     host_tokens: int
     last_device_node: TreeNode
@@ -47,7 +48,7 @@ class LoadBack:
 
     op_id: int
     tokens: int
-    device_pages: tuple[int, ...]
+    device_pages: Pages
     node: TreeNode
 
 

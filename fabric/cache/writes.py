@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection
 
+from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Controller
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.node import TreeNode, WriteOp
@@ -27,7 +28,7 @@ class Writes:
         ctl: Controller,
         policy: WritePolicy,
         events: EventLog,
-        alloc_host: Callable[[int], tuple[int, ...] | None],
+        alloc_host: Callable[[int], Pages | None],
         backup: Callable[[TreeNode], None],
         demote: Callable[[TreeNode], None],
         next_op_id: Callable[[], int],
@@ -92,7 +93,7 @@ class Writes:
         if host is None:
             return 0
         op = WriteOp(self.next_op_id(), chain, node, evict_after)
-        device: list[int] = []
+        device = as_pages()
         offset = 0
         for n in chain:
             k = len(n.device_value)  # type: ignore[arg-type]

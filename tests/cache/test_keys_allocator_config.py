@@ -2,6 +2,8 @@ import hashlib
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
@@ -36,16 +38,54 @@ def test_bad_namespaces_are_refused(namespace):
 
 def test_allocator_hands_out_lowest_pages_and_refuses_double_free():
     a = PagedAllocator(4, 16)
-    assert a.alloc(3) == (0, 1, 2)
+    assert tuple(a.alloc(3)) == (0, 1, 2)
     assert a.alloc(2) is None
     a.free([1])
-    assert a.alloc(2) == (1, 3)
+    assert tuple(a.alloc(2)) == (1, 3)
     with pytest.raises(InvalidInput, match="double free of page 0"):
         a.free([2, 0, 0])
     assert not a.is_free(2), "a refused free frees nothing"
     with pytest.raises(InvalidInput, match="not a page of this pool"):
         a.free([7])
     assert a.slots([1]) == list(range(16, 32))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.integers(0, 12),
+            st.lists(st.integers(0, 40), max_size=6),
+            st.sampled_from(["", "free", "repeat", "range"]),
+        ),
+        max_size=40,
+    )
+)
+def test_allocator_agrees_with_a_stack_model(ops):
+    # Free pages form a stack: a free pushes its pages lowest on top, an
+    # allocation pops. A free with any page not held (out of range, already
+    # free, repeated), in any order, is refused whole.
+    a, stack = PagedAllocator(16, 4), list(range(15, -1, -1))
+    for is_alloc, n, picks, corrupt in ops:
+        if is_alloc:
+            got = a.alloc(n)
+            if n > len(stack):
+                assert got is None
+            else:
+                assert list(got) == stack[::-1][:n]
+                del stack[len(stack) - n :]
+            continue
+        held = sorted(set(range(16)) - set(stack))
+        freed = list(dict.fromkeys(held[i % len(held)] for i in picks)) if held else []
+        bad = {"free": stack[-1:], "repeat": freed[:1], "range": [16]}.get(corrupt, [])
+        if bad:
+            with pytest.raises(InvalidInput, match="double free|not a page"):
+                a.free(freed + bad)
+        else:
+            a.free(freed)
+            stack.extend(sorted(freed, reverse=True))
+        assert a.available_pages == len(stack)
+        assert all(a.is_free(p) == (p in stack) for p in range(-1, 17))
 
 
 def test_config_refuses_bad_values_naming_key_value_and_rule():

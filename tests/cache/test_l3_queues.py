@@ -32,7 +32,7 @@ def test_backup_follows_write_through_and_holds_host_protection_until_acked():
     c.complete_writes(1)
     node = c.match_prefix(c.key(toks(1, 2))).last_host_node
     (bop,) = c.ctl.backups
-    assert bop.host_pages == (0, 1) and node.host_ref == 1
+    assert tuple(bop.host_pages) == (0, 1) and node.host_ref == 1
     c.take_events()
     c.complete_backups(1)
     assert node.host_ref == 0
@@ -58,12 +58,12 @@ def test_prefetch_inserts_the_min_completed_prefix_and_releases_the_rest():
     assert st.op_id is not None and c.ctl.queries[0].page_hashes == tuple(key.page_hashes())
     c.storage.complete_query(st.op_id, 3)
     op = c.storage.by_op[st.op_id]
-    assert op.state is PrefetchState.LOADING and op.host_pages == (0, 1, 2)
+    assert op.state is PrefetchState.LOADING and tuple(op.host_pages) == (0, 1, 2)
     assert c.storage.check_prefetch("r1") is None, "best effort still waits for one report"
     c.storage.update_progress(st.op_id, 2 * P)
     assert c.storage.check_prefetch("r1") == 2 * P  # then takes what has arrived
     m = c.match_prefix(key)
-    assert m.host_tokens == 2 * P and m.last_host_node.host_value == (0, 1)
+    assert m.host_tokens == 2 * P and tuple(m.last_host_node.host_value) == (0, 1)
     assert c.ctl.stopped == [st.op_id] and not c.ctl.host.is_free(2), "tail held until released"
     c.check_integrity()
     c.storage.complete_release(st.op_id)
@@ -145,7 +145,7 @@ def test_prefetch_gives_l1_only_nodes_their_host_copy_and_frees_duplicates():
     assert c.storage.check_prefetch("r1") == 2 * P
     m = c.match_prefix(key)
     assert m.device_tokens == 2 * P and m.host_tokens == 2 * P
-    assert m.last_device_node.host_value == (0, 1)
+    assert tuple(m.last_device_node.host_value) == (0, 1)
     c.check_integrity()
 
 

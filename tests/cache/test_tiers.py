@@ -39,7 +39,7 @@ def test_write_through_demotes_backed_up_leaves_and_write_back_writes_first():
     wt.complete_writes(1)
     assert wt.evict(2 * P) == 2 * P
     node = wt.match_prefix(wt.key(toks(1, 2))).last_host_node
-    assert node.device_value is None and node.host_value == (0, 1)
+    assert node.device_value is None and tuple(node.host_value) == (0, 1)
     wt.check_integrity()
 
     wb = make_cache(write_policy="write_back")
@@ -145,11 +145,11 @@ def test_load_back_is_all_or_nothing_with_threshold_and_quota():
     node = c2.match_prefix(c2.key(toks(1, 2))).last_host_node
     assert c2.load_back(node, mem_quota=P) is None, "over quota"
     lb = c2.load_back(node)
-    assert lb.tokens == 2 * P and lb.device_pages == (0, 1) and c2.ctl.loads == [lb.op_id]
+    assert lb.tokens == 2 * P and tuple(lb.device_pages) == (0, 1) and c2.ctl.loads == [lb.op_id]
     assert node.lock_ref == 1
     c2.complete_loads(1)
     assert node.lock_ref == 0
-    assert c2.match_prefix(c2.key(toks(1, 2))).device_pages == (0, 1)
+    assert tuple(c2.match_prefix(c2.key(toks(1, 2))).device_pages) == (0, 1)
     c2.check_integrity()
 
 

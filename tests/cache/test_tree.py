@@ -10,11 +10,13 @@ from tests.helpers import P, make_cache, put, toks
 def test_insert_then_match_returns_device_pages_and_splits_inside_a_node():
     c = make_cache(write_policy="write_back")
     r = put(c, toks(1, 2, 3))
-    assert r.cached_tokens == 0 and r.last_node.device_value == (0, 1, 2)
+    assert r.cached_tokens == 0 and tuple(r.last_node.device_value) == (0, 1, 2)
     m = c.match_prefix(c.key(toks(1, 2, 9)))
-    assert m.device_pages == (0, 1) and m.device_tokens == 2 * P and m.host_tokens == 0
+    assert tuple(m.device_pages) == (0, 1) and m.device_tokens == 2 * P and m.host_tokens == 0
     upper = m.last_device_node
-    assert upper.device_value == (0, 1) and next(iter(upper.children.values())).device_value == (2,)
+    assert tuple(upper.device_value) == (0, 1) and tuple(
+        next(iter(upper.children.values())).device_value
+    ) == (2,)
     assert c.tree.root.children[("default", upper.key[: 4 * P])] is upper
     c.check_integrity()
 
@@ -24,11 +26,11 @@ def test_insert_returns_cached_length_and_frees_duplicate_pages():
     put(c, toks(1, 2))
     key = c.key(toks(1, 2, 3))
     fresh = c.alloc_device(3 * P)
-    assert fresh == (2, 3, 4)
+    assert tuple(fresh) == (2, 3, 4)
     r = c.insert(key, fresh)
     assert r.cached_tokens == 2 * P and r.duplicate_pages == (2, 3)
     assert c.ctl.device.is_free(2) and c.ctl.device.is_free(3)
-    assert c.match_prefix(key).device_pages == (0, 1, 4)
+    assert tuple(c.match_prefix(key).device_pages) == (0, 1, 4)
     c.check_integrity()
 
 
