@@ -169,7 +169,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--trace", help="Mooncake-format JSONL trace (default: synthetic)")
-    ap.add_argument("--requests", type=int, help="how many (default: all of a trace, 3000 synthetic)")
+    ap.add_argument(
+        "--requests", type=int, help="how many (default: all of a trace, 3000 synthetic)"
+    )
     ap.add_argument("--quick", action="store_true", help="600 synthetic requests, small pools")
     ap.add_argument("--peer", choices=("faithful", "sglang"), default="faithful")
     ap.add_argument("--device-tokens", type=int, default=2_097_152, help="L1 (default 2M)")

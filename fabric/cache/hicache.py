@@ -70,7 +70,10 @@ class HiCache:
         )
         self.stats = CacheStats()  # counters survive resets
         self.pins = Pins(
-            self.tree, int(config.pin_budget_fraction * config.host_tokens), clock, self.write_backup
+            self.tree,
+            int(config.pin_budget_fraction * config.host_tokens),
+            clock,
+            self.write_backup,
         )
         self.writes = Writes(
             self.tree,
@@ -157,7 +160,9 @@ class HiCache:
             self.free_device(duplicates)
         return InsertResult(cached * self.page_size, duplicates, last)
 
-    def extend(self, key: TokenKey, match: MatchResult, priority: int = 0) -> tuple[TreeNode, Pages] | None:
+    def extend(
+        self, key: TokenKey, match: MatchResult, priority: int = 0
+    ) -> tuple[TreeNode, Pages] | None:
         """Allocate L1 pages for what ``match`` lacks of ``key`` (evicting if short) and
         insert them: ``alloc_device`` and ``insert`` in one step, for the request
         lifecycle (``fabric.cache.admission``). ``match`` must be current, its last

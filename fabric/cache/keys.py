@@ -53,7 +53,9 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
     try:
         items = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
     except TypeError:
-        raise InvalidInput(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from None
+        raise InvalidInput(
+            f"tokens must be a sequence of ints, got {type(tokens).__name__}"
+        ) from None
     try:
         if bool in set(map(type, items)):
             raise TypeError("bool token")
@@ -146,7 +148,9 @@ class TokenKey:
         known = self.known_hashes(start_page)
         if known is not None:
             return known
-        self._hashes = chain_hashes(prev, self.data[start_page * self.page_bytes :], self.page_bytes)
+        self._hashes = chain_hashes(
+            prev, self.data[start_page * self.page_bytes :], self.page_bytes
+        )
         self._from = start_page
         return self._hashes
 

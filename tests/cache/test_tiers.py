@@ -56,7 +56,9 @@ def test_write_through_is_queued_once_per_step_not_inside_insert():
     c = make_cache()
     key = c.key(toks(1, 2))
     c.insert(key, c.alloc_device(2 * P))
-    assert c.ctl.writes == [] and list(c.writes.candidates) == [c.match_prefix(key).last_device_node]
+    assert c.ctl.writes == [] and list(c.writes.candidates) == [
+        c.match_prefix(key).last_device_node
+    ]
     assert c.write_through() == 2 * P and c.ctl.writes == [1]
     assert c.write_through() == 0, "each candidate is written once"
 
