@@ -34,9 +34,7 @@ def _tag(name: str) -> str:
     return f"{name}/{VERSION}"
 
 
-class _Message(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t", tag=_tag
-):
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t", tag=_tag):
     """Base of every wire message (its ``t`` tag is ``<type name>/<VERSION>``)."""
 
 
@@ -146,9 +144,7 @@ _HASH = 34
 def command_bound(cmd: Command) -> int:
     """At most how many bytes ``cmd`` takes inside an encoded ``Batch``."""
     if isinstance(cmd, Compute):
-        return (
-            _OVERHEAD + 4 * len(cmd.namespace) + len(cmd.tokens) + _HASH + _INT * len(cmd.pages)
-        )
+        return _OVERHEAD + 4 * len(cmd.namespace) + len(cmd.tokens) + _HASH + _INT * len(cmd.pages)
     if isinstance(cmd, (Write, Load)):
         return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
     if isinstance(cmd, (Backup, Prefetch)):

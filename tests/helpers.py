@@ -100,6 +100,7 @@ def put(cache: HiCache, tokens: list[int], namespace: str = "default", priority:
 
 # -- fabrics and prompts ----------------------------------------------------------
 
+
 def small_config(*overrides: str) -> FabricConfig:
     """TP=2 x PP=2, tiny pools and model: every path of the data plane in milliseconds."""
     return FabricConfig().with_overrides(

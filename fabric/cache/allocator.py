@@ -30,8 +30,9 @@ def as_pages(items: Iterable[int] = ()) -> Pages:
 
 class PagedAllocator:
     """Hands out page indices in ``[0, num_pages)``: the free pages are a stack, at
-    first in ascending order; a free pushes its pages lowest on top, so recently
-    freed pages are reused first (as in SGLang's allocator).
+    first in ascending order; a free pushes its pages so that the next
+    allocation returns them in the order they were freed: recently freed pages
+    are reused first (as in SGLang's allocator).
 
     ``alloc`` returns ``None`` when fewer pages are free than asked for (an
     expected refusal). ``free`` of a page that is already free, out of range or
@@ -72,29 +73,60 @@ class PagedAllocator:
         return array("q", out.tobytes())
 
     def free(self, freed: Sequence[int]) -> None:
+        """Return ``freed`` to the pool, refusing (freeing nothing) when any page is out
+        of range, free already or repeated."""
+        packed = self._checked(freed)
+        n = len(packed)
+        if n > 1:
+            # A repeated page keeps only its last position in the scratch array.
+            positions = self._positions[:n]
+            self._scratch[packed] = positions
+            if not (self._scratch[packed] == positions).all():
+                self._refuse(freed)
+        self._push(packed)
+
+    def release(self, owned: Sequence[int]) -> None:
+        """``free`` for the distinct pages of one tree node (``HiCache`` frees with it
+        as it evicts): still refused when out of range or free already (a double
+        free), not checked for repeats within (``check_integrity`` counts every
+        owned page)."""
+        self._push(self._checked(owned))
+
+    def _checked(self, freed: Sequence[int]) -> np.ndarray:
+        # Vector operations, no sort: unsigned indices make negative pages out of
+        # range too.
         try:
             packed = np.frombuffer(as_pages(freed), dtype=np.int64)
         except (TypeError, OverflowError):
             bad = next((p for p in freed if not isinstance(p, int)), freed)
             raise InvalidInput(f"{self.name}: page {bad!r} is not a page of this pool") from None
-        n = len(packed)
-        if not n:
-            return
-        # A run freed from the tree is usually ascending already: then it has no
-        # repeats and needs no sort.
-        if n > 1 and not (packed[1:] > packed[:-1]).all():
-            packed = np.sort(packed)
-            if not (packed[1:] != packed[:-1]).all():
+        try:
+            if self._is_free[packed.view(np.uint64)].any():
                 self._refuse(freed)
-        if packed[0] < 0 or packed[-1] >= self.num_pages:
+        except IndexError:
             self._refuse(freed)
-        is_free = self._is_free
-        if is_free[packed].any():
-            self._refuse(freed)
-        is_free[packed] = True
-        # Low pages on top of the stack: reuse is deterministic and compact.
+        return packed
+
+    def _push(self, packed: np.ndarray) -> None:
+        # The next allocation hands them out in the order they were freed.
+        n = len(packed)
+        self._is_free[packed] = True
         self._stack[self._top : self._top + n] = packed[::-1]
         self._top += n
+
+    def violations(self) -> list[str]:
+        """What is wrong with the free stack (for ``check_integrity``): every stacked
+        page flagged free, as many flags as stacked pages (so none stacked twice)."""
+        stacked = self._stack[: self._top]
+        out = []
+        if not self._is_free[stacked].all():
+            out.append(f"{self.name}: a stacked page is not flagged free")
+        if int(np.count_nonzero(self._is_free)) != self._top:
+            out.append(
+                f"{self.name}: {int(np.count_nonzero(self._is_free))} pages flagged free, "
+                f"{self._top} stacked"
+            )
+        return out
 
     def _refuse(self, freed: Sequence[int]) -> None:
         """Raise ``InvalidInput`` naming the first page of ``freed`` that is out of
@@ -115,6 +147,8 @@ class PagedAllocator:
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._top = self.num_pages
         self._is_free = np.ones(self.num_pages, dtype=bool)
+        self._scratch = np.zeros(self.num_pages, dtype=np.int32)
+        self._positions = np.arange(self.num_pages, dtype=np.int32)
 
     def slots(self, pages: Iterable[int]) -> list[int]:
         """Token slot indices of ``pages``, in order."""

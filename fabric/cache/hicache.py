@@ -153,7 +153,7 @@ class HiCache:
                 f"insert pages {sorted(fresh - self.leased) or 'repeated'} are not distinct "
                 "pages leased by alloc_device"
             )
-        last = self._place(key, given, priority)
+        last = self._place(key, self.tree.root, 0, given, priority)
         duplicates = tuple(sorted(self.leased.intersection(given[:cached])))
         self.leased -= fresh
         if duplicates:
@@ -171,28 +171,42 @@ class HiCache:
         new = self._alloc(self.ctl.device, key.num_tokens - match.device_tokens, self.evict)
         if new is None:
             return None
-        return self._place(key, match.device_pages + new, priority), new
+        # The matched device path is locked, so unchanged since the match: count
+        # its hits from the top without walking the key again.
+        path, node = [], match.last_device_node
+        while node is not self.tree.root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        for node in reversed(path):
+            node.priority = max(node.priority, priority)
+            self.writes.on_hit(node)
+        start = match.device_tokens // self.page_size
+        return self._place(key, match.last_device_node, start, new, priority), new
 
-    def _place(self, key: TokenKey, given: Pages, priority: int) -> TreeNode:
-        # Nodes on the path without a device value (L1-evicted) take their pages
-        # from ``given``; the rest of the key becomes a new leaf.
+    def _place(
+        self, key: TokenKey, top: TreeNode, start: int, given: Pages, priority: int
+    ) -> TreeNode:
+        # Below ``top`` (which ends page ``start`` of the key), nodes without a device
+        # value (L1-evicted) take their pages from ``given`` (for the key's pages
+        # from ``start`` on); the rest of the key becomes a new leaf.
         tree, now = self.tree, self.clock()
         pb, ns, data = tree.page_bytes, key.namespace, key.data
-        offset, last = 0, tree.root
-        for node in tree.descend(tree.root, ns, data, 0, len(data), now):
+        offset, last = start, top
+        for node in tree.descend(top, ns, data, start * pb, len(data), now):
             node.priority = max(node.priority, priority)
             n = tree.pages(node)
             if node.device_value is None:
-                tree.set_device(node, given[offset : offset + n])
+                tree.set_device(node, given[offset - start : offset - start + n])
                 self.events.stored(node, Medium.DEVICE)
             else:
+                assert start == 0, "L1 residency is prefix-closed"
                 self.writes.on_hit(node)
             offset += n
             last = node
         if offset < key.num_pages:
             last = tree.attach(last, ns, data[offset * pb :], now, priority)
             last.page_hashes = key.known_hashes(offset)  # hashed once per request
-            tree.set_device(last, given[offset:])
+            tree.set_device(last, given[offset - start :])
             self.events.stored(last, Medium.DEVICE)
             self.writes.on_hit(last)
         return last
@@ -308,15 +322,15 @@ class HiCache:
         return freed
 
     def _demote(self, node: TreeNode) -> None:
-        self.ctl.device.free(self.tree.clear_device(node))
+        self.ctl.device.release(self.tree.clear_device(node))
         self.events.removed(node, Medium.DEVICE)
 
     def _delete(self, node: TreeNode) -> None:
         if node.device_value is not None:
-            self.ctl.device.free(node.device_value)
+            self.ctl.device.release(node.device_value)
             self.events.removed(node, Medium.DEVICE)
         if node.host_value is not None:
-            self.ctl.host.free(node.host_value)
+            self.ctl.host.release(node.host_value)
             self.events.removed(node, Medium.HOST)
         self.tree.detach_leaf(node)
 

@@ -153,6 +153,7 @@ def check_integrity(cache: CacheState) -> None:
         free_and_owned = sorted(p for p in owner if pool.is_free(p))
         if free_and_owned:
             v.append(f"{name}: pages {free_and_owned[:10]} both free and owned")
+        v.extend(pool.violations())
         if pool.available_pages + len(owner) != pool.num_pages:
             v.append(
                 f"{name}: {pool.available_pages} free + {len(owner)} owned pages "

@@ -90,12 +90,11 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
     """Continue a page-hash chain from ``prev`` over the pages packed in ``data``."""
-    out = []
-    sha256 = hashlib.sha256
-    for start in range(0, len(data), page_bytes):
-        prev = sha256(prev + data[start : start + page_bytes]).digest()
-        out.append(prev)
-    return out
+    sha256 = hashlib.sha256  # one comprehension: the hot loop of the whole core
+    return [
+        prev := sha256(prev + data[start : start + page_bytes]).digest()
+        for start in range(0, len(data), page_bytes)
+    ]
 
 
 class TokenKey:

@@ -116,7 +116,9 @@ class FabricController(Controller):
         cmds = []
         for start in range(0, max(len(src), 1), step):
             cmd = self._cmd_id()
-            self._send(kind(cmd, tuple(src[start : start + step]), tuple(dst[start : start + step])))
+            self._send(
+                kind(cmd, tuple(src[start : start + step]), tuple(dst[start : start + step]))
+            )
             cmds.append(cmd)
         return cmds
 

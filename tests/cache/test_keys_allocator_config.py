@@ -36,7 +36,7 @@ def test_bad_namespaces_are_refused(namespace):
         TokenKey([1, 2, 3, 4], 4, namespace)
 
 
-def test_allocator_hands_out_lowest_pages_and_refuses_double_free():
+def test_allocator_hands_out_free_pages_in_order_and_refuses_double_free():
     a = PagedAllocator(4, 16)
     assert tuple(a.alloc(3)) == (0, 1, 2)
     assert a.alloc(2) is None
@@ -57,16 +57,18 @@ def test_allocator_hands_out_lowest_pages_and_refuses_double_free():
             st.integers(0, 12),
             st.lists(st.integers(0, 40), max_size=6),
             st.sampled_from(["", "free", "repeat", "range"]),
+            st.booleans(),
         ),
         max_size=40,
     )
 )
 def test_allocator_agrees_with_a_stack_model(ops):
-    # Free pages form a stack: a free pushes its pages lowest on top, an
+    # Free pages form a stack: a free pushes its pages first on top, an
     # allocation pops. A free with any page not held (out of range, already
-    # free, repeated), in any order, is refused whole.
+    # free, repeated), in any order, is refused whole; so is a release (the
+    # tree's free of one node's distinct pages) out of range or already free.
     a, stack = PagedAllocator(16, 4), list(range(15, -1, -1))
-    for is_alloc, n, picks, corrupt in ops:
+    for is_alloc, n, picks, corrupt, release in ops:
         if is_alloc:
             got = a.alloc(n)
             if n > len(stack):
@@ -76,16 +78,27 @@ def test_allocator_agrees_with_a_stack_model(ops):
                 del stack[len(stack) - n :]
             continue
         held = sorted(set(range(16)) - set(stack))
+        # Any order: picks index the held pages.
         freed = list(dict.fromkeys(held[i % len(held)] for i in picks)) if held else []
         bad = {"free": stack[-1:], "repeat": freed[:1], "range": [16]}.get(corrupt, [])
+        give_back = a.release if release and corrupt != "repeat" else a.free
         if bad:
             with pytest.raises(InvalidInput, match="double free|not a page"):
-                a.free(freed + bad)
+                give_back(freed + bad)
         else:
-            a.free(freed)
-            stack.extend(sorted(freed, reverse=True))
+            give_back(freed)
+            stack.extend(reversed(freed))
         assert a.available_pages == len(stack)
         assert all(a.is_free(p) == (p in stack) for p in range(-1, 17))
+        assert a.violations() == []
+
+
+def test_allocator_integrity_sees_a_page_stacked_twice():
+    a = PagedAllocator(4, 16)
+    a.alloc(2)
+    a._stack[a._top] = 3  # what a release of a repeated page would leave
+    a._top += 1
+    assert a.violations() == ["pool: 2 pages flagged free, 3 stacked"]
 
 
 def test_config_refuses_bad_values_naming_key_value_and_rule():

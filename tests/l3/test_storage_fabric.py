@@ -181,9 +181,7 @@ def test_attach_detach_clear_at_runtime(tmp_path):
     name, extra = f.storage.spec
     assert f.storage.attach(name, extra) == "already attached"
     with pytest.raises(ConfigError, match="detach it before attaching 'dynamic'"):
-        f.storage.attach(
-            "dynamic", {"module": "tests.l3.memory_backend", "class": "MemoryBackend"}
-        )
+        f.storage.attach("dynamic", {"module": "tests.l3.memory_backend", "class": "MemoryBackend"})
     f.core.storage_begin_detach()
     f.settle()
     assert f.core.storage_drained() and f.storage.detach()
