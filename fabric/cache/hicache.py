@@ -17,9 +17,11 @@ from collections.abc import Callable, Collection, Sequence
 from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, KVEvent, Medium
+from fabric.cache.evictions import Evictions
 from fabric.cache.integrity import check_integrity
 from fabric.cache.keys import TokenKey
 from fabric.cache.l3_queues import L3Queues
+from fabric.cache.loads import LoadBacks
 from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.pins import Pins
 from fabric.cache.radix import RadixTree
@@ -30,7 +32,6 @@ from fabric.cache.results import (
     MatchResult,
     PinResult,
     TierSizes,
-    check_count,
 )
 from fabric.cache.writes import Writes
 from fabric.config import CacheConfig, PrefetchConfig
@@ -82,7 +83,26 @@ class HiCache:
             self.events,
             lambda tokens: self._alloc(self.ctl.host, tokens, self.evict_host),
             self.storage.backup,
-            self._demote,
+            lambda node: self.evictions.demote(node),
+            self.next_op_id,
+            self.stats,
+        )
+        self.evictions = Evictions(
+            self.tree,
+            controller,
+            self.write_policy,
+            self.pins,
+            self.events,
+            self.write_backup,
+            clock,
+            self.stats,
+        )
+        self.loads = LoadBacks(
+            self.tree,
+            controller,
+            config.load_back_threshold,
+            lambda tokens: self._alloc(self.ctl.device, tokens, self.evict),
+            self.events,
             self.next_op_id,
             self.stats,
         )
@@ -92,7 +112,7 @@ class HiCache:
         self.tree.clear()
         self.leased: set[int] = set()
         self.writes.reset()
-        self.pending_loads: deque[tuple[int, TreeNode]] = deque()
+        self.loads.reset()
         self.pins.reset()
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
@@ -280,137 +300,28 @@ class HiCache:
         did not, and their nodes stay L1-only."""
         self.writes.complete(n, failed)
 
-    # -- L1 eviction -----------------------------------------------------------------
+    # -- eviction and load-back (``Evictions``, ``LoadBacks``) --------------------------
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L1 if possible, leaves first in policy order.
-
-        A backed-up leaf is demoted (its L1 pages freed, the node kept in L2); one
-        that is not is deleted, or under ``write_back`` (and for an active pin)
-        written to L2 first and demoted when that completes. Returns tokens
-        freed now; write-backs free theirs later.
-        """
-        tree, now = self.tree, self.clock()
-        leaves = tree.device_leaves
-        leaves.begin()
-        kept = []
-        freed = scheduled = 0
-        while freed + scheduled < num_tokens:
-            node = leaves.pop()
-            if node is None:
-                break
-            tokens = tree.tokens(node)
-            if node.pinned and node.pin_expiry < now:
-                self.pins.clear(node)
-            if node.host_value is not None:
-                self._demote(node)
-                freed += tokens
-            elif (node.pinned or self.write_policy.write_back) and self.write_backup(node, True):
-                scheduled += tokens
-            elif node.children:
-                # Only under write_back: L2-only children and no room in L2 to keep
-                # this node; deleting it would orphan them.
-                kept.append(node)
-            else:
-                if node.pinned:
-                    self.pins.clear(node)
-                self._delete(node)
-                freed += tokens
-        for node in kept:
-            leaves.requeue(node)
-        self.stats.device_evicted_tokens += freed
-        return freed
-
-    def _demote(self, node: TreeNode) -> None:
-        self.ctl.device.release(self.tree.clear_device(node))
-        self.events.removed(node, Medium.DEVICE)
-
-    def _delete(self, node: TreeNode) -> None:
-        if node.device_value is not None:
-            self.ctl.device.release(node.device_value)
-            self.events.removed(node, Medium.DEVICE)
-        if node.host_value is not None:
-            self.ctl.host.release(node.host_value)
-            self.events.removed(node, Medium.HOST)
-        self.tree.detach_leaf(node)
-
-    # -- L2 eviction -----------------------------------------------------------------
+        """Free at least ``num_tokens`` of L1 if possible (``Evictions.evict_device``)."""
+        return self.evictions.evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L2 from L2-only leaves not protected by
-        ``host_ref`` (backups, prefetch anchors, unexpired pins). Returns tokens freed."""
-        tree, now = self.tree, self.clock()
-        leaves = tree.host_leaves
-        leaves.begin()
-        kept = []
-        freed = 0
-        while freed < num_tokens:
-            node = leaves.pop()
-            if node is None:
-                break
-            if node.pinned and node.pin_expiry < now:
-                self.pins.clear(node)
-            if node.host_ref > 0:
-                kept.append(node)
-                continue
-            freed += tree.tokens(node)
-            self._delete(node)
-        for node in kept:
-            leaves.requeue(node)
-        self.stats.host_evicted_tokens += freed
-        return freed
-
-    # -- load back -------------------------------------------------------------------
+        """Free at least ``num_tokens`` of L2 if possible (``Evictions.evict_host``)."""
+        return self.evictions.evict_host(num_tokens)
 
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> LoadBack | None:
-        """Queue an L2 -> L1 load of the whole L1-evicted chain ending at ``node``, or
-        nothing: ``None`` when ``node`` is on device, the chain is shorter than
-        ``load_back_threshold`` or longer than ``mem_quota`` tokens, or L1 has no
-        room even after evicting. ``node`` stays locked until the load completes."""
-        tree = self.tree
-        chain = []
-        top = node
-        while top is not tree.root and top.device_value is None:
-            chain.append(top)
-            top = top.parent  # type: ignore[assignment]
-        if not chain:
-            return None
-        chain.reverse()
-        tokens = sum(tree.tokens(n) for n in chain)
-        if tokens < self.config.load_back_threshold:
-            return None
-        if mem_quota is not None and tokens > mem_quota:
-            return None
-        # Making room in L1 may write back to L2 (write_back), which may evict L2:
-        # the chain being loaded must survive both.
-        tree.inc_lock_ref(top)
-        node.host_ref += 1
-        device = self._alloc(self.ctl.device, tokens, self.evict)
-        node.host_ref -= 1
-        tree.dec_lock_ref(top)
-        if device is None:
-            return None
-        host = as_pages()
-        offset = 0
-        for n in chain:
-            k = tree.pages(n)
-            host.extend(n.host_value)  # type: ignore[arg-type]
-            tree.set_device(n, device[offset : offset + k])
-            self.events.stored(n, Medium.DEVICE)
-            offset += k
-        tree.inc_lock_ref(node)
-        op_id = self.next_op_id()
-        self.pending_loads.append((op_id, node))
-        self.ctl.load(op_id, host, device)
-        self.stats.loaded_back_tokens += tokens
-        return LoadBack(op_id, tokens, device, node)
+        """Queue an L2 -> L1 load of the L1-evicted chain ending at ``node``, or nothing
+        (``LoadBacks.load_back``)."""
+        return self.loads.load_back(node, mem_quota)
+
+    @property
+    def pending_loads(self) -> deque[tuple[int, TreeNode]]:
+        return self.loads.pending
 
     def complete_loads(self, n: int) -> None:
         """The ``n`` oldest queued loads finished on every rank."""
-        check_count("loads", n, len(self.pending_loads))
-        for _ in range(n):
-            _, node = self.pending_loads.popleft()
-            self.tree.dec_lock_ref(node)
+        self.loads.complete(n)
 
     # -- pins ------------------------------------------------------------------------
 

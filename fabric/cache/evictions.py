@@ -1,0 +1,118 @@
+"""L1 and L2 eviction: which leaves leave, in the eviction policy's order, and
+what leaving means for each (demoted to L2, written back first, or deleted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fabric.cache.controller import Controller
+from fabric.cache.events import EventLog, Medium
+from fabric.cache.node import TreeNode
+from fabric.cache.pins import Pins
+from fabric.cache.radix import RadixTree
+from fabric.cache.results import CacheStats
+from policies import WritePolicy
+
+
+class Evictions:
+    """The eviction loops of one cache. Its collaborators: the tree, the controller
+    (whose pools get the pages back), the write policy, the pins, the event log,
+    a way to queue a write-back (``Writes.write_backup``), the clock and counters."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        ctl: Controller,
+        policy: WritePolicy,
+        pins: Pins,
+        events: EventLog,
+        write_backup: Callable[[TreeNode, bool], int],
+        clock: Callable[[], float],
+        stats: CacheStats,
+    ) -> None:
+        self.tree = tree
+        self.ctl = ctl
+        self.policy = policy
+        self.pins = pins
+        self.events = events
+        self.write_backup = write_backup
+        self.clock = clock
+        self.stats = stats
+
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of L1 if possible, leaves first in policy order.
+
+        A backed-up leaf is demoted (its L1 pages freed, the node kept in L2); one
+        that is not is deleted, or under ``write_back`` (and for an active pin)
+        written to L2 first and demoted when that completes. Returns tokens
+        freed now; write-backs free theirs later.
+        """
+        tree, now = self.tree, self.clock()
+        leaves = tree.device_leaves
+        leaves.begin()
+        kept = []
+        freed = scheduled = 0
+        while freed + scheduled < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
+            tokens = tree.tokens(node)
+            if node.pinned and node.pin_expiry < now:
+                self.pins.clear(node)
+            if node.host_value is not None:
+                self.demote(node)
+                freed += tokens
+            elif (node.pinned or self.policy.write_back) and self.write_backup(node, True):
+                scheduled += tokens
+            elif node.children:
+                # Only under write_back: L2-only children and no room in L2 to keep
+                # this node; deleting it would orphan them.
+                kept.append(node)
+            else:
+                if node.pinned:
+                    self.pins.clear(node)
+                self.delete(node)
+                freed += tokens
+        for node in kept:
+            leaves.requeue(node)
+        self.stats.device_evicted_tokens += freed
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of L2 from L2-only leaves not protected by
+        ``host_ref`` (backups, prefetch anchors, unexpired pins). Returns tokens freed."""
+        tree, now = self.tree, self.clock()
+        leaves = tree.host_leaves
+        leaves.begin()
+        kept = []
+        freed = 0
+        while freed < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
+            if node.pinned and node.pin_expiry < now:
+                self.pins.clear(node)
+            if node.host_ref > 0:
+                kept.append(node)
+                continue
+            freed += tree.tokens(node)
+            self.delete(node)
+        for node in kept:
+            leaves.requeue(node)
+        self.stats.host_evicted_tokens += freed
+        return freed
+
+    def demote(self, node: TreeNode) -> None:
+        """Drop ``node``'s L1 copy; it stays in L2."""
+        self.ctl.device.release(self.tree.clear_device(node))
+        self.events.removed(node, Medium.DEVICE)
+
+    def delete(self, node: TreeNode) -> None:
+        """Remove the leaf ``node`` from the tree, its pages back to their pools."""
+        if node.device_value is not None:
+            self.ctl.device.release(node.device_value)
+            self.events.removed(node, Medium.DEVICE)
+        if node.host_value is not None:
+            self.ctl.host.release(node.host_value)
+            self.events.removed(node, Medium.HOST)
+        self.tree.detach_leaf(node)
