@@ -4,7 +4,7 @@ import pytest
 
 from fabric.cache.events import BlockStored, Medium
 from fabric.errors import InvalidInput
-from tests.helpers import P, make_cache, put, toks
+from tests.helpers import P, FakeClock, make_cache, put, toks
 
 
 def test_insert_then_match_returns_device_pages_and_splits_inside_a_node():
@@ -138,3 +138,19 @@ def test_a_request_is_hashed_once_and_integrity_checks_every_kept_hash():
     leaf.page_hashes = list(reversed(leaf.page_hashes))
     with pytest.raises(IntegrityError, match="page hashes differ"):
         c.check_integrity()
+
+
+def test_a_match_that_splits_a_node_refreshes_only_the_matched_half():
+    # SGLang refreshes the whole node it splits; kvfabric only the half the
+    # match used, so the unused tail keeps its age and is evicted first (a
+    # documented difference: docs/architecture.md).
+    clock = FakeClock()
+    c = make_cache(device_pages=4, write_policy="write_through_selective", clock=clock)
+    put(c, toks(1, 2, 3))
+    clock.advance(10)
+    upper = c.match_prefix(c.key(toks(1, 9))).last_device_node
+    (lower,) = upper.children.values()
+    assert upper.last_access == 11.0 and lower.last_access == 1.0
+    put(c, toks(7))  # takes the last free page
+    assert c.evict(P) == 2 * P
+    assert lower.parent is None and upper.device_value is not None, "the stale tail went first"
