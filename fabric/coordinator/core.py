@@ -286,7 +286,7 @@ class CoordinatorCore:
             return False
         req.compute_cmds = self.ctl.compute(req.key, admitted.start_page, admitted.new_pages)
         req.node = admitted.node
-        req.device_pages = admitted.device_pages
+        req.device_pages = tuple(admitted.device_pages)  # the lease crosses to drivers
         req.device_hit, req.host_hit = admitted.device_hit, admitted.host_hit
         req.storage_hit = admitted.storage_hit
         req.computed = req.prompt_tokens - req.device_hit - req.host_hit - req.storage_hit

@@ -33,6 +33,7 @@ def test_stale_or_cross_namespace_pages_fail_verification():
     f = LocalFabric(small_config())
     a = pack_tokens(prompt(1, pages=3))
     r = f.serve(a)
+    assert type(r.lease.device_pages) is tuple, "a lease holds plain ints, not the core's arrays"
     assert f.verify(r, a) == [True] * 4
     assert f.verify(r, pack_tokens(prompt(2, pages=3))) == [False] * 4
     other = f.serve(a, namespace="tenant-b")
