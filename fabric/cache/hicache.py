@@ -226,7 +226,7 @@ class HiCache:
         if offset < key.num_pages:
             last = tree.attach(last, ns, data[offset * pb :], now, priority)
             last.page_hashes = key.known_hashes(offset)  # hashed once per request
-            tree.set_device(last, given[offset - start :])
+            tree.set_device(last, given if offset == start else given[offset - start :])
             self.events.stored(last, Medium.DEVICE)
             self.writes.on_hit(last)
         return last

@@ -4,7 +4,7 @@ import pytest
 
 from fabric.cache.events import BlockStored, Medium
 from fabric.errors import InvalidInput
-from tests.helpers import P, FakeClock, make_cache, put, toks
+from tests.helpers import FakeClock, P, make_cache, put, toks
 
 
 def test_insert_then_match_returns_device_pages_and_splits_inside_a_node():
