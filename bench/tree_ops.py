@@ -10,7 +10,9 @@ trace) at page sizes 16 and 64 through:
 - **kvfabric, whole core** (L1, L2 and an in-memory L3; page hashes; events
   off and on): ``request_us`` is everything the core does for a request — the
   key and its SHA-256 page hashes, the L3 prefetch, the admission, the release,
-  the step's write-throughs, backups and completions, the events;
+  the step's write-throughs, backups and completions, the events (it includes
+  ``in_process_stand_in_us``, the in-memory L3 and completions that ranks and
+  the storage actor keep in their own processes in a fabric);
 - **the baseline**: SGLang's ``RadixCache`` algorithm and paged allocator
   (``bench/sglang_style_radix.py``: match, lock, evict, allocate, insert,
   unlock), one tier, events off and on; or, with ``--peer sglang``, the real
@@ -79,6 +81,7 @@ def run_ours(packed: list[bytes], cfg: FabricConfig, storage: bool) -> dict:
     return {
         "tree": summary(s.tree_us),
         "request": summary(s.request_us),
+        "in_process_stand_in_us": round(statistics.fmean(s.stand_in_us), 2),
         "tokens_by_tier": s.tokens.as_dict(),
         "hit_tokens": s.tokens.device + s.tokens.host + s.tokens.storage,
         "refused_requests": s.refused_requests,
@@ -242,7 +245,8 @@ def main() -> None:
         print(
             f"page {page:>2}: whole core (3 tiers, hashes) events off {core_off['request']['us']} us "
             f"vs {base_off['us']} -> {row['core_ratio_events_off']}x; events on "
-            f"{core_on['request']['us']} us vs {base_on['us']} -> {row['core_ratio_events_on']}x; "
+            f"{core_on['request']['us']} us vs {base_on['us']} -> {row['core_ratio_events_on']}x "
+            f"(of which in-process L3 stand-in {core_on['in_process_stand_in_us']} us); "
             f"tiers {core_on['tokens_by_tier']}",
             file=sys.stderr,
         )

@@ -33,6 +33,8 @@ class InProcessController(Controller):
     next ``take_completions``; otherwise nothing is, and the test tells the
     cache of completions itself (``HiCache.complete_writes`` and the rest).
     ``storage`` stands in for L3: the set of page hashes that backups stored.
+    ``busy_s`` sums the time spent in ``take_completions`` (what ranks and the
+    storage actor would do elsewhere: storing hashes, answering hit queries).
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class InProcessController(Controller):
         self.page_size = page_size
         self.immediate = immediate
         self.storage: set[bytes] = set()
+        self.busy_s = 0.0
         self.reset_queues()
 
     def reset_queues(self) -> None:
@@ -83,6 +86,7 @@ class InProcessController(Controller):
     def take_completions(self) -> Completions:
         if not self.immediate:
             return Completions()
+        t0 = time.perf_counter()
         for b in self.backups:
             self.storage.update(b.page_hashes)
         done = Completions(
@@ -96,6 +100,7 @@ class InProcessController(Controller):
             prefetch_released=frozenset(self.stopped),
         )
         self.reset_queues()
+        self.busy_s += time.perf_counter() - t0
         return done
 
     def reset(self) -> None:
@@ -112,6 +117,7 @@ class ReplayStats:
     tokens: TierTokens = field(default_factory=TierTokens)
     tree_us: list[float] = field(default_factory=list)
     request_us: list[float] = field(default_factory=list)
+    stand_in_us: list[float] = field(default_factory=list)
 
 
 class CoreReplay:
@@ -122,7 +128,9 @@ class CoreReplay:
     prompt (match, load-back, locks, allocation with eviction, insert);
     ``request_us`` everything the core does for it (the key and its page hashes,
     the prefetch, the admission, the release, the step's write-throughs,
-    backups and completions, the events)."""
+    backups and completions, the events); ``stand_in_us`` the part of it spent
+    in the in-process controller (the in-memory L3 and completions, which ranks
+    and the storage actor do in their own processes in a fabric)."""
 
     def __init__(self, config: FabricConfig, storage: bool = True, namespace: str = "default"):
         cc = config.cache
@@ -136,7 +144,7 @@ class CoreReplay:
 
     def serve(self, packed: bytes) -> None:
         cache, stats = self.cache, self.stats
-        t0 = time.perf_counter()
+        t0, busy = time.perf_counter(), self.ctl.busy_s
         key = TokenKey(packed, cache.page_size, self.namespace)
         stats.requests += 1
         stats.prompt_tokens += key.num_tokens
@@ -167,6 +175,7 @@ class CoreReplay:
         cache.take_events()
         stats.tree_us.append((t2 - t1) * 1e6)
         stats.request_us.append((time.perf_counter() - t0) * 1e6)
+        stats.stand_in_us.append((self.ctl.busy_s - busy) * 1e6)
 
     def run(
         self, prompts: Iterable[bytes], progress: Callable[[int], None] | None = None
