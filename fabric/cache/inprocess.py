@@ -22,8 +22,8 @@ from fabric.config import FabricConfig
 @dataclass
 class _Queued:
     op_id: int
-    host_pages: tuple[int, ...] = ()
-    page_hashes: tuple[bytes, ...] = ()
+    host_pages: Sequence[int] = ()
+    page_hashes: Sequence[bytes] = ()
 
 
 class InProcessController(Controller):
@@ -63,7 +63,7 @@ class InProcessController(Controller):
         self.loads.append(op_id)
 
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        self.backups.append(_Queued(op_id, tuple(host_pages), tuple(page_hashes)))
+        self.backups.append(_Queued(op_id, host_pages, page_hashes))  # kept, not copied
 
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
         self.queries.append(_Queued(op_id, (), tuple(page_hashes)))
