@@ -23,10 +23,12 @@ from fabric.cache.node import TreeNode
 class Admitted:
     """A prompt made resident in L1 and locked at ``node``: ``device_pages`` hold
     every page of it; ``new_pages`` (from page ``start_page`` on) still need their
-    KV computed. Hits are in tokens; ``storage_hit`` counts L2 pages a prefetch
+    KV computed; ``prefix_node`` ends the cached prefix before them (its chain
+    hash is where their hashes continue). Hits are in tokens; ``storage_hit`` counts L2 pages a prefetch
     brought from L3 and that were loaded back."""
 
     node: TreeNode
+    prefix_node: TreeNode
     device_pages: Pages
     start_page: int
     new_pages: Pages
@@ -75,6 +77,7 @@ class Admission:
         cache.dec_lock_ref(match.last_device_node)
         return Admitted(
             node,
+            match.last_device_node,
             match.device_pages + new_pages,
             match.device_tokens // key.page_size,
             new_pages,

@@ -247,6 +247,11 @@ class RadixTree:
             n.page_hashes = chain_hashes(prev, n.key, self.page_bytes)
         return (missing[0] if missing else node).page_hashes  # type: ignore[return-value]
 
+    def chain_hash(self, node: TreeNode, namespace: str) -> bytes:
+        """The page-hash chain up to the end of ``node`` (the namespace's seed at the
+        root), computing any missing hashes along its path once."""
+        return namespace_seed(namespace) if node is self.root else self.page_hashes(node)[-1]
+
     def depth_pages(self, node: TreeNode) -> int:
         """Pages from the root to the end of ``node``."""
         total = 0

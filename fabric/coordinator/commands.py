@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.controller import Completions, Controller
-from fabric.cache.keys import MAX_NAMESPACE_CHARS, TokenKey, namespace_seed
+from fabric.cache.keys import MAX_NAMESPACE_CHARS, TokenKey
 from fabric.config import CacheConfig
 from fabric.coordinator.consensus import Round
 from fabric.errors import ConfigError
@@ -128,20 +128,25 @@ class FabricController(Controller):
     def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
         self.loads.add(self._copies(Load, op_id, host_pages, device_pages), op_id)
 
-    def compute(self, key: TokenKey, start_page: int, pages: Sequence[int]) -> tuple[int, ...]:
+    def compute(
+        self, key: TokenKey, start_page: int, pages: Sequence[int], prev: bytes
+    ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of ``key``'s pages from ``start_page`` on,
         in as many commands as the message limit needs (one, empty, when nothing is
-        missing: it still orders the request after its loads). Returns their ids."""
+        missing: it still orders the request after its loads). ``prev`` is the chain
+        hash of the pages before ``start_page`` (the tree knows it): only the new
+        pages are hashed, and only when a compute is cut in chunks. Returns their ids."""
         pb = key.page_bytes
-        hashes = key.page_hashes() if start_page or len(pages) > self.compute_pages else []
+        step = self.compute_pages
+        hashes = key.chain_from(start_page, prev) if len(pages) > step else []
         cmds = []
-        for offset in range(0, max(len(pages), 1), self.compute_pages):
+        for offset in range(0, max(len(pages), 1), step):
             first = start_page + offset
-            chunk = tuple(pages[offset : offset + self.compute_pages])
-            prev = hashes[first - 1] if first else namespace_seed(key.namespace)
+            chunk = tuple(pages[offset : offset + step])
+            chain = hashes[offset - 1] if offset else prev
             tokens = key.data[first * pb : (first + len(chunk)) * pb]
             cmd = self._cmd_id()
-            self._send(Compute(cmd, key.namespace, prev, tokens, first * self.page_size, chunk))
+            self._send(Compute(cmd, key.namespace, chain, tokens, first * self.page_size, chunk))
             self.computes.append(cmd)
             cmds.append(cmd)
         return tuple(cmds)

@@ -284,7 +284,8 @@ class CoordinatorCore:
         admitted = self.admission.admit(req.key, req.priority, req.prefetched)
         if admitted is None:
             return False
-        req.compute_cmds = self.ctl.compute(req.key, admitted.start_page, admitted.new_pages)
+        prev = self.cache.tree.chain_hash(admitted.prefix_node, req.key.namespace)
+        req.compute_cmds = self.ctl.compute(req.key, admitted.start_page, admitted.new_pages, prev)
         req.node = admitted.node
         req.device_pages = tuple(admitted.device_pages)  # the lease crosses to drivers
         req.device_hit, req.host_hit = admitted.device_hit, admitted.host_hit

@@ -3,12 +3,14 @@ stepped by hand, so consensus is tested without timing."""
 
 import pytest
 
+import fabric.cache.keys
+import fabric.cache.radix
 from fabric.cache.keys import pack_tokens
 from fabric.errors import InvalidInput
 from fabric.local import LocalFabric
 from fabric.messages import decode, encode
 from fabric.rank.worker import RankWorker
-from tests.helpers import prompt, small_config
+from tests.helpers import prompt, small_config, storage_options
 
 
 def test_tp2_pp2_overlapping_prompts_evictions_and_load_backs_verify_on_every_rank():
@@ -303,3 +305,31 @@ def test_ranks_forget_failures_once_the_coordinator_has_committed_them():
     f.step()
     assert f.ranks[1].report().failed == (), "committed, so forgotten: reports stay small"
     assert f.core.cache.stats.failed_write_tokens == 8
+
+
+@pytest.mark.parametrize("l3", [False, True])
+def test_the_coordinator_hashes_only_the_pages_a_request_adds(monkeypatch, tmp_path, l3):
+    # Page hashes (L3 keys, event ids, the chain a compute continues) are kept on
+    # the tree and the key: a request that extends a cached prompt by 4 pages
+    # costs the coordinator 4 SHA-256s, whatever the prompt's length.
+    hashed = []
+    real = fabric.cache.keys.chain_hashes
+
+    def counting(prev, data, page_bytes):
+        hashed.append(len(data) // page_bytes)
+        return real(prev, data, page_bytes)
+
+    monkeypatch.setattr(fabric.cache.keys, "chain_hashes", counting)
+    monkeypatch.setattr(fabric.cache.radix, "chain_hashes", counting)
+    extra = [*storage_options(tmp_path), "prefetch.threshold_tokens=0"] if l3 else []
+    f = LocalFabric(small_config("cache.device_tokens=192", "cache.host_tokens=384", *extra))
+    tokens = prompt(1, pages=20)
+    for _ in range(2):
+        r = f.serve(pack_tokens(tokens))
+        assert f.core.release(r.lease)
+        f.settle()
+    hashed.clear()
+    r = f.serve(pack_tokens(tokens + prompt(2, pages=4)))
+    f.settle()
+    assert r.device_hit_tokens == 20 * 4 and f.verify(r, pack_tokens(tokens + prompt(2, pages=4)))
+    assert sum(hashed) == 4, f"hashed {hashed} pages"
