@@ -38,9 +38,9 @@ class PagedAllocator:
     expected refusal). ``free`` of a page that is already free, out of range or
     repeated raises ``InvalidInput`` and frees nothing.
 
-    The free pages are a stack in a numpy array (lowest on top) and a per-page
-    free flag: an allocation or a free of thousands of pages (a long leaf
-    evicted) is a few vector operations, checks included, not a Python loop.
+    The stack is a numpy array beside a per-page free flag: an allocation or a
+    free of thousands of pages (a long leaf evicted) is a few vector
+    operations, checks included, not a Python loop. Memory: 17 bytes a page.
     """
 
     def __init__(self, num_pages: int, page_size: int, name: str = "pool") -> None:
