@@ -107,9 +107,16 @@ def run_peer(keys: list[array], cfg: FabricConfig, peer: str) -> dict:
     return {**summary(times), "hit_tokens": hits, "refused_requests": refused}
 
 
-def best(runs: list[dict], field: str) -> dict:
-    """The run with the lowest mean (the least disturbed by the rest of the machine)."""
-    return min(runs, key=lambda r: r[field]["us"] if field else r["us"])
+def best(runs: list[dict], *path: str) -> dict:
+    """The run with the lowest mean at ``path`` (the one the rest of the machine
+    disturbed least)."""
+
+    def mean(run: dict) -> float:
+        for name in path:
+            run = run[name]
+        return run["us"]
+
+    return min(runs, key=mean)
 
 
 class RealSGLang:
@@ -221,10 +228,9 @@ def main() -> None:
             runs["on"].append(run_ours(packed, on, storage=True))
             runs["b_on"].append(run_peer(keys, on, peer))
             print(f"page {page}: round {i + 1}/{args.repeat} done", file=sys.stderr)
-        tree, core_off, core_on = (
-            best(runs[k], f) for k, f in (("tree", "tree"), ("off", "request"), ("on", "request"))
-        )
-        base_off, base_on = best(runs["b_off"], ""), best(runs["b_on"], "")
+        tree = best(runs["tree"], "tree")
+        core_off, core_on = best(runs["off"], "request"), best(runs["on"], "request")
+        base_off, base_on = best(runs["b_off"]), best(runs["b_on"])
         row = {
             "kvfabric_one_tier": tree,
             "kvfabric_core_events_off": core_off,
