@@ -54,6 +54,7 @@ class CoordinatorCore:
         self.prefetching: dict[str, ServingRequest] = {}
         self._forget: set[int] = set()
         self.leases: dict[str, HeldLease] = {}
+        self._leased_ids: set[str] = set()  # request ids of self.leases, for submit
         self._expiry: list[tuple[float, str]] = []
         self.absent: dict[int, float] = {}
         self._absent_reason: dict[int, str] = {}
@@ -114,7 +115,7 @@ class CoordinatorCore:
             rid in self.running
             or rid in self.prefetching
             or any(r.rid == rid for r in self.waiting)
-            or any(h.lease.request_id == rid for h in self.leases.values())
+            or rid in self._leased_ids
         )
 
     def abort(self, request_id: str) -> RequestResult | None:
@@ -169,6 +170,7 @@ class CoordinatorCore:
 
     def _drop_lease(self, held: HeldLease) -> None:
         del self.leases[held.lease.token]
+        self._leased_ids.discard(held.lease.request_id)
         self.cache.dec_lock_ref(held.node)
         self._blocked = False
 
@@ -391,6 +393,7 @@ class CoordinatorCore:
         assert req.node is not None
         held = HeldLease(lease, req.node, req.owner, self.clock() + ttl)
         self.leases[lease.token] = held
+        self._leased_ids.add(req.rid)
         heapq.heappush(self._expiry, (held.expires_at, lease.token))
         return RequestResult(
             req.rid,
@@ -466,6 +469,7 @@ class CoordinatorCore:
         self.epoch += 1
         self._blocked = False
         self.leases.clear()
+        self._leased_ids.clear()
         self._expiry.clear()
         out = self._take_failed()
         limit = self.config.runtime.max_request_retries

@@ -136,6 +136,12 @@ def test_bad_input_is_refused_and_the_fabric_keeps_serving():
     with pytest.raises(InvalidInput, match="already in use"):
         f.core.submit(pack_tokens(range(8)), "a", request_id="x")
     assert f.serve(pack_tokens(range(8)), "b").error is None
+    while "x" not in f.results:
+        f.step()
+    with pytest.raises(InvalidInput, match="already in use"):  # its lease is held
+        f.core.submit(pack_tokens(range(8)), "a", request_id="x")
+    assert f.core.release(f.results.pop("x").lease)
+    f.core.submit(pack_tokens(range(8)), "a", request_id="x")
 
 
 def test_abort_of_waiting_and_running_requests():
