@@ -18,7 +18,7 @@ from enum import StrEnum
 from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, Medium
-from fabric.cache.keys import TokenKey, namespace_seed
+from fabric.cache.keys import TokenKey
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree, common_pages
 from fabric.cache.results import MatchResult, check_count
@@ -199,10 +199,7 @@ class L3Queues:
         requested = (key.num_pages - start_page) * self.page_size
         if self.inflight_tokens + requested > self.max_inflight_tokens:
             return self._refuse("rate limited")
-        prev = (
-            namespace_seed(key.namespace) if anchor is tree.root else tree.page_hashes(anchor)[-1]
-        )
-        hashes = key.chain_from(start_page, prev)
+        hashes = key.chain_from(start_page, tree.chain_hash(anchor, key.namespace))
         op = PrefetchOp(
             op_id=self.next_op_id(),
             req_id=req_id,
