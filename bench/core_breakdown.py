@@ -1,0 +1,108 @@
+"""Where the whole core's time goes per request: ``CoreReplay`` (three tiers,
+in-memory L3, events off by default) with timers wrapped around its parts.
+
+Prints, per request: the whole core, SHA-256 page hashing (and pages hashed,
+µs per page), the in-process stand-in (in-memory L3 and completions), the
+admission, write-through queueing, applying completions, and how often
+``match_prefix`` runs (its time is part of the admission's and the prefetch's).
+The wrappers add ~1 µs per wrapped call, so the parts
+are upper bounds. The last line is one JSON object.
+
+    python3 bench/core_breakdown.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections import Counter
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import fabric.cache.keys as keys
+import fabric.cache.radix as radix
+from fabric.cache.admission import Admission
+from fabric.cache.hicache import HiCache
+from fabric.cache.inprocess import CoreReplay, InProcessController
+from fabric.config import FabricConfig
+from fabric.workload import iter_packed, read_trace, synthetic_trace
+
+spent: Counter[str] = Counter()
+calls: Counter[str] = Counter()
+
+
+def timed(owner: object, name: str, label: str) -> None:
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - t0
+            calls[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--trace", help="Mooncake-format JSONL trace (default: synthetic)")
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--events", action="store_true", help="KV events on")
+    args = ap.parse_args()
+    requests = (
+        read_trace(args.trace, args.requests) if args.trace else synthetic_trace(args.requests)
+    )
+    packed = [p for _, p in iter_packed(requests)]
+    config = FabricConfig().with_overrides(
+        [
+            f"cache.page_size={args.page}",
+            "cache.device_tokens=2097152",
+            "cache.host_tokens=20971520",
+            f"cache.kv_events={str(args.events).lower()}",
+        ]
+    )
+    hashed = [0]
+    real_chain = keys.chain_hashes
+
+    def counting(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
+        hashed[0] += len(data) // page_bytes
+        return real_chain(prev, data, page_bytes)
+
+    keys.chain_hashes = counting
+    timed(keys, "chain_hashes", "sha256_page_hashes")
+    radix.chain_hashes = keys.chain_hashes  # the tree imported it by name
+    timed(InProcessController, "take_completions", "in_process_stand_in")
+    timed(Admission, "admit", "admission")
+    timed(HiCache, "write_through", "write_through_queueing")
+    timed(HiCache, "apply", "apply_completions")
+    timed(HiCache, "match_prefix", "match_prefix")
+    replay = CoreReplay(config, storage=True)
+    for data in packed:
+        replay.serve(data)
+    n = len(packed)
+    out = {
+        "requests": n,
+        "page": args.page,
+        "events": args.events,
+        "whole_core_us": round(statistics.fmean(replay.stats.request_us), 1),
+        **{f"{k}_us": round(v * 1e6 / n, 1) for k, v in spent.items()},
+        "pages_hashed_per_request": round(hashed[0] / n, 1),
+        "us_per_page_hash": round(spent["sha256_page_hashes"] * 1e6 / max(hashed[0], 1), 3),
+        "match_prefix_calls_per_request": round(calls["match_prefix"] / n, 2),
+    }
+    for k, v in out.items():
+        print(f"{k:>32}: {v}", file=sys.stderr)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
