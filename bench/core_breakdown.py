@@ -81,7 +81,7 @@ def main() -> None:
     timed(keys, "chain_hashes", "sha256_page_hashes")
     radix.chain_hashes = keys.chain_hashes  # the tree imported it by name
     timed(InProcessController, "take_completions", "in_process_stand_in")
-    timed(Admission, "admit", "admission")
+    timed(Admission, "prefill", "admission")
     timed(HiCache, "write_through", "write_through_queueing")
     timed(HiCache, "apply", "apply_completions")
     timed(HiCache, "match_prefix", "match_prefix")

@@ -1,11 +1,22 @@
 """The request lifecycle over one cache — the one the coordinator serves with, the
 in-process replay runs and the benches measure.
 
-``start_prefetch`` (when L3 may hold more than L1 and L2), ``check_prefetch``
-until it ends, then ``admit``: match, load the L2 tail back, lock, make room in
-L1, allocate the missing pages and insert the whole prompt. The caller has the
-missing pages computed (``Admitted.new_pages`` from ``start_page`` on) and
-unlocks ``Admitted.node`` when it is done with the KV.
+A request holds its KV in a ``RequestKV`` from ``begin`` to ``release``:
+
+- ``start_prefetch`` / ``check_prefetch``, when L3 may hold more than L1 and L2;
+- ``prefill`` up to a token count — the whole prompt at once, or chunk by chunk:
+  match, load the L2 tail back, make room in L1 and insert the new whole pages,
+  the request's lock moving to the new last node, so a request sharing the
+  prefix hits the chunks already placed. Tokens past the last whole page go to
+  a page of the request's own, outside the tree (the reference keeps a
+  request's unaligned tail the same way: it is cached only once a page is full);
+- ``append`` (decode): generated tokens join the request; a page they fill
+  enters the tree, so the next turn hits through the answer;
+- ``release`` (finish or abort): the request's own page is freed and its lock
+  dropped — or, with ``end``, the lock is handed on (a lease, a session).
+
+Each step returns a ``Fill``: the L1 pages whose KV the caller has the ranks
+compute. ``None`` from a step means L1 has no room now and nothing changed.
 """
 
 from __future__ import annotations
@@ -13,33 +24,82 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from fabric.cache.allocator import Pages
+from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.hicache import HiCache
-from fabric.cache.keys import TokenKey
+from fabric.cache.keys import TOKEN_BYTES, TokenKey, check_namespace
 from fabric.cache.node import TreeNode
+from fabric.errors import InvalidInput
 
 
-@dataclass(slots=True)  # not frozen: a frozen init costs ~1 us per request
-class Admitted:
-    """A prompt made resident in L1 and locked at ``node``: ``device_pages`` hold
-    every page of it; ``new_pages`` (from page ``start_page`` on) still need their
-    KV computed; ``prefix_node`` ends the cached prefix before them (its chain
-    hash is where their hashes continue). Hits are in tokens; ``storage_hit`` counts L2 pages a prefetch
-    brought from L3 and that were loaded back."""
+@dataclass(eq=False, slots=True)
+class RequestKV:
+    """The KV one request holds in the cache.
 
+    ``tokens``: all its token ids so far, packed (``fabric.cache.keys``): the
+    prompt, then appended output. KV is placed for the first ``filled`` of them:
+    whole pages in the tree (``pages``, ending at ``node``, which this request
+    keeps locked) and past them, fewer than a page of tokens in ``tail_page``, an
+    L1 page leased to the request alone. Hits and computed tokens add up over
+    every step; ``prefetched`` counts L2 tokens its prefetch brought from L3 that
+    no step has loaded back yet."""
+
+    namespace: str
+    priority: int
+    page_size: int
+    tokens: bytes | bytearray
     node: TreeNode
+    pages: Pages
+    key: TokenKey | None = None  # the prompt's key while ``tokens`` still ends with it
+    tail_page: int | None = None
+    filled: int = 0
+    prefetched: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    storage_hit: int = 0
+    computed: int = 0
+    ended: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of whole pages in the tree that this request holds."""
+        return len(self.pages) * self.page_size
+
+    @property
+    def device_pages(self) -> Pages:
+        """L1 pages of every filled token, the request's own tail page last."""
+        if self.tail_page is None:
+            return self.pages
+        return self.pages + as_pages((self.tail_page,))
+
+
+@dataclass(slots=True)
+class Fill:
+    """What a step asks the ranks to compute: KV for token positions
+    ``[first_new, end)`` into ``pages``, which cover ``[start, end)`` from the
+    page-aligned ``start`` (KV before ``first_new`` in the first page is there
+    already). ``prefix_node`` ends the cached pages before ``start``: their chain
+    hash is where the new pages' hashes continue."""
+
+    start: int
+    first_new: int
+    end: int
+    pages: Pages
     prefix_node: TreeNode
-    device_pages: Pages
-    start_page: int
-    new_pages: Pages
-    device_hit: int
-    host_hit: int
-    storage_hit: int
+
+    @property
+    def new_tokens(self) -> int:
+        return self.end - self.first_new
 
 
 class Admission:
     def __init__(self, cache: HiCache) -> None:
         self.cache = cache
+
+    # -- L3 ------------------------------------------------------------------------
 
     def start_prefetch(self, req_id: Hashable, key: TokenKey) -> bool:
         """Start fetching from L3 what L1 and L2 lack of ``key``; ``False`` when not
@@ -54,34 +114,146 @@ class Admission:
         to L2 (0 for none)."""
         return self.cache.storage.check_prefetch(req_id)
 
-    def admit(self, key: TokenKey, priority: int = 0, prefetched: int = 0) -> Admitted | None:
-        """Make ``key`` resident and locked; ``None`` (nothing changed) when L1 has no
-        room now. ``prefetched``: tokens its prefetch added to L2."""
-        cache = self.cache
-        match = cache.match_prefix(key)
-        device_hit = match.device_tokens
-        host_hit = storage_hit = 0
+    # -- the steps -------------------------------------------------------------------
+
+    def begin(
+        self,
+        tokens: bytes | TokenKey,
+        namespace: str = "default",
+        priority: int = 0,
+        prefetched: int = 0,
+    ) -> RequestKV:
+        """A request with packed ``tokens`` (or a prompt's key, whose unaligned tail
+        it lacks) and nothing placed yet. Changes nothing in the cache."""
+        key = tokens if isinstance(tokens, TokenKey) else None
+        data = key.data if key is not None else tokens
+        if not isinstance(data, bytes) or len(data) % TOKEN_BYTES:
+            raise InvalidInput("tokens must be packed uint32 token ids (bytes)")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
+        ns = key.namespace if key is not None else check_namespace(namespace)
+        root = self.cache.tree.root
+        return RequestKV(
+            ns, priority, self.cache.page_size, data, root, as_pages(), key, prefetched=prefetched
+        )
+
+    def prefill(self, req: RequestKV, upto: int) -> Fill | None:
+        """Place KV for the request's tokens up to ``upto`` (a chunk end or the whole
+        prompt): whole pages into the tree, the rest into its own page. ``None``
+        when L1 has no room now (nothing changed)."""
+        self._check_open(req)
+        if not isinstance(upto, int) or not req.filled <= upto <= req.num_tokens:
+            raise InvalidInput(
+                f"prefill up to {upto!r} is refused: allowed is an int in "
+                f"[{req.filled}, {req.num_tokens}] (filled .. known tokens)"
+            )
+        ps = req.page_size
+        aligned = upto - upto % ps
+        if aligned <= req.cached_tokens:
+            return self._fill_tail(req, upto)
+        return self._fill_pages(req, aligned, upto)
+
+    def append(self, req: RequestKV, tokens: bytes) -> Fill | None:
+        """Decode: ``tokens`` (packed) join the request and their KV is placed. ``None``
+        (the tokens not added) when L1 has no room now."""
+        self._check_open(req)
+        if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
+            raise InvalidInput("append takes packed uint32 token ids (non-empty bytes)")
+        if req.filled != req.num_tokens:
+            raise InvalidInput(
+                f"append before the prompt is filled ({req.filled} of {req.num_tokens} tokens)"
+            )
+        if not isinstance(req.tokens, bytearray):
+            req.tokens = bytearray(req.tokens)
+        req.key = None
+        req.tokens += tokens
+        fill = self.prefill(req, req.num_tokens)
+        if fill is None:
+            del req.tokens[len(req.tokens) - len(tokens) :]
+        return fill
+
+    def end(self, req: RequestKV) -> TreeNode:
+        """Finish the request: free its own page; the lock it holds on the returned
+        node passes to the caller (which drops it with ``dec_lock_ref``)."""
+        self._check_open(req)
+        if req.tail_page is not None:
+            self.cache.free_device((req.tail_page,))
+            req.tail_page = None
+        req.ended = True
+        return req.node
+
+    def release(self, req: RequestKV) -> None:
+        """Finish or abort the request: nothing of it stays held (its placed whole
+        pages stay cached, unlocked)."""
+        self.cache.dec_lock_ref(self.end(req))
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check_open(self, req: RequestKV) -> None:
+        if not isinstance(req, RequestKV):
+            raise InvalidInput(f"expected a RequestKV, got {type(req).__name__}")
+        if req.ended:
+            raise InvalidInput("the request has ended; its KV is no longer held")
+
+    def _fill_tail(self, req: RequestKV, upto: int) -> Fill | None:
+        # Only the request's own page grows: the tokens stay within one partial page.
+        start = req.cached_tokens
+        if upto == req.filled:
+            return Fill(start, upto, upto, as_pages(), req.node)
+        if req.tail_page is None:
+            got = self.cache.alloc_device(req.page_size)
+            if got is None:
+                return None
+            req.tail_page = got[0]
+        first_new, req.filled = req.filled, upto
+        req.computed += upto - first_new
+        return Fill(start, first_new, upto, as_pages((req.tail_page,)), req.node)
+
+    def _fill_pages(self, req: RequestKV, aligned: int, upto: int) -> Fill | None:
+        cache, ps = self.cache, req.page_size
+        key = req.key
+        if key is None or key.num_tokens != aligned:
+            key = TokenKey(bytes(req.tokens[: aligned * TOKEN_BYTES]), ps, req.namespace)
+        match = cache.match_prefix(key)  # our own pages are locked: it reaches them
+        loaded_tokens = 0
         if match.host_tokens:
             loaded = cache.load_back(match.last_host_node)
             if loaded is not None:
-                storage_hit = min(prefetched, loaded.tokens)
-                host_hit = loaded.tokens - storage_hit
+                loaded_tokens = loaded.tokens
                 match = cache.match_prefix(key)
+        base = match.device_tokens
+        cached, tail, rest = req.cached_tokens, req.tail_page, upto - aligned
+        adopt = tail is not None and base == cached  # our own page becomes a tree page
+        tree_pages = (aligned - base) // ps
+        need = tree_pages - adopt + (1 if rest else 0)
         cache.inc_lock_ref(match.last_device_node)
-        extended = cache.extend(key, match, priority)
-        if extended is None:
+        got = cache.alloc_device(need * ps) if need else as_pages()
+        if got is None:
             cache.dec_lock_ref(match.last_device_node)
             return None
-        node, new_pages = extended
+        given = as_pages((tail,)) + got[: tree_pages - 1] if adopt else got[:tree_pages]
+        node = match.last_device_node
+        if tree_pages:
+            extended = cache.extend(key, match, req.priority, given)
+            assert extended is not None, "the pages were given"
+            node = extended[0]
         cache.inc_lock_ref(node)
         cache.dec_lock_ref(match.last_device_node)
-        return Admitted(
-            node,
-            match.last_device_node,
-            match.device_pages + new_pages,
-            match.device_tokens // key.page_size,
-            new_pages,
-            device_hit,
-            host_hit,
-            storage_hit,
-        )
+        cache.dec_lock_ref(req.node)
+        if tail is not None and not adopt:
+            cache.free_device((tail,))  # the tree had that page: ours was a duplicate
+        first_new = max(req.filled, base)
+        hits = first_new - req.filled
+        from_l2 = min(loaded_tokens, hits)
+        from_l3 = min(req.prefetched, from_l2)
+        req.prefetched -= from_l3
+        req.storage_hit += from_l3
+        req.host_hit += from_l2 - from_l3
+        req.device_hit += hits - from_l2
+        req.computed += upto - first_new
+        req.node = node
+        req.pages = match.device_pages + given
+        req.tail_page = got[-1] if rest else None
+        req.filled = upto
+        start = first_new - first_new % ps
+        return Fill(start, first_new, upto, req.device_pages[start // ps :], match.last_device_node)

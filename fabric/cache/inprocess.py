@@ -159,18 +159,13 @@ class CoreReplay:
                 done = self.admission.check_prefetch(stats.requests)
             prefetched = done
         t1 = time.perf_counter()
-        admitted = self.admission.admit(key, 0, prefetched)
-        if admitted is None:
+        req = self.admission.begin(key, prefetched=prefetched)
+        if self.admission.prefill(req, key.num_tokens) is None:
             stats.refused_requests += 1
             return
-        cache.dec_lock_ref(admitted.node)
+        self.admission.release(req)
         t2 = time.perf_counter()
-        stats.tokens.add(
-            admitted.device_hit,
-            admitted.host_hit,
-            admitted.storage_hit,
-            len(admitted.new_pages) * cache.page_size,
-        )
+        stats.tokens.add(req.device_hit, req.host_hit, req.storage_hit, req.computed)
         cache.poll()
         cache.take_events()
         stats.tree_us.append((t2 - t1) * 1e6)

@@ -283,15 +283,17 @@ class CoordinatorCore:
         return self.ctl.take_queries()
 
     def _admit(self, req: ServingRequest) -> bool:
-        admitted = self.admission.admit(req.key, req.priority, req.prefetched)
-        if admitted is None:
+        kv = self.admission.begin(req.key, req.priority, req.prefetched)
+        fill = self.admission.prefill(kv, req.key.num_tokens)
+        if fill is None:
             return False
-        prev = self.cache.tree.chain_hash(admitted.prefix_node, req.key.namespace)
-        req.compute_cmds = self.ctl.compute(req.key, admitted.start_page, admitted.new_pages, prev)
-        req.node = admitted.node
-        req.device_pages = tuple(admitted.device_pages)  # the lease crosses to drivers
-        req.device_hit, req.host_hit = admitted.device_hit, admitted.host_hit
-        req.storage_hit = admitted.storage_hit
+        prev = self.cache.tree.chain_hash(fill.prefix_node, req.key.namespace)
+        start_page = fill.start // self.cache.page_size
+        req.compute_cmds = self.ctl.compute(req.key, start_page, fill.pages, prev)
+        req.node = self.admission.end(kv)  # the request's lock, now the coordinator's
+        req.device_pages = tuple(kv.device_pages)  # the lease crosses to drivers
+        req.device_hit, req.host_hit = kv.device_hit, kv.host_hit
+        req.storage_hit = kv.storage_hit
         req.computed = req.prompt_tokens - req.device_hit - req.host_hit - req.storage_hit
         self.running[req.rid] = req
         return True
