@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fabric.errors import ConfigError
 from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
 
+# Where a session keeps its conversation between turns: L1 (a lock) or L2.
+SESSION_TIERS = ("device", "host")
+
 
 def _allowed(description: str, **constraints: Any) -> Any:
     return Field(description=description, **constraints)
@@ -116,6 +119,9 @@ class CacheConfig(_Section):
     load_back_threshold: NonNegativeInt = 16
     pin_budget_fraction: Fraction = 0.2
     kv_events: bool = Field(True, description="true or false")
+    session_tier: str = _one_of(SESSION_TIERS, "device")
+    session_budget_fraction: Fraction = 0.25
+    session_ttl_s: PositiveFloat = 300.0
 
     @model_validator(mode="after")
     def _whole_pages(self) -> CacheConfig:

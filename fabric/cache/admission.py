@@ -12,8 +12,10 @@ A request holds its KV in a ``RequestKV`` from ``begin`` to ``release``:
   request's unaligned tail the same way: it is cached only once a page is full);
 - ``append`` (decode): generated tokens join the request; a page they fill
   enters the tree, so the next turn hits through the answer;
-- ``release`` (finish or abort): the request's own page is freed and its lock
-  dropped — or, with ``end``, the lock is handed on (a lease, a session).
+- ``finish`` / ``release`` (finish or abort): the request's own page is freed
+  and its lock dropped — or kept by a session for its next turn, or handed on
+  with ``end`` (a lease);
+- pins and sessions, the holds that outlive a request.
 
 Each step returns a ``Fill``: the L1 pages whose KV the caller has the ranks
 compute. ``None`` from a step means L1 has no room now and nothing changed.
@@ -28,6 +30,8 @@ from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TOKEN_BYTES, TokenKey, check_namespace
 from fabric.cache.node import TreeNode
+from fabric.cache.results import PinResult
+from fabric.cache.sessions import check_session_id
 from fabric.errors import InvalidInput
 
 
@@ -186,6 +190,36 @@ class Admission:
         """Finish or abort the request: nothing of it stays held (its placed whole
         pages stay cached, unlocked)."""
         self.cache.dec_lock_ref(self.end(req))
+
+    def finish(self, req: RequestKV, session: str | None = None) -> str | None:
+        """The request is done. With ``session``, that session keeps its whole pages
+        for the next turn (``fabric.cache.sessions``); returns why it could not, or
+        ``None``."""
+        if session is not None:
+            check_session_id(session)
+        node = self.end(req)
+        if session is None:
+            self.cache.dec_lock_ref(node)
+            return None
+        return self.cache.sessions.keep(session, node)
+
+    def end_session(self, session: str) -> bool:
+        """Drop what ``session`` keeps; ``False`` if it kept nothing."""
+        return self.cache.sessions.end(check_session_id(session))
+
+    def expire(self) -> int:
+        """End the sessions whose TTL passed; returns how many."""
+        return self.cache.sessions.expire()
+
+    def pin(self, key: TokenKey, ttl_s: float) -> PinResult:
+        """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds within the pin budget."""
+        return self.cache.pin_prefix(key, ttl_s)
+
+    def unpin(self, key: TokenKey) -> int:
+        """Unpin ``key``'s cached prefix; returns the tokens unpinned."""
+        if not isinstance(key, TokenKey) or key.page_size != self.cache.page_size:
+            raise InvalidInput(f"unpin takes a TokenKey of page size {self.cache.page_size}")
+        return self.cache.pins.unpin(key)
 
     # -- internals -------------------------------------------------------------------
 

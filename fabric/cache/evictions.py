@@ -62,11 +62,14 @@ class Evictions:
             if node.host_value is not None:
                 self.demote(node)
                 freed += tokens
-            elif (node.pinned or self.policy.write_back) and self.write_backup(node, True):
+            elif (node.pinned or node.host_ref or self.policy.write_back) and self.write_backup(
+                node, True
+            ):
                 scheduled += tokens
-            elif node.children:
-                # Only under write_back: L2-only children and no room in L2 to keep
-                # this node; deleting it would orphan them.
+            elif node.children or (node.host_ref and not node.pinned):
+                # Under write_back: L2-only children and no room in L2 to keep this
+                # node; deleting it would orphan them. Or a session keeps it in L2
+                # and L2 has no room for it now.
                 kept.append(node)
             else:
                 if node.pinned:

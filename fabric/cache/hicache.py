@@ -33,6 +33,7 @@ from fabric.cache.results import (
     PinResult,
     TierSizes,
 )
+from fabric.cache.sessions import Sessions
 from fabric.cache.writes import Writes
 from fabric.config import CacheConfig, PrefetchConfig
 from fabric.errors import InvalidInput
@@ -76,6 +77,7 @@ class HiCache:
             clock,
             self.write_backup,
         )
+        self.sessions = Sessions.from_config(config, self.tree, clock, self.write_backup)
         self.writes = Writes(
             self.tree,
             controller,
@@ -114,6 +116,7 @@ class HiCache:
         self.writes.reset()
         self.loads.reset()
         self.pins.reset()
+        self.sessions.reset()
 
     def key(self, tokens: Sequence[int], namespace: str = "default") -> TokenKey:
         return TokenKey(tokens, self.page_size, namespace)
@@ -303,8 +306,7 @@ class HiCache:
         return self.writes.write_backup(node, evict_after)
 
     def complete_writes(self, n: int, failed: Collection[int] = ()) -> None:
-        """The ``n`` oldest queued writes finished; those whose op id is in ``failed``
-        did not, and their nodes stay L1-only."""
+        """The ``n`` oldest writes finished; those in ``failed`` did not (L1-only still)."""
         self.writes.complete(n, failed)
 
     # -- eviction and load-back (``Evictions``, ``LoadBacks``) --------------------------
@@ -318,8 +320,7 @@ class HiCache:
         return self.evictions.evict_host(num_tokens)
 
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> LoadBack | None:
-        """Queue an L2 -> L1 load of the L1-evicted chain ending at ``node``, or nothing
-        (``LoadBacks.load_back``)."""
+        """Queue an L2 -> L1 load of the chain ending at ``node`` (``LoadBacks.load_back``)."""
         return self.loads.load_back(node, mem_quota)
 
     @property
@@ -376,12 +377,7 @@ class HiCache:
     def host_sizes(self) -> TierSizes:
         """L2 tokens; evictable are those of L2-only nodes with no host protection."""
         size = self.page_size
-        evictable = owned = 0
-        for node in self.tree.walk():
-            if node.host_value is not None:
-                owned += len(node.host_value)
-                if node.device_value is None and node.host_ref == 0:
-                    evictable += len(node.host_value)
+        owned, evictable = self.tree.host_pages()
         owned += self.storage.held_host_pages() + self.writes.orphan_pages()
         return TierSizes(
             self.ctl.host.capacity_tokens,

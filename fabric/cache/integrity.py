@@ -11,6 +11,7 @@ from fabric.cache.l3_queues import L3Queues
 from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.radix import RadixTree
 from fabric.cache.results import TierSizes
+from fabric.cache.sessions import Sessions
 from fabric.errors import IntegrityError
 from policies import WritePolicy
 
@@ -26,6 +27,7 @@ class CacheState(Protocol):
     pending_writes: deque[WriteOp]
     pending_loads: deque[tuple[int, TreeNode]]
     pinned_size: int
+    sessions: Sessions
 
     def device_sizes(self) -> TierSizes: ...
 
@@ -135,12 +137,13 @@ def check_integrity(cache: CacheState) -> None:
             v.append(f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected")
 
     holds: Counter[TreeNode] = Counter(n for n in nodes if n.pinned)
+    holds.update(cache.sessions.host_held())
     holds.update(bop.node for bop in cache.storage.backups)
     holds.update(pop.anchor for pop in cache.storage.prefetches.values() if pop.anchor is not root)
     for node in nodes:
         if node.host_ref != holds[node]:
             v.append(
-                f"{node}: host_ref={node.host_ref} but {holds[node]} pins/backups/prefetches hold it"
+                f"{node}: host_ref={node.host_ref} but {holds[node]} pins/sessions/backups/prefetches hold it"
             )
 
     for name, pool, owner in (

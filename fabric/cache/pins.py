@@ -59,6 +59,19 @@ class Pins:
             reason = f"only {pinned} of {key.num_tokens} tokens are cached"
         return PinResult(pinned, reason)
 
+    def unpin(self, key: TokenKey) -> int:
+        """Unpin the nodes of ``key``'s cached prefix; returns the tokens unpinned.
+        A node shared with another pinned prefix is unpinned too (pins are per
+        node); that prefix's own deeper nodes stay pinned."""
+        tree = self.tree
+        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), self.clock())
+        unpinned = 0
+        for node in path:
+            if node.pinned:
+                unpinned += tree.tokens(node)
+                self.clear(node)
+        return unpinned
+
     def clear(self, node: TreeNode) -> None:
         """Unpin ``node`` (its TTL passed, or it is being deleted)."""
         self.pinned_size -= self.tree.tokens(node)

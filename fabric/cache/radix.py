@@ -260,6 +260,17 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
         return total // self.page_bytes
 
+    def host_pages(self) -> tuple[int, int]:
+        """L2 pages the tree holds, and how many of them L2 eviction may take
+        (those of L2-only nodes without host protection)."""
+        owned = evictable = 0
+        for node in self.walk():
+            if node.host_value is not None:
+                owned += len(node.host_value)
+                if node.device_value is None and node.host_ref == 0:
+                    evictable += len(node.host_value)
+        return owned, evictable
+
     def walk(self) -> list[TreeNode]:
         """Every non-root node, parents before children."""
         out, stack = [], list(self.root.children.values())

@@ -1,0 +1,113 @@
+"""Exact-state tests of the holds that outlive a request: sessions between turns
+(in L1 or L2, within a budget, until a TTL or their end) and pins from a client."""
+
+import pytest
+
+from fabric.cache.admission import Admission
+from fabric.cache.keys import pack_tokens
+from fabric.errors import InvalidInput
+from tests.helpers import P, make_cache, toks
+
+
+def lifecycle(clock, tier="device", fraction=0.5, ttl=10.0, **options):
+    cache = make_cache(
+        device_pages=8,
+        host_pages=16,
+        clock=clock,
+        session_tier=tier,
+        session_budget_fraction=fraction,
+        session_ttl_s=ttl,
+        **options,
+    )
+    return cache, Admission(cache)
+
+
+def turn(a, tokens, session=None):
+    req = a.begin(pack_tokens(tokens))
+    assert a.prefill(req, len(tokens)) is not None
+    return req, a.finish(req, session)
+
+
+def test_a_device_session_keeps_its_turn_locked_in_l1_until_the_next_turn(clock):
+    c, a = lifecycle(clock)
+    req, why = turn(a, [*toks(1, 2), 9], session="s")
+    assert why is None and req.node.lock_ref == 1 and c.sessions.held_tokens == 2 * P
+    assert not c.leased, "the unaligned tail page is freed at the end of the turn"
+    assert c.evict(8 * P) == 0, "a kept session is not evictable"
+    nxt, why = turn(a, toks(1, 2, 3), session="s")
+    assert nxt.device_hit == 2 * P and why is None
+    assert req.node.lock_ref == 1, "only through the new turn's node now"
+    assert c.sessions.held_tokens == 3 * P
+    c.check_integrity()
+    assert a.end_session("s") and not a.end_session("s")
+    assert c.tree.protected_size == 0
+    c.check_integrity()
+
+
+def test_sessions_expire_after_their_ttl_and_the_budget_drops_the_least_recent(clock):
+    c, a = lifecycle(clock, fraction=0.5)  # budget: 4 pages of L1
+    turn(a, toks(1, 2), session="old")
+    clock.advance(5)
+    turn(a, toks(3, 4), session="new")
+    assert set(c.sessions.held) == {"old", "new"}
+    clock.advance(2)
+    turn(a, toks(5), session="newest")
+    assert set(c.sessions.held) == {"new", "newest"}, "over budget: the oldest went"
+    _, why = turn(a, toks(1, 2, 3, 4, 5), session="huge")
+    assert "exceeds the session budget of 16" in why and "huge" not in c.sessions.held
+    clock.advance(8)
+    assert a.expire() == 1 and set(c.sessions.held) == {"newest"}
+    clock.advance(10)
+    assert a.expire() == 1 and c.tree.protected_size == 0
+    c.check_integrity()
+
+
+def test_a_host_session_keeps_its_turn_in_l2_while_l1_may_let_it_go(clock):
+    c, a = lifecycle(clock, tier="host", immediate=True)
+    req, why = turn(a, toks(1, 2), session="s")
+    assert why is None and req.node.host_ref == 1
+    assert c.pending_writes[0].lock_node is req.node, "written to L2 at once"
+    c.poll()  # the write lands in L2
+    assert req.node.lock_ref == 0
+    assert c.evict(8 * P) == 2 * P
+    assert c.evict_host(16 * P) == 0, "protected in L2"
+    c.check_integrity()
+    nxt = a.begin(pack_tokens(toks(1, 2, 3)))
+    a.prefill(nxt, 3 * P)
+    assert nxt.host_hit == 2 * P
+    a.release(nxt)
+    a.end_session("s")
+    c.poll()
+    assert c.evict(8 * P) == 3 * P and c.evict_host(16 * P) == 3 * P
+    c.check_integrity()
+
+
+def test_pins_from_a_client_are_refused_past_the_budget_and_unpinned(clock):
+    c, a = lifecycle(clock, pin_budget_fraction=0.25)  # 4 pages of L2
+    turn(a, toks(1, 2, 3))
+    turn(a, toks(4, 5))
+    key = c.key(toks(1, 2, 3))
+    assert a.pin(key, 5).pinned_tokens == 3 * P and c.pinned_size == 3 * P
+    refused = a.pin(c.key(toks(4, 5)), 5)
+    assert refused.pinned_tokens == 0 and "pin budget exhausted" in refused.reason
+    assert a.unpin(c.key(toks(1))) == P, "only the prefix asked for: its node is split"
+    assert c.pinned_size == 2 * P
+    c.check_integrity()
+    assert a.unpin(key) == 2 * P and c.pinned_size == 0 and a.unpin(key) == 0
+    assert a.pin(c.key(toks(4, 5)), 5).pinned_tokens == 2 * P
+    c.check_integrity()
+    with pytest.raises(InvalidInput, match="unpin takes a TokenKey"):
+        a.unpin(toks(4))
+
+
+def test_bad_session_ids_are_refused_and_nothing_is_held(clock):
+    c, a = lifecycle(clock)
+    req = a.begin(pack_tokens(toks(1)))
+    a.prefill(req, P)
+    with pytest.raises(InvalidInput, match="session id 7"):
+        a.finish(req, 7)
+    assert not req.ended, "a refused finish changes nothing"
+    a.finish(req)
+    with pytest.raises(InvalidInput, match="session id ''"):
+        a.end_session("")
+    c.check_integrity()
