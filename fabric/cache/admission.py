@@ -85,7 +85,7 @@ class Fill:
     """What a step asks the ranks to compute: KV for token positions
     ``[first_new, end)`` into ``pages``, which cover ``[start, end)`` from the
     page-aligned ``start`` (KV before ``first_new`` in the first page is there
-    already). ``prefix_node`` ends the cached pages before ``start``: their chain
+    already); no pages when nothing is new. ``prefix_node`` ends the cached pages before ``start``: their chain
     hash is where the new pages' hashes continue."""
 
     start: int

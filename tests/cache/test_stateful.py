@@ -5,25 +5,31 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from fabric.cache.admission import Admission
+from fabric.cache.keys import pack_tokens, unpack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
 from tests.helpers import FakeClock, P, machine_settings, make_cache, toks
 
 page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 namespaces = st.sampled_from(["a", "b"])
+sessions = st.sampled_from(["s1", "s2"])
+loose_tokens = st.lists(st.integers(0, 3), max_size=5)
 
 
 class CacheMachine(RuleBasedStateMachine):
     """Model: every page-prefix ever inserted or prefetched, per namespace (the tree
     may forget any of them, never hold one it was not given), plus the locks we hold
-    (their prefixes must stay on device)."""
+    (their prefixes must stay on device) and the requests in the lifecycle (their
+    pages must stay theirs)."""
 
     @initialize(
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         eviction_policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]),
         stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+        session_tier=st.sampled_from(["device", "host"]),
     )
-    def setup(self, write_policy, eviction_policy, stop_policy):
+    def setup(self, write_policy, eviction_policy, stop_policy, session_tier="device"):
         self.clock = FakeClock()
         self.cache = make_cache(
             device_pages=10,
@@ -32,6 +38,9 @@ class CacheMachine(RuleBasedStateMachine):
             write_policy=write_policy,
             eviction_policy=eviction_policy,
             pin_budget_fraction=0.5,
+            session_tier=session_tier,
+            session_budget_fraction=0.5,
+            session_ttl_s=3,
             prefetch=PrefetchConfig(
                 threshold_tokens=P,
                 stop_policy=stop_policy,
@@ -40,6 +49,8 @@ class CacheMachine(RuleBasedStateMachine):
             ),
         )
         self.cache.storage.attach()
+        self.admission = Admission(self.cache)
+        self.requests = []
         self.known: set[tuple[str, tuple[int, ...]]] = set()
         self.locks: list[tuple[object, str, tuple[int, ...]]] = []
         self.next_req = 0
@@ -49,6 +60,58 @@ class CacheMachine(RuleBasedStateMachine):
 
     def remember(self, ns, pages):
         self.known.update((ns, tuple(pages[:i])) for i in range(1, len(pages) + 1))
+
+    def remember_tokens(self, ns, data, upto):
+        ids = unpack_tokens(bytes(data[: upto // P * P * 4]))
+        pages = [ids[i : i + P] for i in range(0, len(ids), P)]
+        self.remember(ns, [p[0] if len(set(p)) == 1 else tuple(p) for p in pages])
+
+    # -- the request lifecycle ----------------------------------------------------
+
+    @rule(ns=namespaces, pages=page_lists, tail=loose_tokens, priority=st.integers(0, 2))
+    def begin(self, ns, pages, tail, priority):
+        tokens = pack_tokens([*toks(*pages), *tail])
+        self.requests.append(self.admission.begin(tokens, ns, priority))
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 100), data=st.data())
+    def prefill(self, i, data):
+        req = self.requests[i % len(self.requests)]
+        upto = data.draw(st.integers(req.filled, req.num_tokens))
+        fill = self.admission.prefill(req, upto)
+        if fill is not None:
+            self.remember_tokens(req.namespace, req.tokens, upto)
+            assert req.filled == fill.end == upto and fill.start % P == 0
+            want = -(-(upto - fill.start) // P) if fill.new_tokens else 0
+            assert len(fill.pages) == want
+
+    @precondition(lambda self: any(r.filled == r.num_tokens for r in self.requests))
+    @rule(i=st.integers(0, 100), tokens=loose_tokens.filter(bool))
+    def append(self, i, tokens):
+        ready = [r for r in self.requests if r.filled == r.num_tokens]
+        req = ready[i % len(ready)]
+        before = req.num_tokens
+        if self.admission.append(req, pack_tokens(tokens)) is not None:
+            self.remember_tokens(req.namespace, req.tokens, req.num_tokens)
+        else:
+            assert req.num_tokens == before
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 100), session=st.none() | sessions)
+    def finish(self, i, session):
+        self.admission.finish(self.requests.pop(i % len(self.requests)), session)
+
+    @rule(session=sessions)
+    def end_session(self, session):
+        self.admission.end_session(session)
+
+    @rule()
+    def expire_sessions(self):
+        self.admission.expire()
+
+    @rule(ns=namespaces, pages=page_lists)
+    def unpin(self, ns, pages):
+        self.admission.unpin(self.key(ns, pages))
 
     @rule(ns=namespaces, pages=page_lists, priority=st.integers(0, 2))
     def insert(self, ns, pages, priority):
@@ -191,6 +254,19 @@ class CacheMachine(RuleBasedStateMachine):
             # peek, not match_prefix: the check must not split nodes or refresh access times
             key = self.key(ns, list(pages))
             assert self.cache.tree.peek_device_pages(ns, key.data) >= len(pages)
+        root, tails = self.cache.tree.root, set()
+        for req in self.requests:
+            pages, node = [], req.node
+            while node is not root:  # the request's pages are still the tree's
+                assert node.lock_ref > 0 and node.device_value is not None
+                pages[:0] = node.device_value
+                node = node.parent
+            assert pages == list(req.pages)
+            assert (req.tail_page is None) == (req.filled == req.cached_tokens)
+            assert 0 <= req.filled - req.cached_tokens < P
+            if req.tail_page is not None:
+                assert req.tail_page in self.cache.leased and req.tail_page not in tails
+                tails.add(req.tail_page)
 
 
 CacheMachine.TestCase.settings = machine_settings(examples=400, steps=60)
