@@ -119,13 +119,16 @@ class CacheConfig(_Section):
     load_back_threshold: NonNegativeInt = 16
     pin_budget_fraction: Fraction = 0.2
     kv_events: bool = Field(True, description="true or false")
+    chunk_tokens: NonNegativeInt = Field(
+        0, description="an integer >= 0, a multiple of page_size (0: the whole prompt at once)"
+    )
     session_tier: str = _one_of(SESSION_TIERS, "device")
     session_budget_fraction: Fraction = 0.25
     session_ttl_s: PositiveFloat = 300.0
 
     @model_validator(mode="after")
     def _whole_pages(self) -> CacheConfig:
-        for name in ("device_tokens", "host_tokens"):
+        for name in ("device_tokens", "host_tokens", "chunk_tokens"):
             self._multiple(name, self.page_size, "page_size")
         return self
 

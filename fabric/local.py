@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 
 from fabric.config import FabricConfig
 from fabric.coordinator.core import CoordinatorCore
-from fabric.coordinator.requests import RequestResult
+from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
 from fabric.rank.worker import RankWorker
@@ -55,7 +55,13 @@ class LocalFabric:
     def serve(
         self, tokens: bytes, namespace: str = "default", max_steps: int = 100
     ) -> RequestResult:
-        rid = self.core.submit(tokens, namespace)
+        return self._wait(self.core.submit(tokens, namespace), max_steps)
+
+    def append(self, lease: Lease, tokens: bytes, max_steps: int = 100) -> RequestResult:
+        """Decode: the KV of ``tokens`` generated after ``lease``'s request."""
+        return self._wait(self.core.append(lease, tokens), max_steps)
+
+    def _wait(self, rid: str, max_steps: int) -> RequestResult:
         for _ in range(max_steps):
             self.step()
             if rid in self.results:

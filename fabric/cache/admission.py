@@ -126,20 +126,31 @@ class Admission:
         namespace: str = "default",
         priority: int = 0,
         prefetched: int = 0,
+        key: TokenKey | None = None,
     ) -> RequestKV:
-        """A request with packed ``tokens`` (or a prompt's key, whose unaligned tail
-        it lacks) and nothing placed yet. Changes nothing in the cache."""
-        key = tokens if isinstance(tokens, TokenKey) else None
-        data = key.data if key is not None else tokens
+        """A request with packed ``tokens`` — or a prompt's key, whose unaligned tail
+        it lacks — and nothing placed yet. ``key``: the key of ``tokens``' whole
+        pages when the caller has one (the page hashes it holds are reused).
+        Changes nothing in the cache."""
+        if isinstance(tokens, TokenKey):
+            key, data = tokens, tokens.data
+        else:
+            data = tokens
         if not isinstance(data, bytes) or len(data) % TOKEN_BYTES:
             raise InvalidInput("tokens must be packed uint32 token ids (bytes)")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
+        ps = self.cache.page_size
+        if key is not None and (
+            not isinstance(key, TokenKey)
+            or key.page_size != ps
+            or len(key.data) != len(data) - len(data) % (ps * TOKEN_BYTES)
+            or not data.startswith(key.data)
+        ):
+            raise InvalidInput("key is not the key of the tokens' whole pages")
         ns = key.namespace if key is not None else check_namespace(namespace)
         root = self.cache.tree.root
-        return RequestKV(
-            ns, priority, self.cache.page_size, data, root, as_pages(), key, prefetched=prefetched
-        )
+        return RequestKV(ns, priority, ps, data, root, as_pages(), key, prefetched=prefetched)
 
     def prefill(self, req: RequestKV, upto: int) -> Fill | None:
         """Place KV for the request's tokens up to ``upto`` (a chunk end or the whole

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.controller import Completions, Controller
-from fabric.cache.keys import MAX_NAMESPACE_CHARS, TokenKey
+from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, chain_hashes
 from fabric.config import CacheConfig
 from fabric.coordinator.consensus import Round
 from fabric.errors import ConfigError
@@ -129,24 +129,28 @@ class FabricController(Controller):
         self.loads.add(self._copies(Load, op_id, host_pages, device_pages), op_id)
 
     def compute(
-        self, key: TokenKey, start_page: int, pages: Sequence[int], prev: bytes
+        self, namespace: str, data: bytes, start_token: int, pages: Sequence[int], prev: bytes
     ) -> tuple[int, ...]:
-        """Queue filling ``pages`` with the KV of ``key``'s pages from ``start_page`` on,
-        in as many commands as the message limit needs (one, empty, when nothing is
-        missing: it still orders the request after its loads). ``prev`` is the chain
-        hash of the pages before ``start_page`` (the tree knows it): only the new
-        pages are hashed, and only when a compute is cut in chunks. Returns their ids."""
-        pb = key.page_bytes
+        """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
+        the page-aligned ``start_token`` on (the last page may be partial), in as
+        many commands as the message limit needs (one, empty, when nothing is
+        missing: it still orders the request after its loads). ``prev`` is the
+        chain hash of the pages before ``start_token`` (the tree knows it): only
+        the new pages are hashed, and only when a compute is cut in chunks.
+        Returns the command ids."""
+        pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
-        hashes = key.chain_from(start_page, prev) if len(pages) > step else []
+        whole = len(data) - len(data) % pb
+        hashes = chain_hashes(prev, data[:whole], pb) if len(pages) > step else []
         cmds = []
         for offset in range(0, max(len(pages), 1), step):
-            first = start_page + offset
             chunk = tuple(pages[offset : offset + step])
             chain = hashes[offset - 1] if offset else prev
-            tokens = key.data[first * pb : (first + len(chunk)) * pb]
+            tokens = data[offset * pb : (offset + len(chunk)) * pb]
             cmd = self._cmd_id()
-            self._send(Compute(cmd, key.namespace, chain, tokens, first * self.page_size, chunk))
+            self._send(
+                Compute(cmd, namespace, chain, tokens, start_token + offset * self.page_size, chunk)
+            )
             self.computes.append(cmd)
             cmds.append(cmd)
         return tuple(cmds)

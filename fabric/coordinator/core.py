@@ -26,6 +26,8 @@ from fabric.cache.admission import Admission
 from fabric.cache.events import KVEvent
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
+from fabric.cache.results import PinResult
+from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import FabricController
 from fabric.coordinator.consensus import Consensus, Round
@@ -105,10 +107,72 @@ class CoordinatorCore:
         if pending >= self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
-        self.waiting.append(ServingRequest(rid, key, prompt, priority, self.clock(), owner))
+        self.waiting.append(
+            ServingRequest(rid, key, prompt, priority, self.clock(), owner, tokens=tokens)
+        )
         self._blocked = False
         self.stats.submitted += 1
         return rid
+
+    def append(self, lease: Lease, tokens: bytes, owner: str | None = None) -> str:
+        """Decode: queue the KV of packed ``tokens`` generated after a leased request.
+        The lease is consumed; the request (same id) ends with a new lease on all
+        its tokens. Raises ``InvalidInput`` (the lease kept) on bad input."""
+        held = self._held(lease)
+        if held is None:
+            raise InvalidInput(f"lease of {lease.request_id!r} is no longer held")
+        if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
+            raise InvalidInput("append takes a non-empty sequence of non-negative ints")
+        total = held.kv.num_tokens + len(tokens) // TOKEN_BYTES
+        if total > self.config.cache.device_tokens:
+            raise InvalidInput(
+                f"request of {total} tokens would be larger than L1 "
+                f"({self.config.cache.device_tokens} tokens)"
+            )
+        if len(self.waiting) + len(self.running) + len(self.prefetching) >= (
+            self.config.runtime.max_pending_requests
+        ):
+            raise InvalidInput("too many pending requests; retry later")
+        del self.leases[lease.token]
+        self._leased_ids.discard(lease.request_id)
+        key = TokenKey(b"", self.config.cache.page_size, lease.namespace)
+        req = ServingRequest(
+            lease.request_id,
+            key,
+            len(tokens) // TOKEN_BYTES,
+            held.kv.priority,
+            self.clock(),
+            owner if owner is not None else held.owner,
+            appended=tokens,
+            kv=held.kv,
+            prefetch_tried=True,
+        )
+        self.waiting.append(req)
+        self._blocked = False
+        self.stats.submitted += 1
+        return req.rid
+
+    def end_session(self, session: str) -> bool:
+        """Drop what ``session`` keeps between turns; ``False`` if it kept nothing."""
+        ended = self.admission.end_session(session)
+        self._blocked = self._blocked and not ended
+        return ended
+
+    def pin(self, tokens: bytes, namespace: str, ttl_s: float) -> PinResult:
+        """Keep the cached prefix of packed ``tokens`` in L2 for ``ttl_s`` seconds."""
+        return self.admission.pin(self._key(tokens, namespace), ttl_s)
+
+    def unpin(self, tokens: bytes, namespace: str) -> int:
+        """Unpin the cached prefix of packed ``tokens``; returns the tokens unpinned."""
+        return self.admission.unpin(self._key(tokens, namespace))
+
+    def _key(self, tokens: bytes, namespace: str) -> TokenKey:
+        if not isinstance(tokens, bytes) or len(tokens) % TOKEN_BYTES:
+            raise InvalidInput("tokens must be a sequence of non-negative ints")
+        check_namespace(namespace)
+        if self.allowed_namespaces is not None and namespace not in self.allowed_namespaces:
+            raise InvalidInput(f"namespace {namespace!r} is not allowed")
+        return TokenKey(tokens, self.config.cache.page_size, namespace)
 
     def _known(self, rid: str) -> bool:
         return (
@@ -126,6 +190,7 @@ class CoordinatorCore:
         for req in self.waiting:
             if req.rid == request_id:
                 self.waiting.remove(req)
+                self._release_kv(req)  # between chunks, or a decode not yet admitted
                 self.stats.aborted += 1
                 return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.prefetching.pop(request_id, None)
@@ -136,17 +201,21 @@ class CoordinatorCore:
         req = self.running.get(request_id)
         if req is not None and not req.aborted:
             req.aborted = True
-            self._unlock(req)
+            self._release_kv(req)
         return None
 
-    def release(self, lease: Lease) -> bool:
-        """Let a finished request's pages go. Only the ``Lease`` itself releases:
-        a bare id or a lease that does not match the one handed out raises
-        ``InvalidInput``. ``False`` if it expired or died with a reset."""
+    def release(self, lease: Lease, session: str | None = None) -> bool:
+        """Let a finished request's pages go — or, with ``session``, have that session
+        keep its whole pages for its next turn (``cache.session_*``). Only the
+        ``Lease`` itself releases: a bare id or a lease that does not match the one
+        handed out raises ``InvalidInput``. ``False`` if it expired or died with a
+        reset."""
+        if session is not None:
+            check_session_id(session)
         held = self._held(lease)
         if held is None:
             return False
-        self._drop_lease(held)
+        self._drop_lease(held, session)
         return True
 
     def renew(self, lease: Lease) -> bool:
@@ -168,10 +237,13 @@ class CoordinatorCore:
             raise InvalidInput(f"lease of {lease.request_id!r} does not match the one handed out")
         return held
 
-    def _drop_lease(self, held: HeldLease) -> None:
+    def _drop_lease(self, held: HeldLease, session: str | None = None) -> None:
         del self.leases[held.lease.token]
         self._leased_ids.discard(held.lease.request_id)
-        self.cache.dec_lock_ref(held.node)
+        refused = self.admission.finish(held.kv, session)
+        if refused is not None:
+            self.stats.sessions_refused += 1
+            log.info("session %r keeps nothing: %s", session, refused)
         self._blocked = False
 
     def expire_leases(self) -> int:
@@ -222,6 +294,7 @@ class CoordinatorCore:
         to every rank)."""
         try:
             self.expire_leases()
+            self.admission.expire()
             self._schedule()
             self.cache.write_through()
         except Exception as exc:
@@ -268,6 +341,7 @@ class CoordinatorCore:
         self._blocked = bool(blocked)
         if self.waiting and not self.running and not self.leases and not self.ctl.busy():
             req = self.waiting.popleft()  # nothing will ever free room for it
+            self._release_kv(req)
             self._fail(req, "no room in L1")
 
     def start(self, reports: Sequence[Report]) -> int:
@@ -283,18 +357,31 @@ class CoordinatorCore:
         return self.ctl.take_queries()
 
     def _admit(self, req: ServingRequest) -> bool:
-        kv = self.admission.begin(req.key, req.priority, req.prefetched)
-        fill = self.admission.prefill(kv, req.key.num_tokens)
+        """Place the request's next step — its prompt, its next chunk
+        (``cache.chunk_tokens``) or its appended tokens — and queue the compute."""
+        adm, kv = self.admission, req.kv
+        if req.appended:
+            assert kv is not None
+            if kv.num_tokens == kv.filled:  # not yet added (a retry after no room adds once)
+                req.base = (kv.device_hit, kv.host_hit, kv.storage_hit, kv.computed)
+                fill = adm.append(kv, req.appended)
+            else:
+                fill = adm.prefill(kv, kv.num_tokens)
+        else:
+            if kv is None:
+                kv = adm.begin(req.tokens, req.key.namespace, req.priority, req.prefetched, req.key)
+            chunk = self.config.cache.chunk_tokens
+            fill = adm.prefill(
+                kv, min(kv.num_tokens, kv.filled + chunk) if chunk else kv.num_tokens
+            )
+            if fill is not None:
+                req.kv = kv
         if fill is None:
             return False
-        prev = self.cache.tree.chain_hash(fill.prefix_node, req.key.namespace)
-        start_page = fill.start // self.cache.page_size
-        req.compute_cmds = self.ctl.compute(req.key, start_page, fill.pages, prev)
-        req.node = self.admission.end(kv)  # the request's lock, now the coordinator's
-        req.device_pages = tuple(kv.device_pages)  # the lease crosses to drivers
-        req.device_hit, req.host_hit = kv.device_hit, kv.host_hit
-        req.storage_hit = kv.storage_hit
-        req.computed = req.prompt_tokens - req.device_hit - req.host_hit - req.storage_hit
+        ns = kv.namespace
+        prev = self.cache.tree.chain_hash(fill.prefix_node, ns)
+        data = bytes(kv.tokens[fill.start * TOKEN_BYTES : fill.end * TOKEN_BYTES])
+        req.compute_cmds = self.ctl.compute(ns, data, fill.start, fill.pages, prev)
         self.running[req.rid] = req
         return True
 
@@ -365,11 +452,16 @@ class CoordinatorCore:
             what = "compute" if done.failed_computes else "load"
             return self.reset(f"a {what} failed on a rank")
         out = self._take_failed()
+        more = []
         for req in list(self.running.values()):
             if req.compute_cmds[-1] > self.ctl.computes_committed:
                 continue
             del self.running[req.rid]
-            out.append(self._finish(req))
+            if req.more_chunks and not req.aborted:
+                more.append(req)  # its next chunk goes first in the next step
+            else:
+                out.append(self._finish(req))
+        self.waiting.extendleft(reversed(more))
         return out
 
     def _finish(self, req: ServingRequest) -> RequestResult:
@@ -377,33 +469,35 @@ class CoordinatorCore:
         if req.aborted:
             self.stats.aborted += 1
             return RequestResult(req.rid, req.prompt_tokens, latency_s=latency, error="aborted")
+        device, host, storage, computed = req.tallies()
         s = self.stats
         s.finished += 1
         s.prompt_tokens += req.prompt_tokens
-        s.tokens.add(req.device_hit, req.host_hit, req.storage_hit, req.computed)
+        s.tokens.add(device, host, storage, computed)
         s.latency_s_total += latency
         ttl = self.config.runtime.lease_ttl_s
+        kv = req.kv
+        assert kv is not None
         lease = Lease(
             req.rid,
             secrets.token_hex(16),
             self.epoch,
-            req.key.namespace,
-            req.key.num_tokens,
-            req.device_pages,
+            kv.namespace,
+            kv.filled,
+            tuple(kv.device_pages),  # the lease crosses to drivers
             ttl,
         )
-        assert req.node is not None
-        held = HeldLease(lease, req.node, req.owner, self.clock() + ttl)
+        held = HeldLease(lease, kv, req.owner, self.clock() + ttl)
         self.leases[lease.token] = held
         self._leased_ids.add(req.rid)
         heapq.heappush(self._expiry, (held.expires_at, lease.token))
         return RequestResult(
             req.rid,
             req.prompt_tokens,
-            device_hit_tokens=req.device_hit,
-            host_hit_tokens=req.host_hit,
-            storage_hit_tokens=req.storage_hit,
-            computed_tokens=req.computed,
+            device_hit_tokens=device,
+            host_hit_tokens=host,
+            storage_hit_tokens=storage,
+            computed_tokens=computed,
             latency_s=latency,
             lease=lease,
         )
@@ -426,10 +520,10 @@ class CoordinatorCore:
         self.events = kept
         return taken
 
-    def _unlock(self, req: ServingRequest) -> None:
-        if req.node is not None:
-            self.cache.dec_lock_ref(req.node)
-            req.node = None
+    def _release_kv(self, req: ServingRequest) -> None:
+        """Let go of everything the request holds in the cache (it ends here)."""
+        if req.kv is not None and not req.kv.ended:
+            self.admission.release(req.kv)
 
     def _fail(self, req: ServingRequest, error: str) -> None:
         self.stats.failed += 1
@@ -456,7 +550,7 @@ class CoordinatorCore:
                 self.waiting.remove(req)
             self.running.pop(req.rid, None)
             self.prefetching.pop(req.rid, None)
-            req.node = None
+            req.kv = None  # the reset below drops what it held
             self._fail(req, error)
         return self.reset(f"internal error: {type(exc).__name__}")
 
@@ -476,12 +570,21 @@ class CoordinatorCore:
         out = self._take_failed()
         limit = self.config.runtime.max_request_retries
         back = []
+        for req in list(self.waiting):  # between chunks, or decodes: their KV is gone
+            if req.appended:
+                self.waiting.remove(req)
+                self._fail(req, f"the request's KV was lost ({reason}); submit it again")
+            elif req.kv is not None:
+                req.kv, req.prefetch_tried, req.prefetched = None, False, 0
         for req in [*self.running.values(), *self.prefetching.values()]:
             if req.aborted:
                 self.stats.aborted += 1
                 out.append(RequestResult(req.rid, req.prompt_tokens, error="aborted"))
                 continue
-            req.compute_cmds, req.node = (), None
+            if req.appended:
+                self._fail(req, f"the request's KV was lost ({reason}); submit it again")
+                continue
+            req.compute_cmds, req.kv = (), None
             req.prefetch_tried, req.prefetched = False, 0
             if count_retry:
                 req.retries += 1

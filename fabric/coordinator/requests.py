@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fabric.cache.admission import RequestKV
 from fabric.cache.keys import TokenKey
-from fabric.cache.node import TreeNode
 from fabric.cache.results import TierTokens
 
 
 @dataclass(frozen=True)
 class Lease:
     """Holds a request's pages in L1 until released or expired. ``device_pages``
-    cover the cached (page-aligned) part of the prompt; ``epoch`` dies with a
-    reset. ``token`` is unguessable: only the holder of the lease itself can
+    hold the KV of its ``tokens`` (prompt, then any appended), one per page, the
+    last maybe partial; ``epoch`` dies with a reset. ``token`` is unguessable: only the holder of the lease itself can
     release or renew it."""
 
     request_id: str
@@ -44,29 +44,43 @@ class RequestResult:
 
 @dataclass(eq=False)
 class ServingRequest:
+    """A prompt (``tokens``, all of it; ``key`` its whole pages) on its way to a
+    lease — or, with ``appended``, tokens decoded after a leased request, whose
+    ``kv`` it carries on. ``base`` holds ``kv``'s tallies before this request."""
+
     rid: str
     key: TokenKey
     prompt_tokens: int
     priority: int
     submitted: float
     owner: str | None = None
+    tokens: bytes = b""
+    appended: bytes = b""
+    kv: RequestKV | None = None
+    base: tuple[int, int, int, int] = (0, 0, 0, 0)
     compute_cmds: tuple[int, ...] = ()
-    node: TreeNode | None = None
-    device_pages: tuple[int, ...] = ()
-    device_hit: int = 0
-    host_hit: int = 0
-    storage_hit: int = 0
-    computed: int = 0
     aborted: bool = False
     prefetch_tried: bool = False
     prefetched: int = 0
     retries: int = 0
 
+    @property
+    def more_chunks(self) -> bool:
+        return self.kv is not None and self.kv.filled < self.kv.num_tokens
+
+    def tallies(self) -> tuple[int, int, int, int]:
+        """Tokens this request hit in L1, L2, L3 and computed (its steps only)."""
+        kv = self.kv
+        if kv is None:
+            return (0, 0, 0, 0)
+        d, h, s, c = self.base
+        return (kv.device_hit - d, kv.host_hit - h, kv.storage_hit - s, kv.computed - c)
+
 
 @dataclass(eq=False)
 class HeldLease:
     lease: Lease
-    node: TreeNode
+    kv: RequestKV
     owner: str | None
     expires_at: float
 
@@ -91,4 +105,5 @@ class FabricStats:
     storage_restores: int = 0
     leases_expired: int = 0
     leases_reclaimed: int = 0
+    sessions_refused: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)

@@ -80,8 +80,9 @@ class SyntheticKV:
         base = start_token // ps
         first_page, last_page = int(positions[0]) // ps - base, int(positions[-1]) // ps - base
         chain = [prev_hash, *chain_hashes(prev_hash, tokens[: last_page * page_bytes], page_bytes)]
-        window = tokens[first_page * page_bytes : (last_page + 1) * page_bytes]
-        ids = torch.tensor(unpack_tokens(window), dtype=torch.int64).view(-1, ps) & _MASK
+        window = unpack_tokens(tokens[first_page * page_bytes : (last_page + 1) * page_bytes])
+        window += [0] * (-len(window) % ps)  # a partial last page: what follows is unused
+        ids = torch.tensor(window, dtype=torch.int64).view(-1, ps) & _MASK
         mixed = ((ids + 1) * 0x5851F42D + torch.arange(ps) * 0x14057B7E) & _MASK
         running = torch.cumsum(mixed, dim=1) & _MASK
         seeds = torch.tensor(
