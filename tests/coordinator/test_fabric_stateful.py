@@ -1,5 +1,6 @@
 """Random sequences against the whole fabric in one process (with a file L3):
-submit, step (some ranks lagging), release, abort, restart a rank. After every
+submit (unaligned prompts, chunked prefill), decode appends, step (some ranks
+lagging), release (into sessions), end sessions, abort, restart a rank. After every
 step the tree's invariants hold and every held lease verifies on every rank."""
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ class FabricMachine(RuleBasedStateMachine):
         stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
         storage=st.booleans(),
         chunk=st.sampled_from([None, 1, 2, 3]),
+        chunk_tokens=st.sampled_from([0, 4, 8]),
     )
-    def setup(self, write_policy, stop_policy, storage, chunk):
+    def setup(self, write_policy, stop_policy, storage, chunk, chunk_tokens=0):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
             f"cache.write_policy={write_policy}",
@@ -35,6 +37,8 @@ class FabricMachine(RuleBasedStateMachine):
             "prefetch.threshold_tokens=4",
             "storage.transfer_batch_pages=2",
             "runtime.lease_ttl_s=5",
+            f"cache.chunk_tokens={chunk_tokens}",
+            "cache.session_budget_fraction=0.3",
         ]
         if storage:
             options += ["storage.backend=file", f"storage.path={self.tmp.name}"]
@@ -49,6 +53,7 @@ class FabricMachine(RuleBasedStateMachine):
             ctl.max_prefetch_pages = 2 * chunk
             ctl.command_budget = 700
         self.tokens: dict[str, bytes] = {}
+        self.appended: set[str] = set()
         self.held: dict[str, object] = {}
         self.n = 0
         self.restart_unseen = False
@@ -57,11 +62,15 @@ class FabricMachine(RuleBasedStateMachine):
         if hasattr(self, "tmp"):
             self.tmp.cleanup()
 
-    @rule(first=st.integers(0, 2), rest=st.lists(st.integers(0, 3), min_size=0, max_size=8))
-    def submit(self, first, rest):
+    @rule(
+        first=st.integers(0, 2),
+        rest=st.lists(st.integers(0, 3), min_size=0, max_size=8),
+        tail=st.lists(st.integers(0, 3), max_size=3),
+    )
+    def submit(self, first, rest, tail=()):
         pages = [first, *rest]
         tokens = pack_tokens(
-            [p * 10 + i % 4 + 1000 * j for j, p in enumerate(pages) for i in range(4)]
+            [p * 10 + i % 4 + 1000 * j for j, p in enumerate(pages) for i in range(4)] + list(tail)
         )
         self.n += 1
         rid = self.fabric.core.submit(tokens, request_id=f"r{self.n}")
@@ -83,14 +92,34 @@ class FabricMachine(RuleBasedStateMachine):
         for result in self.fabric.step(lagging=lagging):
             if result.lease is not None:
                 self.held[result.request_id] = result
+                if result.request_id in self.appended:
+                    VERIFIED["decoded"] += 1
         self.restart_unseen = False
 
     @precondition(lambda self: self.held)
-    @rule(data=st.data())
-    def release(self, data):
+    @rule(data=st.data(), session=st.none() | st.sampled_from(["s1", "s2"]))
+    def release(self, data, session):
         rid = data.draw(st.sampled_from(sorted(self.held)))
         result = self.held.pop(rid)
-        self.fabric.core.release(result.lease)
+        self.fabric.core.release(result.lease, session)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, data, new):
+        rid = data.draw(st.sampled_from(sorted(self.held)))
+        lease = self.held[rid].lease
+        if lease.tokens + len(new) > self.config.cache.device_tokens:
+            return
+        if lease.token not in self.fabric.core.leases:
+            return  # expired or reset: the invariant forgets it
+        del self.held[rid]
+        self.fabric.core.append(lease, pack_tokens(new))
+        self.appended.add(rid)
+        self.tokens[rid] = self.tokens[rid][: lease.tokens * 4] + pack_tokens(new)
+
+    @rule(session=st.sampled_from(["s1", "s2"]))
+    def end_session(self, session):
+        self.fabric.core.end_session(session)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -137,3 +166,4 @@ TestFabricMachine = FabricMachine.TestCase
 
 def test_the_machine_verified_held_leases_on_every_rank():
     assert VERIFIED["leases"] > 0
+    assert VERIFIED["decoded"] > 0, "some leases came back from decode appends"
