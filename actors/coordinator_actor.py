@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.requests import Lease, RequestResult
@@ -98,6 +99,27 @@ class CoordinatorActor:
         self._wake()
         return await future
 
+    async def append(self, lease: Lease, tokens: bytes, owner: str | None = None) -> RequestResult:
+        """Decode: the KV of ``tokens`` generated after a leased request; the result
+        carries a new lease on all its tokens (the given one is consumed)."""
+        rid = self.core.append(lease, tokens, owner)
+        future = asyncio.get_running_loop().create_future()
+        self.futures[rid] = future
+        self._wake()
+        return await future
+
+    async def end_session(self, session: str) -> bool:
+        ended = self.core.end_session(session)
+        if ended:
+            self._wake()
+        return ended
+
+    async def pin(self, tokens: bytes, namespace: str, ttl_s: float) -> PinResult:
+        return self.core.pin(tokens, namespace, ttl_s)
+
+    async def unpin(self, tokens: bytes, namespace: str) -> int:
+        return self.core.unpin(tokens, namespace)
+
     async def abort(self, request_id: str) -> bool:
         result = self.core.abort(request_id)
         if result is not None:
@@ -105,8 +127,8 @@ class CoordinatorActor:
             return True
         return request_id in self.core.running
 
-    async def release(self, lease: Lease) -> bool:
-        released = self.core.release(lease)
+    async def release(self, lease: Lease, session: str | None = None) -> bool:
+        released = self.core.release(lease, session)
         if released:
             self._wake()
         return released

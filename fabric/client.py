@@ -125,10 +125,42 @@ class Fabric:
     def _pack(tokens: Sequence[int] | bytes) -> bytes:
         return tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
 
-    def release(self, lease: Lease) -> bool:
-        """Let a result's L1 pages be evicted again. Takes the ``Lease`` itself (a
-        request id is refused); ``False`` if it already expired or was reset."""
-        return self._call(self.coordinator.release, lease)
+    def append(
+        self, lease: Lease, tokens: Sequence[int] | bytes, timeout: float | None = None
+    ) -> RequestResult:
+        """Decode: have the ranks compute the KV of ``tokens`` generated after the
+        request of ``lease``. The lease is consumed; the result (same request id)
+        holds a new one on every token so far. A page the tokens fill joins the
+        cache, so the next turn hits through the answer."""
+        ref = self.coordinator.append.remote(lease, self._pack(tokens), _job_id())
+        try:
+            return self.result(ref, timeout=timeout)
+        except TimeoutError:
+            self._abandon(ref, lease.request_id)
+            raise TimeoutError(
+                f"decode of {lease.request_id} did not finish within {timeout} s; it was aborted"
+            ) from None
+
+    def release(self, lease: Lease, session: str | None = None) -> bool:
+        """Let a result's L1 pages be evicted again — or, with ``session``, have that
+        session keep its whole pages warm for the next turn (``cache.session_*``:
+        tier, budget, TTL). Takes the ``Lease`` itself (a request id is refused);
+        ``False`` if it already expired or was reset."""
+        return self._call(self.coordinator.release, lease, session)
+
+    def end_session(self, session: str) -> bool:
+        """Drop what ``session`` keeps between turns; ``False`` if it kept nothing."""
+        return self._call(self.coordinator.end_session, session)
+
+    def pin(self, tokens: Sequence[int] | bytes, ttl_s: float, namespace: str = "default"):
+        """Keep the cached prefix of ``tokens`` in L2 for ``ttl_s`` seconds (within
+        ``cache.pin_budget_fraction`` of L2); the ``PinResult`` says how much was
+        pinned and why not more."""
+        return self._call(self.coordinator.pin, self._pack(tokens), namespace, ttl_s)
+
+    def unpin(self, tokens: Sequence[int] | bytes, namespace: str = "default") -> int:
+        """Unpin the cached prefix of ``tokens``; returns the tokens unpinned."""
+        return self._call(self.coordinator.unpin, self._pack(tokens), namespace)
 
     def renew(self, lease: Lease) -> bool:
         """Keep a lease for another ``runtime.lease_ttl_s``; ``False`` if it is gone."""

@@ -48,6 +48,31 @@ def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):
     fabric.check_integrity()
 
 
+def test_a_two_turn_conversation_decodes_keeps_its_session_and_pins(fabric):
+    turn1 = [*prompt(40, pages=3), 1, 2]
+    r = fabric.submit(turn1, timeout=60)
+    answer = [500, 501, 502, 503, 504]
+    lease = r.lease
+    for t in answer:
+        step = fabric.append(lease, [t], timeout=60)
+        assert step.error is None and step.request_id == r.request_id
+        lease = step.lease
+    assert fabric.verify(step, turn1 + answer) == [True] * 4
+    assert fabric.release(lease, session="chat")
+    turn2 = [*turn1, *answer, 7, 7, 7]
+    r2 = fabric.submit(turn2, timeout=60)
+    assert r2.device_hit_tokens == 16, "the kept turn and the answer's whole page"
+    assert fabric.verify(r2, turn2) == [True] * 4
+    assert fabric.release(r2.lease, session="chat")
+    assert fabric.end_session("chat")
+    pinned = fabric.pin(turn2, ttl_s=30)
+    assert pinned.pinned_tokens == 20, "every whole page of the second turn"
+    assert fabric.unpin(turn2) == 20
+    with pytest.raises(InvalidInput, match="no longer held"):
+        fabric.append(r.lease, [1])
+    fabric.check_integrity()
+
+
 def test_write_through_waits_for_the_slowest_rank(fabric):
     slow = fabric._deployment.ranks[3]
     ray.get(slow.set_faults.remote(delay_s=1.5))
