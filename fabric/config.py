@@ -156,6 +156,7 @@ class PrefetchConfig(_Section):
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
+FILLERS = ("synthetic", "llama")
 
 
 class ModelConfig(_Section):
@@ -168,6 +169,17 @@ class ModelConfig(_Section):
     head_dim: PositiveInt = 32
     dtype: str = _one_of(DTYPES, "bfloat16")
     layout: str = _one_of(LAYOUTS, "layer_first")
+    # Who computes new KV: the synthetic producer (every value a checkable function
+    # of its prefix), or a Llama-architecture transformer (``pip install
+    # 'kvfabric[model]'``): seeded random weights of the shape above, or the
+    # weights in ``path`` (a local Hugging Face model directory).
+    filler: str = _one_of(FILLERS, "synthetic")
+    path: str = ""
+    seed: NonNegativeInt = 0
+    vocab_size: PositiveInt = 1000
+    attention_heads: NonNegativeInt = Field(0, description="an integer >= 0 (0: 2 x kv_heads)")
+    intermediate_size: NonNegativeInt = Field(0, description="an integer >= 0 (0: 2 x hidden)")
+    initializer_range: PositiveFloat = 0.2
 
 
 class TopologyConfig(_Section):

@@ -76,6 +76,10 @@ class LocalFabric:
             self.step()
         raise TimeoutError(f"still busy after {max_steps} steps")
 
+    def read_kv(self, lease: Lease) -> list:
+        """Every rank's shard of the lease's KV (see ``fabric.rank.model.assemble``)."""
+        return [r.read(lease.tokens, list(lease.device_pages)) for r in self.ranks]
+
     def verify(self, result: RequestResult, tokens: bytes) -> list[bool]:
         """Per rank: does L1 hold exactly the fresh KV of the leased prefix?"""
         lease = result.lease

@@ -42,7 +42,8 @@ class Compute(_Message, frozen=True):
     """Fill L1 ``pages`` with KV for the packed ``tokens`` (``fabric.cache.keys``
     format) at positions ``[start_token, start_token + len(tokens) // 4)``.
     ``start_token`` is page aligned and ``prev_hash`` is the page-hash chain up to
-    it: a compute carries only its own tokens, never the prefix before them."""
+    it: a compute carries only its own tokens — and, for a model that needs them
+    (``model.filler``), the ``prefix`` tokens before them."""
 
     cmd_id: Count
     namespace: Name
@@ -50,6 +51,7 @@ class Compute(_Message, frozen=True):
     tokens: bytes
     start_token: Count
     pages: tuple[Count, ...]
+    prefix: bytes = b""
 
 
 class Write(_Message, frozen=True):
@@ -144,7 +146,8 @@ _HASH = 34
 def command_bound(cmd: Command) -> int:
     """At most how many bytes ``cmd`` takes inside an encoded ``Batch``."""
     if isinstance(cmd, Compute):
-        return _OVERHEAD + 4 * len(cmd.namespace) + len(cmd.tokens) + _HASH + _INT * len(cmd.pages)
+        tokens = len(cmd.tokens) + len(cmd.prefix)
+        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * len(cmd.pages)
     if isinstance(cmd, (Write, Load)):
         return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
     if isinstance(cmd, (Backup, Prefetch)):

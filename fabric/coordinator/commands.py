@@ -70,7 +70,9 @@ class _OpQueue:
 
 
 class FabricController(Controller):
-    def __init__(self, config: CacheConfig, max_message_bytes: int) -> None:
+    def __init__(
+        self, config: CacheConfig, max_message_bytes: int, with_prefix: bool = False
+    ) -> None:
         self.device = PagedAllocator(config.device_pages, config.page_size, "L1 device pool")
         self.host = PagedAllocator(config.host_pages, config.page_size, "L2 host pool")
         self.page_size = config.page_size
@@ -78,14 +80,25 @@ class FabricController(Controller):
         # incarnations) the other half.
         self.command_budget = max_message_bytes // 2
         ns = MAX_NAMESPACE_CHARS
-        self.compute_pages = pages_per_command("compute", self.command_budget, self.page_size, ns)
+        # With ``with_prefix`` (a model filler) a compute also carries the tokens
+        # before it: up to a whole L1 of them.
+        self.with_prefix = with_prefix
+        prefix_bytes = TOKEN_BYTES * config.device_tokens if with_prefix else 0
+        self.compute_pages = pages_per_command(
+            "compute", self.command_budget - prefix_bytes, self.page_size, ns
+        )
         self.copy_pages = pages_per_command("copy", self.command_budget, self.page_size, ns)
         self.storage_pages = pages_per_command("storage", self.command_budget, self.page_size, ns)
         if self.compute_pages < 1:
             raise ConfigError(
                 f"config runtime.max_message_bytes={max_message_bytes} is refused: a message "
-                f"must hold the compute of one page of {self.page_size} tokens; allowed is at "
-                f"least {2 * (self.command_budget + 4 * self.page_size + 2048)}"
+                f"must hold the compute of one page of {self.page_size} tokens"
+                + (
+                    f" and a prefix of up to {config.device_tokens} (model.filler)"
+                    if with_prefix
+                    else ""
+                )
+                + f"; allowed is at least {2 * (prefix_bytes + 4 * self.page_size + 2048)}"
             )
         self.max_prefetch_pages = self.storage_pages
         self.reset()
@@ -129,7 +142,13 @@ class FabricController(Controller):
         self.loads.add(self._copies(Load, op_id, host_pages, device_pages), op_id)
 
     def compute(
-        self, namespace: str, data: bytes, start_token: int, pages: Sequence[int], prev: bytes
+        self,
+        namespace: str,
+        data: bytes,
+        start_token: int,
+        pages: Sequence[int],
+        prev: bytes,
+        prefix: bytes = b"",
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -137,6 +156,7 @@ class FabricController(Controller):
         missing: it still orders the request after its loads). ``prev`` is the
         chain hash of the pages before ``start_token`` (the tree knows it): only
         the new pages are hashed, and only when a compute is cut in chunks.
+        ``prefix``: the tokens before ``start_token``, sent along ``with_prefix``.
         Returns the command ids."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
@@ -147,10 +167,10 @@ class FabricController(Controller):
             chunk = tuple(pages[offset : offset + step])
             chain = hashes[offset - 1] if offset else prev
             tokens = data[offset * pb : (offset + len(chunk)) * pb]
+            before = prefix + data[: offset * pb] if self.with_prefix else b""
+            first = start_token + offset * self.page_size
             cmd = self._cmd_id()
-            self._send(
-                Compute(cmd, namespace, chain, tokens, start_token + offset * self.page_size, chunk)
-            )
+            self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before))
             self.computes.append(cmd)
             cmds.append(cmd)
         return tuple(cmds)

@@ -44,7 +44,9 @@ class CoordinatorCore:
         self.config = config
         self.clock = clock
         self.topology = Topology(config.topology)
-        self.ctl = FabricController(config.cache, config.runtime.max_message_bytes)
+        self.ctl = FabricController(
+            config.cache, config.runtime.max_message_bytes, config.model.filler != "synthetic"
+        )
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock)
         self.admission = Admission(self.cache)
         self.l3 = self.cache.storage
@@ -380,8 +382,11 @@ class CoordinatorCore:
             return False
         ns = kv.namespace
         prev = self.cache.tree.chain_hash(fill.prefix_node, ns)
-        data = bytes(kv.tokens[fill.start * TOKEN_BYTES : fill.end * TOKEN_BYTES])
-        req.compute_cmds = self.ctl.compute(ns, data, fill.start, fill.pages, prev)
+        start, end = fill.start * TOKEN_BYTES, fill.end * TOKEN_BYTES
+        prefix = bytes(kv.tokens[:start]) if self.ctl.with_prefix else b""
+        req.compute_cmds = self.ctl.compute(
+            ns, bytes(kv.tokens[start:end]), fill.start, fill.pages, prev, prefix
+        )
         self.running[req.rid] = req
         return True
 

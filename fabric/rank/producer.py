@@ -23,7 +23,8 @@ _MASK = (1 << 31) - 1
 
 
 class KVFiller(Protocol):
-    """Fills L1 with the KV of new tokens (the prefill of the missing part)."""
+    """Fills L1 with the KV of new tokens (the prefill of the missing part), and
+    recomputes it for checks."""
 
     def fill(
         self,
@@ -33,20 +34,87 @@ class KVFiller(Protocol):
         tokens: bytes,
         start_token: int,
         pages: list[int],
+        prefix: bytes = b"",
     ) -> None:
         """Compute KV for the packed ``tokens`` at positions ``[start_token,
         start_token + len(tokens) // 4)`` and store this rank's shard of it in
-        ``pages`` (one page per ``page_size`` tokens). ``start_token`` is page
-        aligned; ``prev_hash`` is the page-hash chain up to it (the namespace
-        seed at 0), which stands for everything before it."""
+        ``pages`` (one page per ``page_size`` tokens, the last maybe partial).
+        ``start_token`` is page aligned; ``prev_hash`` is the page-hash chain up
+        to it (the namespace seed at 0), which stands for everything before it;
+        ``prefix`` is the tokens before it, for a filler that needs them."""
+
+    def expected(
+        self,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        dtype: torch.dtype,
+        prefix: bytes = b"",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's positions among ``tokens`` and their KV ``(2, T, layers,
+        heads, head_dim)``, as ``fill`` stores it."""
+
+    def locate(
+        self, positions: torch.Tensor, start_token: int, pages: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool page and in-page offset of each position (pages start at ``start_token``)."""
 
 
-class SyntheticKV:
+class ShardPositions:
+    """Which token positions a shard holds, and where in its pages they go."""
+
+    def __init__(self, shard: Shard, page_size: int) -> None:
+        self.shard = shard
+        self.page_size = page_size
+
+    def positions(self, start_token: int, end_token: int) -> torch.Tensor:
+        """This shard's token positions in ``[start_token, end_token)``."""
+        pt, first = self.shard.page_tokens, self.shard.cp_rank * self.shard.page_tokens
+        t = torch.arange(start_token, end_token, dtype=torch.int64)
+        offset = t % self.page_size
+        return t[(offset >= first) & (offset < first + pt)]
+
+    def locate(
+        self, positions: torch.Tensor, start_token: int, pages: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool page and in-page offset of each position (pages start at ``start_token``)."""
+        pos = positions
+        page_of = torch.tensor(pages, dtype=torch.int64)[(pos - start_token) // self.page_size]
+        offsets = pos % self.page_size - self.shard.cp_rank * self.shard.page_tokens
+        return page_of, offsets
+
+    def expected(
+        self,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        dtype: torch.dtype,
+        prefix: bytes = b"",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def fill(
+        self,
+        pool: KVPool,
+        namespace: str,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        pages: list[int],
+        prefix: bytes = b"",
+    ) -> None:
+        positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype, prefix)
+        if positions.numel() == 0:
+            return
+        page_idx, offsets = self.locate(positions, start_token, pages)
+        pool.write_tokens(page_idx, offsets, values)
+
+
+class SyntheticKV(ShardPositions):
     """The deterministic producer; also recomputes expected values for checks."""
 
     def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
-        self.shard = shard
-        self.page_size = page_size
+        super().__init__(shard, page_size)
         self.head_dim = model.head_dim
         layer = torch.arange(shard.layer_start, shard.layer_start + shard.layers)
         head = torch.arange(shard.head_start, shard.head_start + shard.heads)
@@ -59,13 +127,6 @@ class SyntheticKV:
             + head.view(1, 1, -1, 1) * 0x0E6546B6
             + dim.view(1, 1, 1, -1) * 0x6A09E667
         ) & _MASK
-
-    def positions(self, start_token: int, end_token: int) -> torch.Tensor:
-        """This shard's token positions in ``[start_token, end_token)``."""
-        pt, first = self.shard.page_tokens, self.shard.cp_rank * self.shard.page_tokens
-        t = torch.arange(start_token, end_token, dtype=torch.int64)
-        offset = t % self.page_size
-        return t[(offset >= first) & (offset < first + pt)]
 
     def prefix_codes(
         self, prev_hash: bytes, tokens: bytes, start_token: int, positions: torch.Tensor
@@ -99,7 +160,12 @@ class SyntheticKV:
         return (x.to(torch.float32) / 8191 - 0.5).to(dtype)
 
     def expected(
-        self, prev_hash: bytes, tokens: bytes, start_token: int, dtype: torch.dtype
+        self,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        dtype: torch.dtype,
+        prefix: bytes = b"",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This shard's positions among ``tokens`` (which begin at the page-aligned
         ``start_token``, after the chain ``prev_hash``) and their expected KV."""
@@ -107,27 +173,3 @@ class SyntheticKV:
         positions = self.positions(start_token, end)
         codes = self.prefix_codes(prev_hash, tokens, start_token, positions)
         return positions, self.values(codes, dtype)
-
-    def fill(
-        self,
-        pool: KVPool,
-        namespace: str,
-        prev_hash: bytes,
-        tokens: bytes,
-        start_token: int,
-        pages: list[int],
-    ) -> None:
-        positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype)
-        if positions.numel() == 0:
-            return
-        page_idx, offsets = self.locate(positions, start_token, pages)
-        pool.write_tokens(page_idx, offsets, values)
-
-    def locate(
-        self, positions: torch.Tensor, start_token: int, pages: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool page and in-page offset of each position (pages start at ``start_token``)."""
-        pos = positions
-        page_of = torch.tensor(pages, dtype=torch.int64)[(pos - start_token) // self.page_size]
-        offsets = pos % self.page_size - self.shard.cp_rank * self.shard.page_tokens
-        return page_of, offsets

@@ -36,7 +36,7 @@ from fabric.messages import (
 )
 from fabric.rank.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
 from fabric.rank.producer import KVFiller, SyntheticKV
-from fabric.topology import Topology
+from fabric.topology import Shard, Topology
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,10 @@ class RankWorker:
         self.l1 = KVPool(cache.device_pages, self.shard, model, self.device)
         self.l2 = KVPool(cache.host_pages, self.shard, model, torch.device("cpu"), pin_memory=cuda)
         self.producer = SyntheticKV(self.shard, model, cache.page_size)
+        if filler is None and model.filler == "llama":
+            from fabric.rank.model import LlamaKV  # transformers: an optional extra
+
+            filler = LlamaKV(self.shard, model, cache.page_size)
         self.filler: KVFiller = filler or self.producer
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.incarnation = uuid.uuid4().hex
@@ -210,6 +214,7 @@ class RankWorker:
                     first.tokens,
                     first.start_token,
                     list(first.pages),
+                    first.prefix,
                 )
             else:
                 if isinstance(first, Write):
@@ -334,11 +339,21 @@ class RankWorker:
 
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
         """Whether L1 ``pages`` hold exactly this shard's KV of the packed prefix
-        ``tokens`` (one page per page of it), as a fresh computation gives it."""
+        ``tokens`` (one page per page of it, the last maybe partial), as a fresh
+        computation by this rank's filler gives it."""
         seed = namespace_seed(namespace)
-        positions, expected = self.producer.expected(seed, tokens, 0, self.l1.buffer.dtype)
+        dtype = self.l1.buffer.dtype
+        positions, expected = self.filler.expected(seed, tokens, 0, dtype)
         if positions.numel() == 0:
             return True
-        page_idx, offsets = self.producer.locate(positions, 0, pages)
+        page_idx, offsets = self.filler.locate(positions, 0, pages)
         actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device))
         return bool(torch.equal(actual.cpu(), expected))
+
+    def read(self, tokens: int, pages: list[int]) -> tuple[Shard, torch.Tensor]:
+        """This rank's shard of the KV of the first ``tokens`` positions held in L1
+        ``pages``: ``(2, T, layers, heads, head_dim)`` over its positions, on CPU."""
+        positions = self.producer.positions(0, tokens)
+        page_idx, offsets = self.producer.locate(positions, 0, pages)
+        values = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device))
+        return self.shard, values.cpu().clone()

@@ -1,0 +1,160 @@
+"""A real transformer behind the ranks, and KV read back for a driver.
+
+``LlamaKV`` fills L1 with the KV a Llama-architecture model computes: seeded
+random weights of ``model.*``'s shape (nothing downloaded), or the weights in
+``model.path``. Each rank runs the whole model over the prefix and the new
+tokens and keeps its shard (its layers, its KV heads, its positions of each
+page): on CPU that is simpler than splitting the model's compute across ranks,
+and it is exact — a rank's shard of the KV is what the full model computes.
+Eager attention: its KV does not depend on how a prompt is cut into chunks.
+
+``assemble`` puts every rank's shard of a lease back together per layer, and
+``to_cache`` makes a ``transformers`` cache of it, so a driver continues
+generation from KV the fabric served. ``transformers`` is an optional extra
+(``pip install 'kvfabric[model]'``), imported only here and only when used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
+from fabric.config import ModelConfig
+from fabric.errors import ConfigError
+from fabric.rank.producer import ShardPositions
+from fabric.topology import Shard
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "model.filler=llama needs Hugging Face transformers: pip install 'kvfabric[model]'"
+        ) from None
+    return transformers
+
+
+def build_model(model: ModelConfig) -> Any:
+    """The Llama model ``model`` describes, in float32 eval mode: the weights in
+    ``model.path``, or seeded random ones (the same on every rank and driver)."""
+    tf = _transformers()
+    if model.path:
+        hf = tf.AutoModelForCausalLM.from_pretrained(
+            model.path, torch_dtype=torch.float32, attn_implementation="eager"
+        )
+        cfg = hf.config
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_head_dim(cfg))
+        want = (model.layers, model.kv_heads, model.head_dim)
+        if shape != want:
+            raise ConfigError(
+                f"model.path={model.path!r} has layers, kv_heads, head_dim = {shape}; "
+                f"the config says {want}: set model.layers, model.kv_heads, model.head_dim to match"
+            )
+        return hf.eval()
+    heads = model.attention_heads or 2 * model.kv_heads
+    if heads % model.kv_heads:
+        raise ConfigError(
+            f"model.attention_heads={heads} is refused: allowed is a multiple of "
+            f"model.kv_heads ({model.kv_heads})"
+        )
+    hidden = heads * model.head_dim
+    cfg = tf.LlamaConfig(
+        vocab_size=model.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=model.intermediate_size or 2 * hidden,
+        num_hidden_layers=model.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        max_position_embeddings=1 << 16,
+        initializer_range=model.initializer_range,
+        attn_implementation="eager",
+    )
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(model.seed)
+        return tf.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def hf_head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@torch.no_grad()
+def model_kv(hf: Any, ids: Sequence[int]) -> torch.Tensor:
+    """The KV of ``ids`` from scratch: ``(2, layers, kv_heads, len(ids), head_dim)``."""
+    if not ids:
+        raise ValueError("no tokens")
+    out = hf(input_ids=torch.tensor([list(ids)], dtype=torch.int64), use_cache=True)
+    layers = out.cache.layers
+    keys = torch.stack([layer.keys[0] for layer in layers])
+    values = torch.stack([layer.values[0] for layer in layers])
+    return torch.stack((keys, values))
+
+
+class LlamaKV(ShardPositions):
+    """A ``KVFiller`` backed by a Llama model (see the module docstring)."""
+
+    def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
+        super().__init__(shard, page_size)
+        self.model = build_model(model)
+
+    def expected(
+        self,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        dtype: torch.dtype,
+        prefix: bytes = b"",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(prefix) != start_token * TOKEN_BYTES:
+            raise ValueError(
+                f"the model needs the {start_token} tokens before the compute, got "
+                f"{len(prefix) // TOKEN_BYTES}"
+            )
+        end = start_token + len(tokens) // TOKEN_BYTES
+        positions = self.positions(start_token, end)
+        if positions.numel() == 0:
+            return positions, torch.empty(0)
+        kv = model_kv(self.model, unpack_tokens(prefix + tokens))
+        s = self.shard
+        mine = kv[
+            :, s.layer_start : s.layer_start + s.layers, s.head_start : s.head_start + s.heads
+        ]
+        # (2, layers, heads, T, dim) -> (2, T, layers, heads, dim)
+        return positions, mine[:, :, :, positions].permute(0, 3, 1, 2, 4).to(dtype)
+
+
+def assemble(
+    shards: Sequence[tuple[Shard, torch.Tensor]], model: ModelConfig, page_size: int, tokens: int
+) -> torch.Tensor:
+    """Every rank's shard of a lease's KV (as ``RankWorker.read`` returns it:
+    ``(2, T, layers, heads, head_dim)`` over that rank's positions) as one
+    ``(2, layers, kv_heads, tokens, head_dim)`` float32 tensor."""
+    out = torch.zeros(2, model.layers, model.kv_heads, tokens, model.head_dim)
+    seen = torch.zeros(model.layers, model.kv_heads, tokens, dtype=torch.bool)
+    for shard, values in shards:
+        pos = ShardPositions(shard, page_size).positions(0, tokens)
+        layers = slice(shard.layer_start, shard.layer_start + shard.layers)
+        heads = slice(shard.head_start, shard.head_start + shard.heads)
+        out[:, layers, heads][:, :, :, pos] = values.permute(0, 2, 3, 1, 4).float()
+        seen[layers, heads][:, :, pos] = True
+    if not bool(seen.all()):
+        raise ValueError("the shards do not cover every layer, head and position")
+    return out
+
+
+def to_cache(kv: torch.Tensor, hf: Any) -> Any:
+    """A ``transformers`` ``DynamicCache`` holding ``kv`` ``(2, layers, heads,
+    tokens, head_dim)`` for one sequence, for ``hf``'s ``generate(cache=...)``."""
+    tf = _transformers()
+    cache = tf.DynamicCache(config=hf.config)
+    for layer in range(kv.shape[1]):
+        cache.update(kv[0, layer].unsqueeze(0).clone(), kv[1, layer].unsqueeze(0).clone(), layer)
+    return cache

@@ -1,0 +1,88 @@
+"""A real transformer behind the ranks: generation continued from KV the fabric
+serves (L1, L2 and L3 hits, TP=2 x PP=2, through earlier turns' answers, after
+evictions and load-backs) matches generation without any cache.
+
+Float32 on CPU with eager attention. Greedy tokens must be equal; the logits of
+the first generated token may differ from the uncached run's by at most
+``LOGITS_ATOL`` (they come from KV computed over other chunkings of the
+sequence; in practice the difference is 0 or a few float32 ulps).
+"""
+
+import torch
+
+from fabric.cache.keys import pack_tokens
+from fabric.local import LocalFabric
+from fabric.rank.model import assemble, build_model, to_cache
+from tests.helpers import small_config, storage_options
+
+LOGITS_ATOL = 1e-4
+NEW_TOKENS = 5
+
+
+def generate(hf, ids: list[int], kv=None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after ``ids`` and the logits of the first one — from scratch,
+    or with the KV ``kv`` of all but the last token (a forward changes a cache in
+    place: each use gets its own)."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        if kv is None:
+            logits = hf(input_ids=x).logits[0, -1]
+            cache = None
+        else:
+            logits = hf(input_ids=x[:, -1:], cache=to_cache(kv, hf)).logits[0, -1]
+            cache = to_cache(kv, hf)
+        out = hf.generate(x, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(ids) :].tolist(), logits
+
+
+def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path):
+    cfg = small_config(
+        "model.filler=llama",
+        "model.dtype=float32",
+        "model.layers=4",
+        "model.head_dim=16",
+        "cache.chunk_tokens=16",
+        "cache.session_budget_fraction=0.5",
+        "prefetch.threshold_tokens=4",
+        *storage_options(tmp_path),
+    )
+    f = LocalFabric(cfg)
+    hf = build_model(cfg.model)
+    rng = torch.Generator().manual_seed(3)
+
+    def message(n: int) -> list[int]:
+        return torch.randint(0, cfg.model.vocab_size, (n,), generator=rng).tolist()
+
+    conversations = [message(13), message(18)]
+    tiers = {"device": 0, "host": 0, "storage": 0}
+    checked = 0
+    for turn in range(3):
+        if turn == 2:
+            f.settle()
+            f.core.reset("drop L1 and L2: the last turn comes back from L3")
+        for c, prompt in enumerate(conversations):
+            result = f.serve(pack_tokens(prompt))
+            assert result.error is None
+            tiers["device"] += result.device_hit_tokens
+            tiers["host"] += result.host_hit_tokens
+            tiers["storage"] += result.storage_hit_tokens
+            assert f.verify(result, pack_tokens(prompt)) == [True] * 4
+            kv = assemble(f.read_kv(result.lease), cfg.model, cfg.cache.page_size, len(prompt))
+            served, served_logits = generate(hf, prompt, kv[:, :, :, :-1])
+            fresh, fresh_logits = generate(hf, prompt)
+            assert served == fresh, f"turn {turn}, conversation {c}"
+            assert torch.allclose(served_logits, fresh_logits, rtol=0, atol=LOGITS_ATOL)
+            checked += 1
+            lease = result.lease
+            for token in fresh:  # decode: the answer's KV joins the cache
+                step = f.append(lease, pack_tokens([token]))
+                assert step.error is None
+                lease = step.lease
+            f.core.release(lease, session="chat-0" if c == 0 else None)  # kept in L1
+            conversations[c] = prompt + fresh + message(6)
+        for _ in range(4):  # other traffic: L1 evicts to L2
+            other = f.serve(pack_tokens(message(20)))
+            f.core.release(other.lease)
+    assert checked == 6
+    assert all(tiers.values()), f"every tier served some of the KV: {tiers}"
+    f.core.cache.check_integrity()
