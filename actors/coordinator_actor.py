@@ -150,6 +150,15 @@ class CoordinatorActor:
         calls = [r.verify.remote(lease.namespace, cached, pages) for r in self.ranks]
         return list(await asyncio.gather(*calls))
 
+    async def read_kv(self, lease: Lease) -> list:
+        """Every rank's shard of a held lease's KV: ``(Shard, tensor)`` pairs for
+        ``fabric.rank.model.assemble``. Call while holding the lease."""
+        held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
+        if held is None or held.lease != lease:
+            raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
+        pages = list(lease.device_pages)
+        return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
+
     async def stats(self) -> dict[str, Any]:
         snapshot = self.core.snapshot()
         try:

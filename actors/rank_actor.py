@@ -84,6 +84,10 @@ class RankActor:
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
         return self.worker.verify(namespace, tokens, pages)
 
+    def read(self, tokens: int, pages: list[int]) -> tuple:
+        """This rank's shard of the KV of ``tokens`` positions held in L1 ``pages``."""
+        return self.worker.read(tokens, pages)
+
     def set_faults(
         self,
         delay_s: float = 0.0,

@@ -27,6 +27,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--inflight", type=int, default=8, help="requests in flight at once (default 8)"
     )
+    chat = run.add_argument_group(
+        "a real model (needs pip install 'kvfabric[model]')",
+        "With --model the workload is multi-turn conversations: each turn's prompt is the "
+        "previous prompt, the model's answer and a new message; the ranks compute a Llama "
+        "model's KV, the driver generates from the KV the fabric serves.",
+    )
+    chat.add_argument(
+        "--model", help="tiny-llama (seeded random weights) or a local Hugging Face model dir"
+    )
+    chat.add_argument(
+        "--check",
+        action="store_true",
+        help="also generate every turn without a cache and count mismatching answers",
+    )
+    chat.add_argument("--conversations", type=int, default=4, help="default 4")
+    chat.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    chat.add_argument("--new-tokens", type=int, default=8, help="answer length (default 8)")
     demo = sub.add_parser(
         "demo",
         help="replay a workload through the core with an in-process controller",
@@ -81,13 +98,13 @@ def _setup(args: argparse.Namespace):
     return config, requests, source
 
 
-def _progress(total: int):
+def _progress(total: int, unit: str = "requests"):
     step = max(1, total // 50)
 
     def show(done: int) -> None:
         if done % step == 0 or done == total:
             bar = "#" * (30 * done // total)
-            print(f"\r[{bar:<30}] {done}/{total} requests", end="", file=sys.stderr, flush=True)
+            print(f"\r[{bar:<30}] {done}/{total} {unit}", end="", file=sys.stderr, flush=True)
 
     return show
 
@@ -96,6 +113,8 @@ def _run(args: argparse.Namespace) -> int:
     from fabric.client import launch
     from fabric.workload import drive, iter_packed
 
+    if args.model is not None:
+        return _chat(args)
     config, requests, source = _setup(args)
     if args.inflight < 1:
         raise FabricError(f"--inflight {args.inflight} is refused: allowed is an int >= 1")
@@ -141,6 +160,62 @@ def _run(args: argparse.Namespace) -> int:
         f"{result['requests_per_s']:,} requests/s"
     )
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from fabric.chat import converse, model_overrides
+    from fabric.client import launch
+
+    for name in ("conversations", "turns", "new_tokens"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise FabricError(f"{flag} {getattr(args, name)} is refused: allowed is an int >= 1")
+    config = load_config(args.config) if args.config else FabricConfig()
+    config = config.with_overrides([*model_overrides(args.model), *args.set])
+    total = args.conversations * args.turns
+    print(
+        f"kvfabric {__version__}: launching with model {config.model.model_id} ...", file=sys.stderr
+    )
+    fabric = launch(config)
+    try:
+        started = time.perf_counter()
+        stats = converse(
+            fabric,
+            config,
+            args.conversations,
+            args.turns,
+            args.new_tokens,
+            args.check,
+            progress=_progress(total, "turns"),
+        )
+        elapsed = time.perf_counter() - started
+        print(file=sys.stderr)
+        fabric.check_integrity()
+    finally:
+        fabric.shutdown()
+    result = {
+        "model": config.model.model_id,
+        "conversations": args.conversations,
+        "turns": stats.turns,
+        "checked_requests": stats.checked,
+        "mismatches": stats.mismatches,
+        "tokens_by_tier": stats.tokens.as_dict(),
+        "generated_tokens": stats.generated_tokens,
+        "turns_per_s": round(stats.turns / elapsed, 2) if elapsed else 0.0,
+    }
+    if not args.json:
+        print(
+            f"kvfabric {__version__}: {stats.turns} turns of {args.conversations} conversations "
+            f"with {result['model']}"
+        )
+        _print_tiers(stats.tokens.as_dict())
+        if args.check:
+            print(
+                f"  checked   {stats.checked} answers against generation without a cache: "
+                f"{stats.mismatches} mismatched"
+            )
+    print(json.dumps(result))
+    return 1 if stats.mismatches else 0
 
 
 def _print_tiers(tiers: dict[str, int]) -> None:

@@ -176,6 +176,12 @@ class Fabric:
             raise FabricError(f"{result.request_id} has no lease ({result.error})")
         return self._call(self.coordinator.verify, result.lease, self._pack(tokens))
 
+    def read_kv(self, lease: Lease) -> list:
+        """Every rank's shard of the KV a held lease covers, as ``(Shard, tensor)``
+        pairs; ``fabric.rank.model.assemble`` joins them into one tensor and
+        ``to_cache`` makes a ``transformers`` cache of it."""
+        return self._call(self.coordinator.read_kv, lease)
+
     def stats(self) -> dict:
         return self._call(self.coordinator.stats)
 

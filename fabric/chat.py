@@ -1,0 +1,153 @@
+"""Multi-turn conversations through a fabric with a real model behind it: the
+driver of ``kvfabric run --model``.
+
+Each turn's prompt is the previous prompt, the model's answer and a new message.
+The fabric serves the prompt's KV (hits from any tier, the rest computed by the
+ranks); the driver reads it back from every rank, continues greedy generation
+from it, and has the ranks compute the answer's KV (decode appends), so the next
+turn hits through the answer. With ``check``, every turn is also generated
+without any cache and the tokens compared. Conversations keep their turns warm
+in sessions between turns.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabric.cache.results import TierTokens
+from fabric.config import FabricConfig
+from fabric.errors import InvalidInput
+from fabric.rank.model import assemble, build_model, to_cache
+
+# ``--model tiny-llama``: 4 layers, hidden 256, 4 heads, 2 KV heads, vocab 1000,
+# seeded random weights (an initializer range of 0.2 keeps greedy output varied).
+TINY_LLAMA = [
+    "model.filler=llama",
+    "model.model_id=tiny-llama",
+    "model.dtype=float32",
+    "model.layers=4",
+    "model.kv_heads=2",
+    "model.head_dim=64",
+    "model.attention_heads=4",
+    "model.vocab_size=1000",
+]
+
+
+def model_overrides(model: str) -> list[str]:
+    """Config overrides for ``--model``: ``tiny-llama``, or a local Hugging Face
+    model directory (its shape read from its ``config.json``)."""
+    if model == "tiny-llama":
+        return list(TINY_LLAMA)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InvalidInput(
+            f"--model {model!r} is refused: allowed is tiny-llama or a local model "
+            "directory with a config.json"
+        )
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return [
+        "model.filler=llama",
+        f"model.path={path}",
+        f"model.model_id={path.name}",
+        "model.dtype=float32",
+        f"model.layers={cfg['num_hidden_layers']}",
+        f"model.kv_heads={cfg.get('num_key_value_heads', heads)}",
+        f"model.head_dim={head_dim}",
+        f"model.attention_heads={heads}",
+        f"model.vocab_size={cfg['vocab_size']}",
+    ]
+
+
+@dataclass
+class ChatStats:
+    turns: int = 0
+    checked: int = 0
+    mismatches: int = 0
+    tokens: TierTokens = field(default_factory=TierTokens)
+    generated_tokens: int = 0
+
+
+def converse(
+    fabric: Any,
+    config: FabricConfig,
+    conversations: int,
+    turns: int,
+    new_tokens: int,
+    check: bool,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> ChatStats:
+    """Run ``conversations`` x ``turns`` turns through ``fabric`` (a ``Fabric`` client
+    or anything with its methods), ``new_tokens`` generated per turn."""
+    if config.model.filler != "llama":
+        raise InvalidInput("conversations need model.filler=llama (kvfabric run --model ...)")
+    hf = build_model(config.model)
+    rng = random.Random(seed)
+    vocab = config.model.vocab_size
+
+    def message() -> list[int]:
+        return [rng.randrange(vocab) for _ in range(rng.randint(8, 24))]
+
+    prompts = [message() for _ in range(conversations)]
+    stats = ChatStats()
+    for turn in range(turns):
+        for c in range(conversations):
+            prompt = prompts[c]
+            result = fabric.submit(prompt)
+            if result.error is not None:
+                raise InvalidInput(f"turn {turn} of conversation {c} failed: {result.error}")
+            stats.tokens.add(
+                result.device_hit_tokens,
+                result.host_hit_tokens,
+                result.storage_hit_tokens,
+                result.computed_tokens,
+            )
+            kv = assemble(
+                fabric.read_kv(result.lease), config.model, config.cache.page_size, len(prompt)
+            )
+            answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
+            if check:
+                stats.checked += 1
+                stats.mismatches += answer != generate(hf, prompt, new_tokens)
+            lease = result.lease
+            for token in answer:  # the answer's KV joins the cache
+                step = fabric.append(lease, [token])
+                if step.error is not None:
+                    raise InvalidInput(f"decode of conversation {c} failed: {step.error}")
+                lease = step.lease
+            fabric.release(lease, session=f"chat-{seed}-{c}")
+            stats.turns += 1
+            stats.generated_tokens += len(answer)
+            prompts[c] = prompt + answer + message()
+            if progress is not None:
+                progress(stats.turns)
+    for c in range(conversations):
+        fabric.end_session(f"chat-{seed}-{c}")
+    return stats
+
+
+def generate(hf: Any, ids: list[int], new_tokens: int, kv: torch.Tensor | None = None) -> list[int]:
+    """Greedy tokens after ``ids``: from scratch, or continued from ``kv``, the KV
+    of all of ``ids`` but the last token."""
+    x = torch.tensor([ids])
+    cache = None if kv is None else to_cache(kv, hf)
+    with torch.no_grad():
+        out = hf.generate(
+            x,
+            cache=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
