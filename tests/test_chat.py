@@ -1,0 +1,69 @@
+"""The conversation driver of ``kvfabric run --model``, on the in-process fabric."""
+
+import pytest
+
+from fabric.cache.keys import pack_tokens
+from fabric.chat import converse, model_overrides
+from fabric.cli import main
+from fabric.local import LocalFabric
+from tests.helpers import small_config
+
+
+class InProcess:
+    """The client calls ``converse`` makes, on a ``LocalFabric``."""
+
+    def __init__(self, fabric: LocalFabric) -> None:
+        self.f = fabric
+
+    def submit(self, tokens):
+        return self.f.serve(pack_tokens(tokens))
+
+    def append(self, lease, tokens):
+        return self.f.append(lease, pack_tokens(tokens))
+
+    def release(self, lease, session=None):
+        return self.f.core.release(lease, session)
+
+    def end_session(self, session):
+        return self.f.core.end_session(session)
+
+    def read_kv(self, lease):
+        return self.f.read_kv(lease)
+
+
+def test_conversations_hit_through_earlier_answers_and_match_uncached_generation():
+    config = small_config(
+        *[o for o in model_overrides("tiny-llama") if "head_dim" not in o and "layers" not in o],
+        "model.layers=2",
+        "model.head_dim=16",
+        "cache.device_tokens=256",
+        "cache.host_tokens=512",
+        "cache.session_budget_fraction=0.5",
+    )
+    f = LocalFabric(config)
+    stats = converse(InProcess(f), config, conversations=2, turns=3, new_tokens=4, check=True)
+    assert stats.turns == stats.checked == 6 and stats.mismatches == 0
+    assert stats.generated_tokens == 24
+    # Turns 2 and 3 hit every whole page of the previous prompt and answer.
+    assert stats.tokens.device > 0 and stats.tokens.computed > 0
+    assert not f.core.leases and not f.core.cache.sessions.held
+    f.core.cache.check_integrity()
+
+
+def test_bad_model_arguments_are_refused_naming_the_value(capsys):
+    assert main(["run", "--model", "no-such-model"]) == 2
+    assert "--model 'no-such-model' is refused" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-llama", "--turns", "0"]) == 2
+    assert "--turns 0 is refused" in capsys.readouterr().err
+
+
+def test_a_model_directory_sets_the_shape_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 3,'
+        ' "num_key_value_heads": 2, "vocab_size": 500}'
+    )
+    overrides = model_overrides(str(tmp_path))
+    assert "model.head_dim=64" in overrides and "model.kv_heads=2" in overrides
+    assert f"model.path={tmp_path}" in overrides
+    with pytest.raises(Exception, match="refused"):
+        model_overrides(str(tmp_path / "missing"))
