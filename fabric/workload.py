@@ -103,6 +103,54 @@ def iter_packed(requests: list[Request], seed: int = 0) -> Iterator[tuple[Reques
         yield r, blocks.packed(r)
 
 
+def iter_turns(
+    requests: list[Request], seed: int = 0
+) -> Iterator[tuple[Request, bytes, bytes, bool]]:
+    """Each request's prompt and the answer it got, packed, and whether a next
+    turn of its conversation follows.
+
+    A request's next turn is the first later one whose blocks extend all of its
+    whole blocks and whose prompt is no shorter. The next turn's prompt holds
+    this one's prompt and answer verbatim (a block id stands for a whole block,
+    which in the next turn has the answer in it), so both are cut from the last
+    turn of the chain: the answer is the ``output_length`` tokens after the
+    prompt, as far as the next prompt reaches. A request with no next turn gets
+    an answer of fresh tokens that nothing reuses.
+    """
+    n = len(requests)
+    succ: list[int | None] = [None] * n
+    open_turns: dict[tuple[int, ...], int] = {}  # whole blocks -> a turn without a next one
+    for i, r in enumerate(requests):
+        h = r.hash_ids
+        for cut in range(len(h) - 1, 0, -1):
+            p = open_turns.get(h[:cut])
+            if p is not None and requests[p].input_length <= r.input_length:
+                succ[p] = i
+                del open_turns[h[:cut]]
+                break
+        if len(h) > 1:
+            open_turns[h[:-1]] = i
+    blocks = BlockTokens(seed)
+    last, last_tokens = -1, b""
+    for i, r in enumerate(requests):
+        t = i
+        while (later := succ[t]) is not None:
+            t = later
+        if t != last:
+            last, last_tokens = t, b"".join(blocks.block(h) for h in requests[t].hash_ids)
+        start = r.input_length * TOKEN_BYTES
+        prompt = last_tokens[:start]
+        nxt = succ[i]
+        if nxt is None:
+            answer = hashlib.shake_128(b"answer" + i.to_bytes(8, "little") + blocks.seed).digest(
+                r.output_length * TOKEN_BYTES
+            )
+        else:
+            end = min(r.input_length + r.output_length, requests[nxt].input_length)
+            answer = last_tokens[start : end * TOKEN_BYTES]
+        yield r, prompt, answer, nxt is not None
+
+
 @dataclass
 class DriveStats:
     latencies_s: list[float] = field(default_factory=list)

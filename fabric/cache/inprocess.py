@@ -142,7 +142,11 @@ class CoreReplay:
         self.namespace = namespace
         self.stats = ReplayStats()
 
-    def serve(self, packed: bytes) -> None:
+    def serve(self, packed: bytes, answer: bytes | None = None) -> None:
+        """Serve one prompt's whole pages — or, given its ``answer`` (packed, maybe
+        empty), the whole prompt and then the answer decoded into the cache, as
+        an engine caches a finished turn. Hits and computed tokens count the
+        prompt's whole pages only."""
         cache, stats = self.cache, self.stats
         t0, busy = time.perf_counter(), self.ctl.busy_s
         key = TokenKey(packed, cache.page_size, self.namespace)
@@ -159,13 +163,23 @@ class CoreReplay:
                 done = self.admission.check_prefetch(stats.requests)
             prefetched = done
         t1 = time.perf_counter()
-        req = self.admission.begin(key, prefetched=prefetched)
-        if self.admission.prefill(req, key.num_tokens) is None:
+        adm = self.admission
+        if answer is None:
+            req = adm.begin(key, prefetched=prefetched)
+            fill = adm.prefill(req, key.num_tokens)
+        else:
+            req = adm.begin(packed, self.namespace, prefetched=prefetched, key=key)
+            fill = adm.prefill(req, req.num_tokens)
+        if fill is None:
             stats.refused_requests += 1
             return
-        self.admission.release(req)
+        device, host, storage = req.device_hit, req.host_hit, req.storage_hit
+        if answer and key.num_tokens + len(answer) // 4 <= cache.config.device_tokens:
+            cache.poll()  # the prompt's steps complete before the decode
+            adm.append(req, answer)
+        adm.release(req)
         t2 = time.perf_counter()
-        stats.tokens.add(req.device_hit, req.host_hit, req.storage_hit, req.computed)
+        stats.tokens.add(device, host, storage, key.num_tokens - device - host - storage)
         cache.poll()
         cache.take_events()
         stats.tree_us.append((t2 - t1) * 1e6)
