@@ -43,7 +43,8 @@ class Compute(_Message, frozen=True):
     format) at positions ``[start_token, start_token + len(tokens) // 4)``.
     ``start_token`` is page aligned and ``prev_hash`` is the page-hash chain up to
     it: a compute carries only its own tokens — and, for a model that needs them
-    (``model.filler``), the ``prefix`` tokens before them."""
+    (``model.filler``), the ``prefix`` tokens before them and the L1 pages that
+    hold their KV (``prefix_pages``), which a rank holding the whole KV reuses."""
 
     cmd_id: Count
     namespace: Name
@@ -52,6 +53,7 @@ class Compute(_Message, frozen=True):
     start_token: Count
     pages: tuple[Count, ...]
     prefix: bytes = b""
+    prefix_pages: tuple[Count, ...] = ()
 
 
 class Write(_Message, frozen=True):
@@ -147,7 +149,8 @@ def command_bound(cmd: Command) -> int:
     """At most how many bytes ``cmd`` takes inside an encoded ``Batch``."""
     if isinstance(cmd, Compute):
         tokens = len(cmd.tokens) + len(cmd.prefix)
-        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * len(cmd.pages)
+        pages = len(cmd.pages) + len(cmd.prefix_pages)
+        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * pages
     if isinstance(cmd, (Write, Load)):
         return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
     if isinstance(cmd, (Backup, Prefetch)):

@@ -83,7 +83,7 @@ class FabricController(Controller):
         # With ``with_prefix`` (a model filler) a compute also carries the tokens
         # before it: up to a whole L1 of them.
         self.with_prefix = with_prefix
-        prefix_bytes = TOKEN_BYTES * config.device_tokens if with_prefix else 0
+        prefix_bytes = (TOKEN_BYTES + 9) * config.device_tokens if with_prefix else 0
         self.compute_pages = pages_per_command(
             "compute", self.command_budget - prefix_bytes, self.page_size, ns
         )
@@ -149,6 +149,7 @@ class FabricController(Controller):
         pages: Sequence[int],
         prev: bytes,
         prefix: bytes = b"",
+        prefix_pages: Sequence[int] = (),
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -156,7 +157,8 @@ class FabricController(Controller):
         missing: it still orders the request after its loads). ``prev`` is the
         chain hash of the pages before ``start_token`` (the tree knows it): only
         the new pages are hashed, and only when a compute is cut in chunks.
-        ``prefix``: the tokens before ``start_token``, sent along ``with_prefix``.
+        ``prefix``: the tokens before ``start_token``, and ``prefix_pages`` the L1
+        pages of their KV, sent along ``with_prefix``.
         Returns the command ids."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
@@ -167,10 +169,13 @@ class FabricController(Controller):
             chunk = tuple(pages[offset : offset + step])
             chain = hashes[offset - 1] if offset else prev
             tokens = data[offset * pb : (offset + len(chunk)) * pb]
-            before = prefix + data[: offset * pb] if self.with_prefix else b""
+            before, held = b"", ()
+            if self.with_prefix:
+                before = prefix + data[: offset * pb]
+                held = tuple(prefix_pages) + tuple(pages[:offset])
             first = start_token + offset * self.page_size
             cmd = self._cmd_id()
-            self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before))
+            self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before, held))
             self.computes.append(cmd)
             cmds.append(cmd)
         return tuple(cmds)

@@ -383,9 +383,11 @@ class CoordinatorCore:
         ns = kv.namespace
         prev = self.cache.tree.chain_hash(fill.prefix_node, ns)
         start, end = fill.start * TOKEN_BYTES, fill.end * TOKEN_BYTES
-        prefix = bytes(kv.tokens[:start]) if self.ctl.with_prefix else b""
+        prefix, held = b"", kv.pages[:0]
+        if self.ctl.with_prefix:
+            prefix, held = bytes(kv.tokens[:start]), kv.pages[: fill.start // kv.page_size]
         req.compute_cmds = self.ctl.compute(
-            ns, bytes(kv.tokens[start:end]), fill.start, fill.pages, prev, prefix
+            ns, bytes(kv.tokens[start:end]), fill.start, fill.pages, prev, prefix, held
         )
         self.running[req.rid] = req
         return True

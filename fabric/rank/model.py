@@ -24,6 +24,7 @@ import torch
 from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
 from fabric.config import ModelConfig
 from fabric.errors import ConfigError
+from fabric.rank.pools import KVPool
 from fabric.rank.producer import ShardPositions
 from fabric.topology import Shard
 
@@ -99,11 +100,53 @@ def model_kv(hf: Any, ids: Sequence[int]) -> torch.Tensor:
 
 
 class LlamaKV(ShardPositions):
-    """A ``KVFiller`` backed by a Llama model (see the module docstring)."""
+    """A ``KVFiller`` backed by a Llama model (see the module docstring). A rank
+    that holds the whole KV (no TP, PP or CP split) continues from the prefix's
+    KV in its pool and runs the model over the new tokens only.
+
+    Float32 KV depends on how a sequence is cut into runs in its last bits
+    (matrix kernels round differently for other shapes): a recomputation
+    matches within ``tolerance``, not bit for bit."""
+
+    tolerance = 1e-4
 
     def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
         super().__init__(shard, page_size)
         self.model = build_model(model)
+        self.whole = (
+            shard.layers == model.layers
+            and shard.heads == model.kv_heads
+            and shard.page_tokens == page_size
+        )
+
+    def fill(
+        self,
+        pool: KVPool,
+        namespace: str,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        pages: list[int],
+        prefix: bytes = b"",
+        prefix_pages: list[int] | None = None,
+    ) -> None:
+        if not (self.whole and start_token and prefix_pages and tokens):
+            super().fill(pool, namespace, prev_hash, tokens, start_token, pages, prefix)
+            return
+        positions = self.positions(0, start_token)
+        page_idx, offsets = self.locate(positions, 0, prefix_pages)
+        held = pool.read_tokens(page_idx.to(pool.buffer.device), offsets.to(pool.buffer.device))
+        kv = held.permute(0, 2, 3, 1, 4).float().cpu()  # (2, layers, heads, T, dim)
+        cache = to_cache(kv, self.model)
+        ids = torch.tensor([unpack_tokens(tokens)], dtype=torch.int64)
+        with torch.no_grad():
+            layers = self.model(input_ids=ids, cache=cache, use_cache=True).cache.layers
+        keys = torch.stack([layer.keys[0, :, start_token:] for layer in layers])
+        values = torch.stack([layer.values[0, :, start_token:] for layer in layers])
+        new = torch.stack((keys, values)).permute(0, 3, 1, 2, 4)  # (2, T, layers, heads, dim)
+        end = start_token + len(tokens) // TOKEN_BYTES
+        page_idx, offsets = self.locate(self.positions(start_token, end), start_token, pages)
+        pool.write_tokens(page_idx, offsets, new)
 
     def expected(
         self,

@@ -24,7 +24,10 @@ _MASK = (1 << 31) - 1
 
 class KVFiller(Protocol):
     """Fills L1 with the KV of new tokens (the prefill of the missing part), and
-    recomputes it for checks."""
+    recomputes it for checks: stored KV matches a recomputation within
+    ``tolerance`` (absolute; 0: bit for bit)."""
+
+    tolerance: float
 
     def fill(
         self,
@@ -35,13 +38,15 @@ class KVFiller(Protocol):
         start_token: int,
         pages: list[int],
         prefix: bytes = b"",
+        prefix_pages: list[int] | None = None,
     ) -> None:
         """Compute KV for the packed ``tokens`` at positions ``[start_token,
         start_token + len(tokens) // 4)`` and store this rank's shard of it in
         ``pages`` (one page per ``page_size`` tokens, the last maybe partial).
         ``start_token`` is page aligned; ``prev_hash`` is the page-hash chain up
         to it (the namespace seed at 0), which stands for everything before it;
-        ``prefix`` is the tokens before it, for a filler that needs them."""
+        ``prefix`` is the tokens before it, for a filler that needs them, and
+        ``prefix_pages`` the pool pages that hold their KV."""
 
     def expected(
         self,
@@ -62,6 +67,8 @@ class KVFiller(Protocol):
 
 class ShardPositions:
     """Which token positions a shard holds, and where in its pages they go."""
+
+    tolerance = 0.0
 
     def __init__(self, shard: Shard, page_size: int) -> None:
         self.shard = shard
@@ -102,6 +109,7 @@ class ShardPositions:
         start_token: int,
         pages: list[int],
         prefix: bytes = b"",
+        prefix_pages: list[int] | None = None,
     ) -> None:
         positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype, prefix)
         if positions.numel() == 0:

@@ -215,6 +215,7 @@ class RankWorker:
                     first.start_token,
                     list(first.pages),
                     first.prefix,
+                    list(first.prefix_pages),
                 )
             else:
                 if isinstance(first, Write):
@@ -338,17 +339,19 @@ class RankWorker:
     # -- checks ----------------------------------------------------------------------
 
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
-        """Whether L1 ``pages`` hold exactly this shard's KV of the packed prefix
-        ``tokens`` (one page per page of it, the last maybe partial), as a fresh
-        computation by this rank's filler gives it."""
+        """Whether L1 ``pages`` hold this shard's KV of the packed prefix ``tokens``
+        (one page per page of it, the last maybe partial) as a fresh computation
+        by this rank's filler gives it (within its ``tolerance``)."""
         seed = namespace_seed(namespace)
         dtype = self.l1.buffer.dtype
         positions, expected = self.filler.expected(seed, tokens, 0, dtype)
         if positions.numel() == 0:
             return True
         page_idx, offsets = self.filler.locate(positions, 0, pages)
-        actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device))
-        return bool(torch.equal(actual.cpu(), expected))
+        actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device)).cpu()
+        if not self.filler.tolerance:
+            return bool(torch.equal(actual, expected))
+        return bool(torch.allclose(actual, expected, rtol=0, atol=self.filler.tolerance))
 
     def read(self, tokens: int, pages: list[int]) -> tuple[Shard, torch.Tensor]:
         """This rank's shard of the KV of the first ``tokens`` positions held in L1

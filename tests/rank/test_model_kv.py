@@ -1,6 +1,7 @@
 """A real transformer behind the ranks: generation continued from KV the fabric
-serves (L1, L2 and L3 hits, TP=2 x PP=2, through earlier turns' answers, after
-evictions and load-backs) matches generation without any cache.
+serves (L1, L2 and L3 hits, TP=2 x PP=2 — each rank running the whole model —
+and one rank continuing from the KV it holds, through earlier turns' answers,
+after evictions and load-backs) matches generation without any cache.
 
 Float32 on CPU with eager attention. Greedy tokens must be equal; the logits of
 the first generated token may differ from the uncached run's by at most
@@ -8,6 +9,7 @@ the first generated token may differ from the uncached run's by at most
 sequence; in practice the difference is 0 or a few float32 ulps).
 """
 
+import pytest
 import torch
 
 from fabric.cache.keys import pack_tokens
@@ -35,8 +37,12 @@ def generate(hf, ids: list[int], kv=None) -> tuple[list[int], torch.Tensor]:
     return out[0, len(ids) :].tolist(), logits
 
 
-def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path):
+@pytest.mark.parametrize(
+    "topology", [("topology.tp=2", "topology.pp=2"), ("topology.tp=1", "topology.pp=1")]
+)
+def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, topology):
     cfg = small_config(
+        *topology,
         "model.filler=llama",
         "model.dtype=float32",
         "model.layers=4",
@@ -47,6 +53,7 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path):
         *storage_options(tmp_path),
     )
     f = LocalFabric(cfg)
+    assert all(r.filler.whole == (len(f.ranks) == 1) for r in f.ranks)
     hf = build_model(cfg.model)
     rng = torch.Generator().manual_seed(3)
 
@@ -66,7 +73,10 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path):
             tiers["device"] += result.device_hit_tokens
             tiers["host"] += result.host_hit_tokens
             tiers["storage"] += result.storage_hit_tokens
-            assert f.verify(result, pack_tokens(prompt)) == [True] * 4
+            ranks = len(f.ranks)
+            assert f.verify(result, pack_tokens(prompt)) == [True] * ranks
+            wrong = pack_tokens([(t + 1) % cfg.model.vocab_size for t in prompt])
+            assert f.verify(result, wrong) == [False] * ranks
             kv = assemble(f.read_kv(result.lease), cfg.model, cfg.cache.page_size, len(prompt))
             served, served_logits = generate(hf, prompt, kv[:, :, :, :-1])
             fresh, fresh_logits = generate(hf, prompt)
