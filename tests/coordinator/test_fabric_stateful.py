@@ -104,8 +104,12 @@ class FabricMachine(RuleBasedStateMachine):
         self.fabric.core.release(result.lease, session)
 
     @precondition(lambda self: self.held)
-    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
-    def append(self, data, new):
+    @rule(
+        data=st.data(),
+        new=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+        steps=st.sampled_from([0, 4]),
+    )
+    def append(self, data, new, steps=0):
         rid = data.draw(st.sampled_from(sorted(self.held)))
         lease = self.held[rid].lease
         if lease.tokens + len(new) > self.config.cache.device_tokens:
@@ -116,6 +120,8 @@ class FabricMachine(RuleBasedStateMachine):
         self.fabric.core.append(lease, pack_tokens(new))
         self.appended.add(rid)
         self.tokens[rid] = self.tokens[rid][: lease.tokens * 4] + pack_tokens(new)
+        for _ in range(steps):  # often served at once, so decoded leases get checked
+            self.step(set())
 
     @rule(session=st.sampled_from(["s1", "s2"]))
     def end_session(self, session):
