@@ -1,6 +1,7 @@
 """Random sequences against the whole fabric in one process (with a file L3):
 submit (unaligned prompts, chunked prefill), decode appends, step (some ranks
-lagging), release (into sessions), end sessions, abort, restart a rank. After every
+lagging), release (into sessions in L1 or L2), end sessions, pin and unpin,
+abort, restart a rank. After every
 step the tree's invariants hold and every held lease verifies on every rank."""
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ class FabricMachine(RuleBasedStateMachine):
         storage=st.booleans(),
         chunk=st.sampled_from([None, 1, 2, 3]),
         chunk_tokens=st.sampled_from([0, 4, 8]),
+        session_tier=st.sampled_from(["device", "host"]),
     )
-    def setup(self, write_policy, stop_policy, storage, chunk, chunk_tokens=0):
+    def setup(
+        self, write_policy, stop_policy, storage, chunk, chunk_tokens=0, session_tier="device"
+    ):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
             f"cache.write_policy={write_policy}",
@@ -39,6 +43,7 @@ class FabricMachine(RuleBasedStateMachine):
             "runtime.lease_ttl_s=5",
             f"cache.chunk_tokens={chunk_tokens}",
             "cache.session_budget_fraction=0.3",
+            f"cache.session_tier={session_tier}",
         ]
         if storage:
             options += ["storage.backend=file", f"storage.path={self.tmp.name}"]
@@ -126,6 +131,15 @@ class FabricMachine(RuleBasedStateMachine):
     @rule(session=st.sampled_from(["s1", "s2"]))
     def end_session(self, session):
         self.fabric.core.end_session(session)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), ttl=st.integers(1, 5), unpin=st.booleans())
+    def pin(self, data, ttl, unpin):
+        tokens = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
+        if unpin:
+            self.fabric.core.unpin(tokens, "default")
+        else:
+            self.fabric.core.pin(tokens, "default", ttl)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
