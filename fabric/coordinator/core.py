@@ -654,6 +654,13 @@ class CoordinatorCore:
             "storage_restores": s.storage_restores,
             "device": vars(self.cache.device_sizes()),
             "host": vars(self.cache.host_sizes()),
+            "sessions": {
+                "held": len(self.cache.sessions.held),
+                "held_tokens": self.cache.sessions.held_tokens,
+                "budget_tokens": self.cache.sessions.budget,
+                "refused": s.sessions_refused,
+            },
+            "pinned_tokens": self.cache.pinned_size,
         }
 
     # -- storage attach / detach ---------------------------------------------------------

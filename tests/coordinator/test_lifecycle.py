@@ -109,6 +109,8 @@ def test_a_session_keeps_the_turn_in_l1_across_other_traffic_until_it_ends():
     assert r2.device_hit_tokens == 16
     assert f.verify(r2, turn2) == [True] * 4
     assert f.core.release(r2.lease, session="chat-1")
+    sessions = f.core.snapshot()["sessions"]
+    assert sessions["held"] == 1 and sessions["held_tokens"] == 20
     assert f.core.end_session("chat-1") and not f.core.end_session("chat-1")
     with pytest.raises(InvalidInput, match="session id"):
         f.core.release(r2.lease, session="")
