@@ -364,11 +364,8 @@ class CoordinatorCore:
         adm, kv = self.admission, req.kv
         if req.appended:
             assert kv is not None
-            if kv.num_tokens == kv.filled:  # not yet added (a retry after no room adds once)
-                req.base = (kv.device_hit, kv.host_hit, kv.storage_hit, kv.computed)
-                fill = adm.append(kv, req.appended)
-            else:
-                fill = adm.prefill(kv, kv.num_tokens)
+            req.base = (kv.device_hit, kv.host_hit, kv.storage_hit, kv.computed)
+            fill = adm.append(kv, req.appended)  # on no room nothing changed: retried
         else:
             if kv is None:
                 kv = adm.begin(req.tokens, req.key.namespace, req.priority, req.prefetched, req.key)
