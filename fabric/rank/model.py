@@ -45,7 +45,7 @@ def build_model(model: ModelConfig) -> Any:
     tf = _transformers()
     if model.path:
         hf = tf.AutoModelForCausalLM.from_pretrained(
-            model.path, torch_dtype=torch.float32, attn_implementation="eager"
+            model.path, dtype=torch.float32, attn_implementation="eager"
         )
         cfg = hf.config
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_head_dim(cfg))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fabric.cache.keys import pack_tokens
+from fabric.errors import ConfigError
 from fabric.local import LocalFabric
 from fabric.rank.model import assemble, build_model, to_cache
 from tests.helpers import small_config, storage_options
@@ -96,3 +97,16 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, t
     assert checked == 6
     assert all(tiers.values()), f"every tier served some of the KV: {tiers}"
     f.core.cache.check_integrity()
+
+
+def test_weights_load_from_a_local_model_directory_of_the_configured_shape(tmp_path):
+    cfg = small_config("model.filler=llama", "model.dtype=float32", "model.head_dim=16")
+    random_weights = build_model(cfg.model)
+    random_weights.save_pretrained(tmp_path)
+    loaded = build_model(cfg.model.model_copy(update={"path": str(tmp_path)}))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(random_weights(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    wrong = cfg.model.model_copy(update={"path": str(tmp_path), "layers": 3})
+    with pytest.raises(ConfigError, match="set model.layers, model.kv_heads, model.head_dim"):
+        build_model(wrong)
