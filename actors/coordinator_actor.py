@@ -90,10 +90,11 @@ class CoordinatorActor:
         priority: int = 0,
         request_id: str | None = None,
         owner: str | None = None,
+        session: str | None = None,
     ) -> RequestResult:
         if self._task is None:  # a restarted coordinator starts on its first request
             await self.start()
-        rid = self.core.submit(tokens, namespace, priority, request_id, owner)
+        rid = self.core.submit(tokens, namespace, priority, request_id, owner, session)
         future = asyncio.get_running_loop().create_future()
         self.futures[rid] = future
         self._wake()

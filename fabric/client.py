@@ -59,13 +59,16 @@ class Fabric:
         priority: int = 0,
         request_id: str | None = None,
         timeout: float | None = None,
+        session: str | None = None,
     ) -> RequestResult:
         """Serve one prompt: returns where its tokens came from and a lease on its
         L1 pages (release it when done; it expires after ``runtime.lease_ttl_s``
-        unless renewed). Bad input raises ``InvalidInput``. Past ``timeout`` the
-        request is aborted and ``TimeoutError`` raised; nothing stays held."""
+        unless renewed). With ``session``, that session keeps its whole pages for
+        the next turn when the lease ends. Bad input raises ``InvalidInput``. Past
+        ``timeout`` the request is aborted and ``TimeoutError`` raised; nothing
+        stays held."""
         request_id = request_id or uuid.uuid4().hex  # to abort it by, if it times out
-        ref = self.submit_async(tokens, namespace, priority, request_id)
+        ref = self.submit_async(tokens, namespace, priority, request_id, session)
         try:
             return self.result(ref, timeout=timeout)
         except TimeoutError:
@@ -92,11 +95,17 @@ class Fabric:
         namespace: str = "default",
         priority: int = 0,
         request_id: str | None = None,
+        session: str | None = None,
     ) -> Any:
         """Like ``submit`` but returns a Ray object ref; ``result(ref)`` waits for it.
         Without a ``request_id`` one is made up at random."""
         return self.coordinator.submit.remote(
-            self._pack(tokens), namespace, priority, request_id or uuid.uuid4().hex, _job_id()
+            self._pack(tokens),
+            namespace,
+            priority,
+            request_id or uuid.uuid4().hex,
+            _job_id(),
+            session,
         )
 
     def result(self, ref: Any, timeout: float | None = None) -> Any:

@@ -79,12 +79,17 @@ class CoordinatorCore:
         priority: int = 0,
         request_id: str | None = None,
         owner: str | None = None,
+        session: str | None = None,
     ) -> str:
         """Queue a request; its packed ``tokens`` are validated here. ``owner`` names
-        the driver (its Ray job id) whose leases are reclaimed when it exits. Raises
-        ``InvalidInput`` naming the problem; nothing is queued then."""
+        the driver (its Ray job id) whose leases are reclaimed when it exits;
+        ``session``, the session that keeps its whole pages when its lease ends
+        (unless ``release`` names another). Raises ``InvalidInput`` naming the
+        problem; nothing is queued then."""
         if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
             raise InvalidInput("tokens must be a non-empty sequence of non-negative ints")
+        if session is not None:
+            check_session_id(session)
         check_namespace(namespace)
         if self.allowed_namespaces is not None and namespace not in self.allowed_namespaces:
             raise InvalidInput(
@@ -110,7 +115,9 @@ class CoordinatorCore:
             raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
         self.waiting.append(
-            ServingRequest(rid, key, prompt, priority, self.clock(), owner, tokens=tokens)
+            ServingRequest(
+                rid, key, prompt, priority, self.clock(), owner, tokens=tokens, session=session
+            )
         )
         self._blocked = False
         self.stats.submitted += 1
@@ -148,6 +155,7 @@ class CoordinatorCore:
             appended=tokens,
             kv=held.kv,
             prefetch_tried=True,
+            session=held.session,
         )
         self.waiting.append(req)
         self._blocked = False
@@ -207,8 +215,9 @@ class CoordinatorCore:
         return None
 
     def release(self, lease: Lease, session: str | None = None) -> bool:
-        """Let a finished request's pages go — or, with ``session``, have that session
-        keep its whole pages for its next turn (``cache.session_*``). Only the
+        """Let a finished request's pages go — or, with ``session`` (or the one it was
+        submitted with), have that session keep its whole pages for its next turn
+        (``cache.session_*``). Only the
         ``Lease`` itself releases: a bare id or a lease that does not match the one
         handed out raises ``InvalidInput``. ``False`` if it expired or died with a
         reset."""
@@ -242,6 +251,7 @@ class CoordinatorCore:
     def _drop_lease(self, held: HeldLease, session: str | None = None) -> None:
         del self.leases[held.lease.token]
         self._leased_ids.discard(held.lease.request_id)
+        session = session if session is not None else held.session
         refused = self.admission.finish(held.kv, session)
         if refused is not None:
             self.stats.sessions_refused += 1
@@ -491,7 +501,7 @@ class CoordinatorCore:
             tuple(kv.device_pages),  # the lease crosses to drivers
             ttl,
         )
-        held = HeldLease(lease, kv, req.owner, self.clock() + ttl)
+        held = HeldLease(lease, kv, req.owner, self.clock() + ttl, req.session)
         self.leases[lease.token] = held
         self._leased_ids.add(req.rid)
         heapq.heappush(self._expiry, (held.expires_at, lease.token))

@@ -63,6 +63,7 @@ class ServingRequest:
     prefetch_tried: bool = False
     prefetched: int = 0
     retries: int = 0
+    session: str | None = None
 
     @property
     def more_chunks(self) -> bool:
@@ -83,6 +84,7 @@ class HeldLease:
     kv: RequestKV
     owner: str | None
     expires_at: float
+    session: str | None = None
 
 
 @dataclass

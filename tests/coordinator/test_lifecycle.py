@@ -139,3 +139,16 @@ def test_a_reset_while_decoding_fails_the_decode_naming_why():
     assert "KV was lost (a test reset)" in failed[0].error
     f.settle()
     held_nothing(f)
+
+
+def test_a_request_may_name_its_session_when_submitted():
+    f = LocalFabric(small_config("cache.session_budget_fraction=0.5"))
+    rid = f.core.submit(pack_tokens([*prompt(1, pages=2), 9]), session="chat-2")
+    r = f._wait(rid, 100)
+    step = f.append(r.lease, pack_tokens([8, 7, 6]))
+    assert f.core.release(step.lease)  # the session named at submit keeps it
+    assert f.core.cache.sessions.held_tokens == 12
+    with pytest.raises(InvalidInput, match="session id"):
+        f.core.submit(pack_tokens([1, 2]), session="")
+    assert f.core.end_session("chat-2")
+    held_nothing(f)
