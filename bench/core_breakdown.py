@@ -6,9 +6,13 @@ Prints, per request: the whole core, SHA-256 page hashing (and pages hashed,
 admission, write-through queueing, applying completions, and how often
 ``match_prefix`` runs (its time is part of the admission's and the prefetch's).
 The wrappers add ~1 µs per wrapped call, so the parts
-are upper bounds. The last line is one JSON object.
+are upper bounds. ``--free-hashes`` replaces SHA-256 with a slice of the page
+(no hashing at all): what the core would cost if page hashes came for free —
+the floor of any change to where pages are hashed. The last line is one JSON
+object.
 
     python3 bench/core_breakdown.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
+    python3 bench/core_breakdown.py --trace ... --free-hashes --requests 0   # the whole trace
 """
 
 from __future__ import annotations
@@ -57,10 +61,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--events", action="store_true", help="KV events on")
+    ap.add_argument("--free-hashes", action="store_true", help="no SHA-256: slices stand in")
     args = ap.parse_args()
-    requests = (
-        read_trace(args.trace, args.requests) if args.trace else synthetic_trace(args.requests)
-    )
+    limit = args.requests or None  # 0: all of a trace
+    requests = read_trace(args.trace, limit) if args.trace else synthetic_trace(limit or 3000)
     packed = [p for _, p in iter_packed(requests)]
     config = FabricConfig().with_overrides(
         [
@@ -73,9 +77,14 @@ def main() -> None:
     hashed = [0]
     real_chain = keys.chain_hashes
 
+    def free(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
+        return [data[i : i + 32] for i in range(0, len(data), page_bytes)]
+
+    hash_pages = free if args.free_hashes else real_chain
+
     def counting(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
         hashed[0] += len(data) // page_bytes
-        return real_chain(prev, data, page_bytes)
+        return hash_pages(prev, data, page_bytes)
 
     keys.chain_hashes = counting
     timed(keys, "chain_hashes", "sha256_page_hashes")
@@ -93,7 +102,12 @@ def main() -> None:
         "requests": n,
         "page": args.page,
         "events": args.events,
+        "free_hashes": args.free_hashes,
         "whole_core_us": round(statistics.fmean(replay.stats.request_us), 1),
+        "core_without_stand_in_us": round(
+            statistics.fmean(replay.stats.request_us) - statistics.fmean(replay.stats.stand_in_us),
+            1,
+        ),
         **{f"{k}_us": round(v * 1e6 / n, 1) for k, v in spent.items()},
         "pages_hashed_per_request": round(hashed[0] / n, 1),
         "us_per_page_hash": round(spent["sha256_page_hashes"] * 1e6 / max(hashed[0], 1), 3),
