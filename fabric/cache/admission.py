@@ -269,19 +269,23 @@ class Admission:
         base = match.device_tokens
         cached, tail, rest = req.cached_tokens, req.tail_page, upto - aligned
         adopt = tail is not None and base == cached  # our own page becomes a tree page
-        tree_pages = (aligned - base) // ps
-        need = tree_pages - adopt + (1 if rest else 0)
         cache.inc_lock_ref(match.last_device_node)
-        got = cache.alloc_device(need * ps) if need else as_pages()
-        if got is None:
-            cache.dec_lock_ref(match.last_device_node)
-            return None
-        given = as_pages((tail,)) + got[: tree_pages - 1] if adopt else got[:tree_pages]
-        node = match.last_device_node
-        if tree_pages:
-            extended = cache.extend(key, match, req.priority, given)
-            assert extended is not None, "the pages were given"
-            node = extended[0]
+        new_tail = None
+        if rest:  # a page of its own for the tokens past the last whole page
+            got = cache.alloc_device(ps)
+            if got is None:
+                cache.dec_lock_ref(match.last_device_node)
+                return None
+            new_tail = got[0]
+        node, given = match.last_device_node, as_pages()
+        if aligned > base:
+            extended = cache.extend(key, match, req.priority, tail if adopt else None)
+            if extended is None:
+                if new_tail is not None:
+                    cache.free_device((new_tail,))
+                cache.dec_lock_ref(match.last_device_node)
+                return None
+            node, given = extended
         cache.inc_lock_ref(node)
         cache.dec_lock_ref(match.last_device_node)
         cache.dec_lock_ref(req.node)
@@ -298,7 +302,7 @@ class Admission:
         req.computed += upto - first_new
         req.node = node
         req.pages = match.device_pages + given
-        req.tail_page = got[-1] if rest else None
+        req.tail_page = new_tail
         req.filled = upto
         start = first_new - first_new % ps
         return Fill(start, first_new, upto, req.device_pages[start // ps :], match.last_device_node)

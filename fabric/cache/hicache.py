@@ -184,23 +184,22 @@ class HiCache:
         return InsertResult(cached * self.page_size, duplicates, last)
 
     def extend(
-        self, key: TokenKey, match: MatchResult, priority: int = 0, given: Pages | None = None
+        self, key: TokenKey, match: MatchResult, priority: int = 0, first: int | None = None
     ) -> tuple[TreeNode, Pages] | None:
         """Allocate L1 pages for what ``match`` lacks of ``key`` (evicting if short) and
         insert them: ``alloc_device`` and ``insert`` in one step, for the request
         lifecycle (``fabric.cache.admission``). ``match`` must be current, its last
-        device node locked. ``given``: pages leased from ``alloc_device`` to use
-        instead, one per missing page (they stop being leased). Returns the last
-        node and the new pages (their KV is still to be computed), or ``None`` when
-        L1 has no room now."""
-        if given is None:
-            new = self._alloc(self.ctl.device, key.num_tokens - match.device_tokens, self.evict)
-            if new is None:
-                return None
-        else:
-            new = given
-            assert len(new) * self.page_size == key.num_tokens - match.device_tokens
-            self.leased.difference_update(new)
+        device node locked. ``first``: a page leased from ``alloc_device`` to be
+        the first new page (it stops being leased). Returns the last node and the
+        new pages (their KV is still to be computed), or ``None`` when L1 has no
+        room now."""
+        need = key.num_tokens - match.device_tokens - (0 if first is None else self.page_size)
+        new = self._alloc(self.ctl.device, need, self.evict)
+        if new is None:
+            return None
+        if first is not None:
+            self.leased.remove(first)
+            new = as_pages((first,)) + new
         # The matched device path is locked, so unchanged since the match: count
         # its hits from the top without walking the key again.
         path, node = [], match.last_device_node
