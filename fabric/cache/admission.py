@@ -141,11 +141,15 @@ class Admission:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
         ps = self.cache.page_size
-        if key is not None and (
-            not isinstance(key, TokenKey)
-            or key.page_size != ps
-            or len(key.data) != len(data) - len(data) % (ps * TOKEN_BYTES)
-            or not data.startswith(key.data)
+        if (
+            key is not None
+            and data is not key.data
+            and (
+                not isinstance(key, TokenKey)
+                or key.page_size != ps
+                or len(key.data) != len(data) - len(data) % (ps * TOKEN_BYTES)
+                or not data.startswith(key.data)
+            )
         ):
             raise InvalidInput("key is not the key of the tokens' whole pages")
         ns = key.namespace if key is not None else check_namespace(namespace)
@@ -304,5 +308,6 @@ class Admission:
         req.pages = match.device_pages + given
         req.tail_page = new_tail
         req.filled = upto
-        start = first_new - first_new % ps
-        return Fill(start, first_new, upto, req.device_pages[start // ps :], match.last_device_node)
+        # What is new starts in the page at ``base``: L1 had every page before it.
+        pages = given if new_tail is None else given + as_pages((new_tail,))
+        return Fill(base, first_new, upto, pages, match.last_device_node)
