@@ -66,10 +66,10 @@ class Evictions:
                 node, True
             ):
                 scheduled += tokens
-            elif node.children or (node.host_ref and not node.pinned):
+            elif node.children or node.host_ref > node.pinned:
                 # Under write_back: L2-only children and no room in L2 to keep this
-                # node; deleting it would orphan them. Or a session keeps it in L2
-                # and L2 has no room for it now.
+                # node; deleting it would orphan them. Or a session keeps it in L2 (a
+                # host protection besides a pin's) and L2 has no room for it now.
                 kept.append(node)
             else:
                 if node.pinned:

@@ -136,6 +136,10 @@ def check_integrity(cache: CacheState) -> None:
         if pop.anchor is not root and (pop.anchor not in live or pop.anchor.host_ref <= 0):
             v.append(f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected")
 
+    for sid, held in cache.sessions.held.items():
+        device_tier = cache.sessions.tier == "device"
+        if held.node not in live or (device_tier and held.node.lock_ref <= 0):
+            v.append(f"session {sid!r} holds {held.node}, which is gone or unlocked")
     holds: Counter[TreeNode] = Counter(n for n in nodes if n.pinned)
     holds.update(cache.sessions.host_held())
     holds.update(bop.node for bop in cache.storage.backups)

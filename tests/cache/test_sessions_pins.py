@@ -111,3 +111,18 @@ def test_bad_session_ids_are_refused_and_nothing_is_held(clock):
     with pytest.raises(InvalidInput, match="session id ''"):
         a.end_session("")
     c.check_integrity()
+
+
+def test_l1_eviction_keeps_a_node_a_session_protects_when_l2_has_no_room(clock):
+    c, a = lifecycle(clock, tier="host", pin_budget_fraction=1.0)
+    c.ctl.host = type(c.ctl.host)(2, P, "L2 host pool")  # L2 of two pages
+    turn(a, toks(5, 6))
+    c.complete_writes(len(c.pending_writes))
+    assert a.pin(c.key(toks(5, 6)), 60).pinned_tokens == 2 * P  # L2 full, unevictable
+    _, why = turn(a, toks(1, 2), session="s")
+    assert why is None and c.ctl.host.available_pages == 0
+    a.pin(c.key(toks(1, 2)), 60)  # a pin and the session on one L1-only node
+    c.check_integrity()
+    assert c.evict(8 * P) == 0, "written nowhere, deleted never: the session keeps it"
+    assert c.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
+    c.check_integrity()
