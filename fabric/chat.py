@@ -53,6 +53,13 @@ def model_overrides(model: str) -> list[str]:
     import json
 
     cfg = json.loads((path / "config.json").read_text())
+    missing = [
+        k
+        for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size")
+        if k not in cfg
+    ]
+    if missing:
+        raise InvalidInput(f"--model {model!r}: its config.json lacks {', '.join(missing)}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return [

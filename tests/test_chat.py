@@ -5,6 +5,7 @@ import pytest
 from fabric.cache.keys import pack_tokens
 from fabric.chat import converse, model_overrides
 from fabric.cli import main
+from fabric.errors import InvalidInput
 from fabric.local import LocalFabric
 from tests.helpers import small_config
 
@@ -65,5 +66,8 @@ def test_a_model_directory_sets_the_shape_from_its_config(tmp_path):
     overrides = model_overrides(str(tmp_path))
     assert "model.head_dim=64" in overrides and "model.kv_heads=2" in overrides
     assert f"model.path={tmp_path}" in overrides
-    with pytest.raises(Exception, match="refused"):
+    with pytest.raises(InvalidInput, match="refused"):
         model_overrides(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 8}')
+    with pytest.raises(InvalidInput, match="lacks hidden_size, num_hidden_layers, vocab_size"):
+        model_overrides(str(tmp_path))
