@@ -263,7 +263,7 @@ class CoordinatorActor:
         self._task = None
 
     async def _wait_for_work(self) -> None:
-        """Sleep while idle, until woken, the next lease expires or drivers are due
+        """Sleep while idle, until woken, the next lease or session expires or drivers are due
         a liveness check; reclaim the leases of drivers that have exited."""
         assert self._wakeup is not None
         now = time.monotonic()
@@ -278,7 +278,7 @@ class CoordinatorActor:
             return
         self._wakeup.clear()
         wake_at = [self._next_owner_check] if self.core.owners() else []
-        expiry = self.core.next_lease_expiry()
+        expiry = self.core.next_expiry()
         if expiry is not None:
             wake_at.append(expiry)
         timeout = max(0.0, min(wake_at) - time.monotonic()) if wake_at else None

@@ -116,6 +116,10 @@ class Sessions:
             self.end(sid)
         return len(gone)
 
+    def next_expiry(self) -> float | None:
+        """When the first session's TTL passes (``clock`` time), if any is held."""
+        return min((h.expires_at for h in self.held.values()), default=None)
+
     def host_held(self) -> list[TreeNode]:
         """Nodes that sessions protect in L2 (one host protection each)."""
         return [h.node for h in self.held.values()] if self.tier == "host" else []

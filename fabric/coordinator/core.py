@@ -270,11 +270,16 @@ class CoordinatorCore:
         self.stats.leases_expired += n
         return n
 
-    def next_lease_expiry(self) -> float | None:
-        """When the next lease expires (``clock`` time), for a loop that sleeps."""
+    def next_expiry(self) -> float | None:
+        """When the next lease or session expires (``clock`` time), for a loop that
+        sleeps: the step after it lets that hold go."""
         while self._expiry and self._expiry[0][1] not in self.leases:
             heapq.heappop(self._expiry)
-        return self._expiry[0][0] if self._expiry else None
+        times = [self._expiry[0][0]] if self._expiry else []
+        session = self.cache.sessions.next_expiry()
+        if session is not None:
+            times.append(session)
+        return min(times) if times else None
 
     def owners(self) -> set[str]:
         """Drivers that hold leases or have requests pending."""

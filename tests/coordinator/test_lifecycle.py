@@ -7,7 +7,7 @@ import pytest
 from fabric.cache.keys import pack_tokens
 from fabric.errors import InvalidInput
 from fabric.local import LocalFabric
-from tests.helpers import prompt, small_config
+from tests.helpers import FakeClock, prompt, small_config
 
 
 def held_nothing(f: LocalFabric) -> None:
@@ -138,6 +138,18 @@ def test_a_reset_while_decoding_fails_the_decode_naming_why():
     assert [x.request_id for x in failed] == [rid]
     assert "KV was lost (a test reset)" in failed[0].error
     f.settle()
+    held_nothing(f)
+
+
+def test_sessions_expire_at_the_step_after_their_ttl_which_an_idle_loop_wakes_for():
+    clock = FakeClock()
+    f = LocalFabric(small_config("cache.session_ttl_s=10", "runtime.lease_ttl_s=100"), clock=clock)
+    r = f.serve(pack_tokens(prompt(1, pages=2)))
+    f.core.release(r.lease, session="s")
+    assert f.core.next_expiry() == clock.now + 10
+    clock.advance(10)
+    f.step()
+    assert not f.core.cache.sessions.held and f.core.next_expiry() is None
     held_nothing(f)
 
 
