@@ -51,6 +51,20 @@ def _parser() -> argparse.ArgumentParser:
         "the prompt tokens served from each tier.",
     )
     _workload_args(demo, default_requests=2000)
+    sim = sub.add_parser(
+        "simulate",
+        help="what-if on a trace: hit rate per tier, next to LRU and Belady bounds",
+        description="Serve a trace through the core alone (no Ray, no KV bytes) at the "
+        "configured sizes and policies and print the share of prompt tokens each tier "
+        "served, next to block-level bounds at given capacities: LRU, Belady (the offline "
+        "optimum) and an infinite cache.",
+    )
+    _workload_args(sim, default_requests=0)
+    sim.add_argument(
+        "--capacities",
+        help="capacities in tokens for the bounds, comma-separated, K and M allowed "
+        "(default: L1, and L1 + L2 of the config)",
+    )
     return p
 
 
@@ -78,17 +92,20 @@ def _workload_args(p: argparse.ArgumentParser, default_requests: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args) if args.command == "run" else _demo(args)
+        commands = {"run": _run, "demo": _demo, "simulate": _simulate}
+        return commands[args.command](args)
     except (FabricError, OSError) as exc:
         print(f"kvfabric: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _setup(args: argparse.Namespace):
+def _setup(args: argparse.Namespace, whole_trace_ok: bool = False):
     from fabric.workload import read_trace, synthetic_trace
 
-    if args.requests < 1:
+    if args.requests < (0 if whole_trace_ok else 1):
         raise FabricError(f"--requests {args.requests} is refused: allowed is an int >= 1")
+    if not args.requests:
+        args.requests = None if args.trace else 3000
     config = load_config(args.config) if args.config else FabricConfig()
     config = config.with_overrides(args.set)
     if args.trace:
@@ -216,6 +233,74 @@ def _chat(args: argparse.Namespace) -> int:
             )
     print(json.dumps(result))
     return 1 if stats.mismatches else 0
+
+
+def _capacities(text: str | None, config: FabricConfig) -> list[int]:
+    if not text:
+        cache = config.cache
+        return [cache.device_tokens, cache.device_tokens + cache.host_tokens]
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = {"K": 1024, "M": 1024**2}.get(item[-1:].upper(), 1)
+        number = item[:-1] if scale > 1 else item
+        if not number.isdigit() or int(number) < 1:
+            raise FabricError(
+                f"--capacities item {item!r} is refused: allowed is a count of tokens >= 1, "
+                "with an optional K or M"
+            )
+        out.append(int(number) * scale)
+    return out
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from fabric.simulate import bounds, core_hit_rates
+
+    config, requests, source = _setup(args, whole_trace_ok=True)
+    capacities = _capacities(args.capacities, config)
+    tiers = core_hit_rates(requests, config, _progress(len(requests)))
+    print(file=sys.stderr)
+    limits = bounds(requests, capacities)
+    result = {
+        "source": source,
+        "requests": len(requests),
+        "core": {
+            "device_tokens": config.cache.device_tokens,
+            "host_tokens": config.cache.host_tokens,
+            "eviction_policy": config.cache.eviction_policy,
+            "page_size": config.cache.page_size,
+            "hit_rate": round(1 - tiers["computed"], 4),
+            "by_tier": {tier: round(share, 4) for tier, share in tiers.items()},
+        },
+        "bounds": [
+            {
+                "capacity_tokens": b.capacity_tokens,
+                "lru": round(b.lru, 4),
+                "belady": round(b.belady, 4),
+                "infinite": round(b.infinite, 4),
+            }
+            for b in limits
+        ],
+    }
+    if not args.json:
+        c = result["core"]
+        print(
+            f"kvfabric {__version__} simulate: {len(requests)} requests from {source}; core at "
+            f"L1 {c['device_tokens']:,} + L2 {c['host_tokens']:,} tokens, page {c['page_size']}, "
+            f"{c['eviction_policy']}: hit rate {c['hit_rate']:.1%}"
+        )
+        for tier, share in c["by_tier"].items():
+            print(f"  {tier:<9} {share:6.1%}")
+        print(
+            f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"
+        )
+        for b in result["bounds"]:
+            print(
+                f"  {b['capacity_tokens']:>14,}  {b['lru']:6.1%}  {b['belady']:6.1%}  "
+                f"{b['infinite']:8.1%}"
+            )
+    print(json.dumps(result))
+    return 0
 
 
 def _print_tiers(tiers: dict[str, int]) -> None:

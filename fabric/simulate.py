@@ -1,0 +1,118 @@
+"""What-if on a trace, with no Ray and no KV bytes: the hit rate per tier that
+the core would give at given sizes and policies (``CoreReplay``, the request
+lifecycle itself), next to block-level bounds at given capacities:
+
+- **LRU**: one cache of trace blocks, least recently used evicted;
+- **Belady**: the offline optimum (evict the block whose next use is furthest);
+- **infinite**: every block ever seen stays.
+
+A request hits the leading run of its blocks that the cache holds (a prefix,
+as in the tree); its blocks are then cached. Hit rates count prompt tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from fabric.cache.inprocess import CoreReplay
+from fabric.config import FabricConfig
+from fabric.workload import BLOCK_TOKENS, Request, iter_packed
+
+NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class Bounds:
+    capacity_tokens: int
+    lru: float
+    belady: float
+    infinite: float
+
+
+def _hit_tokens(request: Request, held: Callable[[int], bool], block: int) -> int:
+    leading = 0
+    for h in request.hash_ids:
+        if not held(h):
+            break
+        leading += 1
+    return min(leading * block, request.input_length)
+
+
+def lru_hit_rate(
+    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS
+) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = 0
+    for r in requests:
+        hit += _hit_tokens(r, cache.__contains__, block)
+        for h in r.hash_ids:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                if len(cache) > capacity_blocks:
+                    cache.popitem(last=False)
+    return hit / max(1, sum(r.input_length for r in requests))
+
+
+def belady_hit_rate(
+    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS
+) -> float:
+    next_use: list[list[int]] = [[] for _ in requests]
+    later: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        next_use[i] = [later.get(h, NEVER) for h in requests[i].hash_ids]
+        for h in requests[i].hash_ids:
+            later[h] = i
+    cache: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
+    hit = 0
+    for i, r in enumerate(requests):
+        hit += _hit_tokens(r, cache.__contains__, block)
+        for h, n in zip(r.hash_ids, next_use[i], strict=True):
+            cache[h] = n
+            heapq.heappush(heap, (-n, h))
+        while len(cache) > capacity_blocks:
+            n, h = heapq.heappop(heap)
+            if cache.get(h) == -n:
+                del cache[h]
+    return hit / max(1, sum(r.input_length for r in requests))
+
+
+def infinite_hit_rate(requests: Sequence[Request], block: int = BLOCK_TOKENS) -> float:
+    seen: set[int] = set()
+    hit = 0
+    for r in requests:
+        hit += _hit_tokens(r, seen.__contains__, block)
+        seen.update(r.hash_ids)
+    return hit / max(1, sum(r.input_length for r in requests))
+
+
+def bounds(requests: Sequence[Request], capacities_tokens: Iterable[int]) -> list[Bounds]:
+    """LRU, Belady and infinite block-level hit rates at each capacity."""
+    infinite = infinite_hit_rate(requests)
+    out = []
+    for cap in capacities_tokens:
+        blocks = cap // BLOCK_TOKENS
+        out.append(
+            Bounds(cap, lru_hit_rate(requests, blocks), belady_hit_rate(requests, blocks), infinite)
+        )
+    return out
+
+
+def core_hit_rates(
+    requests: Sequence[Request],
+    config: FabricConfig,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The share of prompt tokens each tier served (and computed) when the core
+    at ``config``'s sizes and policies serves the trace (L3 unbounded, in memory)."""
+    replay = CoreReplay(config, storage=config.storage.backend != "none")
+    stats = replay.run((p for _, p in iter_packed(list(requests))), progress)
+    replay.cache.check_integrity()
+    total = max(1, stats.prompt_tokens)
+    tiers = stats.tokens.as_dict()
+    return {tier: tokens / total for tier, tokens in tiers.items()}

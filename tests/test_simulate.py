@@ -1,0 +1,60 @@
+"""``kvfabric simulate``: block-level bounds on hand-made traces, and the command."""
+
+import json
+
+from fabric.cli import main
+from fabric.simulate import belady_hit_rate, infinite_hit_rate, lru_hit_rate
+from fabric.workload import BLOCK_TOKENS, Request
+
+B = BLOCK_TOKENS
+
+
+def trace(*blocks: tuple[int, ...]) -> list[Request]:
+    return [Request(i, len(b) * B, 0, b) for i, b in enumerate(blocks)]
+
+
+def test_bounds_on_a_trace_where_lru_evicts_what_comes_back():
+    # Capacity 2 blocks: A B, then C, then A B again. LRU lost A and B to C;
+    # Belady keeps them (C is never used again); an infinite cache hits them too.
+    t = trace((1, 2), (3,), (1, 2))
+    total = 5 * B
+    assert lru_hit_rate(t, 2) == 0
+    assert belady_hit_rate(t, 2) == 2 * B / total
+    assert infinite_hit_rate(t) == 2 * B / total
+
+
+def test_a_hit_is_the_leading_run_of_cached_blocks_and_stops_at_the_prompt():
+    t = [Request(0, 2 * B, 0, (1, 2)), Request(1, B + 7, 0, (1, 9, 2))]
+    assert infinite_hit_rate(t) == B / (3 * B + 7), "block 2 follows a miss: no hit"
+    t = [Request(0, 2 * B, 0, (1, 2)), Request(1, B + 7, 0, (1, 2))]
+    assert infinite_hit_rate(t) == (B + 7) / (3 * B + 7), "capped at the prompt's length"
+
+
+def test_simulate_prints_the_core_by_tier_and_the_bounds(capsys):
+    code = main(
+        [
+            "simulate",
+            "--requests",
+            "200",
+            "--set",
+            "cache.device_tokens=65536",
+            "--set",
+            "cache.host_tokens=131072",
+            "--capacities",
+            "64K,1M",
+            "--json",
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    core, bounds = out["core"], out["bounds"]
+    assert abs(sum(core["by_tier"].values()) - 1) < 1e-3
+    assert [b["capacity_tokens"] for b in bounds] == [65536, 1 << 20]
+    for b in bounds:
+        assert b["lru"] <= b["belady"] <= b["infinite"]
+    assert bounds[0]["belady"] <= bounds[1]["belady"]
+
+
+def test_bad_capacities_are_refused_naming_the_item(capsys):
+    assert main(["simulate", "--requests", "10", "--capacities", "2M,lots"]) == 2
+    assert "--capacities item 'lots' is refused" in capsys.readouterr().err
