@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         help="capacities in tokens for the bounds, comma-separated, K and M allowed "
         "(default: L1, and L1 + L2 of the config)",
     )
+    sim.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw hit rate against capacity (needs pip install 'kvfabric[plot]')",
+    )
     return p
 
 
@@ -254,7 +259,7 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from fabric.simulate import bounds, core_hit_rates
+    from fabric.simulate import bounds, core_hit_rates, plot
 
     config, requests, source = _setup(args, whole_trace_ok=True)
     capacities = _capacities(args.capacities, config)
@@ -299,6 +304,10 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"  {b['capacity_tokens']:>14,}  {b['lru']:6.1%}  {b['belady']:6.1%}  "
                 f"{b['infinite']:8.1%}"
             )
+    if args.plot:
+        core = (config.cache.device_tokens + config.cache.host_tokens, result["core"]["hit_rate"])
+        plot(args.plot, limits, core)
+        print(f"  chart: {args.plot}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fabric.cache.inprocess import CoreReplay
 from fabric.config import FabricConfig
+from fabric.errors import InvalidInput
 from fabric.workload import BLOCK_TOKENS, Request, iter_packed
 
 NEVER = 1 << 62
@@ -116,3 +117,29 @@ def core_hit_rates(
     total = max(1, stats.prompt_tokens)
     tiers = stats.tokens.as_dict()
     return {tier: tokens / total for tier, tokens in tiers.items()}
+
+
+def plot(path: str, curves: list[Bounds], core: tuple[int, float] | None = None) -> None:
+    """A chart of hit rate against capacity (LRU, Belady, infinite; the core's
+    point at its L1 + L2 size) as a PNG. Needs matplotlib (``kvfabric[plot]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise InvalidInput("--plot needs matplotlib: pip install 'kvfabric[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = [b.capacity_tokens for b in curves]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("lru", "belady", "infinite"):
+        ax.plot(caps, [100 * getattr(b, name) for b in curves], marker="o", label=name)
+    if core is not None:
+        ax.scatter([core[0]], [100 * core[1]], color="black", zorder=3, label="kvfabric core at L1 + L2 (L3 unbounded)")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (tokens)")
+    ax.set_ylabel("hit rate (% of prompt tokens)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -58,3 +58,10 @@ def test_simulate_prints_the_core_by_tier_and_the_bounds(capsys):
 def test_bad_capacities_are_refused_naming_the_item(capsys):
     assert main(["simulate", "--requests", "10", "--capacities", "2M,lots"]) == 2
     assert "--capacities item 'lots' is refused" in capsys.readouterr().err
+
+
+def test_plot_draws_a_png_of_hit_rate_against_capacity(tmp_path, capsys):
+    chart = tmp_path / "hits.png"
+    args = ["simulate", "--requests", "50", "--capacities", "16K,64K,256K", "--plot", str(chart)]
+    assert main(args) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
