@@ -4,6 +4,7 @@ placement (each pipeline stage's ranks packed on one node)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from actors.coordinator_actor import CoordinatorActor
 from actors.rank_actor import RankActor
 from actors.storage_actor import StorageActor
 from fabric.config import FabricConfig
+from fabric.errors import FabricError
 from fabric.topology import Topology
 
 # A rank reserves a sliver of a CPU, so a laptop can hold many; on GPU, one GPU each.
@@ -68,6 +70,25 @@ class Deployment:
             remove_placement_group(pg)
 
 
+def _ready(refs: list, actors: list, timeout: float) -> None:
+    """Wait for actors to come up. One that failed in its constructor (a bad L3
+    path, an unreachable Redis, a missing extra) is not restarted: every actor
+    made so far is killed and the error is raised here as one line."""
+    try:
+        ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayActorError as exc:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        found = [m for m in map(_FABRIC_ERROR.search, str(exc).splitlines()) if m]
+        if found:
+            raise FabricError(found[-1].group(1)) from None
+        raise FabricError(f"a kvfabric actor failed to start: {str(exc).splitlines()[0]}") from None
+
+
+_FABRIC_ERROR = re.compile(r"fabric\.errors\.\w+: (.*)$")
+
+
 def deploy(config: FabricConfig) -> Deployment:
     """Create the storage actor, the rank actors (one placement group per pipeline
     stage) and the coordinator, and start its step loop."""
@@ -81,7 +102,7 @@ def deploy(config: FabricConfig) -> Deployment:
         num_cpus=0,
         **head_placement(),
     ).remote(config.to_dict(), coordinator_name(config))
-    ray.get(storage.ping.remote(), timeout=120)
+    _ready([storage.ping.remote()], [storage], 120)
     gpu = uses_gpu(config)
     bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}
     ns = config.runtime.ray_namespace
@@ -109,7 +130,7 @@ def deploy(config: FabricConfig) -> Deployment:
             ranks.append((index, cls.remote(data, index, storage_name(config))))
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
-    ray.get([h.info.remote() for h in handles], timeout=300)
+    _ready([h.info.remote() for h in handles], [storage, *handles], 300)
     coordinator = remote(
         CoordinatorActor,
         name=coordinator_name(config),

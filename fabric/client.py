@@ -247,16 +247,27 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     if not ray.is_initialized():
         from actors.factory import HEAD_RESOURCE
 
-        ray.init(
-            address=address,
-            namespace=config.runtime.ray_namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-            # A local Ray is its own head node (a cluster's comes from cluster.yaml).
-            resources=None if address else {HEAD_RESOURCE: 1000},
-        )
+        try:
+            ray.init(
+                address=address,
+                namespace=config.runtime.ray_namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+                # A local Ray is its own head node (a cluster's comes from cluster.yaml).
+                resources=None if address else {HEAD_RESOURCE: 1000},
+            )
+        except ConnectionError as exc:
+            raise FabricError(
+                f"no Ray cluster at runtime.address={address!r} ({exc.__class__.__name__}): "
+                "start one (ray start --head) or leave runtime.address empty for a local Ray"
+            ) from None
         owns = address is None
-    deployment = deploy(config)
+    try:
+        deployment = deploy(config)
+    except FabricError:
+        if owns:
+            ray.shutdown()  # the local Ray this call started goes with it
+        raise
     return Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
 
 

@@ -134,7 +134,13 @@ def plot(path: str, curves: list[Bounds], core: tuple[int, float] | None = None)
     for name in ("lru", "belady", "infinite"):
         ax.plot(caps, [100 * getattr(b, name) for b in curves], marker="o", label=name)
     if core is not None:
-        ax.scatter([core[0]], [100 * core[1]], color="black", zorder=3, label="kvfabric core at L1 + L2 (L3 unbounded)")
+        ax.scatter(
+            [core[0]],
+            [100 * core[1]],
+            color="black",
+            zorder=3,
+            label="kvfabric core at L1 + L2 (L3 unbounded)",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("capacity (tokens)")
     ax.set_ylabel("hit rate (% of prompt tokens)")

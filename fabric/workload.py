@@ -207,7 +207,7 @@ def drive(
     limit = fabric.config.cache.device_tokens
     for packed in prompts:
         if len(packed) // 4 > limit:
-            stats.refuse("larger than L1")
+            stats.refuse(f"larger than L1 ({limit} tokens; raise cache.device_tokens)")
             done += 1
             if on_done is not None:
                 on_done(done)

@@ -102,7 +102,8 @@ class CoordinatorCore:
         prompt = len(tokens) // TOKEN_BYTES
         if prompt > self.config.cache.device_tokens:
             raise InvalidInput(
-                f"prompt of {prompt} tokens is larger than L1 ({self.config.cache.device_tokens} tokens)"
+                f"prompt of {prompt} tokens is larger than L1 ({self.config.cache.device_tokens} "
+                "tokens): raise cache.device_tokens to serve it"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not 0 < len(rid) <= MAX_NAMESPACE_CHARS:
@@ -136,7 +137,7 @@ class CoordinatorCore:
         if total > self.config.cache.device_tokens:
             raise InvalidInput(
                 f"request of {total} tokens would be larger than L1 "
-                f"({self.config.cache.device_tokens} tokens)"
+                f"({self.config.cache.device_tokens} tokens): raise cache.device_tokens"
             )
         if len(self.waiting) + len(self.running) + len(self.prefetching) >= (
             self.config.runtime.max_pending_requests

@@ -70,7 +70,10 @@ class FileBackend(L3Backend):
             self.root.mkdir(parents=True, exist_ok=True, mode=self.dir_mode)
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
-            raise ConfigError(f"{where} cannot be used: {exc.strerror or exc}") from None
+            raise ConfigError(
+                f"{where} cannot be used: {exc.strerror or exc}; set storage.path to a "
+                "writable directory (or storage.backend=none)"
+            ) from None
         probe = f".probe-{uuid.uuid4().hex}{_TMP}"
         try:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))

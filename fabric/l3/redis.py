@@ -72,7 +72,10 @@ class RedisBackend(L3Backend):
         except redis.ResponseError as exc:
             raise ConfigError(f"storage redis at {self.where}: refused: {exc}") from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise ConfigError(f"storage redis at {self.where} is unreachable: {exc}") from None
+            raise ConfigError(
+                f"storage redis at {self.where} is unreachable: {exc}; start Redis there or "
+                "set storage.options host and port"
+            ) from None
         except redis.RedisError as exc:
             raise ConfigError(f"storage redis at {self.where}: {exc}") from None
         self._errors = redis.RedisError

@@ -1,0 +1,32 @@
+"""Launch failures a new user meets end in one line naming the setting to fix,
+with nothing left running."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fabric.client import launch  # noqa: E402
+from fabric.errors import FabricError  # noqa: E402
+from tests.helpers import small_config  # noqa: E402
+
+
+def test_an_unusable_l3_path_fails_the_launch_in_one_line_and_stops_its_ray():
+    assert not ray.is_initialized()
+    config = small_config("storage.backend=file", "storage.path=/proc/kvfabric-l3")
+    with pytest.raises(FabricError) as caught:
+        launch(config)
+    message = str(caught.value)
+    assert "storage path '/proc/kvfabric-l3' cannot be used" in message
+    assert "set storage.path" in message and "\n" not in message
+    assert not ray.is_initialized(), "the local Ray the launch started is gone"
+
+
+def test_no_cluster_at_the_address_is_one_line_naming_the_setting(monkeypatch):
+    def no_cluster(**_kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(FabricError, match=r"no Ray cluster at runtime.address='auto'.*ray start"):
+        launch(small_config("runtime.address=auto"))
