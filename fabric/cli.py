@@ -263,7 +263,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     config, requests, source = _setup(args, whole_trace_ok=True)
     capacities = _capacities(args.capacities, config)
-    tiers = core_hit_rates(requests, config, _progress(len(requests)))
+    tiers, refused = core_hit_rates(requests, config, _progress(len(requests)))
     print(file=sys.stderr)
     limits = bounds(requests, capacities)
     result = {
@@ -276,6 +276,7 @@ def _simulate(args: argparse.Namespace) -> int:
             "page_size": config.cache.page_size,
             "hit_rate": round(1 - tiers["computed"], 4),
             "by_tier": {tier: round(share, 4) for tier, share in tiers.items()},
+            "refused_requests": refused,
         },
         "bounds": [
             {
@@ -296,6 +297,8 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         for tier, share in c["by_tier"].items():
             print(f"  {tier:<9} {share:6.1%}")
+        if refused:
+            print(f"  refused   {refused} requests larger than L1 (raise cache.device_tokens)")
         print(
             f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"
         )

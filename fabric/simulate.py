@@ -108,15 +108,16 @@ def core_hit_rates(
     requests: Sequence[Request],
     config: FabricConfig,
     progress: Callable[[int], None] | None = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], int]:
     """The share of prompt tokens each tier served (and computed) when the core
-    at ``config``'s sizes and policies serves the trace (L3 unbounded, in memory)."""
+    at ``config``'s sizes and policies serves the trace (L3 unbounded, in
+    memory), and how many requests it refused (larger than L1)."""
     replay = CoreReplay(config, storage=config.storage.backend != "none")
     stats = replay.run((p for _, p in iter_packed(list(requests))), progress)
     replay.cache.check_integrity()
     total = max(1, stats.prompt_tokens)
     tiers = stats.tokens.as_dict()
-    return {tier: tokens / total for tier, tokens in tiers.items()}
+    return {tier: tokens / total for tier, tokens in tiers.items()}, stats.refused_requests
 
 
 def plot(path: str, curves: list[Bounds], core: tuple[int, float] | None = None) -> None:
