@@ -130,7 +130,13 @@ def deploy(config: FabricConfig) -> Deployment:
             ranks.append((index, cls.remote(data, index, storage_name(config))))
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
-    _ready([h.info.remote() for h in handles], [storage, *handles], 300)
+    try:
+        _ready([h.info.remote() for h in handles], [storage, *handles], 300)
+    except FabricError:
+        for pg in groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        raise
     coordinator = remote(
         CoordinatorActor,
         name=coordinator_name(config),

@@ -44,9 +44,16 @@ def build_model(model: ModelConfig) -> Any:
     ``model.path``, or seeded random ones (the same on every rank and driver)."""
     tf = _transformers()
     if model.path:
-        hf = tf.AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=torch.float32, attn_implementation="eager"
-        )
+        try:
+            hf = tf.AutoModelForCausalLM.from_pretrained(
+                model.path, dtype=torch.float32, attn_implementation="eager"
+            )
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"model.path={model.path!r} cannot be loaded ({first}); set it to a local "
+                "Hugging Face model directory, or leave it empty for random weights"
+            ) from None
         cfg = hf.config
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_head_dim(cfg))
         want = (model.layers, model.kv_heads, model.head_dim)

@@ -110,3 +110,6 @@ def test_weights_load_from_a_local_model_directory_of_the_configured_shape(tmp_p
     wrong = cfg.model.model_copy(update={"path": str(tmp_path), "layers": 3})
     with pytest.raises(ConfigError, match="set model.layers, model.kv_heads, model.head_dim"):
         build_model(wrong)
+    missing = cfg.model.model_copy(update={"path": str(tmp_path / "nothing-here")})
+    with pytest.raises(ConfigError, match="cannot be loaded.*leave it empty"):
+        build_model(missing)
