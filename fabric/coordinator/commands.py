@@ -83,7 +83,9 @@ class FabricController(Controller):
         # With ``with_prefix`` (a model filler) a compute also carries the tokens
         # before it: up to a whole L1 of them.
         self.with_prefix = with_prefix
-        prefix_bytes = (TOKEN_BYTES + 9) * config.device_tokens if with_prefix else 0
+        prefix_bytes = 0
+        if with_prefix:  # its tokens, and one page index (a msgpack int) per page
+            prefix_bytes = TOKEN_BYTES * config.device_tokens + 9 * config.device_pages
         self.compute_pages = pages_per_command(
             "compute", self.command_budget - prefix_bytes, self.page_size, ns
         )
