@@ -19,6 +19,7 @@ import ray
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
 from fabric.l3 import parse_options
@@ -67,11 +68,14 @@ class CoordinatorActor:
         self._storage_spec: tuple[str, dict[str, Any]] | None = None
         self._next_storage_check = 0.0
         self._storage_sync: asyncio.Task | None = None
+        self.publisher: KVEventPublisher | None = None
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
         newer than any rank has seen, so every rank resets its counters."""
         if self._task is None:
+            if self.config.events.enabled and self.publisher is None:
+                self.publisher = KVEventPublisher(self.config.events, self.config.cache.page_size)
             self._wakeup = asyncio.Event()
             replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
             self.core.start([decode(r) for r in replies])  # type: ignore[misc]
@@ -166,6 +170,8 @@ class CoordinatorActor:
             snapshot["l3"] = await asyncio.wait_for(self.storage.stats.remote(), 10)
         except Exception as exc:
             snapshot["l3"] = {"error": type(exc).__name__}
+        if self.publisher is not None:
+            snapshot["kv_events"] = self.publisher.stats()
         return snapshot
 
     async def settle(self, timeout_s: float = 60.0) -> bool:
@@ -179,7 +185,8 @@ class CoordinatorActor:
         return True
 
     async def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list:
-        """The oldest KV events (of one namespace, if given), for a KV-aware router."""
+        """The oldest KV events (of one namespace, if given), for a KV-aware router.
+        With ``events.endpoint`` set they go to ZMQ each step instead."""
         return self.core.take_events(limit, namespace)
 
     async def check_integrity(self) -> None:
@@ -231,6 +238,8 @@ class CoordinatorActor:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.publisher is not None:
+            self.publisher.close()
 
     # -- the step loop ---------------------------------------------------------------
 
@@ -325,6 +334,8 @@ class CoordinatorActor:
             await asyncio.sleep(0.05)
         else:
             self._deliver(self.core.on_round(reports, hits))
+        if self.publisher is not None:
+            self.publisher.publish(self.core.drain_events())
         self.core.stats.core_time_s += time.perf_counter() - started
         await asyncio.sleep(runtime.step_interval_s)
 

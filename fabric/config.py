@@ -255,6 +255,48 @@ class StorageConfig(_Section):
         return frozenset(self.dynamic_modules)
 
 
+ZmqAddress = Annotated[
+    str,
+    _allowed(
+        "a ZMQ address to bind (tcp://HOST:PORT, tcp://HOST:* for any free port, "
+        "ipc://PATH or inproc://NAME), or empty for none",
+        pattern=r"^((tcp|ipc|inproc)://\S+)?$",
+    ),
+]
+
+
+class EventsConfig(_Section):
+    """KV events over ZMQ for a KV-aware router, in the layout vLLM and SGLang
+    publish (see the README): a PUB socket at ``endpoint`` (none while empty) and
+    a ROUTER at ``replay_endpoint`` answering replay requests from the last
+    ``buffer_batches`` batches. Needs ``cache.kv_events``."""
+
+    section: ClassVar[str] = "events"
+    endpoint: ZmqAddress = ""
+    replay_endpoint: ZmqAddress = ""
+    topic: str = Field("", description="a str (the first frame of every message)")
+    buffer_batches: PositiveInt = 10_000
+    hwm: PositiveInt = 100_000
+    max_queue_batches: PositiveInt = 10_000
+    hash_format: Literal["uint64", "bytes"] = Field(
+        "uint64",
+        description="uint64 (the low 64 bits of each SHA-256 page hash) or bytes (all 32)",
+    )
+    data_parallel_rank: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _replay_needs_pub(self) -> EventsConfig:
+        if self.replay_endpoint and not self.endpoint:
+            raise ValueError(
+                f"events.replay_endpoint={self.replay_endpoint!r} needs events.endpoint (the PUB socket it replays)"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
 class FabricConfig(BaseModel):
     """The whole configuration. ``FabricConfig()`` runs on a laptop: TP=2, one
     pipeline stage, CPU pools, file L3 in ``./kvfabric-l3``."""
@@ -267,6 +309,7 @@ class FabricConfig(BaseModel):
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -286,6 +329,11 @@ class FabricConfig(BaseModel):
                 raise ValueError(
                     f"{key}={value} is refused: allowed is a multiple of {what} ({divisor})"
                 )
+        if self.events.enabled and not cache.kv_events:
+            raise ValueError(
+                f"events.endpoint={self.events.endpoint!r} needs cache.kv_events=true "
+                "(the cache makes no events while it is false)"
+            )
         return self
 
     @classmethod

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 
 from fabric.config import FabricConfig
 from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
@@ -34,6 +35,12 @@ class LocalFabric:
         if self.storage.backend is not None:
             self.core.storage_attached()
         self.results: dict[str, RequestResult] = {}
+        # KV events go to ZMQ after every step when events.endpoint is set.
+        self.publisher = (
+            KVEventPublisher(config.events, config.cache.page_size)
+            if config.events.enabled
+            else None
+        )
 
     def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
         """One coordinator step: send a batch, let ranks work (all but the indices
@@ -50,7 +57,14 @@ class LocalFabric:
         reports = [decode(encode(r.report())) for r in self.ranks]
         done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
         self.results.update((r.request_id, r) for r in done)
+        if self.publisher is not None:
+            self.publisher.publish(self.core.drain_events())
         return done
+
+    def close(self) -> None:
+        """Stop the KV event publisher (if any), after sending what it has queued."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def serve(
         self, tokens: bytes, namespace: str = "default", max_steps: int = 100

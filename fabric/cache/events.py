@@ -26,11 +26,15 @@ class Medium(StrEnum):
 
 
 class BlockStored(msgspec.Struct, frozen=True, tag=True):
-    """``page_hashes`` (one per page, in order) are now in ``medium``."""
+    """``page_hashes`` (one per page, in order) are now in ``medium``: the pages of
+    ``tokens`` (packed uint32, as in the tree), which follow the page hashed
+    ``parent_hash`` (``None``: they start the namespace's chain)."""
 
     page_hashes: tuple[bytes, ...]
     medium: Medium
     namespace: str
+    parent_hash: bytes | None = None
+    tokens: bytes = b""
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
@@ -62,15 +66,25 @@ class EventLog:
 
     def stored(self, node: TreeNode, medium: Medium) -> None:
         if self.enabled:
-            self._events.append(BlockStored(tuple(self.page_hashes(node)), medium, node.namespace))
+            hashes = tuple(self.page_hashes(node))  # hashes the path first
+            parent = node.parent
+            prev = parent.page_hashes[-1] if parent is not None and parent.page_hashes else None
+            self._events.append(BlockStored(hashes, medium, node.namespace, prev, node.key))
 
     def removed(self, node: TreeNode, medium: Medium) -> None:
         if self.enabled:
             self._events.append(BlockRemoved(tuple(self.page_hashes(node)), medium, node.namespace))
 
-    def stored_hashes(self, hashes: tuple[bytes, ...], medium: Medium, namespace: str) -> None:
+    def stored_hashes(
+        self,
+        hashes: tuple[bytes, ...],
+        medium: Medium,
+        namespace: str,
+        parent_hash: bytes | None,
+        tokens: bytes,
+    ) -> None:
         if self.enabled:
-            self._events.append(BlockStored(hashes, medium, namespace))
+            self._events.append(BlockStored(hashes, medium, namespace, parent_hash, tokens))
 
     def cleared(self, namespaces: Iterable[str]) -> None:
         if self.enabled:

@@ -65,6 +65,10 @@ class BackupOp:
     op_id: int
     node: TreeNode
     page_hashes: tuple[bytes, ...]
+    # For the L3 event: the node's key when queued (a later split shortens the
+    # node) and the hash of the page before it (None: the chain's start).
+    tokens: bytes
+    parent_hash: bytes | None
 
 
 @dataclass
@@ -162,7 +166,10 @@ class L3Queues:
         """Queue an L2 -> L3 copy of a node whose host copy just completed."""
         if not self.attached:
             return
-        op = BackupOp(self.next_op_id(), node, tuple(self.tree.page_hashes(node)))
+        hashes = tuple(self.tree.page_hashes(node))  # hashes the path too
+        parent = node.parent
+        prev = parent.page_hashes[-1] if parent is not None and parent.page_hashes else None
+        op = BackupOp(self.next_op_id(), node, hashes, node.key, prev)
         node.host_ref += 1
         self.backups.append(op)
         self.ctl.backup(op.op_id, node.host_value, op.page_hashes)  # type: ignore[arg-type]
@@ -180,7 +187,9 @@ class L3Queues:
             self.stats.failed_backups += 1
             return
         self.stats.backed_up_tokens += len(op.page_hashes) * self.page_size
-        self.events.stored_hashes(op.page_hashes, Medium.STORAGE, op.node.namespace)
+        self.events.stored_hashes(
+            op.page_hashes, Medium.STORAGE, op.node.namespace, op.parent_hash, op.tokens
+        )
 
     # -- prefetch --------------------------------------------------------------------
 

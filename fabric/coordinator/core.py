@@ -522,6 +522,12 @@ class CoordinatorCore:
             lease=lease,
         )
 
+    def drain_events(self) -> list[KVEvent]:
+        """Every queued KV event, oldest first (for the ZMQ publisher, each step)."""
+        events = list(self.events)
+        self.events.clear()
+        return events
+
     def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list[KVEvent]:
         """Drain up to ``limit`` of the oldest KV events (``BlockStored``,
         ``BlockRemoved``, ``AllBlocksCleared``) — of one ``namespace`` only when

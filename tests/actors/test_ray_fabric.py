@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -25,7 +26,13 @@ NAME = "kvfabric-test"
 @pytest.fixture(scope="module")
 def fabric():
     ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-tests", log_to_driver=False)
-    f = launch(small_config(f"runtime.name={NAME}", "runtime.ray_namespace=kvfabric-tests"))
+    f = launch(
+        small_config(
+            f"runtime.name={NAME}",
+            "runtime.ray_namespace=kvfabric-tests",
+            "events.endpoint=tcp://127.0.0.1:*",
+        )
+    )
     try:
         yield f
     finally:
@@ -46,6 +53,31 @@ def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):
             assert fabric.release(r.lease)
     assert tiers["device"] > 0 and tiers["host"] > 0
     fabric.check_integrity()
+
+
+def test_the_coordinator_actor_publishes_kv_events_on_zmq(fabric):
+    import msgspec
+    import zmq
+
+    endpoint = fabric.stats()["kv_events"]["endpoint"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.3)  # the subscription reaches the publisher
+        p = prompt(77, pages=3)
+        r = fabric.submit(p, timeout=60)
+        assert r.error is None and fabric.release(r.lease)
+        stored = []
+        while sub.poll(5000) and not stored:
+            _, _seq, payload = sub.recv_multipart()
+            _ts, events, rank = msgspec.msgpack.decode(payload)
+            stored += [e for e in events if e["type"] == "BlockStored" and e["medium"] == "GPU"]
+        assert stored and stored[0]["token_ids"] == p and rank == 0
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
 
 def test_a_two_turn_conversation_decodes_keeps_its_session_and_pins(fabric):

@@ -1,0 +1,267 @@
+"""KV events over ZMQ, in the layout vLLM and SGLang publish, so a KV-aware
+router (Dynamo, llm-d, ...) can index the fabric as it indexes an engine.
+
+The wire:
+
+- a PUB socket sends each batch as three frames ``[topic, seq, payload]``:
+  ``seq`` is 8 bytes big-endian, counting batches from 0; ``payload`` is a
+  msgpack array ``[ts, events, data_parallel_rank]``;
+- each event is a map naming its class under ``"type"``: ``BlockStored``
+  (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``,
+  ``lora_id``, ``medium``, ``lora_name``), ``BlockRemoved`` (``block_hashes``,
+  ``medium``) or ``AllBlocksCleared``; every event also carries ``namespace``
+  (decoders that do not know the field skip it);
+- a ROUTER socket answers a replay request ``[seq]`` (an empty delimiter frame
+  first is accepted too) with every buffered batch from ``seq`` on as
+  ``[topic, seq, payload]`` and then ``[b"", 0xFF x 8, b""]``.
+
+Hashes are the low 64 bits (the last 8 bytes, big-endian) of the SHA-256 page
+hashes by default, or the 32 bytes. Media: L1 is ``GPU``, L2 ``CPU`` and L3
+``STORAGE`` (L1 keeps the name on a CPU-only fabric: it is the tier the model
+reads). The publisher's thread owns both sockets; ``publish`` only queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from fabric.cache.keys import unpack_tokens
+from fabric.config import EventsConfig
+from fabric.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+MEDIA = {Medium.DEVICE: "GPU", Medium.HOST: "CPU", Medium.STORAGE: "STORAGE"}
+
+Hash = int | bytes
+
+
+class WireBlockStored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    namespace: str
+
+
+class WireBlockRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    namespace: str
+
+
+class WireAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    namespace: str
+
+
+WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+
+class WireBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[WireEvent]
+    data_parallel_rank: int | None
+
+
+def low64(page_hash: bytes) -> int:
+    """A page hash as the uint64 a router indexes: its last 8 bytes, big-endian."""
+    return int.from_bytes(page_hash[-8:], "big")
+
+
+def to_wire(events: Sequence[KVEvent], page_size: int, uint64: bool = True) -> list[WireEvent]:
+    """The core's events in the routers' layout."""
+    h = low64 if uint64 else bytes
+    out: list[WireEvent] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            parent = None if e.parent_hash is None else h(e.parent_hash)
+            out.append(
+                WireBlockStored(
+                    [h(x) for x in e.page_hashes],
+                    parent,
+                    unpack_tokens(e.tokens),
+                    page_size,
+                    None,
+                    MEDIA[e.medium],
+                    None,
+                    e.namespace,
+                )
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(
+                WireBlockRemoved([h(x) for x in e.page_hashes], MEDIA[e.medium], e.namespace)
+            )
+        else:
+            assert isinstance(e, AllBlocksCleared)
+            out.append(WireAllBlocksCleared(e.namespace))
+    return out
+
+
+class KVEventPublisher:
+    """Publishes batches of the core's KV events on ZMQ (see the module doc).
+
+    ``publish`` queues a batch and returns; a thread encodes it, sends it and
+    keeps the last ``buffer_batches`` for replay. A full queue drops the batch
+    (counted in ``dropped_batches``, logged): a subscriber sees the gap in the
+    sequence numbers. ``endpoint`` / ``replay_endpoint`` are the bound
+    addresses (a ``*`` port resolved).
+    """
+
+    def __init__(self, config: EventsConfig, page_size: int) -> None:
+        if not config.enabled:
+            raise ConfigError("events.endpoint is empty: no KV event publisher to start")
+        self.config = config
+        self.page_size = page_size
+        self._topic = config.topic.encode()
+        self._queue: queue.Queue[tuple[float, Sequence[KVEvent]] | None] = queue.Queue(
+            config.max_queue_batches
+        )
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self.endpoint = _bind(self._pub, config.endpoint, "events.endpoint")
+            self.replay_endpoint = ""
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self.replay_endpoint = _bind(
+                    self._replay, config.replay_endpoint, "events.replay_endpoint"
+                )
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.published_batches = 0
+        self.published_events = 0
+        self.dropped_batches = 0
+        self.replays = 0
+        self._seq = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Queue one batch (nothing for an empty one)."""
+        if not events:
+            return
+        if not self._running:
+            raise RuntimeError("the KV event publisher is closed")
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.dropped_batches += 1
+            log.warning(
+                "KV event queue full (events.max_queue_batches=%d): a batch of %d events "
+                "dropped; subscribers see a gap",
+                self.config.max_queue_batches,
+                len(events),
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "published_batches": self.published_batches,
+            "published_events": self.published_events,
+            "dropped_batches": self.dropped_batches,
+            "replays": self.replays,
+        }
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued batch is sent; ``False`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Send what is queued (for up to ``timeout_s``), then close the sockets."""
+        if not self._running:
+            return
+        self.flush(timeout_s)
+        self._running = False
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("KV event thread did not stop within %.1f s", timeout_s)
+            return  # it still owns the sockets; the process exit closes them
+        self._close_sockets()
+
+    # -- the thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        uint64 = self.config.hash_format == "uint64"
+        rank = self.config.data_parallel_rank
+        while True:
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._serve_replay()
+                except zmq.ZMQError:
+                    log.exception("KV event replay failed")
+            try:
+                item = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if item is None:
+                self._queue.task_done()
+                return
+            ts, events = item
+            try:
+                payload = encode(WireBatch(ts, to_wire(events, self.page_size, uint64), rank))
+                seq = self._seq
+                self._seq += 1
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                self.published_batches += 1
+                self.published_events += len(events)
+            except Exception:
+                log.exception("KV event batch of %d events not published", len(events))
+            finally:
+                self._queue.task_done()
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) == 3 and frames[1] == b"":
+            frames = [frames[0], frames[2]]
+        if len(frames) != 2 or len(frames[1]) != 8:
+            log.warning("KV event replay request refused: %d frames %r", len(frames), frames[1:])
+            return
+        client, start = frames[0], int.from_bytes(frames[1], "big")
+        self.replays += 1
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((client, self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+
+def _bind(sock: zmq.Socket, address: str, setting: str) -> str:
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"{setting}={address!r} cannot be bound: {exc}") from None
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return bound.decode() if isinstance(bound, bytes) else str(bound)
