@@ -375,13 +375,21 @@ class CoordinatorActor:
             return {op: 0 for op, _ in queries}
 
     async def _export_metrics(self) -> None:
-        """Serve Prometheus metrics (localhost unless configured) refreshed each second."""
+        """Serve Prometheus metrics (localhost unless configured): the core's
+        figures each second, the storage actor's counters every few seconds."""
         from fabric.metrics import MetricsExporter
 
         exporter = MetricsExporter()
         exporter.serve(self.config.runtime.metrics_port, self.config.runtime.metrics_host)
+        l3: dict[str, Any] = {}
+        next_l3 = 0.0
         while True:
-            exporter.update(await self.stats())
+            if time.monotonic() >= next_l3:
+                next_l3 = time.monotonic() + 5.0
+                with contextlib.suppress(Exception):
+                    l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
+            events = self.publisher.stats() if self.publisher is not None else None
+            exporter.update(self.core.figures(), l3, events)
             await asyncio.sleep(1.0)
 
     def _wake(self) -> None:

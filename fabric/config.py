@@ -181,6 +181,12 @@ class ModelConfig(_Section):
     intermediate_size: NonNegativeInt = Field(0, description="an integer >= 0 (0: 2 x hidden)")
     initializer_range: PositiveFloat = 0.2
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V over every layer and head, all ranks together."""
+        size = 4 if self.dtype == "float32" else 2
+        return 2 * self.layers * self.kv_heads * self.head_dim * size
+
 
 class TopologyConfig(_Section):
     """Model parallelism: one rank actor per (pp, cp, tp)."""

@@ -60,6 +60,7 @@ class HiCache:
         self.tree = RadixTree(self.page_size, self.eviction)
         self.events = EventLog(self.tree.page_hashes, config.kv_events)
         self.next_op_id = itertools.count(1).__next__
+        self.stats = CacheStats()  # counters survive resets
         self.storage = L3Queues(
             self.tree,
             controller,
@@ -69,8 +70,8 @@ class HiCache:
             self.events,
             self.evict_host,
             self.next_op_id,
+            self.stats.transfer_sizes,
         )
-        self.stats = CacheStats()  # counters survive resets
         self.pins = Pins(
             self.tree,
             int(config.pin_budget_fraction * config.host_tokens),

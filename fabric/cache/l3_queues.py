@@ -24,6 +24,7 @@ from fabric.cache.radix import RadixTree, common_pages
 from fabric.cache.results import MatchResult, check_count
 from fabric.config import PrefetchConfig
 from fabric.errors import InvalidInput
+from fabric.histogram import Histogram
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
 
@@ -96,8 +97,11 @@ class L3Queues:
         events: EventLog,
         evict_host: Callable[[int], int],
         next_op_id: Callable[[], int],
+        transfer_sizes: dict[str, Histogram],
     ) -> None:
         self.tree = tree
+        self.to_storage = transfer_sizes["host_to_storage"]
+        self.from_storage = transfer_sizes["storage_to_host"]
         self.ctl = ctl
         self.config = config
         self.clock = clock
@@ -186,7 +190,9 @@ class L3Queues:
         if not ok:
             self.stats.failed_backups += 1
             return
-        self.stats.backed_up_tokens += len(op.page_hashes) * self.page_size
+        tokens = len(op.page_hashes) * self.page_size
+        self.stats.backed_up_tokens += tokens
+        self.to_storage.observe(tokens)
         self.events.stored_hashes(
             op.page_hashes, Medium.STORAGE, op.node.namespace, op.parent_hash, op.tokens
         )
@@ -295,6 +301,8 @@ class L3Queues:
         committed, tail = op.host_pages[:done_pages], op.host_pages[done_pages:]
         added = self._insert_host(op.anchor, op.key, op.start_page, committed) if committed else 0
         self.stats.prefetched_tokens += added
+        if added:
+            self.from_storage.observe(added)
         op.host_pages = tail
         self._reserve(op, len(tail) * size)
         if tail:

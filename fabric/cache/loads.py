@@ -80,6 +80,7 @@ class LoadBacks:
         self.pending.append((op_id, node))
         self.ctl.load(op_id, host, device)
         self.stats.loaded_back_tokens += tokens
+        self.stats.transfer_sizes["host_to_device"].observe(tokens)
         return LoadBack(op_id, tokens, device, node)
 
     def complete(self, n: int) -> None:

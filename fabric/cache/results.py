@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from fabric.cache.allocator import Pages
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
+from fabric.histogram import TOKENS, Histogram
+
+# Where KV moves between tiers (metrics label them so).
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs ~1 us per request
@@ -75,6 +79,13 @@ class CacheStats:
     written_tokens: int = 0
     failed_write_tokens: int = 0
     loaded_back_tokens: int = 0
+    # Tokens per transfer, by direction (one observation per op).
+    transfer_sizes: dict[str, Histogram] = field(
+        default_factory=lambda: {d: Histogram(TOKENS) for d in DIRECTIONS}, repr=False
+    )
+
+    def counters(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
 
 
 def check_count(kind: str, n: int, pending: int) -> None:

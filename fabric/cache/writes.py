@@ -113,6 +113,7 @@ class Writes:
         for _ in range(n):
             op = self.pending.popleft()
             ok = op.op_id not in failed
+            written = 0
             for node in op.nodes:
                 if node.write_op is not op:
                     continue
@@ -121,7 +122,7 @@ class Writes:
                     continue
                 tokens = self.tree.tokens(node)
                 if ok:
-                    self.stats.written_tokens += tokens
+                    written += tokens
                     self.events.stored(node, Medium.HOST)
                     self.backup(node)
                 else:
@@ -130,6 +131,9 @@ class Writes:
                     node.host_value = None
                     if not self.policy.write_back:
                         self._orphan_pending_descendants(node)
+            if written:
+                self.stats.written_tokens += written
+                self.stats.transfer_sizes["device_to_host"].observe(written)
             if op.orphan_pages:
                 self.ctl.host.free(op.orphan_pages)
             self.tree.dec_lock_ref(op.lock_node)

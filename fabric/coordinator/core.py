@@ -43,6 +43,7 @@ class CoordinatorCore:
     def __init__(self, config: FabricConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        self._round_started: float | None = None  # when the last batch went out
         self.topology = Topology(config.topology)
         self.ctl = FabricController(
             config.cache, config.runtime.max_message_bytes, config.model.filler != "synthetic"
@@ -310,6 +311,7 @@ class CoordinatorCore:
         """Admit what fits, queue the step's write-throughs, and return the commands
         queued since the last batch that fit in one message (the same batch goes
         to every rank)."""
+        self._round_started = self.clock()
         try:
             self.expire_leases()
             self.admission.expire()
@@ -410,7 +412,7 @@ class CoordinatorCore:
     ) -> list[RequestResult]:
         """Reduce one report per rank (and the storage actor's hit counts, already
         MIN over shards) and commit; returns requests that finished."""
-        self.stats.rounds += 1
+        self._count_round()
         self.absent.clear()
         self._absent_reason.clear()
         try:
@@ -423,12 +425,18 @@ class CoordinatorCore:
         except Exception as exc:
             return self.recover(exc)
 
+    def _count_round(self) -> None:
+        self.stats.rounds += 1
+        if self._round_started is not None:
+            self.stats.round_seconds.observe(self.clock() - self._round_started)
+            self._round_started = None
+
     def on_missing(self, missing: Mapping[int, str]) -> list[RequestResult]:
         """A round in which the ranks ``missing`` (index -> why) gave no usable
         report. The first such round resets L1/L2 (their pools may be gone); until
         every rank answers again nothing is admitted, and past
         ``runtime.rank_absent_timeout_s`` requests fail with an error naming the rank."""
-        self.stats.rounds += 1
+        self._count_round()
         now = self.clock()
         first = not self.absent
         for index, why in missing.items():
@@ -495,6 +503,7 @@ class CoordinatorCore:
         s.prompt_tokens += req.prompt_tokens
         s.tokens.add(device, host, storage, computed)
         s.latency_s_total += latency
+        s.request_seconds.observe(latency)
         ttl = self.config.runtime.lease_ttl_s
         kv = req.kv
         assert kv is not None
@@ -659,7 +668,7 @@ class CoordinatorCore:
             "resets": s.resets,
             "reset_reasons": dict(s.by_reason),
             "rounds": s.rounds,
-            "cache": vars(self.cache.stats),
+            "cache": self.cache.stats.counters(),
             "prefetching": len(self.prefetching),
             "storage_ops": self.l3.snapshot(),
             "pending_writes": len(self.cache.pending_writes),
@@ -680,6 +689,84 @@ class CoordinatorCore:
                 "refused": s.sessions_refused,
             },
             "pinned_tokens": self.cache.pinned_size,
+        }
+
+    def figures(self) -> dict:
+        """What the metrics export: counters, gauges and histograms, read without
+        walking the tree (cheap enough for every scrape)."""
+        s, cache, l3 = self.stats, self.cache, self.l3
+        device = cache.device_sizes()
+        host = cache.ctl.host
+        transfers = {
+            "device_to_host": cache.stats.written_tokens,
+            "host_to_device": cache.stats.loaded_back_tokens,
+            "host_to_storage": l3.stats.backed_up_tokens,
+            "storage_to_host": l3.stats.prefetched_tokens,
+        }
+        return {
+            "epoch": self.epoch,
+            "requests": {
+                "submitted": s.submitted,
+                "finished": s.finished,
+                "failed": s.failed,
+                "aborted": s.aborted,
+                "retried": s.retried,
+                "gave_up": s.gave_up,
+            },
+            "prompt_tokens": s.tokens.as_dict(),
+            "evicted_tokens": {
+                "device": cache.stats.device_evicted_tokens,
+                "host": cache.stats.host_evicted_tokens,
+            },
+            "transfer_tokens": transfers,
+            "failed_transfer_tokens": {
+                "device_to_host": cache.stats.failed_write_tokens,
+                "host_to_storage": l3.stats.failed_backups,
+            },
+            "transfer_sizes": cache.stats.transfer_sizes,
+            "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
+            "request_seconds": s.request_seconds,
+            "round_seconds": s.round_seconds,
+            "rounds": s.rounds,
+            "resets": s.resets,
+            "bad_messages": s.bad_messages,
+            "step_errors": s.step_errors,
+            "storage_errors": s.storage_errors,
+            "leases_expired": s.leases_expired,
+            "leases_reclaimed": s.leases_reclaimed,
+            "sessions_refused": s.sessions_refused,
+            "core_seconds": s.core_time_s,
+            "prefetch_started": l3.stats.prefetch_started,
+            "prefetch_revoked": l3.stats.prefetch_revoked,
+            "prefetch_refusals": dict(l3.stats.refusals),
+            "pool": {
+                "device": {
+                    "capacity": device.capacity,
+                    "free": device.free,
+                    "evictable": device.evictable,
+                    "protected": device.protected,
+                },
+                "host": {
+                    "capacity": host.capacity_tokens,
+                    "free": host.available_pages * cache.page_size,
+                },
+            },
+            "requests_now": {
+                "waiting": len(self.waiting),
+                "prefetching": len(self.prefetching),
+                "running": len(self.running),
+            },
+            "inflight_transfers": {
+                "device_to_host": len(cache.pending_writes),
+                "host_to_device": len(cache.pending_loads),
+                "host_to_storage": len(l3.backups),
+                "storage_to_host": len(l3.by_op),
+            },
+            "leases": len(self.leases),
+            "sessions": len(cache.sessions.held),
+            "session_tokens": cache.sessions.held_tokens,
+            "pinned_tokens": cache.pinned_size,
+            "ranks": {str(r): i not in self.absent for i, r in enumerate(self.topology.ranks)},
         }
 
     # -- storage attach / detach ---------------------------------------------------------

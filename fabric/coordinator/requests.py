@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from fabric.cache.admission import RequestKV
 from fabric.cache.keys import TokenKey
 from fabric.cache.results import TierTokens
+from fabric.histogram import SECONDS, Histogram
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,6 @@ class FabricStats:
     leases_reclaimed: int = 0
     sessions_refused: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
+    # Submit to result, and batch sent to reports reduced (one consensus round).
+    request_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS))
+    round_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import socket
 import textwrap
 import time
 
@@ -23,6 +24,15 @@ from tests.helpers import (  # noqa: E402
 NAME = "kvfabric-test"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def fabric():
     ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-tests", log_to_driver=False)
@@ -31,6 +41,7 @@ def fabric():
             f"runtime.name={NAME}",
             "runtime.ray_namespace=kvfabric-tests",
             "events.endpoint=tcp://127.0.0.1:*",
+            f"runtime.metrics_port={METRICS_PORT}",
         )
     )
     try:
@@ -78,6 +89,34 @@ def test_the_coordinator_actor_publishes_kv_events_on_zmq(fabric):
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_the_prometheus_endpoint_serves_the_fabric_s_series(fabric):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}  # not serving yet
+        return {
+            s.name + str(sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    r = fabric.submit(prompt(81, pages=2), timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+    assert wait_for(
+        lambda: scrape().get("kvfabric_requests_total[('outcome', 'finished')]", 0) >= 1,
+        timeout=15,
+    )
+    samples = scrape()
+    assert samples["kvfabric_rank_up[('rank', 'pp1-cp0-tp1')]"] == 1
+    assert "kvfabric_consensus_round_duration_seconds_count[]" in samples
 
 
 def test_a_two_turn_conversation_decodes_keeps_its_session_and_pins(fabric):
