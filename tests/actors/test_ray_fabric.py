@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-import socket
 import textwrap
 import time
 
