@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from actors.ray_metrics import CoordinatorMetrics
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -56,6 +57,7 @@ def _dead_jobs() -> set[str]:
 class CoordinatorActor:
     def __init__(self, config: dict, rank_names: list[str], storage_name: str) -> None:
         self.config = FabricConfig.from_dict(config)
+        self.config_dict = config
         self.core = CoordinatorCore(self.config)
         ns = self.config.runtime.ray_namespace
         self.ranks = [ray.get_actor(name, namespace=ns) for name in rank_names]
@@ -69,6 +71,8 @@ class CoordinatorActor:
         self._next_storage_check = 0.0
         self._storage_sync: asyncio.Task | None = None
         self.publisher: KVEventPublisher | None = None
+        self.ray_metrics: CoordinatorMetrics | None = None
+        self._ray_metrics_task: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
@@ -83,6 +87,10 @@ class CoordinatorActor:
             if self._storage_spec is not None:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+            self.ray_metrics = CoordinatorMetrics(self.config.runtime.name)
+            self._ray_metrics_task = asyncio.get_running_loop().create_task(
+                self._feed_ray_metrics()
+            )
             if self.config.runtime.metrics_port and self._metrics_task is None:
                 self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         return self.core.epoch
@@ -163,6 +171,10 @@ class CoordinatorActor:
             raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
         pages = list(lease.device_pages)
         return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
+
+    async def running_config(self) -> dict[str, Any]:
+        """This fabric's configuration (what ``connect()`` hands a driver)."""
+        return self.config_dict
 
     async def stats(self) -> dict[str, Any]:
         snapshot = self.core.snapshot()
@@ -317,7 +329,7 @@ class CoordinatorActor:
         ):
             self._next_storage_check = now + STORAGE_CHECK_S
             self._storage_sync = asyncio.get_running_loop().create_task(self._sync_storage())
-        started = time.perf_counter()
+        round_started = started = time.perf_counter()
         data = encode(self.core.next_batch())
         queries = self.core.take_queries()
         self.core.stats.core_time_s += time.perf_counter() - started
@@ -336,6 +348,8 @@ class CoordinatorActor:
             self._deliver(self.core.on_round(reports, hits))
         if self.publisher is not None:
             self.publisher.publish(self.core.drain_events())
+        if self.ray_metrics is not None:
+            self.ray_metrics.round_seconds.observe(time.perf_counter() - round_started)
         self.core.stats.core_time_s += time.perf_counter() - started
         await asyncio.sleep(runtime.step_interval_s)
 
@@ -392,12 +406,46 @@ class CoordinatorActor:
             exporter.update(self.core.figures(), l3, events)
             await asyncio.sleep(1.0)
 
+    async def _feed_ray_metrics(self) -> None:
+        """Ray's metrics (``ray.util.metrics``) from the core's figures, each second."""
+        while True:
+            try:
+                if self.ray_metrics is not None:
+                    self.ray_metrics.update(self.core.figures())
+            except Exception:
+                log.warning("Ray metrics not updated", exc_info=True)
+            await asyncio.sleep(1.0)
+
+    def describe(self) -> str:
+        """This actor's role and live figures, in one line (its repr)."""
+        return repr(self)
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor (Ray records it as the actor
+        starts, and in its logs' prefix): its role and live figures."""
+        core = getattr(self, "core", None)
+        if core is None:
+            return "kvfabric coordinator (starting)"
+        f = core.figures()
+        moved = f["transfer_tokens"]
+        dev = f["pool"]["device"]
+        return (
+            f"kvfabric coordinator {self.config.runtime.name}: epoch {f['epoch']}, "
+            f"{f['rounds']} rounds, {f['requests']['finished']} served, "
+            f"L1 {dev['capacity'] - dev['free']}/{dev['capacity']} tokens, moved tokens "
+            f"L1>L2 {moved['device_to_host']} L2>L1 {moved['host_to_device']} "
+            f"L2>L3 {moved['host_to_storage']} L3>L2 {moved['storage_to_host']}"
+        )
+
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
 
     def _deliver(self, results: list[RequestResult]) -> None:
+        metrics = self.ray_metrics
         for result in results:
+            if metrics is not None and result.error is None:
+                metrics.request_seconds.observe(result.latency_s)
             future = self.futures.pop(result.request_id, None)
             if future is not None and not future.done():
                 future.set_result(result)

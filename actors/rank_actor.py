@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -9,9 +10,12 @@ from collections.abc import Callable
 import numpy as np
 import ray
 
+from actors.ray_metrics import RankMetrics
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.worker import RankWorker
+
+log = logging.getLogger(__name__)
 
 
 class StorageActorLink:
@@ -49,6 +53,7 @@ class RankActor:
             runtime = self.config.runtime
             link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
         self.worker = RankWorker(self.config, index, storage=link)
+        self.metrics = RankMetrics(self.config.runtime.name, str(self.worker.shard.rank))
         self._bad_report: bytes | None = None
         self._stop = threading.Event()
         self._threads = [
@@ -58,8 +63,19 @@ class RankActor:
                 ("kv-storage", self.worker.run_storage_one),
             )
         ]
+        self._threads.append(
+            threading.Thread(target=self._feed_metrics, name="ray-metrics", daemon=True)
+        )
         for thread in self._threads:
             thread.start()
+
+    def _feed_metrics(self) -> None:
+        """Ray's metrics from this rank's transfer counters, each second."""
+        while not self._stop.wait(1.0):
+            try:
+                self.metrics.update(dict(self.worker.moved_bytes))
+            except Exception:  # metrics never cost the rank anything else
+                log.warning("Ray metrics not updated", exc_info=True)
 
     def _loop(self, run_one: Callable[..., bool]) -> None:
         while not self._stop.is_set():
@@ -74,6 +90,24 @@ class RankActor:
         if self._bad_report is not None:
             return self._bad_report
         return encode(self.worker.report())
+
+    def describe(self) -> str:
+        """This actor's role and live figures, in one line (its repr)."""
+        return repr(self)
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor (Ray records it as the actor
+        starts, and in its logs' prefix): its role and live figures."""
+        worker = getattr(self, "worker", None)
+        if worker is None:
+            return "kvfabric rank (starting)"
+        moved = {k: v >> 20 for k, v in worker.moved_bytes.items()}
+        return (
+            f"kvfabric rank {worker.shard.rank} of {self.config.runtime.name} on "
+            f"{worker.device}: epoch {worker.epoch}, moved MiB L1>L2 {moved['device_to_host']} "
+            f"L2>L1 {moved['host_to_device']} L2>L3 {moved['host_to_storage']} "
+            f"L3>L2 {moved['storage_to_host']}"
+        )
 
     def ping(self) -> None:
         """A no-op, for measuring the bare cost of a call."""

@@ -88,6 +88,25 @@ class StorageActor:
     def stats(self) -> dict[str, Any]:
         return self.service.stats()
 
+    def describe(self) -> str:
+        """This actor's role and live figures, in one line (its repr)."""
+        return repr(self)
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor (Ray records it as the actor
+        starts, and in its logs' prefix): its role and live figures."""
+        service = getattr(self, "service", None)
+        if service is None:
+            return "kvfabric storage (starting)"
+        st = service.stats()
+        if not st.get("attached"):
+            return f"kvfabric storage of {self.config.runtime.name}: no L3 attached"
+        return (
+            f"kvfabric storage of {self.config.runtime.name}: L3 {st.get('backend')}, "
+            f"{st.get('pages', '?')} pages, {st.get('bytes', 0) >> 20} MiB, "
+            f"read {st.get('get_pages', 0)} written {st.get('set_pages', 0)} pages"
+        )
+
     def set_faults(self, delay_s: float = 0.0, hold: bool = False) -> None:
         """Chaos hook: delay every page batch, or hold every one until released
         (or until the actor is killed under it)."""

@@ -14,6 +14,7 @@ driver simply submits again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import FabricError
+
+log = logging.getLogger(__name__)
 
 # After a client-side timeout, how long to wait for a result that raced the abort.
 _ABANDON_WAIT_S = 5.0
@@ -191,6 +194,23 @@ class Fabric:
         ``to_cache`` makes a ``transformers`` cache of it."""
         return self._call(self.coordinator.read_kv, lease)
 
+    @property
+    def dashboard_url(self) -> str | None:
+        """The Ray dashboard's URL, or ``None`` when the cluster runs none."""
+        return _dashboard_url()
+
+    def dashboard_hint(self) -> str:
+        """Where the dashboard is and how to sign in to it, in one line."""
+        url = self.dashboard_url
+        if url is None:
+            return "Ray dashboard: off (runtime.dashboard=false, or the cluster runs none)"
+        if not _token_auth():
+            return f"Ray dashboard: {url}"
+        return (
+            f"Ray dashboard: {url} - sign in with the cluster's token: `ray get-auth-token` "
+            "prints it (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
+
     def stats(self) -> dict:
         return self._call(self.coordinator.stats)
 
@@ -231,6 +251,27 @@ class Fabric:
             ray.shutdown()
 
 
+def _dashboard_url() -> str | None:
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        url = ray._private.worker.get_dashboard_url()
+    except Exception:
+        return None
+    return f"http://{url}" if url else None
+
+
+def _token_auth() -> bool:
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        return bool(is_token_auth_enabled())
+    except Exception:  # a Ray without token authentication
+        return False
+
+
 def launch(config: FabricConfig | None = None, address: str | None = None) -> Fabric:
     """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``), or
     start a local Ray when neither is given; then create its actors."""
@@ -247,14 +288,20 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     if not ray.is_initialized():
         from actors.factory import HEAD_RESOURCE
 
+        runtime = config.runtime
+        local = {
+            # A local Ray is its own head node (a cluster's comes from cluster.yaml).
+            "resources": {HEAD_RESOURCE: 1000},
+            "include_dashboard": runtime.dashboard,
+            "dashboard_host": runtime.dashboard_host,
+            "dashboard_port": runtime.dashboard_port,
+        }
         try:
             ray.init(
                 address=address,
-                namespace=config.runtime.ray_namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-                # A local Ray is its own head node (a cluster's comes from cluster.yaml).
-                resources=None if address else {HEAD_RESOURCE: 1000},
+                namespace=runtime.ray_namespace,
+                log_to_driver=runtime.log_to_driver,
+                **({} if address else local),
             )
         except ConnectionError as exc:
             raise FabricError(
@@ -268,17 +315,34 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
         if owns:
             ray.shutdown()  # the local Ray this call started goes with it
         raise
-    return Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
+    fabric = Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
+    log.info("%s", fabric.dashboard_hint())
+    return fabric
 
 
 def connect(
     name: str = "kvfabric", address: str = "auto", ray_namespace: str = "kvfabric"
 ) -> Fabric:
-    """Attach to a running fabric by its ``runtime.name`` (from another driver)."""
+    """Attach to a running fabric by its ``runtime.name`` (from another driver);
+    the handle's ``config`` is the running fabric's own."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
-    coordinator = ray.get_actor(f"{name}-coordinator", namespace=ray_namespace)
-    config = FabricConfig()
+        try:
+            ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
+        except ConnectionError as exc:
+            raise FabricError(
+                f"no Ray cluster at --address={address!r} ({exc.__class__.__name__}): "
+                "start the fabric first (kvfabric run --keep, or launch() from a driver), "
+                "or pass the cluster's address"
+            ) from None
+    try:
+        coordinator = ray.get_actor(f"{name}-coordinator", namespace=ray_namespace)
+    except ValueError:
+        raise FabricError(
+            f"no fabric named {name!r} in Ray namespace {ray_namespace!r} on the cluster "
+            f"at {address!r}: check --name (runtime.name) and --ray-namespace "
+            "(runtime.ray_namespace)"
+        ) from None
+    config = FabricConfig.from_dict(ray.get(coordinator.running_config.remote(), timeout=60))
     return Fabric(coordinator, config)

@@ -226,6 +226,11 @@ class RuntimeConfig(_Section):
     max_pending_requests: PositiveInt = 4096
     metrics_port: Annotated[int, _allowed("a TCP port, or 0 for none", ge=0, lt=65536)] = 0
     metrics_host: Text = "127.0.0.1"
+    # The Ray dashboard of a Ray that launch() starts (a cluster's is its own).
+    dashboard: bool = Field(True, description="true or false")
+    dashboard_host: Text = "127.0.0.1"
+    dashboard_port: Annotated[int, _allowed("a TCP port", ge=1, lt=65536)] = 8265
+    log_to_driver: bool = Field(True, description="true or false")
 
     def allowed_namespaces(self) -> frozenset[str] | None:
         """``None`` when any namespace is allowed."""

@@ -92,6 +92,12 @@ class RankWorker:
         self.copying = False
         self.epoch = 0
         self._reset_counters()
+        # Bytes this rank copied, by direction, since it started (never reset):
+        # what its actor's repr and Ray metrics show.
+        self.page_bytes = self.l1.nbytes // max(1, self.l1.num_pages)
+        self.moved_bytes = dict.fromkeys(
+            ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"), 0
+        )
 
     def _reset_counters(self) -> None:
         self.queue: deque[Message] = deque()
@@ -195,8 +201,12 @@ class RankWorker:
                     self.computes_done += 1
                 elif isinstance(cmd, Write):
                     self.writes_done += 1
+                    if ok:
+                        self.moved_bytes["device_to_host"] += len(cmd.host_pages) * self.page_bytes
                 else:
                     self.loads_done += 1
+                    if ok:
+                        self.moved_bytes["host_to_device"] += len(cmd.host_pages) * self.page_bytes  # type: ignore[union-attr]
         return True
 
     def _apply(self, group: list[Message]) -> bool:
@@ -261,6 +271,8 @@ class RankWorker:
         if isinstance(cmd, Backup):
             ok = self._backup(cmd, epoch)
             with self.lock:
+                if ok:
+                    self.moved_bytes["host_to_storage"] += len(cmd.host_pages) * self.page_bytes
                 if epoch == self.epoch:
                     self.backups_done += 1
                     if not ok:
@@ -307,6 +319,7 @@ class RankWorker:
                         return
                     if got:
                         bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
+                        self.moved_bytes["storage_to_host"] += got * self.page_bytes
             except Exception:
                 log.exception(
                     "rank %s: prefetch %d failed after %d pages", self.shard.rank, cmd.op_id, done

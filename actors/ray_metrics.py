@@ -1,0 +1,100 @@
+"""kvfabric's figures as ``ray.util.metrics``, so they reach Ray's metrics export
+(and the dashboard's metrics view) next to Ray's own. Counters are fed with the
+increase since the last update (Ray refuses an increase of 0, so a series
+appears once it first grows; the Prometheus endpoint has every series from the
+start)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from fabric.cache.results import DIRECTIONS
+from fabric.histogram import SECONDS
+from fabric.metrics import OUTCOMES, TIERS
+
+
+class _Deltas:
+    """A Counter fed from cumulative values: ``inc`` by what each series grew."""
+
+    def __init__(self, counter: Counter, key: str) -> None:
+        self.counter, self.key = counter, key
+        self.last: dict[tuple, float] = {}
+
+    def update(self, values: Mapping[tuple, float]) -> None:
+        for tags, value in values.items():
+            grown = value - self.last.get(tags, 0.0)
+            if grown > 0:
+                self.counter.inc(grown, tags=dict(zip(self.key.split(","), tags, strict=True)))
+            self.last[tags] = value
+
+
+class CoordinatorMetrics:
+    def __init__(self, fabric: str) -> None:
+        base = {"fabric": fabric}
+
+        def counter(name: str, help: str, key: str) -> _Deltas:
+            c = Counter(name, help, tag_keys=("fabric", *key.split(",")))
+            c.set_default_tags(base)
+            return _Deltas(c, key)
+
+        self.prompt = counter(
+            "kvfabric_prompt_tokens",
+            "Prompt tokens of finished requests by where their KV came from.",
+            "source",
+        )
+        self.requests = counter("kvfabric_requests", "Requests that ended, by outcome.", "outcome")
+        self.transfer = counter(
+            "kvfabric_transfer_bytes", "Bytes of KV copied between tiers, all ranks.", "direction"
+        )
+        self.evicted = counter("kvfabric_evicted_tokens", "Tokens evicted from a tier.", "tier")
+        self.rounds = counter("kvfabric_consensus_rounds", "Consensus rounds run.", "kind")
+        self.pool = Gauge(
+            "kvfabric_pool_tokens",
+            "Tokens of a tier's pool by state.",
+            tag_keys=("fabric", "tier", "state"),
+        )
+        self.pool.set_default_tags(base)
+        self.request_seconds = Histogram(
+            "kvfabric_request_duration_seconds",
+            "Seconds from a request's submission to its result.",
+            boundaries=list(SECONDS),
+            tag_keys=("fabric",),
+        )
+        self.request_seconds.set_default_tags(base)
+        self.round_seconds = Histogram(
+            "kvfabric_consensus_round_duration_seconds",
+            "Seconds of one consensus round (batch out, reports reduced).",
+            boundaries=list(SECONDS),
+            tag_keys=("fabric",),
+        )
+        self.round_seconds.set_default_tags(base)
+
+    def update(self, f: Mapping[str, Any]) -> None:
+        per_token = f["kv_bytes_per_token"]
+        self.prompt.update({(t,): f["prompt_tokens"].get(t, 0) for t in TIERS})
+        self.requests.update({(o,): f["requests"][o] for o in OUTCOMES})
+        self.transfer.update({(d,): f["transfer_tokens"][d] * per_token for d in DIRECTIONS})
+        self.evicted.update({(t,): f["evicted_tokens"][t] for t in ("device", "host")})
+        self.rounds.update({("step",): f["rounds"]})
+        pool = f["pool"]
+        for tier, states in pool.items():
+            for state, tokens in states.items():
+                if state != "capacity":
+                    self.pool.set(tokens, tags={"tier": tier, "state": state})
+
+
+class RankMetrics:
+    def __init__(self, fabric: str, rank: str) -> None:
+        c = Counter(
+            "kvfabric_rank_transfer_bytes",
+            "Bytes of KV this rank copied, by direction (its shard of each page).",
+            tag_keys=("fabric", "rank", "direction"),
+        )
+        c.set_default_tags({"fabric": fabric, "rank": rank})
+        self.transfer = _Deltas(c, "direction")
+
+    def update(self, moved_bytes: Mapping[str, int]) -> None:
+        self.transfer.update({(d,): moved_bytes[d] for d in DIRECTIONS})
