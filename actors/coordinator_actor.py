@@ -186,6 +186,59 @@ class CoordinatorActor:
             snapshot["kv_events"] = self.publisher.stats()
         return snapshot
 
+    async def status(self) -> dict[str, Any]:
+        """What ``kvfabric status`` shows: every actor (alive, its live figures),
+        the epoch, per-tier usage, transfers in flight, L3 usage. Cheap: counters
+        the core keeps and one short call per actor."""
+        f = self.core.figures()
+
+        async def line(role: str, name: str, actor: Any) -> dict[str, Any]:
+            try:
+                text = await asyncio.wait_for(_await(actor.describe.remote()), 5)
+                return {"role": role, "name": name, "alive": True, "describe": text}
+            except Exception as exc:
+                return {"role": role, "name": name, "alive": False, "describe": type(exc).__name__}
+
+        ranks = [str(r) for r in self.core.topology.ranks]
+        actors = [
+            {
+                "role": "coordinator",
+                "name": str(self.config.runtime.name),
+                "alive": True,
+                "describe": repr(self),
+            }
+        ]
+        actors += await asyncio.gather(
+            *(line("rank", name, a) for name, a in zip(ranks, self.ranks, strict=True)),
+            line("storage", "storage", self.storage),
+        )
+        try:
+            l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
+        except Exception as exc:
+            l3 = {"error": type(exc).__name__}
+        latency = f["request_seconds"]
+        return {
+            "fabric": self.config.runtime.name,
+            "epoch": f["epoch"],
+            "actors": actors,
+            "tiers": f["pool"],
+            "inflight_transfers": f["inflight_transfers"],
+            "transfer_tokens": f["transfer_tokens"],
+            "requests": f["requests"],
+            "requests_now": f["requests_now"],
+            "prompt_tokens": f["prompt_tokens"],
+            "mean_latency_ms": round(1000 * latency.sum / latency.count, 2)
+            if latency.count
+            else None,
+            "leases": f["leases"],
+            "sessions": f["sessions"],
+            "pinned_tokens": f["pinned_tokens"],
+            "rounds": f["rounds"],
+            "resets": f["resets"],
+            "l3": l3,
+            "kv_events": self.publisher.stats() if self.publisher is not None else None,
+        }
+
     async def settle(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing is in flight (write-throughs, backups, prefetches);
         ``False`` if that takes longer than ``timeout_s``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,10 @@ class StorageActor:
         self._released.set()
         self._holding = 0
         self._holding_lock = threading.Lock()
-        if coordinator_name and ray.get_runtime_context().was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray's own property uses a deprecated API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if coordinator_name and restarted:
             self._restore(coordinator_name)
 
     def _restore(self, coordinator_name: str) -> None:

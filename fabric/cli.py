@@ -1,243 +1,386 @@
-"""The ``kvfabric`` command line."""
+"""The ``kvfabric`` command line (click).
+
+Every command prints one JSON object last (``fabric.report.SCHEMA``); with
+``--json`` nothing else goes to stdout. Progress goes to stderr (a bar with
+rate and ETA on a terminal, plain lines otherwise), logs to stderr at
+``--log-level``. Errors are one line naming the value or setting to change,
+exit status 2.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
+
+import click
 
 from fabric import __version__
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
+from fabric.progress import Progress
+from fabric.report import result, workload
+
+log = logging.getLogger("kvfabric")
+
+# -- shared options -------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfabric", description=__doc__)
-    p.add_argument("--version", action="version", version=f"kvfabric {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser(
-        "run",
-        help="launch a local fabric on Ray and serve a workload through it",
-        description="Launch the fabric (coordinator and rank actors; local Ray unless "
-        "runtime.address is set) and replay a workload through it from this driver, then "
-        "print the prompt tokens served from each tier and the latency.",
-    )
-    _workload_args(run, default_requests=300)
-    run.add_argument(
-        "--inflight", type=int, default=8, help="requests in flight at once (default 8)"
-    )
-    chat = run.add_argument_group(
-        "a real model (needs pip install 'kvfabric[model]')",
-        "With --model the workload is multi-turn conversations: each turn's prompt is the "
-        "previous prompt, the model's answer and a new message; the ranks compute a Llama "
-        "model's KV, the driver generates from the KV the fabric serves.",
-    )
-    chat.add_argument(
-        "--model", help="tiny-llama (seeded random weights) or a local Hugging Face model dir"
-    )
-    chat.add_argument(
-        "--check",
-        action="store_true",
-        help="also generate every turn without a cache and count mismatching answers",
-    )
-    chat.add_argument("--conversations", type=int, default=4, help="default 4")
-    chat.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
-    chat.add_argument("--new-tokens", type=int, default=8, help="answer length (default 8)")
-    demo = sub.add_parser(
-        "demo",
-        help="replay a workload through the core with an in-process controller",
-        description="Serve a workload through the cache core alone (no Ray) and print "
-        "the prompt tokens served from each tier.",
-    )
-    _workload_args(demo, default_requests=2000)
-    sim = sub.add_parser(
-        "simulate",
-        help="what-if on a trace: hit rate per tier, next to LRU and Belady bounds",
-        description="Serve a trace through the core alone (no Ray, no KV bytes) at the "
-        "configured sizes and policies and print the share of prompt tokens each tier "
-        "served, next to block-level bounds at given capacities: LRU, Belady (the offline "
-        "optimum) and an infinite cache.",
-    )
-    _workload_args(sim, default_requests=0)
-    sim.add_argument(
-        "--capacities",
-        help="capacities in tokens for the bounds, comma-separated, K and M allowed "
-        "(default: L1, and L1 + L2 of the config)",
-    )
-    sim.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="also draw hit rate against capacity (needs pip install 'kvfabric[plot]')",
-    )
-    return p
-
-
-def _workload_args(p: argparse.ArgumentParser, default_requests: int) -> None:
-    p.add_argument(
-        "--trace", help="a Mooncake-format JSONL trace (default: a synthetic conversation workload)"
-    )
-    p.add_argument(
-        "--requests",
-        type=int,
-        default=default_requests,
-        help=f"requests to replay (default {default_requests})",
-    )
-    p.add_argument("--config", help="a config file (.json, .toml, .yaml)")
-    p.add_argument(
+def _config_options(f: Callable) -> Callable:
+    f = click.option(
         "--set",
-        action="append",
-        default=[],
+        "overrides",
+        multiple=True,
         metavar="SECTION.KEY=VALUE",
-        help="override a config value",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        help="Override a config value (repeatable; values parsed as YAML). "
+        "`kvfabric config` lists every key with its default and what is allowed.",
+    )(f)
+    return click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False),
+        help="A config file (.json, .toml or .yaml).",
+    )(f)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        commands = {"run": _run, "demo": _demo, "simulate": _simulate}
-        return commands[args.command](args)
-    except (FabricError, OSError) as exc:
-        print(f"kvfabric: error: {exc}", file=sys.stderr)
-        return 2
+def _workload_options(default_requests: int) -> Callable:
+    def wrap(f: Callable) -> Callable:
+        f = click.option(
+            "--requests",
+            type=int,
+            default=default_requests,
+            show_default=True,
+            help="Requests to replay" + (" (0: all of a trace)." if not default_requests else "."),
+        )(f)
+        return click.option(
+            "--trace",
+            type=click.Path(dir_okay=False),
+            help="A Mooncake-format JSONL trace (default: synthetic conversations).",
+        )(f)
+
+    return wrap
 
 
-def _setup(args: argparse.Namespace, whole_trace_ok: bool = False):
+def _json_option(f: Callable) -> Callable:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print only the result, as one JSON object."
+    )(f)
+
+
+def _cluster_options(f: Callable) -> Callable:
+    f = click.option(
+        "--ray-namespace",
+        default="kvfabric",
+        show_default=True,
+        help="The fabric's Ray namespace (runtime.ray_namespace).",
+    )(f)
+    f = click.option(
+        "--name",
+        default="kvfabric",
+        show_default=True,
+        help="The fabric's name (runtime.name).",
+    )(f)
+    return click.option(
+        "--address",
+        default="auto",
+        show_default=True,
+        help="The Ray cluster the fabric runs on (auto: the one this machine is part of).",
+    )(f)
+
+
+def _load(config_file: str | None, overrides: tuple[str, ...]) -> FabricConfig:
+    config = load_config(config_file) if config_file else FabricConfig()
+    return config.with_overrides(list(overrides))
+
+
+def _requests(trace: str | None, n: int, whole_trace_ok: bool = False):
     from fabric.workload import read_trace, synthetic_trace
 
-    if args.requests < (0 if whole_trace_ok else 1):
-        raise FabricError(f"--requests {args.requests} is refused: allowed is an int >= 1")
-    if not args.requests:
-        args.requests = None if args.trace else 3000
-    config = load_config(args.config) if args.config else FabricConfig()
-    config = config.with_overrides(args.set)
-    if args.trace:
-        requests, source = read_trace(args.trace, args.requests), args.trace
-    else:
-        requests, source = synthetic_trace(args.requests), "synthetic conversations"
-    return config, requests, source
+    if n < (0 if whole_trace_ok else 1):
+        raise FabricError(
+            f"--requests {n} is refused: allowed is an int >= {0 if whole_trace_ok else 1}"
+        )
+    if trace:
+        return read_trace(trace, n or None), trace
+    return synthetic_trace(n or 3000), "synthetic conversations"
 
 
-def _progress(total: int, unit: str = "requests"):
-    step = max(1, total // 50)
-
-    def show(done: int) -> None:
-        if done % step == 0 or done == total:
-            bar = "#" * (30 * done // total)
-            print(f"\r[{bar:<30}] {done}/{total} {unit}", end="", file=sys.stderr, flush=True)
-
-    return show
+def _emit(obj: dict[str, Any]) -> None:
+    click.echo(json.dumps(obj))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _say(as_json: bool, text: str) -> None:
+    if not as_json:
+        click.echo(text)
+
+
+def _tiers(tokens: dict[str, int]) -> str:
+    served = max(1, sum(tokens.values()))
+    return "\n".join(
+        f"  {tier:<9} {n:>12,} tokens  {100 * n / served:5.1f}%" for tier, n in tokens.items()
+    )
+
+
+def _connect(address: str, name: str, ray_namespace: str):
+    from fabric.client import connect
+
+    return connect(name, address, ray_namespace)
+
+
+# -- the group -------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvfabric")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="warning",
+    show_default=True,
+    help="How much kvfabric and Ray log to stderr.",
+)
+def cli(log_level: str) -> None:
+    """kvfabric: a hierarchical KV-cache fabric for LLM serving, on Ray.
+
+    Launch a fabric and serve a workload through it (run), look at a running one
+    (status, events), manage its L3 (storage) and pins (pin), or ask what-if
+    questions of a trace without Ray (simulate, demo).
+    """
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# -- run -------------------------------------------------------------------------------
+
+
+@cli.command()
+@_workload_options(300)
+@_config_options
+@click.option(
+    "--address",
+    help="An existing Ray cluster to launch on (default: runtime.address, else a local Ray).",
+)
+@click.option("--inflight", type=int, default=8, show_default=True, help="Requests in flight.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="After the workload, keep the fabric up (for status, events, storage, pin) "
+    "until interrupted.",
+)
+@click.option(
+    "--model",
+    help="Multi-turn conversations through a real model: tiny-llama (seeded random "
+    "weights) or a local Hugging Face model directory (pip install 'kvfabric[model]').",
+)
+@click.option(
+    "--check", is_flag=True, help="With --model: also generate without a cache and compare."
+)
+@click.option("--conversations", type=int, default=4, show_default=True, help="With --model.")
+@click.option("--turns", type=int, default=3, show_default=True, help="With --model: turns each.")
+@click.option(
+    "--new-tokens", type=int, default=8, show_default=True, help="With --model: answer length."
+)
+@_json_option
+def run(
+    trace, requests, config_file, overrides, address, inflight, keep, model, check,
+    conversations, turns, new_tokens, as_json,
+) -> None:  # fmt: skip
+    """Launch a fabric and serve a workload through it.
+
+    Starts the coordinator, rank and storage actors (on a local Ray unless
+    --address or runtime.address names a cluster), replays the workload from
+    this driver, checks the cache's integrity and prints the prompt tokens each
+    tier served and the latency.
+    """
     from fabric.client import launch
     from fabric.workload import drive, iter_packed
 
-    if args.model is not None:
-        return _chat(args)
-    config, requests, source = _setup(args)
-    if args.inflight < 1:
-        raise FabricError(f"--inflight {args.inflight} is refused: allowed is an int >= 1")
+    if model is not None:
+        _chat(
+            config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json
+        )
+        return
+    config = _load(config_file, overrides)
+    reqs, source = _requests(trace, requests)
+    if inflight < 1:
+        raise FabricError(f"--inflight {inflight} is refused: allowed is an int >= 1")
     topo = config.topology
-    print(
-        f"kvfabric {__version__}: launching TP={topo.tp} CP={topo.cp} PP={topo.pp} ...",
-        file=sys.stderr,
+    click.echo(
+        f"kvfabric {__version__}: launching TP={topo.tp} CP={topo.cp} PP={topo.pp} ...", err=True
     )
-    fabric = launch(config)
+    fabric = launch(config, address=address)
     try:
-        prompts = (packed for _, packed in iter_packed(requests))
-        run = drive(fabric, prompts, args.inflight, _progress(len(requests)))
-        print(file=sys.stderr)
-        fabric.settle()  # let the last backups reach L3 before the actors go
+        _announce(fabric)
+        with Progress(len(reqs), "requests", "serving") as progress:
+            prompts = (packed for _, packed in iter_packed(reqs))
+            stats = drive(fabric, prompts, inflight, progress.update)
+        fabric.settle()  # the last backups reach L3 before the actors go
         fabric.check_integrity()
-        stats = fabric.stats()
+        resets = fabric.stats()["resets"]
+        out = result(
+            "run",
+            **workload(
+                source, len(reqs), stats.tokens.as_dict(), stats.refused, stats.elapsed_s,
+                stats.latencies_s,
+            ),
+            resets=resets,
+        )  # fmt: skip
+        if not as_json:
+            click.echo(
+                f"kvfabric {__version__}: {out['served']} of {len(reqs)} requests from {source} "
+                f"served by {topo.world_size} rank actors"
+            )
+            click.echo(_tiers(out["tokens_by_tier"]))
+            for reason, n in sorted(stats.refused.items()):
+                click.echo(f"  refused   {n:>12,} requests: {reason}")
+            lat = out["latency_ms"]
+            click.echo(
+                f"  latency   p50 {lat['p50']} ms, p99 {lat['p99']} ms; "
+                f"{out['requests_per_s']:,} requests/s"
+            )
+        _emit(out)
+        if keep:
+            _serve_until_interrupted(fabric)
     finally:
         fabric.shutdown()
-    served = len(run.latencies_s)
-    result = {
-        "source": source,
-        "requests": len(requests),
-        "served": served,
-        "refused": run.refused,
-        "tokens_by_tier": run.tokens.as_dict(),
-        "requests_per_s": round(served / run.elapsed_s, 1) if run.elapsed_s else 0.0,
-        "latency_ms_p50": run.percentile_ms(0.5),
-        "latency_ms_p99": run.percentile_ms(0.99),
-        "resets": stats["resets"],
-    }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(
-        f"kvfabric {__version__}: {served} of {len(requests)} requests from {source} served "
-        f"by {topo.world_size} rank actors"
-    )
-    _print_tiers(run.tokens.as_dict())
-    for reason, n in sorted(run.refused.items()):
-        print(f"  refused   {n:>12,} requests: {reason}")
-    print(
-        f"  latency   p50 {result['latency_ms_p50']} ms, p99 {result['latency_ms_p99']} ms; "
-        f"{result['requests_per_s']:,} requests/s"
-    )
-    return 0
 
 
-def _chat(args: argparse.Namespace) -> int:
+def _announce(fabric) -> None:
+    """Where to look at a running fabric: the dashboard, metrics, KV events."""
+    config = fabric.config
+    click.echo(f"  {fabric.dashboard_hint()}", err=True)
+    if config.runtime.metrics_port:
+        click.echo(
+            f"  Prometheus metrics: http://{config.runtime.metrics_host}:"
+            f"{config.runtime.metrics_port}/metrics",
+            err=True,
+        )
+    if config.events.enabled:
+        endpoints = fabric.stats().get("kv_events") or {}
+        click.echo(
+            f"  KV events: {endpoints.get('endpoint', config.events.endpoint)}"
+            + (
+                f" (replay {endpoints['replay_endpoint']})"
+                if endpoints.get("replay_endpoint")
+                else ""
+            ),
+            err=True,
+        )
+
+
+def _serve_until_interrupted(fabric) -> None:
+    name, ns = fabric.config.runtime.name, fabric.config.runtime.ray_namespace
+    click.echo(
+        f"kvfabric: fabric {name!r} keeps running; `kvfabric status --name {name} "
+        f"--ray-namespace {ns}` from another shell; Ctrl-C stops it",
+        err=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        click.echo("kvfabric: stopping", err=True)
+
+
+def _chat(config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json):
     from fabric.chat import converse, model_overrides
     from fabric.client import launch
 
-    for name in ("conversations", "turns", "new_tokens"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise FabricError(f"{flag} {getattr(args, name)} is refused: allowed is an int >= 1")
-    config = load_config(args.config) if args.config else FabricConfig()
-    config = config.with_overrides([*model_overrides(args.model), *args.set])
-    total = args.conversations * args.turns
-    print(
-        f"kvfabric {__version__}: launching with model {config.model.model_id} ...", file=sys.stderr
+    for flag, value in (
+        ("--conversations", conversations),
+        ("--turns", turns),
+        ("--new-tokens", new_tokens),
+    ):
+        if value < 1:
+            raise FabricError(f"{flag} {value} is refused: allowed is an int >= 1")
+    config = load_config(config_file) if config_file else FabricConfig()
+    config = config.with_overrides([*model_overrides(model), *overrides])
+    total = conversations * turns
+    click.echo(
+        f"kvfabric {__version__}: launching with model {config.model.model_id} ...", err=True
     )
-    fabric = launch(config)
+    fabric = launch(config, address=address)
     try:
+        _announce(fabric)
         started = time.perf_counter()
-        stats = converse(
-            fabric,
-            config,
-            args.conversations,
-            args.turns,
-            args.new_tokens,
-            args.check,
-            progress=_progress(total, "turns"),
-        )
+        with Progress(total, "turns", "conversing") as progress:
+            stats = converse(
+                fabric, config, conversations, turns, new_tokens, check, progress=progress.update
+            )
         elapsed = time.perf_counter() - started
-        print(file=sys.stderr)
         fabric.check_integrity()
     finally:
         fabric.shutdown()
-    result = {
-        "model": config.model.model_id,
-        "conversations": args.conversations,
-        "turns": stats.turns,
-        "checked_requests": stats.checked,
-        "mismatches": stats.mismatches,
-        "tokens_by_tier": stats.tokens.as_dict(),
-        "generated_tokens": stats.generated_tokens,
-        "turns_per_s": round(stats.turns / elapsed, 2) if elapsed else 0.0,
-    }
-    if not args.json:
-        print(
-            f"kvfabric {__version__}: {stats.turns} turns of {args.conversations} conversations "
-            f"with {result['model']}"
+    out = result(
+        "run",
+        **workload(
+            f"model {config.model.model_id}", stats.turns, stats.tokens.as_dict(), {}, elapsed
+        ),
+        model={
+            "model_id": config.model.model_id,
+            "conversations": conversations,
+            "turns": stats.turns,
+            "checked_requests": stats.checked,
+            "mismatches": stats.mismatches,
+            "generated_tokens": stats.generated_tokens,
+        },
+    )
+    if not as_json:
+        click.echo(
+            f"kvfabric {__version__}: {stats.turns} turns of {conversations} conversations "
+            f"with {config.model.model_id}"
         )
-        _print_tiers(stats.tokens.as_dict())
-        if args.check:
-            print(
+        click.echo(_tiers(out["tokens_by_tier"]))
+        if check:
+            click.echo(
                 f"  checked   {stats.checked} answers against generation without a cache: "
                 f"{stats.mismatches} mismatched"
             )
-    print(json.dumps(result))
-    return 1 if stats.mismatches else 0
+    _emit(out)
+    if stats.mismatches:
+        raise SystemExit(1)
+
+
+# -- demo, simulate --------------------------------------------------------------------
+
+
+@cli.command()
+@_workload_options(2000)
+@_config_options
+@_json_option
+def demo(trace, requests, config_file, overrides, as_json) -> None:
+    """Serve a workload through the cache core alone (no Ray, an in-memory L3)."""
+    from fabric.cache.inprocess import CoreReplay
+    from fabric.workload import iter_packed
+
+    config = _load(config_file, overrides)
+    reqs, source = _requests(trace, requests)
+    replay = CoreReplay(config)
+    started = time.perf_counter()
+    with Progress(len(reqs), "requests", "core") as progress:
+        stats = replay.run((p for _, p in iter_packed(reqs)), progress.update)
+    elapsed = time.perf_counter() - started
+    replay.cache.check_integrity()
+    refused = (
+        {"larger than L1 or no room": stats.refused_requests} if stats.refused_requests else {}
+    )
+    out = result(
+        "demo", **workload(source, stats.requests, stats.tokens.as_dict(), refused, elapsed)
+    )
+    if not as_json:
+        click.echo(f"kvfabric {__version__} core demo: {stats.requests} requests from {source}")
+        click.echo(_tiers(out["tokens_by_tier"]))
+        click.echo(
+            f"  refused   {stats.refused_requests:>12,} requests (larger than L1 or no room)"
+        )
+        click.echo(f"  {out['requests_per_s']:,} requests/s through the core")
+    _emit(out)
 
 
 def _capacities(text: str | None, config: FabricConfig) -> list[int]:
@@ -258,27 +401,58 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
     return out
 
 
-def _simulate(args: argparse.Namespace) -> int:
-    from fabric.simulate import bounds, core_hit_rates, plot
+@cli.command()
+@_workload_options(0)
+@_config_options
+@click.option(
+    "--capacities",
+    help="Capacities in tokens for the bounds, comma-separated, K and M allowed "
+    "(default: L1, and L1 + L2 of the config).",
+)
+@click.option(
+    "--plot",
+    metavar="FILE.png",
+    help="Also draw hit rate against capacity (pip install 'kvfabric[plot]').",
+)
+@_json_option
+def simulate(trace, requests, config_file, overrides, capacities, plot, as_json) -> None:
+    """What-if on a trace, with no Ray and no KV bytes.
 
-    config, requests, source = _setup(args, whole_trace_ok=True)
-    capacities = _capacities(args.capacities, config)
-    tiers, refused = core_hit_rates(requests, config, _progress(len(requests)))
-    print(file=sys.stderr)
-    limits = bounds(requests, capacities)
-    result = {
-        "source": source,
-        "requests": len(requests),
-        "core": {
-            "device_tokens": config.cache.device_tokens,
-            "host_tokens": config.cache.host_tokens,
-            "eviction_policy": config.cache.eviction_policy,
-            "page_size": config.cache.page_size,
-            "hit_rate": round(1 - tiers["computed"], 4),
-            "by_tier": {tier: round(share, 4) for tier, share in tiers.items()},
-            "refused_requests": refused,
+    Serves the trace through the core at the configured sizes and policies and
+    prints the share of prompt tokens each tier served, next to block-level
+    bounds at given capacities: LRU, Belady (the offline optimum) and an
+    infinite cache.
+    """
+    from fabric.simulate import bounds, core_replay
+    from fabric.simulate import plot as draw
+
+    config = _load(config_file, overrides)
+    reqs, source = _requests(trace, requests, whole_trace_ok=True)
+    caps = _capacities(capacities, config)
+    started = time.perf_counter()
+    with Progress(len(reqs), "requests", "core") as progress:
+        stats = core_replay(reqs, config, progress.update)
+    elapsed = time.perf_counter() - started
+    limits = bounds(reqs, caps)
+    refused = (
+        {"larger than L1 (raise cache.device_tokens)": stats.refused_requests}
+        if stats.refused_requests
+        else {}
+    )
+    tokens = stats.tokens.as_dict()
+    total = max(1, sum(tokens.values()))
+    cache = config.cache
+    out = result(
+        "simulate",
+        **workload(source, len(reqs), tokens, refused, elapsed),
+        core={
+            "device_tokens": cache.device_tokens,
+            "host_tokens": cache.host_tokens,
+            "eviction_policy": cache.eviction_policy,
+            "page_size": cache.page_size,
+            "by_tier": {tier: round(n / total, 4) for tier, n in tokens.items()},
         },
-        "bounds": [
+        bounds=[
             {
                 "capacity_tokens": b.capacity_tokens,
                 "lru": round(b.lru, 4),
@@ -287,66 +461,319 @@ def _simulate(args: argparse.Namespace) -> int:
             }
             for b in limits
         ],
-    }
-    if not args.json:
-        c = result["core"]
-        print(
-            f"kvfabric {__version__} simulate: {len(requests)} requests from {source}; core at "
+    )
+    if not as_json:
+        c = out["core"]
+        click.echo(
+            f"kvfabric {__version__} simulate: {len(reqs)} requests from {source}; core at "
             f"L1 {c['device_tokens']:,} + L2 {c['host_tokens']:,} tokens, page {c['page_size']}, "
-            f"{c['eviction_policy']}: hit rate {c['hit_rate']:.1%}"
+            f"{c['eviction_policy']}: hit rate {out['hit_rate']:.1%}"
         )
         for tier, share in c["by_tier"].items():
-            print(f"  {tier:<9} {share:6.1%}")
-        if refused:
-            print(f"  refused   {refused} requests larger than L1 (raise cache.device_tokens)")
-        print(
+            click.echo(f"  {tier:<9} {share:6.1%}")
+        if stats.refused_requests:
+            click.echo(
+                f"  refused   {stats.refused_requests} requests larger than L1 "
+                "(raise cache.device_tokens)"
+            )
+        click.echo(
             f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"
         )
-        for b in result["bounds"]:
-            print(
+        for b in out["bounds"]:
+            click.echo(
                 f"  {b['capacity_tokens']:>14,}  {b['lru']:6.1%}  {b['belady']:6.1%}  "
                 f"{b['infinite']:8.1%}"
             )
-    if args.plot:
-        core = (config.cache.device_tokens + config.cache.host_tokens, result["core"]["hit_rate"])
-        plot(args.plot, limits, core)
-        print(f"  chart: {args.plot}", file=sys.stderr)
-    print(json.dumps(result))
-    return 0
+    if plot:
+        draw(plot, limits, (cache.device_tokens + cache.host_tokens, out["hit_rate"]))
+        click.echo(f"  chart: {plot}", err=True)
+    _emit(out)
 
 
-def _print_tiers(tiers: dict[str, int]) -> None:
-    served = max(1, sum(tiers.values()))
-    for tier, tokens in tiers.items():
-        print(f"  {tier:<9} {tokens:>12,} tokens  {100 * tokens / served:5.1f}%")
+# -- a running fabric ------------------------------------------------------------------
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from fabric.cache.inprocess import CoreReplay
-    from fabric.workload import iter_packed
+@cli.command()
+@_cluster_options
+@click.option(
+    "--watch",
+    type=float,
+    default=0.0,
+    metavar="SECONDS",
+    help="Refresh every SECONDS until interrupted (0: once).",
+)
+@click.option("--count", type=int, default=0, help="With --watch: stop after this many (0: never).")
+@_json_option
+def status(address, name, ray_namespace, watch, count, as_json) -> None:
+    """Show a running fabric: actors, epoch, per-tier usage, transfers in flight, L3 usage."""
+    if watch < 0 or count < 0:
+        raise FabricError(
+            f"--watch {watch} / --count {count} are refused: allowed are numbers >= 0"
+        )
+    fabric = _connect(address, name, ray_namespace)
+    shown = 0
+    while True:
+        st = fabric.status()
+        if not as_json:
+            if watch and sys.stdout.isatty():
+                click.clear()
+            click.echo(_status_text(st, fabric.dashboard_hint()))
+        _emit(result("status", fabric=st["fabric"], status=st))
+        shown += 1
+        if not watch or (count and shown >= count):
+            return
+        time.sleep(watch)
 
-    config, requests, source = _setup(args)
-    replay = CoreReplay(config)
-    started = time.perf_counter()
-    stats = replay.run((p for _, p in iter_packed(requests)), _progress(len(requests)))
-    print(file=sys.stderr)
-    elapsed = time.perf_counter() - started
-    replay.cache.check_integrity()
-    result = {
-        "source": source,
-        "requests": stats.requests,
-        "refused_requests": stats.refused_requests,
-        "prompt_tokens": stats.prompt_tokens,
-        "tokens_by_tier": stats.tokens.as_dict(),
-        "requests_per_s": round(stats.requests / elapsed, 1),
-    }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"kvfabric {__version__} core demo: {stats.requests} requests from {source}")
-    _print_tiers(stats.tokens.as_dict())
-    print(f"  refused   {stats.refused_requests:>12,} requests (larger than L1 or no room)")
-    print(f"  {result['requests_per_s']:,} requests/s through the core")
+
+def _status_text(st: dict[str, Any], dashboard: str) -> str:
+    lines = [
+        f"kvfabric {st['fabric']}: epoch {st['epoch']}, {st['rounds']} rounds, {st['resets']} resets"
+    ]
+    for a in st["actors"]:
+        mark = "up  " if a["alive"] else "DOWN"
+        lines.append(f"  {mark} {a['role']:<11} {a['name']:<14} {a['describe']}")
+    for tier, sizes in st["tiers"].items():
+        cap = max(1, sizes["capacity"])
+        used = cap - sizes["free"]
+        lines.append(
+            f"  {tier:<6} {used:>12,} / {sizes['capacity']:,} tokens used ({100 * used / cap:.1f}%)"
+        )
+    flight = ", ".join(f"{k} {v}" for k, v in st["inflight_transfers"].items())
+    lines.append(f"  in flight: {flight}")
+    now = st["requests_now"]
+    lines.append(
+        f"  requests: {st['requests']['finished']} served, {st['requests']['failed']} failed; "
+        f"now waiting {now['waiting']}, prefetching {now['prefetching']}, running {now['running']}; "
+        f"{st['leases']} leases, {st['sessions']} sessions, {st['pinned_tokens']} pinned tokens"
+    )
+    l3 = st["l3"]
+    if l3.get("attached"):
+        lines.append(
+            f"  L3 {l3.get('backend')}: {l3.get('pages', '?')} pages, {l3.get('bytes', 0):,} bytes"
+            f" (cap {l3.get('max_bytes', 0):,}); read {l3.get('get_pages', 0)}, "
+            f"written {l3.get('set_pages', 0)} pages"
+        )
+    else:
+        lines.append(f"  L3: {l3.get('error', 'not attached')}")
+    lines.append(f"  {dashboard}")
+    return "\n".join(lines)
+
+
+@cli.command()
+@_cluster_options
+@click.option("--limit", type=int, default=1000, show_default=True, help="Events per poll.")
+@click.option("--namespace", help="Only this namespace's events.")
+@click.option("--follow", is_flag=True, help="Keep printing events as they come (Ctrl-C stops).")
+@click.option(
+    "--interval",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="With --follow: seconds between polls.",
+)
+@_json_option
+def events(address, name, ray_namespace, limit, namespace, follow, interval, as_json) -> None:
+    """Drain KV events from a running fabric, one JSON line each.
+
+    The events are taken (a router consuming them too would miss these). A fabric
+    with events.endpoint publishes on ZMQ instead; subscribe there (README).
+    """
+    from fabric.coordinator.publisher import to_wire
+
+    fabric = _connect(address, name, ray_namespace)
+    page = fabric.config.cache.page_size
+    taken: list[dict[str, Any]] = []
+    try:
+        while True:
+            wire = [_event_dict(e) for e in to_wire(fabric.take_events(limit, namespace), page)]
+            taken += wire
+            if not as_json:
+                for e in wire:
+                    click.echo(json.dumps(e))
+            if not follow:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    _emit(result("events", fabric=name, events=taken))
+
+
+def _event_dict(event: Any) -> dict[str, Any]:
+    """An event as the routers' map (``type`` first), for a JSON line."""
+    import msgspec
+
+    return msgspec.to_builtins(event)
+
+
+@cli.group()
+def storage() -> None:
+    """Manage a running fabric's L3: attach, detach, clear, usage."""
+
+
+@storage.command()
+@_cluster_options
+@click.argument("backend", type=click.Choice(["file", "redis", "dynamic"]))
+@click.option(
+    "--options",
+    "options",
+    default="{}",
+    show_default=True,
+    help="The backend's options: JSON, or @file.json/.toml/.yaml (see fabric/l3/options.py).",
+)
+@_json_option
+def attach(address, name, ray_namespace, backend, options, as_json) -> None:
+    """Attach an L3 backend at runtime."""
+    from fabric.l3 import parse_options
+
+    parsed = parse_options(options)  # here: an @file is this machine's
+    fabric = _connect(address, name, ray_namespace)
+    outcome = fabric.attach_storage(backend, parsed)
+    _say(as_json, f"kvfabric {name}: L3 {backend} {outcome}")
+    _emit(
+        result(
+            "storage",
+            fabric=name,
+            storage={"action": "attach", "backend": backend, "outcome": outcome},
+        )
+    )
+
+
+@storage.command()
+@_cluster_options
+@click.option(
+    "--timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds to drain in-flight L3 traffic.",
+)
+@_json_option
+def detach(address, name, ray_namespace, timeout, as_json) -> None:
+    """Detach L3 (in-flight prefetches and backups drain first)."""
+    fabric = _connect(address, name, ray_namespace)
+    done = fabric.detach_storage(timeout)
+    _say(as_json, f"kvfabric {name}: L3 {'detached' if done else 'not detached (still draining)'}")
+    _emit(result("storage", fabric=name, storage={"action": "detach", "done": bool(done)}))
+
+
+@storage.command()
+@_cluster_options
+@click.option("--yes", is_flag=True, help="Do not ask; delete every page.")
+@_json_option
+def clear(address, name, ray_namespace, yes, as_json) -> None:
+    """Delete every page in L3."""
+    if not yes:
+        click.confirm(f"Delete every L3 page of fabric {name!r}?", abort=True, err=True)
+    fabric = _connect(address, name, ray_namespace)
+    done = fabric.clear_storage()
+    _say(as_json, f"kvfabric {name}: L3 {'cleared' if done else 'not cleared (none attached)'}")
+    _emit(result("storage", fabric=name, storage={"action": "clear", "done": bool(done)}))
+
+
+@storage.command()
+@_cluster_options
+@_json_option
+def usage(address, name, ray_namespace, as_json) -> None:
+    """Show L3 usage and traffic counters."""
+    fabric = _connect(address, name, ray_namespace)
+    l3 = fabric.status()["l3"]
+    if not as_json:
+        if not l3.get("attached"):
+            click.echo(f"kvfabric {name}: no L3 attached")
+        else:
+            click.echo(f"kvfabric {name}: L3 {l3.get('backend')}")
+            for key, value in sorted(l3.items()):
+                if key not in ("attached", "backend"):
+                    click.echo(f"  {key:<22} {value}")
+    _emit(result("storage", fabric=name, storage={"action": "usage", **l3}))
+
+
+@cli.command()
+@_cluster_options
+@click.argument("tokens")
+@click.option("--namespace", default="default", show_default=True, help="The tokens' namespace.")
+@click.option("--ttl", type=float, default=300.0, show_default=True, help="Seconds the pin lasts.")
+@click.option("--undo", is_flag=True, help="Unpin instead.")
+@_json_option
+def pin(address, name, ray_namespace, tokens, namespace, ttl, undo, as_json) -> None:
+    """Pin the cached prefix of TOKENS (comma-separated ids, or @file with one JSON list)."""
+    ids = _token_ids(tokens)
+    fabric = _connect(address, name, ray_namespace)
+    if undo:
+        n = fabric.unpin(ids, namespace)
+        _say(as_json, f"kvfabric {name}: {n} tokens unpinned")
+        _emit(result("pin", fabric=name, pin={"action": "unpin", "tokens": n}))
+        return
+    got = fabric.pin(ids, ttl, namespace)
+    _say(
+        as_json,
+        f"kvfabric {name}: {got.pinned_tokens} tokens pinned for {ttl:g} s"
+        + (f" ({got.reason})" if got.reason else ""),
+    )
+    _emit(
+        result(
+            "pin",
+            fabric=name,
+            pin={"action": "pin", "tokens": got.pinned_tokens, "reason": got.reason},
+        )
+    )
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                ids = json.load(f)
+        else:
+            ids = [int(t) for t in text.split(",") if t.strip()]
+    except (OSError, ValueError) as exc:
+        raise FabricError(
+            f"TOKENS {text[:40]!r} is refused: allowed is comma-separated ints or @file "
+            f"holding a JSON list ({exc})"
+        ) from None
+    if not isinstance(ids, list) or not ids:
+        raise FabricError(f"TOKENS {text[:40]!r} is refused: it names no token")
+    return ids
+
+
+# -- config ----------------------------------------------------------------------------
+
+
+@cli.command("config")
+@_config_options
+@_json_option
+def config_keys(config_file, overrides, as_json) -> None:
+    """List every config key: its value (default, or from --config/--set) and what is allowed."""
+    from fabric.config import describe_keys
+
+    keys = describe_keys(_load(config_file, overrides))
+    if not as_json:
+        width = max(len(k["key"]) for k in keys)
+        for k in keys:
+            click.echo(f"{k['key']:<{width}}  {json.dumps(k['value']):<24} {k['allowed']}")
+    _emit(result("config", keys=keys))
+
+
+# -- entry point -----------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; the exit status (2 on an error, printed as one line)."""
+    try:
+        cli.main(args=argv, prog_name="kvfabric", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("kvfabric: aborted", err=True)
+        return 1
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except (FabricError, OSError) as exc:
+        click.echo(f"kvfabric: error: {exc}", err=True)
+        return 2
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
     return 0
 
 

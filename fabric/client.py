@@ -211,6 +211,11 @@ class Fabric:
             "prints it (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
         )
 
+    def status(self) -> dict:
+        """Actors (alive, live figures), epoch, per-tier usage, transfers in flight,
+        L3 usage: what ``kvfabric status`` prints."""
+        return self._call(self.coordinator.status)
+
     def stats(self) -> dict:
         return self._call(self.coordinator.stats)
 
@@ -251,6 +256,27 @@ class Fabric:
             ray.shutdown()
 
 
+def _check_reachable(address: str | None, setting: str) -> None:
+    """Fail at once, in one line, when ``address`` (host:port of a Ray head) does
+    not accept connections: Ray itself would retry for minutes."""
+    import socket
+
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise FabricError(
+            f"{setting}={address!r} is refused: allowed is HOST:PORT, auto or ray://..."
+        )
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+    except OSError as exc:
+        raise FabricError(
+            f"no Ray cluster at {setting}={address!r} ({exc.strerror or exc}): start one "
+            "(ray start --head) or fix the address"
+        ) from None
+
+
 def _dashboard_url() -> str | None:
     import ray
 
@@ -288,6 +314,7 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
     if not ray.is_initialized():
         from actors.factory import HEAD_RESOURCE
 
+        _check_reachable(address, "--address / runtime.address")
         runtime = config.runtime
         local = {
             # A local Ray is its own head node (a cluster's comes from cluster.yaml).
@@ -328,6 +355,7 @@ def connect(
     import ray
 
     if not ray.is_initialized():
+        _check_reachable(address, "--address")
         try:
             ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
         except ConnectionError as exc:

@@ -451,3 +451,31 @@ def read_structured_file(path: str | Path, what: str) -> Any:
 def load_config(path: str | Path) -> FabricConfig:
     """Read a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file into a validated config."""
     return FabricConfig.from_dict(read_structured_file(path, "config file"))
+
+
+def describe_keys(config: FabricConfig | None = None) -> list[dict[str, Any]]:
+    """Every ``section.key`` with its value in ``config`` (the defaults when
+    ``None``) and what is allowed: what ``kvfabric config`` lists."""
+    config = config or FabricConfig()
+    out = []
+    for section in FabricConfig.model_fields:
+        model = getattr(config, section)
+        for key, info in type(model).model_fields.items():
+            value = getattr(model, key)
+            if isinstance(value, tuple):
+                value = list(value)
+            allowed = info.description or _allowed_from(info.annotation)
+            out.append({"key": f"{section}.{key}", "value": value, "allowed": allowed})
+    return out
+
+
+def _allowed_from(annotation: Any) -> str:
+    if annotation is bool:
+        return "true or false"
+    if annotation is str:
+        return "a str"
+    if annotation is int:
+        return "an integer"
+    if annotation is float:
+        return "a number"
+    return str(annotation)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from fabric.cache.inprocess import CoreReplay
+from fabric.cache.inprocess import CoreReplay, ReplayStats
 from fabric.config import FabricConfig
 from fabric.errors import InvalidInput
 from fabric.workload import BLOCK_TOKENS, Request, iter_packed
@@ -104,20 +104,18 @@ def bounds(requests: Sequence[Request], capacities_tokens: Iterable[int]) -> lis
     return out
 
 
-def core_hit_rates(
+def core_replay(
     requests: Sequence[Request],
     config: FabricConfig,
     progress: Callable[[int], None] | None = None,
-) -> tuple[dict[str, float], int]:
-    """The share of prompt tokens each tier served (and computed) when the core
-    at ``config``'s sizes and policies serves the trace (L3 unbounded, in
-    memory), and how many requests it refused (larger than L1)."""
+) -> ReplayStats:
+    """Serve the trace through the core at ``config``'s sizes and policies (L3
+    unbounded, in memory): prompt tokens by the tier that served them, and the
+    requests it refused (larger than L1)."""
     replay = CoreReplay(config, storage=config.storage.backend != "none")
     stats = replay.run((p for _, p in iter_packed(list(requests))), progress)
     replay.cache.check_integrity()
-    total = max(1, stats.prompt_tokens)
-    tiers = stats.tokens.as_dict()
-    return {tier: tokens / total for tier, tokens in tiers.items()}, stats.refused_requests
+    return stats
 
 
 def plot(path: str, curves: list[Bounds], core: tuple[int, float] | None = None) -> None:

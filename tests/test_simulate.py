@@ -49,7 +49,7 @@ def test_simulate_prints_the_core_by_tier_and_the_bounds(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     core, bounds = out["core"], out["bounds"]
     assert abs(sum(core["by_tier"].values()) - 1) < 1e-3
-    assert core["refused_requests"] == 0
+    assert out["refused_requests"] == 0
     assert [b["capacity_tokens"] for b in bounds] == [65536, 1 << 20]
     for b in bounds:
         assert b["lru"] <= b["belady"] <= b["infinite"]

@@ -1,0 +1,186 @@
+"""The ``kvfabric`` commands that talk to a running fabric, run as a user runs
+them: separate processes against one local Ray and one fabric for the module,
+each command's last line parsed as JSON and checked against the one schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fabric.client import connect, launch  # noqa: E402
+from fabric.report import SCHEMA  # noqa: E402
+from tests.helpers import prompt, small_config, storage_options  # noqa: E402
+
+NAME = "kvfabric-cli"
+NS = "kvfabric-cli-tests"
+
+
+@pytest.fixture(scope="module")
+def fabric(tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
+    l3 = tmp_path_factory.mktemp("l3")
+    f = launch(
+        small_config(f"runtime.name={NAME}", f"runtime.ray_namespace={NS}", *storage_options(l3))
+    )
+    try:
+        yield f
+    finally:
+        f.shutdown()
+        ray.shutdown()
+
+
+def kvfabric(*args: str, cluster: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "fabric.cli", *args]
+    if cluster:
+        address = ray.get_runtime_context().gcs_address
+        argv += ["--address", address, "--name", NAME, "--ray-namespace", NS]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def last_json(done: subprocess.CompletedProcess) -> dict:
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    jsonschema.validate(out, SCHEMA)
+    return out
+
+
+def test_status_shows_actors_tiers_transfers_and_l3(fabric):
+    r = fabric.submit(prompt(3, pages=4), timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+    assert fabric.settle()
+    done = kvfabric("status")
+    out = last_json(done)
+    st = out["status"]
+    assert out["fabric"] == NAME and st["epoch"] >= 1
+    roles = [a["role"] for a in st["actors"] if a["alive"]]
+    assert roles.count("rank") == 4 and "coordinator" in roles and "storage" in roles
+    assert st["tiers"]["device"]["capacity"] == 96
+    assert st["l3"]["attached"] and st["l3"]["set_pages"] > 0
+    assert st["transfer_tokens"]["device_to_host"] > 0
+    assert "up   rank" in done.stdout and "L3 file" in done.stdout, "a table for people too"
+
+
+def test_status_watch_refreshes_and_json_is_one_object_per_refresh(fabric):
+    done = kvfabric("status", "--watch", "0.1", "--count", "2", "--json")
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        jsonschema.validate(json.loads(line), SCHEMA)
+
+
+def test_events_prints_router_shaped_events(fabric):
+    p = prompt(9, pages=3)
+    r = fabric.submit(p, timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+    out = last_json(kvfabric("events", "--json"))
+    stored = [e for e in out["events"] if e["type"] == "BlockStored" and e["medium"] == "GPU"]
+    assert any(e["token_ids"] == p for e in stored)
+    assert all(isinstance(h, int) for e in stored for h in e["block_hashes"])
+
+
+def test_storage_usage_detach_attach_clear(fabric, tmp_path):
+    usage = last_json(kvfabric("storage", "usage", "--json"))["storage"]
+    assert usage["attached"] and usage["backend"] == "file"
+    assert last_json(kvfabric("storage", "detach", "--json"))["storage"]["done"] is True
+    assert last_json(kvfabric("storage", "usage", "--json"))["storage"]["attached"] is False
+    options = json.dumps({"path": str(tmp_path / "l3b")})
+    out = last_json(kvfabric("storage", "attach", "file", "--options", options, "--json"))
+    assert out["storage"]["backend"] == "file"
+    assert last_json(kvfabric("storage", "clear", "--yes", "--json"))["storage"]["done"] is True
+    refused = kvfabric("storage", "clear", check=False)  # asks; no answer on stdin
+    assert refused.returncode != 0
+
+
+def test_pin_and_unpin_a_cached_prefix(fabric):
+    p = prompt(21, pages=4)
+    r = fabric.submit(p, timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+    tokens = ",".join(map(str, p))
+    out = last_json(kvfabric("pin", tokens, "--ttl", "60", "--json"))
+    assert out["pin"]["tokens"] == 16
+    assert fabric.status()["pinned_tokens"] == 16
+    out = last_json(kvfabric("pin", tokens, "--undo", "--json"))
+    assert out["pin"]["tokens"] == 16 and fabric.status()["pinned_tokens"] == 0
+    bad = kvfabric("pin", "1,x", check=False)
+    assert bad.returncode == 2 and "TOKENS '1,x' is refused" in bad.stderr
+
+
+def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric):
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fabric.cli",
+            "run",
+            "--address",
+            address,
+            "--requests",
+            "12",
+            "--json",
+            "--set",
+            "runtime.name=kvfabric-cli-run",
+            "--set",
+            f"runtime.ray_namespace={NS}",
+            "--set",
+            "storage.backend=none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stdout.strip().splitlines()) == 1, "--json: only the result on stdout"
+    out = last_json(done)
+    assert out["command"] == "run" and out["requests"] == 12 and out["served"] == 12
+    assert sum(out["tokens_by_tier"].values()) > 0 and out["latency_ms"]["p50"] > 0
+    assert "serving: 12/12 requests (100%)" in done.stderr, "plain progress lines off a TTY"
+    assert "\r" not in done.stderr
+
+
+def test_connect_hands_back_the_running_fabric_s_own_config(fabric):
+    other = connect(NAME, "auto", NS)
+    assert other.config == fabric.config
+    assert other.config.runtime.name == NAME and other.config.storage.backend == "file"
+
+
+def test_a_missing_fabric_or_cluster_is_one_line(fabric):
+    address = ray.get_runtime_context().gcs_address
+    missing = subprocess.run(
+        [sys.executable, "-m", "fabric.cli", "status", "--address", address, "--name", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert (
+        missing.stderr.strip()
+        .splitlines()[-1]
+        .startswith("kvfabric: error: no fabric named 'nope'")
+    )
+    down = subprocess.run(
+        [sys.executable, "-m", "fabric.cli", "status", "--address", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 2
+    assert "no Ray cluster at --address='127.0.0.1:1'" in down.stderr.strip().splitlines()[-1]
+
+
+def test_config_lists_every_key_without_ray():
+    done = kvfabric("config", "--set", "cache.page_size=64", "--json", cluster=False)
+    keys = {k["key"]: k for k in last_json(done)["keys"]}
+    assert keys["cache.page_size"]["value"] == 64
+    assert "one of" in keys["cache.eviction_policy"]["allowed"]
+    assert "events.endpoint" in keys and "runtime.dashboard" in keys
+    bad = kvfabric("config", "--set", "cache.nope=1", cluster=False, check=False)
+    assert bad.returncode == 2 and "known in 'cache'" in bad.stderr
