@@ -383,10 +383,13 @@ def demo(trace, requests, config_file, overrides, as_json) -> None:
     _emit(out)
 
 
+SIZES = (2 * 1024**2, 20 * 1024**2)
+
+
 def _capacities(text: str | None, config: FabricConfig) -> list[int]:
-    if not text:
+    if not text:  # the config's tiers, and the 2M / 20M points the README quotes
         cache = config.cache
-        return [cache.device_tokens, cache.device_tokens + cache.host_tokens]
+        return sorted({cache.device_tokens, cache.device_tokens + cache.host_tokens, *SIZES})
     out = []
     for item in text.split(","):
         item = item.strip()
@@ -407,7 +410,7 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
 @click.option(
     "--capacities",
     help="Capacities in tokens for the bounds, comma-separated, K and M allowed "
-    "(default: L1, and L1 + L2 of the config).",
+    "(default: L1, and L1 + L2 of the config, 2M and 20M).",
 )
 @click.option(
     "--plot",

@@ -99,3 +99,17 @@ def test_a_scrape_does_not_walk_the_tree(monkeypatch):
     exporter = MetricsExporter()
     exporter.update(f.core.figures())
     assert "kvfabric_requests_total" in exporter.text()
+
+
+def test_the_readme_documents_every_metric_and_config_key():
+    from pathlib import Path
+
+    from fabric.config import describe_keys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for spec in METRICS:
+        name = spec.name + ("_total" if spec.kind == "counter" else "")
+        assert f"`{name}`" in readme, f"README lacks metric {name}"
+    for key in describe_keys():
+        section, field = key["key"].split(".")
+        assert f"`{key['key']}`" in readme or f"`{field}`" in readme, f"README lacks {key['key']}"

@@ -66,3 +66,10 @@ def test_plot_draws_a_png_of_hit_rate_against_capacity(tmp_path, capsys):
     args = ["simulate", "--requests", "50", "--capacities", "16K,64K,256K", "--plot", str(chart)]
     assert main(args) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_capacities_include_the_config_tiers_and_2m_20m(capsys):
+    assert main(["simulate", "--requests", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    caps = [b["capacity_tokens"] for b in out["bounds"]]
+    assert caps == sorted(caps) and {32768, 163840, 2 << 20, 20 << 20} <= set(caps)
