@@ -134,12 +134,18 @@ METRICS: tuple[Spec, ...] = (
         _each("transfer_tokens", DIRECTIONS, scale="bytes"),
     ),
     Spec(
-        "kvfabric_failed_transfer_tokens",
+        "kvfabric_failed_write_tokens",
         "counter",
-        "Tokens of KV whose copy failed on some rank (device_to_host: L1->L2 "
-        "write-throughs; host_to_storage: L2->L3 backups, counted in pages' tokens).",
-        ("direction",),
-        _each("failed_transfer_tokens", ("device_to_host", "host_to_storage")),
+        "Tokens whose L1 -> L2 write-through failed on some rank (they stay L1-only).",
+        (),
+        _one("failed_write_tokens"),
+    ),
+    Spec(
+        "kvfabric_failed_backups",
+        "counter",
+        "L2 -> L3 backups that failed on some rank or in the storage actor.",
+        (),
+        _one("failed_backups"),
     ),
     Spec(
         "kvfabric_transfer_size_tokens",

@@ -111,5 +111,5 @@ def test_the_readme_documents_every_metric_and_config_key():
         name = spec.name + ("_total" if spec.kind == "counter" else "")
         assert f"`{name}`" in readme, f"README lacks metric {name}"
     for key in describe_keys():
-        section, field = key["key"].split(".")
+        _, field = key["key"].split(".")
         assert f"`{key['key']}`" in readme or f"`{field}`" in readme, f"README lacks {key['key']}"

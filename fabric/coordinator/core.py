@@ -719,10 +719,8 @@ class CoordinatorCore:
                 "host": cache.stats.host_evicted_tokens,
             },
             "transfer_tokens": transfers,
-            "failed_transfer_tokens": {
-                "device_to_host": cache.stats.failed_write_tokens,
-                "host_to_storage": l3.stats.failed_backups,
-            },
+            "failed_write_tokens": cache.stats.failed_write_tokens,
+            "failed_backups": l3.stats.failed_backups,
             "transfer_sizes": cache.stats.transfer_sizes,
             "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
             "request_seconds": s.request_seconds,
