@@ -3,7 +3,6 @@ and DEALER for replay) and msgspec structs declared here to the vLLM / SGLang
 layout — nothing imported from kvfabric's own wire module."""
 
 import hashlib
-import time
 
 import msgspec
 import pytest
@@ -87,6 +86,20 @@ def receive(sock: zmq.Socket, timeout_ms: int = 2000) -> list[tuple[int, bytes]]
     return got
 
 
+def listen(fabric, sub: zmq.Socket, seeds) -> list[tuple[int, bytes]]:
+    """Serve prompts until the subscriber hears something (ZMQ's slow joiner: a
+    subscription takes a moment to reach the publisher; what is sent before is
+    lost to this subscriber), then everything until the line goes quiet."""
+    for seed in seeds:
+        r = fabric.serve(pack_tokens(prompt(seed, pages=2)))
+        assert r.error is None and fabric.core.release(r.lease)
+        fabric.settle()
+        got = receive(sub, timeout_ms=500)
+        if got:
+            return got
+    pytest.fail("the subscriber never heard the publisher")
+
+
 def test_a_subscriber_sees_a_gap_replays_it_and_decodes_every_event(fabric):
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -99,18 +112,16 @@ def test_a_subscriber_sees_a_gap_replays_it_and_decodes_every_event(fabric):
         sent_before = fabric.publisher.published_batches
         assert sent_before > 0, "nobody listened: these batches are only in the replay buffer"
 
-        sub.connect(fabric.publisher.endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv@fabric")
-        time.sleep(0.3)  # ZMQ's slow joiner: let the subscription reach the publisher
         second = first[:12] + [9000 + t for t in range(12)]  # shares 3 pages
         r2 = fabric.serve(pack_tokens(second))
         assert r2.error is None and fabric.core.release(r2.lease)
         fabric.settle()
-        live = receive(sub)
-        assert live, "the subscriber receives the batches published while it listens"
+        sub.connect(fabric.publisher.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@fabric")
+        live = listen(fabric, sub, range(100, 140))
         seqs = [s for s, _ in live]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no gap while listening"
-        assert seqs[0] == sent_before > 0, "a gap: batches 0..k-1 were missed"
+        assert seqs[0] > sent_before > 0, "a gap: batches 0..k-1 were missed"
 
         # Replay the gap from the ROUTER.
         dealer.connect(fabric.publisher.replay_endpoint)
@@ -165,14 +176,14 @@ def test_evictions_and_a_reset_reach_the_subscriber(fabric):
     try:
         sub.connect(fabric.publisher.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.3)
+        heard = listen(fabric, sub, range(100, 140))
         for seed in range(8):  # 8 x 6 pages > L1 (24 pages): evictions
             r = fabric.serve(pack_tokens(prompt(seed, pages=6)))
             assert r.error is None and fabric.core.release(r.lease)
         fabric.settle()
         fabric.core.reset("test")
         fabric.step()
-        events = [e for _, p in receive(sub) for e in decode_batch(p).events]
+        events = [e for _, p in heard + receive(sub) for e in decode_batch(p).events]
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert removed and {e.medium for e in removed} <= {"GPU", "CPU"}
         assert any(e.medium == "GPU" for e in removed)
