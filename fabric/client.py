@@ -269,7 +269,7 @@ def _check_reachable(address: str | None, setting: str) -> None:
             f"{setting}={address!r} is refused: allowed is HOST:PORT, auto or ray://..."
         )
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=3).close()
     except OSError as exc:
         raise FabricError(
             f"no Ray cluster at {setting}={address!r} ({exc.strerror or exc}): start one "
