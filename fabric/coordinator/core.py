@@ -655,14 +655,7 @@ class CoordinatorCore:
             "running": len(self.running),
             "leases": len(self.leases),
             "absent_ranks": self._names(sorted(self.absent)) if self.absent else "",
-            "requests": {
-                "submitted": s.submitted,
-                "finished": s.finished,
-                "failed": s.failed,
-                "aborted": s.aborted,
-                "retried": s.retried,
-                "gave_up": s.gave_up,
-            },
+            "requests": self._request_counts(),
             "tokens": {"prompt": s.prompt_tokens, **s.tokens.as_dict()},
             "mean_latency_s": s.latency_s_total / s.finished if s.finished else 0.0,
             "resets": s.resets,
@@ -691,6 +684,17 @@ class CoordinatorCore:
             "pinned_tokens": self.cache.pinned_size,
         }
 
+    def _request_counts(self) -> dict[str, int]:
+        s = self.stats
+        return {
+            "submitted": s.submitted,
+            "finished": s.finished,
+            "failed": s.failed,
+            "aborted": s.aborted,
+            "retried": s.retried,
+            "gave_up": s.gave_up,
+        }
+
     def figures(self) -> dict:
         """What the metrics export: counters, gauges and histograms, read without
         walking the tree (cheap enough for every scrape)."""
@@ -705,14 +709,7 @@ class CoordinatorCore:
         }
         return {
             "epoch": self.epoch,
-            "requests": {
-                "submitted": s.submitted,
-                "finished": s.finished,
-                "failed": s.failed,
-                "aborted": s.aborted,
-                "retried": s.retried,
-                "gave_up": s.gave_up,
-            },
+            "requests": self._request_counts(),
             "prompt_tokens": s.tokens.as_dict(),
             "evicted_tokens": {
                 "device": cache.stats.device_evicted_tokens,
