@@ -87,10 +87,11 @@ class CoordinatorActor:
             if self._storage_spec is not None:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
-            self.ray_metrics = CoordinatorMetrics(self.config.runtime.name)
-            self._ray_metrics_task = asyncio.get_running_loop().create_task(
-                self._feed_ray_metrics()
-            )
+            if self._ray_metrics_task is None:  # once: a core started afresh keeps them
+                self.ray_metrics = CoordinatorMetrics(self.config.runtime.name)
+                self._ray_metrics_task = asyncio.get_running_loop().create_task(
+                    self._feed_ray_metrics()
+                )
             if self.config.runtime.metrics_port and self._metrics_task is None:
                 self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         return self.core.epoch
