@@ -68,28 +68,25 @@ def ray_metrics() -> str:
 
 
 def test_kvfabric_series_reach_ray_s_metrics_export_with_labels(fabric):
-    wanted = re.compile(
-        r'^ray_kvfabric_rank_transfer_bytes(_total)?\{[^}]*direction="device_to_host"'
-    )
+    ranks_in = re.compile(r'^ray_kvfabric_rank_transfer_bytes\S*\{[^}]*rank="([^"]+)"', re.M)
+    all_ranks = {"pp0-cp0-tp0", "pp0-cp0-tp1", "pp1-cp0-tp0", "pp1-cp0-tp1"}
 
-    def exported() -> bool:
+    def exported() -> bool:  # each process reports on its own schedule
         text = ray_metrics()
-        return bool(
-            any(wanted.match(line) for line in text.splitlines())
+        return (
+            set(ranks_in.findall(text)) == all_ranks
             and "ray_kvfabric_transfer_bytes" in text
             and "ray_kvfabric_consensus_round_duration_seconds_bucket" in text
+            and "ray_kvfabric_pool_tokens" in text
         )
 
-    assert wait_for(exported, timeout=60), " ".join(
+    assert wait_for(exported, timeout=90), " ".join(
         sorted(set(re.findall(r"^(ray_kvfabric\w+)", ray_metrics(), re.M)))
     )
     text = ray_metrics()
-    ranks = set(re.findall(r'ray_kvfabric_rank_transfer_bytes\S*\{[^}]*rank="([^"]+)"', text))
-    assert ranks == {"pp0-cp0-tp0", "pp0-cp0-tp1", "pp1-cp0-tp0", "pp1-cp0-tp1"}
+    assert re.search(r'ray_kvfabric_rank_transfer_bytes\S*\{[^}]*direction="device_to_host"', text)
     assert re.search(r'ray_kvfabric_prompt_tokens\S*\{[^}]*source="computed"', text)
-    assert re.search(
-        r'ray_kvfabric_pool_tokens\{[^}]*state="free"[^}]*tier="device"', text
-    ) or re.search(r'ray_kvfabric_pool_tokens\{[^}]*tier="device"', text)
+    assert re.search(r'ray_kvfabric_pool_tokens\{[^}]*tier="device"', text)
 
 
 def test_each_actor_s_repr_names_its_role_and_live_figures(fabric):
