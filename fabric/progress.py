@@ -11,6 +11,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 PLAIN_EVERY_S = 5.0
+tqdm.monitor_interval = 0  # no monitor thread: bars are updated from the work's own thread
 
 
 class Progress:
@@ -25,7 +26,14 @@ class Progress:
         self.started = self.last_line = time.monotonic()
         tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.bar = (
-            tqdm(total=total, unit=f" {unit}", desc=self.desc, file=self.stream, leave=True)
+            tqdm(
+                total=total,
+                unit=f" {unit}",
+                desc=self.desc,
+                file=self.stream,
+                leave=True,
+                mininterval=0.2,
+            )
             if tty
             else None
         )
