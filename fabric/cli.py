@@ -253,8 +253,7 @@ def run(
 
 def _announce(fabric) -> None:
     """Where to look at a running fabric: the dashboard, metrics, KV events."""
-    config = fabric.config
-    click.echo(f"  {fabric.dashboard_hint()}", err=True)
+    config = fabric.config  # launch() has printed where the dashboard is
     if config.runtime.metrics_port:
         click.echo(
             f"  Prometheus metrics: http://{config.runtime.metrics_host}:"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -298,9 +299,12 @@ def _token_auth() -> bool:
         return False
 
 
-def launch(config: FabricConfig | None = None, address: str | None = None) -> Fabric:
+def launch(
+    config: FabricConfig | None = None, address: str | None = None, announce: bool = True
+) -> Fabric:
     """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``), or
-    start a local Ray when neither is given; then create its actors."""
+    start a local Ray when neither is given; then create its actors. With
+    ``announce``, print where the Ray dashboard is and how to sign in (stderr)."""
     import ray
 
     from actors.factory import deploy
@@ -343,7 +347,8 @@ def launch(config: FabricConfig | None = None, address: str | None = None) -> Fa
             ray.shutdown()  # the local Ray this call started goes with it
         raise
     fabric = Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
-    log.info("%s", fabric.dashboard_hint())
+    if announce:  # next to Ray's own "View the dashboard at" line: how to get in
+        print(f"kvfabric: {fabric.dashboard_hint()}", file=sys.stderr, flush=True)
     return fabric
 
 

@@ -144,6 +144,9 @@ def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric):
     assert sum(out["tokens_by_tier"].values()) > 0 and out["latency_ms"]["p50"] > 0
     assert "serving: 12/12 requests (100%)" in done.stderr, "plain progress lines off a TTY"
     assert "\r" not in done.stderr
+    assert "kvfabric: Ray dashboard: off" in done.stderr, (
+        "where the dashboard is, or that none runs"
+    )
 
 
 def test_connect_hands_back_the_running_fabric_s_own_config(fabric):
