@@ -40,6 +40,7 @@ def fabric():
             f"runtime.name={NAME}",
             "runtime.ray_namespace=kvfabric-tests",
             "events.endpoint=tcp://127.0.0.1:*",
+            "events.replay_endpoint=tcp://127.0.0.1:*",
             f"runtime.metrics_port={METRICS_PORT}",
         )
     )
@@ -90,6 +91,36 @@ def test_the_coordinator_actor_publishes_kv_events_on_zmq(fabric):
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_kvfabric_events_reads_a_publishing_fabric_s_replay_buffer(fabric):
+    import json
+
+    p = prompt(91, pages=2)
+    r = fabric.submit(p, timeout=60)
+    assert r.error is None and fabric.release(r.lease)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fabric.cli",
+            "events",
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--name",
+            NAME,
+            "--ray-namespace",
+            "kvfabric-tests",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = json.loads(done.stdout.strip().splitlines()[-1])["events"]
+    stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "GPU"]
+    assert any(e["token_ids"] == p for e in stored), "the replay buffer holds every batch sent"
 
 
 def test_the_prometheus_endpoint_serves_the_fabric_s_series(fabric):
