@@ -1,0 +1,131 @@
+"""Hybrid models' per-layer state out of a transformers cache and back: tiny
+seeded-random Gemma3 (sliding + full attention) and Bamba (Mamba2 + attention)
+on the pure-torch CPU paths continue from a rebuilt cache exactly as from none."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fabric.errors import InvalidInput  # noqa: E402
+from fabric.rank.hybrid import (  # noqa: E402
+    FullKV,
+    MambaState,
+    SlidingKV,
+    component_bytes,
+    extract,
+    layer_kinds,
+    rebuild,
+)
+
+WINDOW = 8
+
+
+def gemma3():
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,  # else greedy output degenerates at this size
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return cfg, transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def bamba():
+    cfg = transformers.BambaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return cfg, transformers.BambaForCausalLM(cfg).eval()
+
+
+def greedy(model, ids, cache, n, start):
+    """``n`` greedy tokens after ``ids`` fed at position ``start`` (explicit
+    position ids: Bamba needs them with a rebuilt cache)."""
+    out, pos = [], start
+    with torch.no_grad():
+        for _ in range(n):
+            positions = torch.arange(pos, pos + ids.shape[1]).unsqueeze(0)
+            o = model(ids, cache=cache, use_cache=True, position_ids=positions)
+            pos += ids.shape[1]
+            cache = o.past_key_values
+            token = int(o.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def prefix_states(model, cfg, prompt, n):
+    with torch.no_grad():
+        o = model(prompt[:, :n], use_cache=True, position_ids=torch.arange(n).unsqueeze(0))
+    return o.past_key_values, extract(o.past_key_values, layer_kinds(cfg))
+
+
+@pytest.mark.parametrize("make", [gemma3, bamba], ids=["gemma3-swa", "bamba-mamba2"])
+def test_a_rebuilt_cache_continues_exactly_as_no_cache(make):
+    cfg, model = make()
+    prompt = torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(1))
+    expected = greedy(model, prompt, None, 10, 0)
+    for cut in (5, 24):  # a prefix shorter and one longer than the window
+        _, states = prefix_states(model, cfg, prompt, cut)
+        got = greedy(model, prompt[:, cut:], rebuild(states, cfg), 10, cut)
+        assert got == expected, f"continuing after {cut} cached tokens"
+
+
+def test_sliding_layers_keep_the_window_and_record_the_prefix_length():
+    cfg, model = gemma3()
+    prompt = torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(2))
+    _, states = prefix_states(model, cfg, prompt, 24)
+    assert [type(s) for s in states] == [SlidingKV, SlidingKV, SlidingKV, FullKV]
+    assert states[0].keys.shape[2] == WINDOW - 1 and states[0].length == 24
+    assert states[3].keys.shape[2] == 24
+    sizes = component_bytes(states)
+    assert sizes["sliding"] == 3 * sizes["full"] * (WINDOW - 1) // 24
+    assert sizes["mamba"] == 0
+
+
+def test_extracted_state_is_a_copy_the_running_cache_does_not_change():
+    cfg, model = bamba()
+    prompt = torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(3))
+    cache, states = prefix_states(model, cfg, prompt, 20)
+    assert [type(s) for s in states] == [MambaState, FullKV, MambaState, FullKV]
+    before = [s.recurrent.clone() for s in states if isinstance(s, MambaState)]
+    with torch.no_grad():  # the cache runs on, updating its states in place
+        model(prompt[:, 20:], cache=cache, use_cache=True,
+              position_ids=torch.arange(20, 30).unsqueeze(0))  # fmt: skip
+    after = [s.recurrent for s in states if isinstance(s, MambaState)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert component_bytes(states)["mamba"] > 0
+
+
+def test_unknown_layer_types_and_mismatched_states_are_refused():
+    cfg, _ = gemma3()
+    cfg.layer_types = ["sliding_attention", "chunked_attention", "full_attention", "x"]
+    with pytest.raises(InvalidInput, match="'chunked_attention', 'x' are not supported"):
+        layer_kinds(cfg)
+    cfg, model = gemma3()
+    _, states = prefix_states(model, cfg, torch.zeros(1, 10, dtype=torch.long), 10)
+    with pytest.raises(InvalidInput, match="3 layer states for a model of 4 layers"):
+        rebuild(states[:3], cfg)
