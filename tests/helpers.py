@@ -143,3 +143,48 @@ def pages(n: int, seed: int = 0) -> np.ndarray:
 
 def storage_options(tmp_path, *more: str) -> list[str]:
     return [f"storage.path={tmp_path / 'l3'}", "storage.backend=file", *more]
+
+
+class RouterView:
+    """What a KV-aware router indexing the events believes L1 and L2 hold; ``check``
+    compares it with the tree (hashes computed here, none stored on the nodes)."""
+
+    def __init__(self) -> None:
+        from fabric.cache.events import Medium
+
+        self.held: dict = {Medium.DEVICE: set(), Medium.HOST: set()}
+
+    def apply(self, events) -> None:
+        from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
+
+        for e in events:
+            if isinstance(e, AllBlocksCleared):
+                for held in self.held.values():
+                    held -= {x for x in held if x[0] == e.namespace}
+            elif e.medium is not Medium.STORAGE:
+                pages = {(e.namespace, h) for h in e.page_hashes}
+                held = self.held[e.medium]
+                if isinstance(e, BlockStored):
+                    assert not pages & held, f"{e.medium} pages stored twice"
+                    held |= pages
+                else:
+                    assert isinstance(e, BlockRemoved)
+                    assert pages <= held, f"{e.medium} pages removed before being stored"
+                    held -= pages
+
+    def check(self, tree) -> None:
+        from fabric.cache.events import Medium
+        from fabric.cache.keys import chain_hashes, namespace_seed
+
+        truth: dict = {Medium.DEVICE: set(), Medium.HOST: set()}
+        stack = [(child, namespace_seed(child.namespace)) for child in tree.root.children.values()]
+        while stack:
+            node, prev = stack.pop()
+            hashes = chain_hashes(prev, node.key, tree.page_bytes)
+            pages = {(node.namespace, h) for h in hashes}
+            if node.device_value is not None:
+                truth[Medium.DEVICE] |= pages
+            if node.host_value is not None and node.write_op is None:
+                truth[Medium.HOST] |= pages
+            stack.extend((child, hashes[-1]) for child in node.children.values())
+        assert self.held == truth

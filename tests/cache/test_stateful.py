@@ -6,11 +6,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fabric.cache.admission import Admission
-from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
-from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens, unpack_tokens
+from fabric.cache.keys import pack_tokens, unpack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-from tests.helpers import FakeClock, P, machine_settings, make_cache, toks
+from tests.helpers import FakeClock, P, RouterView, machine_settings, make_cache, toks
 
 page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 namespaces = st.sampled_from(["a", "b"])
@@ -55,11 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.known: set[tuple[str, tuple[int, ...]]] = set()
         self.locks: list[tuple[object, str, tuple[int, ...]]] = []
         self.next_req = 0
-        # What a router indexing the KV events believes each medium holds.
-        self.router: dict[Medium, set[tuple[str, bytes]]] = {
-            Medium.DEVICE: set(),
-            Medium.HOST: set(),
-        }
+        self.router = RouterView()
 
     def key(self, ns, pages):
         return self.cache.key(toks(*pages), ns)
@@ -276,35 +271,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.events_match_the_tree()
 
     def events_match_the_tree(self):
-        """A router applying the events sees exactly the pages each tier holds:
-        stored once, removed only after stored, cleared on reset."""
-        for e in self.cache.take_events():
-            if isinstance(e, AllBlocksCleared):
-                for held in self.router.values():
-                    held -= {x for x in held if x[0] == e.namespace}
-            elif e.medium is not Medium.STORAGE:
-                pages = {(e.namespace, h) for h in e.page_hashes}
-                held = self.router[e.medium]
-                if isinstance(e, BlockStored):
-                    assert not pages & held, f"{e.medium} pages stored twice"
-                    held |= pages
-                else:
-                    assert isinstance(e, BlockRemoved)
-                    assert pages <= held, f"{e.medium} pages removed before being stored"
-                    held -= pages
-        truth: dict[Medium, set[tuple[str, bytes]]] = {Medium.DEVICE: set(), Medium.HOST: set()}
-        tree = self.cache.tree
-        stack = [(child, namespace_seed(child.namespace)) for child in tree.root.children.values()]
-        while stack:  # hashes computed here, none stored on the nodes: no side effect
-            node, prev = stack.pop()
-            hashes = chain_hashes(prev, node.key, tree.page_bytes)
-            pages = {(node.namespace, h) for h in hashes}
-            if node.device_value is not None:
-                truth[Medium.DEVICE] |= pages
-            if node.host_value is not None and node.write_op is None:
-                truth[Medium.HOST] |= pages
-            stack.extend((child, hashes[-1]) for child in node.children.values())
-        assert self.router == truth
+        self.router.apply(self.cache.take_events())
+        self.router.check(self.cache.tree)
 
 
 CacheMachine.TestCase.settings = machine_settings(examples=400, steps=60)

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.rank.worker import RankWorker
-from tests.helpers import FakeClock, machine_settings, small_config
+from tests.helpers import FakeClock, RouterView, machine_settings, small_config
 
 # Leases the invariant verified over the whole run: a machine whose invariant never
 # checks a page would pass for the wrong reason (see the test at the end).
@@ -62,6 +62,7 @@ class FabricMachine(RuleBasedStateMachine):
         self.held: dict[str, object] = {}
         self.n = 0
         self.restart_unseen = False
+        self.router = RouterView()
 
     def teardown(self):
         if hasattr(self, "tmp"):
@@ -170,6 +171,9 @@ class FabricMachine(RuleBasedStateMachine):
             return
         f = self.fabric
         f.core.cache.check_integrity()
+        # The events so far, the coordinator's queue first: a router's view is the truth.
+        self.router.apply([*f.core.take_events(1 << 30), *f.core.cache.take_events()])
+        self.router.check(f.core.cache.tree)
         live = {rid for rid, r in self.held.items() if r.lease.token in f.core.leases}
         for rid in set(self.held) - live:
             del self.held[rid]  # a reset or its TTL ended it
