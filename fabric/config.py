@@ -125,10 +125,16 @@ class CacheConfig(_Section):
     session_tier: str = _one_of(SESSION_TIERS, "device")
     session_budget_fraction: Fraction = 0.25
     session_ttl_s: PositiveFloat = 300.0
+    # Hybrid models (``model.layer_kinds``): L1 pools of the non-base components.
+    sliding_tokens: NonNegativeInt = Field(
+        0,
+        description="an integer >= 0, a multiple of page_size (0: as many as device_tokens)",
+    )
+    mamba_states: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per L1 page)")
 
     @model_validator(mode="after")
     def _whole_pages(self) -> CacheConfig:
-        for name in ("device_tokens", "host_tokens", "chunk_tokens"):
+        for name in ("device_tokens", "host_tokens", "chunk_tokens", "sliding_tokens"):
             self._multiple(name, self.page_size, "page_size")
         return self
 
@@ -139,6 +145,14 @@ class CacheConfig(_Section):
     @property
     def host_pages(self) -> int:
         return self.host_tokens // self.page_size
+
+    @property
+    def sliding_pages(self) -> int:
+        return (self.sliding_tokens or self.device_tokens) // self.page_size
+
+    @property
+    def mamba_slots(self) -> int:
+        return self.mamba_states or self.device_pages
 
 
 class PrefetchConfig(_Section):
@@ -157,6 +171,10 @@ class PrefetchConfig(_Section):
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
 FILLERS = ("synthetic", "llama")
+# What a layer keeps per position: KV for every token (``full``, the base
+# component), KV for the last ``sliding_window - 1`` tokens (``sliding``), or one
+# fixed-size recurrent state (``mamba``).
+LAYER_KINDS = ("full", "sliding", "mamba")
 
 
 class ModelConfig(_Section):
@@ -180,6 +198,52 @@ class ModelConfig(_Section):
     attention_heads: NonNegativeInt = Field(0, description="an integer >= 0 (0: 2 x kv_heads)")
     intermediate_size: NonNegativeInt = Field(0, description="an integer >= 0 (0: 2 x hidden)")
     initializer_range: PositiveFloat = 0.2
+    layer_kinds: tuple[str, ...] = Field(
+        (),
+        strict=False,
+        description="a list of one layer kind per layer (full, sliding or mamba), "
+        "or [] for every layer full",
+    )
+    sliding_window: NonNegativeInt = Field(
+        0, description="an integer >= 0: the window of sliding layers in tokens (>= 2 when used)"
+    )
+    mamba_state_bytes: PositiveInt = Field(
+        65536, description="an integer >= 1: one mamba layer's state (conv + SSM) in bytes"
+    )
+
+    @model_validator(mode="after")
+    def _kinds(self) -> ModelConfig:
+        bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(
+                f"model.layer_kinds has {bad[0]!r}: allowed is a list of {', '.join(LAYER_KINDS)}"
+            )
+        if self.layer_kinds and len(self.layer_kinds) != self.layers:
+            raise ValueError(
+                f"model.layer_kinds has {len(self.layer_kinds)} entries: allowed is one per "
+                f"layer (model.layers={self.layers}), or []"
+            )
+        if "full" not in self.kinds:
+            raise ValueError(
+                "model.layer_kinds has no full layer: allowed is a list with at least one "
+                "full-attention layer (the base component)"
+            )
+        if "sliding" in self.kinds and self.sliding_window < 2:
+            raise ValueError(
+                f"model.sliding_window={self.sliding_window} is refused: allowed is an "
+                "integer >= 2 when model.layer_kinds has sliding layers"
+            )
+        return self
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind (every layer ``full`` when ``layer_kinds`` is empty)."""
+        return self.layer_kinds or ("full",) * self.layers
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The cache components the model has, ``full`` (the base) first."""
+        return tuple(k for k in LAYER_KINDS if k in self.kinds)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 
 from fabric.cache.hicache import HiCache
 from fabric.cache.inprocess import InProcessController
-from fabric.config import CacheConfig, FabricConfig, PrefetchConfig
+from fabric.config import CacheConfig, FabricConfig, ModelConfig, PrefetchConfig
 from fabric.l3.format import Provenance
 
 # ``ci`` (the default) keeps the suite quick; ``deep`` runs thousands of examples per
@@ -70,6 +70,7 @@ def make_cache(
     immediate: bool = False,
     clock: FakeClock | None = None,
     prefetch: PrefetchConfig | None = None,
+    model: ModelConfig | None = None,
     **cache_options,
 ) -> HiCache:
     cfg = CacheConfig(
@@ -79,7 +80,18 @@ def make_cache(
         **{"load_back_threshold": 0, **cache_options},
     )
     ctl = InProcessController(device_pages, host_pages, P, immediate=immediate)
-    return HiCache(cfg, ctl, prefetch, clock=clock or FakeClock())
+    return HiCache(cfg, ctl, prefetch, clock=clock or FakeClock(), model=model)
+
+
+def hybrid_model(kinds: str, window: int = 6) -> ModelConfig:
+    """A four-layer model with sliding (``window`` tokens) and/or mamba layers
+    besides full attention: ``kinds`` is ``sliding``, ``mamba`` or ``both``."""
+    layers = {
+        "sliding": ("full", "sliding", "full", "sliding"),
+        "mamba": ("full", "mamba", "mamba", "mamba"),
+        "both": ("full", "sliding", "mamba", "sliding"),
+    }[kinds]
+    return ModelConfig(layer_kinds=layers, sliding_window=window if "sliding" in layers else 0)
 
 
 def toks(*pages: int) -> list[int]:

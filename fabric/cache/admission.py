@@ -27,6 +27,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from fabric.cache.allocator import Pages, as_pages
+from fabric.cache.components import PartFill
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TOKEN_BYTES, TokenKey, check_namespace
 from fabric.cache.node import TreeNode
@@ -86,13 +87,16 @@ class Fill:
     ``[first_new, end)`` into ``pages``, which cover ``[start, end)`` from the
     page-aligned ``start`` (KV before ``first_new`` in the first page is there
     already); no pages when nothing is new. ``prefix_node`` ends the cached pages before ``start``: their chain
-    hash is where the new pages' hashes continue."""
+    hash is where the new pages' hashes continue. ``parts``: for a hybrid model,
+    the other components to write (sliding-window KV of the window before the
+    last whole page's end, the mamba state there), else ``None``."""
 
     start: int
     first_new: int
     end: int
     pages: Pages
     prefix_node: TreeNode
+    parts: PartFill | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -109,8 +113,8 @@ class Admission:
         """Start fetching from L3 what L1 and L2 lack of ``key``; ``False`` when not
         worth it (no storage, below the threshold, rate limited)."""
         l3 = self.cache.storage
-        if not l3.attached:
-            return False
+        if not l3.attached or self.cache.parts is not None:
+            return False  # L3 holds no hybrid component yet: its pages could not serve
         return l3.start_prefetch(req_id, key, self.cache.match_prefix(key)).op_id is not None
 
     def check_prefetch(self, req_id: Hashable) -> int | None:
@@ -263,13 +267,14 @@ class Admission:
         key = req.key
         if key is None or key.num_tokens != aligned:
             key = TokenKey(bytes(req.tokens[: aligned * TOKEN_BYTES]), ps, req.namespace)
-        match = cache.match_prefix(key)  # our own pages are locked: it reaches them
+        # Our own pages are locked: the match reaches them.
+        match = cache.match_prefix(key, req.node)
         loaded_tokens = 0
         if match.host_tokens:
             loaded = cache.load_back(match.last_host_node)
             if loaded is not None:
                 loaded_tokens = loaded.tokens
-                match = cache.match_prefix(key)
+                match = cache.match_prefix(key, req.node)
         base = match.device_tokens
         cached, tail, rest = req.cached_tokens, req.tail_page, upto - aligned
         adopt = tail is not None and base == cached  # our own page becomes a tree page
@@ -310,4 +315,5 @@ class Admission:
         req.filled = upto
         # What is new starts in the page at ``base``: L1 had every page before it.
         pages = given if new_tail is None else given + as_pages((new_tail,))
-        return Fill(base, first_new, upto, pages, match.last_device_node)
+        parts = cache.fill_parts(node)
+        return Fill(base, first_new, upto, pages, match.last_device_node, parts)

@@ -106,12 +106,16 @@ class Evictions:
         return freed
 
     def demote(self, node: TreeNode) -> None:
-        """Drop ``node``'s L1 copy; it stays in L2."""
+        """Drop ``node``'s L1 copy (and its other components); it stays in L2."""
+        if self.tree.parts is not None:
+            self.tree.parts.drop(node)
         self.ctl.device.release(self.tree.clear_device(node))
         self.events.removed(node, Medium.DEVICE)
 
     def delete(self, node: TreeNode) -> None:
         """Remove the leaf ``node`` from the tree, its pages back to their pools."""
+        if self.tree.parts is not None:
+            self.tree.parts.drop(node)
         if node.device_value is not None:
             self.ctl.device.release(node.device_value)
             self.events.removed(node, Medium.DEVICE)

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 from fabric.cache.allocator import Pages, as_pages
+from fabric.cache.components import Components, PartFill
 from fabric.cache.controller import Completions, Controller
 from fabric.cache.events import EventLog, KVEvent, Medium
 from fabric.cache.evictions import Evictions
@@ -35,7 +36,7 @@ from fabric.cache.results import (
 )
 from fabric.cache.sessions import Sessions
 from fabric.cache.writes import Writes
-from fabric.config import CacheConfig, PrefetchConfig
+from fabric.config import CacheConfig, ModelConfig, PrefetchConfig
 from fabric.errors import InvalidInput
 from policies import get_eviction_policy, get_write_policy
 
@@ -50,6 +51,7 @@ class HiCache:
         controller: Controller,
         prefetch: PrefetchConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        model: ModelConfig | None = None,
     ) -> None:
         self.config = config
         self.ctl = controller
@@ -57,7 +59,19 @@ class HiCache:
         self.page_size = config.page_size
         self.eviction = get_eviction_policy(config.eviction_policy)
         self.write_policy = get_write_policy(config.write_policy)
-        self.tree = RadixTree(self.page_size, self.eviction)
+        # A hybrid model's sliding-window and mamba components (None: full attention only).
+        self.parts: Components | None = None
+        if model is not None and len(model.components) > 1:
+            self.parts = Components(
+                model.components,
+                self.page_size,
+                model.sliding_window,
+                config.sliding_pages,
+                config.mamba_slots,
+                self.eviction,
+            )
+            self.parts.remove = self._remove_dead
+        self.tree = RadixTree(self.page_size, self.eviction, self.parts)
         self.events = EventLog(self.tree.page_hashes, config.kv_events)
         self.next_op_id = itertools.count(1).__next__
         self.stats = CacheStats()  # counters survive resets
@@ -78,7 +92,9 @@ class HiCache:
             clock,
             self.write_backup,
         )
-        self.sessions = Sessions.from_config(config, self.tree, clock, self.write_backup)
+        self.sessions = Sessions.from_config(
+            config, self.tree, clock, self.write_backup, self.dec_lock_ref
+        )
         self.writes = Writes(
             self.tree,
             controller,
@@ -124,13 +140,19 @@ class HiCache:
 
     # -- match and insert ------------------------------------------------------------
 
-    def match_prefix(self, key: TokenKey) -> MatchResult:
+    def match_prefix(self, key: TokenKey, held: TreeNode | None = None) -> MatchResult:
         """The longest cached prefix of ``key`` over L1 and L2. Splits the node where
-        the match ends inside it; refreshes access times and pin TTLs."""
+        the match ends inside it; refreshes access times and pin TTLs.
+
+        For a hybrid model, the longest prefix on device that every component can
+        serve (``Components.valid_end``), or at least up to ``held`` (a request's
+        own locked pages: the engine holds its state there)."""
         self._check_key(key)
         now = self.clock()
         tree = self.tree
         path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
+        if self.parts is not None:
+            return self._match_components(path, now, held)
         device_pages = as_pages()
         last_device = last_host = tree.root
         host_pages = 0
@@ -151,6 +173,53 @@ class HiCache:
             last_device,
             last_host,
         )
+
+    def _match_components(
+        self, path: list[TreeNode], now: float, held: TreeNode | None
+    ) -> MatchResult:
+        parts, tree = self.parts, self.tree
+        assert parts is not None
+        device = [n for n in path if n.device_value is not None]
+        end = len(device)
+        while (
+            end and device[end - 1] is not held and not parts.valid_end(device[end - 1], tree.pages)
+        ):
+            end -= 1
+        if end < len(device):
+            parts.stats.truncated_matches += 1
+        pages = as_pages()
+        for node in device[:end]:
+            pages.extend(node.device_value)  # type: ignore[arg-type]
+            if node.pin_expiry and node.pin_expiry >= now:
+                node.pin_expiry = now + node.pin_ttl
+        last = last_host = tree.root
+        for node in device[:end]:
+            last = node
+            if node.host_value is not None and node.write_op is None:
+                last_host = node
+        # L2 and L3 hold only the full pages: no hybrid prefix is served from there.
+        return MatchResult(pages, len(pages) * self.page_size, 0, last, last_host)
+
+    def fill_parts(self, node: TreeNode) -> PartFill | None:
+        """Give the prefix ending at ``node`` every component it lacks (a hybrid
+        model's; ``None`` for full attention only): what the KV fill must write."""
+        if self.parts is None:
+            return None
+        return self.parts.fill(node, self.tree.depth_pages(node), self.tree.pages)
+
+    def _remove_dead(self, node: TreeNode) -> bool:
+        # A device leaf a component is missing from serves nothing: demote it to L2
+        # (kept for a later full-attention use) or delete it, unless an in-flight
+        # write or an L2 protection needs it as it is.
+        if node.write_op is not None:
+            return False
+        if node.host_value is not None:
+            self.evictions.demote(node)
+            return True
+        if node.children or node.host_ref:
+            return False
+        self.evictions.delete(node)
+        return True
 
     def insert(self, key: TokenKey, device_pages: Sequence[int], priority: int = 0) -> InsertResult:
         """Cache ``key`` with KV in ``device_pages`` (one L1 page per key page).
@@ -178,6 +247,8 @@ class HiCache:
                 "pages leased by alloc_device"
             )
         last = self._place(key, self.tree.root, 0, given, priority)
+        if self.parts is not None:
+            self.fill_parts(last)
         duplicates = tuple(sorted(self.leased.intersection(given[:cached])))
         self.leased -= fresh
         if duplicates:
@@ -211,14 +282,35 @@ class HiCache:
             node.priority = max(node.priority, priority)
             self.writes.on_hit(node)
         start = match.device_tokens // self.page_size
-        return self._place(key, match.last_device_node, start, new, priority), new
+        surplus = as_pages()
+        last = self._place(key, match.last_device_node, start, new, priority, surplus)
+        if surplus:
+            # A hybrid match stopped short of pages already on device: they stay the
+            # tree's (the fill recomputes their KV in place); ours for them go back.
+            self.ctl.device.free(surplus)
+            chain, node = [], last
+            while node is not match.last_device_node:
+                chain.append(node.device_value)
+                node = node.parent  # type: ignore[assignment]
+            new = as_pages()
+            for value in reversed(chain):
+                new.extend(value)
+        return last, new
 
     def _place(
-        self, key: TokenKey, top: TreeNode, start: int, given: Pages, priority: int
+        self,
+        key: TokenKey,
+        top: TreeNode,
+        start: int,
+        given: Pages,
+        priority: int,
+        surplus: Pages | None = None,
     ) -> TreeNode:
         # Below ``top`` (which ends page ``start`` of the key), nodes without a device
         # value (L1-evicted) take their pages from ``given`` (for the key's pages
-        # from ``start`` on); the rest of the key becomes a new leaf.
+        # from ``start`` on); the rest of the key becomes a new leaf. Nodes already on
+        # device (below a hybrid match's end only) keep theirs; the pages given for
+        # them go to ``surplus``.
         tree, now = self.tree, self.clock()
         pb, ns, data = tree.page_bytes, key.namespace, key.data
         offset, last = start, top
@@ -229,7 +321,9 @@ class HiCache:
                 tree.set_device(node, given[offset - start : offset - start + n])
                 self.events.stored(node, Medium.DEVICE)
             else:
-                assert start == 0, "L1 residency is prefix-closed"
+                if surplus is not None:
+                    assert self.parts is not None, "L1 residency is prefix-closed"
+                    surplus.extend(given[offset - start : offset - start + n])
                 self.writes.on_hit(node)
             offset += n
             last = node
@@ -284,13 +378,20 @@ class HiCache:
         return got
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        """Protect ``node`` and its path from L1 eviction (the node must be on device)."""
+        """Protect ``node`` and its path from L1 eviction (the node must be on device),
+        and for a hybrid model what a match ending there needs of the other
+        components."""
         if node is not self.tree.root and node.device_value is None:
             raise InvalidInput(f"cannot lock {node}: it is not on device")
         self.tree.inc_lock_ref(node)
+        if self.parts is not None:
+            self.parts.lock(node, self.tree.pages)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref(node)``."""
         self.tree.dec_lock_ref(node)
+        if self.parts is not None:
+            self.parts.unlock(node, self.tree.pages)
 
     # -- write policies --------------------------------------------------------------
 
@@ -385,6 +486,13 @@ class HiCache:
             evictable * size,
             (owned - evictable) * size,
         )
+
+    def component_sizes(self) -> dict[str, TierSizes]:
+        """A hybrid model's other components in L1: sliding in tokens, mamba in
+        states (empty for full attention only)."""
+        if self.parts is None:
+            return {}
+        return self.parts.sizes(self.tree.walk())
 
     def reset(self) -> None:
         """Forget everything in L1 and L2 (L3 stays) and reset the controller."""

@@ -135,7 +135,7 @@ class CoreReplay:
     def __init__(self, config: FabricConfig, storage: bool = True, namespace: str = "default"):
         cc = config.cache
         self.ctl = InProcessController(cc.device_pages, cc.host_pages, cc.page_size)
-        self.cache = HiCache(cc, self.ctl, config.prefetch)
+        self.cache = HiCache(cc, self.ctl, config.prefetch, model=config.model)
         self.admission = Admission(self.cache)
         if storage:
             self.cache.storage.attach()

@@ -166,7 +166,11 @@ def check_integrity(cache: CacheState) -> None:
                 f"{name}: {pool.available_pages} free + {len(owner)} owned pages "
                 f"!= capacity {pool.num_pages}"
             )
-    for name, sizes in (("L1", cache.device_sizes()), ("L2", cache.host_sizes())):
+    tier_sizes = [("L1", cache.device_sizes()), ("L2", cache.host_sizes())]
+    if tree.parts is not None:
+        v.extend(tree.parts.violations(nodes, tree.pages))
+        tier_sizes += [(f"L1 {c}", s) for c, s in tree.parts.sizes(nodes).items()]
+    for name, sizes in tier_sizes:
         if sizes.free + sizes.evictable + sizes.protected != sizes.capacity:
             v.append(f"{name}: free + evictable + protected != capacity ({sizes})")
     if v:

@@ -18,7 +18,8 @@ class TreeNode:
     to the root (a lock on a node is counted on each ancestor too); ``host_ref``
     counts L2 protections of this node alone (in-flight backups, prefetch
     anchors, pins). ``device_children`` counts children with a device value.
-    ``page_hashes`` is ``None`` until first needed.
+    ``page_hashes`` is ``None`` until first needed. ``sliding``, ``mamba`` and their
+    locks are a hybrid model's other components (``fabric.cache.components``).
     """
 
     __slots__ = (
@@ -33,12 +34,16 @@ class TreeNode:
         "key",
         "last_access",
         "lock_ref",
+        "mamba",
         "namespace",
         "page_hashes",
         "parent",
+        "part_ref",
         "pin_expiry",
         "pin_ttl",
         "priority",
+        "sliding",
+        "sliding_locks",
         "write_op",
     )
 
@@ -68,6 +73,10 @@ class TreeNode:
         self.pin_expiry = 0.0
         self.pin_ttl = 0.0
         self.write_op: WriteOp | None = None
+        self.sliding: array | None = None
+        self.sliding_locks: dict[int, int] | None = None
+        self.mamba: int | None = None
+        self.part_ref = 0
 
     @property
     def on_device(self) -> bool:

@@ -7,11 +7,16 @@ Keys are packed page-aligned bytes (``fabric.cache.keys``); a child is found by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fabric.cache.keys import TOKEN_BYTES, chain_hashes, namespace_seed
 from fabric.cache.leaves import LeafQueue
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
 from policies import EvictionPolicy
+
+if TYPE_CHECKING:
+    from fabric.cache.components import Components
 
 
 def common_pages(node_key: bytes, data: bytes, start: int, end: int, page_bytes: int) -> int:
@@ -37,10 +42,13 @@ class RadixTree:
     with no children (L2 eviction candidates).
     """
 
-    def __init__(self, page_size: int, eviction: EvictionPolicy) -> None:
+    def __init__(
+        self, page_size: int, eviction: EvictionPolicy, parts: Components | None = None
+    ) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.eviction = eviction
+        self.parts = parts  # a hybrid model's other components, or None
         self.clear()
 
     def clear(self) -> None:
@@ -50,6 +58,8 @@ class RadixTree:
         self.protected_size = 0
         self.device_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
         self.host_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
+        if self.parts is not None:
+            self.parts.clear(self.root)
 
     def tokens(self, node: TreeNode) -> int:
         return len(node.key) // TOKEN_BYTES
@@ -128,6 +138,8 @@ class RadixTree:
         child.parent = upper
         upper.children[(child.namespace, child.key[:pb])] = child
         self.refresh(upper)
+        if self.parts is not None:
+            self.parts.on_split(upper, child, self.pages(child))
         return upper
 
     def attach(

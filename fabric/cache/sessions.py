@@ -41,6 +41,7 @@ class Sessions:
         tier: str,
         clock: Callable[[], float],
         write_backup: Callable[[TreeNode], int],
+        unlock: Callable[[TreeNode], None] | None = None,
     ) -> None:
         if tier not in SESSION_TIERS:
             raise InvalidInput(
@@ -52,6 +53,8 @@ class Sessions:
         self.tier = tier
         self.clock = clock
         self.write_backup = write_backup
+        # Drops a request's lock (``HiCache.dec_lock_ref``: its components' too).
+        self.unlock = unlock or tree.dec_lock_ref
         self.reset()
 
     @classmethod
@@ -61,12 +64,15 @@ class Sessions:
         tree: RadixTree,
         clock: Callable[[], float],
         write_backup: Callable[[TreeNode], int],
+        unlock: Callable[[TreeNode], None] | None = None,
     ) -> Sessions:
         """Sessions with ``config``'s tier, TTL and budget (a share of that tier)."""
         device = config.session_tier == "device"
         tier_tokens = config.device_tokens if device else config.host_tokens
         budget = int(config.session_budget_fraction * tier_tokens)
-        return cls(tree, budget, config.session_ttl_s, config.session_tier, clock, write_backup)
+        return cls(
+            tree, budget, config.session_ttl_s, config.session_tier, clock, write_backup, unlock
+        )
 
     def reset(self) -> None:
         """Forget every session (the tree they pointed into is gone)."""
@@ -83,7 +89,7 @@ class Sessions:
         if node is self.tree.root:
             return "no whole page to keep"
         if tokens > self.budget:
-            self.tree.dec_lock_ref(node)
+            self.unlock(node)
             return f"a session of {tokens} tokens exceeds the session budget of {self.budget}"
         while self.held_tokens + tokens > self.budget:
             self.end(next(iter(self.held)))  # the least recently kept
@@ -91,7 +97,7 @@ class Sessions:
             node.host_ref += 1
             if node.host_value is None:
                 self.write_backup(node)
-            self.tree.dec_lock_ref(node)
+            self.unlock(node)
         self.held[session_id] = Held(node, tokens, self.clock() + self.ttl_s)
         self.held_tokens += tokens
         return None
@@ -105,7 +111,7 @@ class Sessions:
         if self.tier == "host":
             held.node.host_ref -= 1
         else:
-            self.tree.dec_lock_ref(held.node)
+            self.unlock(held.node)
         return True
 
     def expire(self) -> int:

@@ -48,7 +48,7 @@ class CoordinatorCore:
         self.ctl = FabricController(
             config.cache, config.runtime.max_message_bytes, config.model.filler != "synthetic"
         )
-        self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock)
+        self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock, config.model)
         self.admission = Admission(self.cache)
         self.l3 = self.cache.storage
         self.consensus = Consensus(self.topology.world_size)

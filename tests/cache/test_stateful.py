@@ -9,7 +9,15 @@ from fabric.cache.admission import Admission
 from fabric.cache.keys import pack_tokens, unpack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
-from tests.helpers import FakeClock, P, RouterView, machine_settings, make_cache, toks
+from tests.helpers import (
+    FakeClock,
+    P,
+    RouterView,
+    hybrid_model,
+    machine_settings,
+    make_cache,
+    toks,
+)
 
 page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 namespaces = st.sampled_from(["a", "b"])
@@ -28,9 +36,28 @@ class CacheMachine(RuleBasedStateMachine):
         eviction_policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]),
         stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
         session_tier=st.sampled_from(["device", "host"]),
+        hybrid=st.sampled_from([None, "sliding", "mamba", "both"]),
+        window=st.sampled_from([2, 6, 10]),
     )
-    def setup(self, write_policy, eviction_policy, stop_policy, session_tier="device"):
+    def setup(
+        self,
+        write_policy,
+        eviction_policy,
+        stop_policy,
+        session_tier="device",
+        hybrid=None,
+        window=6,
+    ):
         self.clock = FakeClock()
+        # A hybrid model's component pools are small, so components are evicted
+        # apart from the full pages (tombstones, dead leaves).
+        parts = {}
+        if hybrid is not None:
+            parts = {
+                "model": hybrid_model(hybrid, window),
+                "sliding_tokens": 6 * P,
+                "mamba_states": 3,
+            }
         self.cache = make_cache(
             device_pages=10,
             host_pages=20,
@@ -47,6 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
                 timeout_base_s=1,
                 max_inflight_fraction=1.0,
             ),
+            **parts,
         )
         self.cache.storage.attach()
         self.admission = Admission(self.cache)
@@ -128,15 +156,21 @@ class CacheMachine(RuleBasedStateMachine):
         if len(m.device_pages) + len(fresh) != key.num_pages:
             c.free_device(fresh)  # eviction shortened our own match meanwhile
             return
-        c.insert(key, m.device_pages + fresh, priority)
+        last = c.insert(key, m.device_pages + fresh, priority).last_node
         self.remember(ns, pages)
-        assert c.match_prefix(key).device_tokens == key.num_tokens
+        # A hybrid leaf whose components found no room is a tombstone: cached, not served.
+        if c.parts is None or c.parts.complete(last):
+            assert c.match_prefix(key).device_tokens == key.num_tokens
 
     @rule(ns=namespaces, pages=page_lists)
     def match(self, ns, pages):
         m = self.cache.match_prefix(self.key(ns, pages))
         n = m.matched_tokens // P
         assert n == 0 or (ns, tuple(pages[:n])) in self.known
+        parts = self.cache.parts
+        if parts is not None:  # a hybrid match ends where every component serves it
+            assert m.host_tokens == 0
+            assert parts.valid_end(m.last_device_node, self.cache.tree.pages)
 
     @rule(ns=namespaces, pages=page_lists)
     def lock(self, ns, pages):
@@ -250,8 +284,11 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check_integrity()
+        parts = self.cache.parts
         for node, ns, pages in self.locks:
             assert node.device_value is not None
+            # A locked match end keeps every component it was matched with.
+            assert parts is None or parts.valid_end(node, self.cache.tree.pages)
             # peek, not match_prefix: the check must not split nodes or refresh access times
             key = self.key(ns, list(pages))
             assert self.cache.tree.peek_device_pages(ns, key.data) >= len(pages)

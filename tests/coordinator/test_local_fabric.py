@@ -339,3 +339,32 @@ def test_the_coordinator_hashes_only_the_pages_a_request_adds(monkeypatch, tmp_p
     f.settle()
     assert r.device_hit_tokens == 20 * 4 and f.verify(r, pack_tokens(tokens + prompt(2, pages=4)))
     assert sum(hashed) == 4, f"hashed {hashed} pages"
+
+
+@pytest.mark.parametrize("kinds", ["[full, sliding]", "[full, mamba]"])
+def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(kinds):
+    f = LocalFabric(
+        small_config(
+            f"model.layer_kinds={kinds}",
+            "model.sliding_window=6",
+            "cache.mamba_states=4",
+            "cache.sliding_tokens=16",
+        )
+    )
+    prompts = [pack_tokens(prompt(seed, pages=6, shared=3)) for seed in range(6)]
+    hits = 0
+    for p in prompts:
+        for _ in range(2):  # the second time hits, where nothing evicted it meanwhile
+            r = f.serve(p)
+            assert r.error is None
+            assert f.verify(r, p) == [True] * 4
+            hits += r.device_hit_tokens
+            assert f.core.release(r.lease)
+            f.core.cache.check_integrity()
+    assert hits > 0
+    # The shared three pages end in a split node that got no state or window of
+    # its own there (matches stopped short of it), and the small pools evicted
+    # components apart from the full pages.
+    parts = f.core.cache.parts
+    assert parts.stats.truncated_matches > 0
+    assert parts.stats.mamba_evicted_states + parts.stats.sliding_evicted_pages > 0

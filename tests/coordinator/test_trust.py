@@ -103,10 +103,10 @@ def test_an_error_while_admitting_fails_that_request_only_and_serving_goes_on(mo
     cache = f.core.cache
     real = cache.match_prefix
 
-    def poisoned(key):
+    def poisoned(key, held=None):
         if key.namespace == "poison":
             raise UnicodeEncodeError("utf-8", "x", 0, 1, "injected")
-        return real(key)
+        return real(key, held)
 
     monkeypatch.setattr(cache, "match_prefix", poisoned)
     good = [pack_tokens(prompt(s, pages=3)) for s in (1, 2)]

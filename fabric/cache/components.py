@@ -1,0 +1,418 @@
+"""A hybrid model's non-base cache components in the tree: sliding-window KV and
+mamba states (the unified radix cache of the reference, in kvfabric's design).
+
+Full attention is the base component: a node's ``device_value`` (its pages, as
+for any model). The others live beside it on the same nodes:
+
+- ``sliding``: KV of the sliding-window layers for a *tail* of the node — its
+  last ``len(node.sliding)`` pages, at most ``window_pages`` (the pages of the
+  ``window - 1`` tokens before a position; a match ending at the node needs no
+  more, one ending in a child needs at most that much of this node's tail);
+- ``mamba``: one state slot holding the recurrent state at the node's end.
+
+A prefix is usable only where every component can serve it (``valid_end``):
+the mamba state at exactly its end, and sliding tails covering the window
+before it without a gap (walking up through parents' tails). A node whose
+component is absent while its full pages are there is a *tombstone*: it still
+serves longer matches through it, not as an end.
+
+Each component has its own L1 pool, LRU order and locks. A lock taken at a
+match end protects the mamba state there and the sliding tails of the window
+before it only (``sliding_locks`` keeps, per node, how many locks still need
+how many pages from that node upward, so a split divides them exactly).
+Evicting a component makes a tombstone; a device leaf left with a component
+missing can serve nothing and is removed (demoted to L2 or deleted), and so on
+up the tree (``prune``). Removing a node's full pages takes its components with
+it (``drop``).
+
+Only L1 holds components here: L2 and L3 keep the full pages, so a hybrid match
+ends at the deepest valid node on device (``HiCache.match_prefix``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fabric.cache.allocator import PagedAllocator, Pages, as_pages
+from fabric.cache.leaves import LeafQueue
+from fabric.cache.node import TreeNode
+from fabric.cache.results import TierSizes
+from policies import EvictionPolicy
+
+
+@dataclass
+class PartFill:
+    """What a fill must write besides full-attention KV: sliding-window KV for key
+    pages ``sliding_at`` (page indices of the request's key) into pages ``sliding``
+    of the sliding pool, and the mamba state at the fill's page-aligned end into
+    slot ``mamba`` (``None``: none to write)."""
+
+    sliding_at: list[int] = field(default_factory=list)
+    sliding: Pages = field(default_factory=as_pages)
+    mamba: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.sliding_at and self.mamba is None
+
+
+@dataclass
+class ComponentStats:
+    """Counters of the non-base components (they survive resets)."""
+
+    sliding_evicted_pages: int = 0
+    mamba_evicted_states: int = 0
+    tombstones_removed: int = 0
+    sliding_alloc_failures: int = 0
+    mamba_alloc_failures: int = 0
+    truncated_matches: int = 0
+
+
+class Components:
+    """The sliding and mamba components of one tree. ``remove(node)`` takes a dead
+    device leaf's full pages away (demotes or deletes it; ``False`` when it must
+    stay for now)."""
+
+    def __init__(
+        self,
+        components: tuple[str, ...],
+        page_size: int,
+        window_tokens: int,
+        sliding_pages: int,
+        mamba_slots: int,
+        eviction: EvictionPolicy,
+    ) -> None:
+        self.sliding = "sliding" in components
+        self.mamba = "mamba" in components
+        self.page_size = page_size
+        self.window_pages = -(-(window_tokens - 1) // page_size) if self.sliding else 0
+        self.sliding_pool = PagedAllocator(
+            sliding_pages if self.sliding else 0, page_size, "L1 sliding"
+        )
+        self.mamba_pool = PagedAllocator(mamba_slots if self.mamba else 0, 1, "L1 mamba")
+        self.eviction = eviction
+        self.stats = ComponentStats()
+        self.remove: Callable[[TreeNode], bool] = lambda node: False
+        self.root: TreeNode | None = None
+        self.clear(None)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("sliding",) * self.sliding + ("mamba",) * self.mamba
+
+    def clear(self, root: TreeNode | None) -> None:
+        """Forget every value (the tree was cleared) and empty the pools."""
+        self.root = root
+        self.sliding_pool.reset()
+        self.mamba_pool.reset()
+        self.sliding_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
+        self.mamba_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
+
+    # -- validity ------------------------------------------------------------------
+
+    def complete(self, node: TreeNode) -> bool:
+        """Every component has a value on ``node`` itself (not a tombstone)."""
+        return (not self.mamba or node.mamba is not None) and (
+            not self.sliding or node.sliding is not None
+        )
+
+    def valid_end(self, node: TreeNode, pages: Callable[[TreeNode], int]) -> bool:
+        """A prefix ending at ``node`` can be served: the mamba state at its end and
+        sliding tails covering the window before it."""
+        if node is self.root:
+            return True
+        if self.mamba and node.mamba is None:
+            return False
+        need, x = self.window_pages, node
+        while need > 0 and x is not self.root:
+            n = pages(x)
+            have = 0 if x.sliding is None else len(x.sliding)
+            if have < min(n, need):
+                return False
+            need -= n
+            x = x.parent  # type: ignore[assignment]
+        return True
+
+    # -- structure -----------------------------------------------------------------
+
+    def on_split(self, upper: TreeNode, lower: TreeNode, lower_pages: int) -> None:
+        """``lower`` (the node that was split) keeps its last ``lower_pages`` pages;
+        the sliding tail and the sliding locks reaching above them move to ``upper``.
+        The mamba state stays with ``lower`` (it is at the same end)."""
+        tail = lower.sliding
+        if tail is not None and len(tail) > lower_pages:
+            cut = len(tail) - lower_pages
+            upper.sliding, lower.sliding = tail[:cut], tail[cut:]
+        locks = lower.sliding_locks
+        if locks:
+            moved = {r - lower_pages: c for r, c in locks.items() if r > lower_pages}
+            upper.sliding_locks = moved or None
+        self.refresh(upper)
+        self.refresh(lower)
+
+    def refresh(self, node: TreeNode) -> None:
+        """Recompute ``node``'s membership of the two component eviction queues."""
+        if node.sliding is not None and not node.sliding_locks:
+            self.sliding_lru.add(node)
+        else:
+            self.sliding_lru.discard(node)
+        if node.mamba is not None and node.part_ref == 0:
+            self.mamba_lru.add(node)
+        else:
+            self.mamba_lru.discard(node)
+
+    def drop(self, node: TreeNode) -> None:
+        """Free every component value of ``node`` (its full pages are leaving L1)."""
+        assert not node.sliding_locks and node.part_ref == 0, node
+        if node.sliding is not None:
+            self.sliding_pool.release(node.sliding)
+            node.sliding = None
+            self.sliding_lru.discard(node)
+        if node.mamba is not None:
+            self.mamba_pool.release((node.mamba,))
+            node.mamba = None
+            self.mamba_lru.discard(node)
+
+    # -- locks ---------------------------------------------------------------------
+
+    def lock(self, node: TreeNode, pages: Callable[[TreeNode], int]) -> None:
+        """Protect what a match ending at ``node`` needs: the mamba state there and the
+        sliding tails of the window before it."""
+        if node is self.root:
+            return
+        node.part_ref += 1
+        self.mamba_lru.discard(node)
+        need, x = self.window_pages, node
+        while need > 0 and x is not self.root:
+            locks = x.sliding_locks
+            if locks is None:
+                locks = x.sliding_locks = {}
+            locks[need] = locks.get(need, 0) + 1
+            self.sliding_lru.discard(x)
+            need -= pages(x)
+            x = x.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode, pages: Callable[[TreeNode], int]) -> None:
+        """Undo one ``lock(node)`` (the same walk: splits since moved its counts exactly)."""
+        if node is self.root:
+            return
+        node.part_ref -= 1
+        self.refresh(node)
+        need, x = self.window_pages, node
+        while need > 0 and x is not self.root:
+            locks = x.sliding_locks
+            assert locks and locks.get(need), (x, need, locks)
+            if locks[need] == 1:
+                del locks[need]
+                if not locks:
+                    x.sliding_locks = None
+            else:
+                locks[need] -= 1
+            self.refresh(x)
+            need -= pages(x)
+            x = x.parent  # type: ignore[assignment]
+
+    # -- filling -------------------------------------------------------------------
+
+    def fill(self, node: TreeNode, end_page: int, pages: Callable[[TreeNode], int]) -> PartFill:
+        """Give the prefix ending at ``node`` (page ``end_page`` of the key) every
+        component it lacks, evicting other component values if a pool is short: the
+        mamba state at its end and the sliding tails of the window before it. What
+        cannot be allocated stays missing (a tombstone); returns what the caller's
+        KV fill must write."""
+        out = PartFill()
+        if node is self.root:
+            return out
+        if self.mamba and node.mamba is None:
+            slot = self._alloc(self.mamba_pool, 1, self.evict_mamba, node)
+            if slot is None:
+                self.stats.mamba_alloc_failures += 1
+            else:
+                node.mamba = slot[0]
+                out.mamba = slot[0]
+                self.refresh(node)
+        need, x, end = self.window_pages, node, end_page
+        while need > 0 and x is not self.root:
+            n = pages(x)
+            want = min(n, need)
+            have = 0 if x.sliding is None else len(x.sliding)
+            if have < want:
+                got = self._alloc(self.sliding_pool, want - have, self.evict_sliding, node)
+                if got is None:
+                    self.stats.sliding_alloc_failures += 1
+                    break
+                x.sliding = got if x.sliding is None else got + x.sliding
+                out.sliding_at.extend(range(end - want, end - have))
+                out.sliding.extend(got)
+                self.refresh(x)
+            need -= n
+            end -= n
+            x = x.parent  # type: ignore[assignment]
+        return out
+
+    def _alloc(
+        self,
+        pool: PagedAllocator,
+        n: int,
+        evict: Callable[[int, TreeNode | None], int],
+        keep: TreeNode,
+    ) -> Pages | None:
+        if n > pool.num_pages:
+            return None
+        got = pool.alloc(n)
+        if got is None:
+            evict(n - pool.available_pages, keep)
+            got = pool.alloc(n)
+        return got
+
+    # -- eviction ------------------------------------------------------------------
+
+    def evict_sliding(self, num_pages: int, keep: TreeNode | None = None) -> int:
+        """Free at least ``num_pages`` of the sliding pool if possible, unlocked tails
+        in policy order (``keep``'s path is spared: it is being filled). Returns
+        pages freed."""
+        return self._evict(self.sliding_lru, num_pages, keep, self._evict_tail)
+
+    def evict_mamba(self, num_states: int, keep: TreeNode | None = None) -> int:
+        """Free at least ``num_states`` mamba slots if possible, in policy order."""
+        return self._evict(self.mamba_lru, num_states, keep, self._evict_state)
+
+    def _evict(self, queue: LeafQueue, n: int, keep: TreeNode | None, one) -> int:
+        spared = set()
+        x = keep
+        while x is not None:
+            spared.add(x)
+            x = x.parent
+        queue.begin()
+        kept, freed = [], 0
+        while freed < n:
+            node = queue.pop()
+            if node is None:
+                break
+            if node in spared:
+                kept.append(node)
+                continue
+            freed += one(node)
+            self.prune(node)
+        for node in kept:
+            queue.requeue(node)
+        return freed
+
+    def _evict_tail(self, node: TreeNode) -> int:
+        tail = node.sliding
+        assert tail is not None and not node.sliding_locks
+        self.sliding_pool.release(tail)
+        node.sliding = None
+        self.sliding_lru.discard(node)
+        self.stats.sliding_evicted_pages += len(tail)
+        return len(tail)
+
+    def _evict_state(self, node: TreeNode) -> int:
+        assert node.mamba is not None and node.part_ref == 0
+        self.mamba_pool.release((node.mamba,))
+        node.mamba = None
+        self.mamba_lru.discard(node)
+        self.stats.mamba_evicted_states += 1
+        return 1
+
+    def prune(self, node: TreeNode) -> None:
+        """Remove ``node`` if it is a dead device leaf (on device, unlocked, no child on
+        device, a component missing: it can serve nothing), then its parent if that
+        became one, and so on up the tree."""
+        while (
+            node is not self.root
+            and node.device_value is not None
+            and node.lock_ref == 0
+            and node.device_children == 0
+            and not self.complete(node)
+        ):
+            parent = node.parent
+            if not self.remove(node):
+                return
+            self.stats.tombstones_removed += 1
+            node = parent  # type: ignore[assignment]
+
+    # -- sizes and checks ------------------------------------------------------------
+
+    def sizes(self, nodes: list[TreeNode]) -> dict[str, TierSizes]:
+        """Per component: capacity, available, evictable and protected (sliding in
+        tokens, mamba in states)."""
+        out = {}
+        if self.sliding:
+            owned = locked = 0
+            for node in nodes:
+                if node.sliding is not None:
+                    owned += len(node.sliding)
+                    locked += len(node.sliding) if node.sliding_locks else 0
+            ps = self.page_size
+            out["sliding"] = TierSizes(
+                self.sliding_pool.capacity_tokens,
+                self.sliding_pool.available_pages * ps,
+                (owned - locked) * ps,
+                locked * ps,
+            )
+        if self.mamba:
+            owned = sum(1 for n in nodes if n.mamba is not None)
+            locked = sum(1 for n in nodes if n.mamba is not None and n.part_ref)
+            out["mamba"] = TierSizes(
+                self.mamba_pool.num_pages,
+                self.mamba_pool.available_pages,
+                owned - locked,
+                locked,
+            )
+        return out
+
+    def violations(self, nodes: list[TreeNode], pages: Callable[[TreeNode], int]) -> list[str]:
+        """What is wrong with the components (for ``check_integrity``)."""
+        out: list[str] = []
+        for pool, name, owned in (
+            (self.sliding_pool, "sliding", [p for n in nodes if n.sliding for p in n.sliding]),
+            (self.mamba_pool, "mamba", [n.mamba for n in nodes if n.mamba is not None]),
+        ):
+            out += pool.violations()
+            if len(set(owned)) != len(owned):
+                out.append(f"{name}: a slot is owned twice")
+            if any(pool.is_free(p) for p in owned):
+                out.append(f"{name}: a slot owned by a node is free")
+            if pool.available_pages + len(owned) != pool.num_pages:
+                out.append(
+                    f"{name}: {pool.available_pages} free + {len(owned)} owned != "
+                    f"{pool.num_pages} slots"
+                )
+        for node in nodes:
+            if (node.sliding is not None or node.mamba is not None) and node.device_value is None:
+                out.append(f"{node}: a component without the full pages on device")
+            if node.sliding is not None and not 0 < len(node.sliding) <= min(
+                pages(node), self.window_pages
+            ):
+                out.append(f"{node}: a sliding tail of {len(node.sliding)} pages")
+            want_s = node.sliding is not None and not node.sliding_locks
+            if want_s != (node in self.sliding_lru):
+                out.append(f"{node}: sliding queue membership is {not want_s}")
+            want_m = node.mamba is not None and node.part_ref == 0
+            if want_m != (node in self.mamba_lru):
+                out.append(f"{node}: mamba queue membership is {not want_m}")
+        # A component lock goes with a full lock at the same node (writes and loads
+        # take full locks alone); the sliding counts follow from the part_refs.
+        want: dict[TreeNode, dict[int, int]] = {}
+        for node in nodes:
+            direct = node.lock_ref - sum(c.lock_ref for c in node.children.values())
+            if not 0 <= node.part_ref <= direct:
+                out.append(f"{node}: part_ref={node.part_ref}, {direct} full locks taken there")
+            need, x = self.window_pages, node
+            while node.part_ref and need > 0 and x is not self.root:
+                counts = want.setdefault(x, {})
+                counts[need] = counts.get(need, 0) + node.part_ref
+                need -= pages(x)
+                x = x.parent  # type: ignore[assignment]
+        for node in nodes:
+            if (node.sliding_locks or {}) != want.get(node, {}):
+                out.append(
+                    f"{node}: sliding_locks={node.sliding_locks}, recomputed {want.get(node)}"
+                )
+        if len(self.sliding_lru.queued()) != len(self.sliding_lru):
+            out.append("sliding queue: a member has no heap entry")
+        if len(self.mamba_lru.queued()) != len(self.mamba_lru):
+            out.append("mamba queue: a member has no heap entry")
+        return out

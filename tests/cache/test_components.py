@@ -1,0 +1,189 @@
+"""A hybrid model's components in the tree: a prefix is served only where every
+component can serve it; components are evicted apart, leaving tombstones; dead
+leaves go; locks protect only what a match end needs; integrity per component."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabric.cache.admission import Admission
+from fabric.cache.keys import pack_tokens
+from fabric.config import FabricConfig, ModelConfig
+from fabric.errors import ConfigError
+from tests.helpers import P, hybrid_model, make_cache, toks
+
+
+def serve(adm: Admission, *pages: int):
+    """One request for ``pages`` (whole pages), filled and released; returns its
+    device hit in tokens and its fill."""
+    req = adm.begin(pack_tokens(toks(*pages)))
+    fill = adm.prefill(req, req.num_tokens)
+    assert fill is not None
+    hit = req.device_hit
+    adm.release(req)
+    adm.cache.check_integrity()
+    return hit, fill
+
+
+def hybrid(kinds: str, **options):
+    options = {"device_pages": 32, "host_pages": 64, **options}
+    cache = make_cache(model=hybrid_model(kinds), **options)
+    return cache, Admission(cache)
+
+
+def test_mamba_prefix_is_served_only_where_a_state_was_stored():
+    cache, adm = hybrid("mamba")
+    hit, fill = serve(adm, 1, 2, 3)
+    assert hit == 0 and fill.parts is not None and fill.parts.mamba is not None
+    assert serve(adm, 1, 2, 3)[0] == 3 * P  # a state at the end of 1, 2, 3
+    # 1, 2 is cached for full attention, but no state was stored after page 2.
+    hit, fill = serve(adm, 1, 2, 7)
+    assert hit == 0 and cache.parts.stats.truncated_matches >= 1
+    # The fill recomputed pages 1 and 2 into the tree's own pages: nothing leaked.
+    assert len(fill.pages) == 3
+    assert serve(adm, 1, 2, 3)[0] == 3 * P
+    hit, fill = serve(adm, 1, 2)  # stores the state at the end of 1, 2
+    assert hit == 0 and fill.parts.mamba is not None
+    assert serve(adm, 1, 2, 9)[0] == 2 * P
+    assert cache.component_sizes()["mamba"].free < cache.parts.mamba_pool.num_pages
+
+
+def test_sliding_prefix_needs_the_window_before_its_end():
+    cache, adm = hybrid("sliding")  # window 6 tokens: 5 before a position, 2 pages
+    assert cache.parts.window_pages == 2
+    hit, fill = serve(adm, 1, 2, 3, 4, 5, 6)
+    assert sorted(fill.parts.sliding_at) == [4, 5]  # only the last two pages' KV kept
+    assert serve(adm, 1, 2, 3, 4, 5, 6)[0] == 6 * P
+    # Ending at page 3: KV of pages 2 and 3 was never kept.
+    assert serve(adm, 1, 2, 3, 8)[0] == 0
+    # Now it is (the fill kept the window before the end of 1, 2, 3, 8 and the
+    # split made 1, 2, 3 a node; serving 1, 2, 3 stores its window).
+    hit, fill = serve(adm, 1, 2, 3)
+    # (the split gave 1, 2, 3 page 3's KV: the window of 1, 2, 3, 8 reached it)
+    assert hit == 0 and fill.parts.sliding_at == [1]
+    assert serve(adm, 1, 2, 3, 9)[0] == 3 * P
+    # The long prompt still hits through the split: its own tail covers its window.
+    assert serve(adm, 1, 2, 3, 4, 5, 6)[0] == 6 * P
+
+
+def test_a_short_leaf_takes_part_of_its_window_from_its_parent():
+    cache, adm = hybrid("sliding")
+    serve(adm, 1, 2, 3)
+    hit, fill = serve(adm, 1, 2, 3, 4)
+    assert hit == 3 * P and fill.parts.sliding_at == [3]  # page 2 came from the parent
+    assert serve(adm, 1, 2, 3, 4)[0] == 4 * P
+    # Evicting the parent's tail breaks the leaf's window: no longer served.
+    parent = cache.tree.root.children[("default", pack_tokens(toks(1)))]
+    assert parent.sliding is not None
+    cache.parts._evict_tail(parent)
+    cache.check_integrity()
+    assert serve(adm, 1, 2, 3, 4)[0] == 0
+
+
+def test_component_eviction_leaves_tombstones_and_removes_dead_leaves():
+    cache, adm = hybrid("mamba", mamba_states=2)
+    serve(adm, 1, 2)
+    serve(adm, 3, 4)
+    serve(adm, 5, 6)  # no third state: the oldest (1, 2) loses its state
+    assert cache.parts.stats.mamba_evicted_states == 1
+    # Its leaf could serve nothing: removed (deleted: no step wrote it to L2).
+    assert cache.parts.stats.tombstones_removed == 1
+    assert ("default", pack_tokens(toks(1))) not in cache.tree.root.children
+    assert serve(adm, 1, 2)[0] == 0
+
+
+def test_a_dead_leaf_backed_up_in_l2_is_demoted_not_deleted():
+    cache, adm = hybrid("mamba", mamba_states=1, immediate=True)
+    serve(adm, 1, 2)
+    cache.poll()  # a step: the write-through to L2 queued and completed
+    serve(adm, 3, 4)
+    first = cache.tree.root.children[("default", pack_tokens(toks(1)))]
+    assert first.device_value is None and first.host_value is not None and first.mamba is None
+    cache.check_integrity()
+    assert serve(adm, 3, 4)[0] in (0, 2 * P)  # maybe evicted by the refill, never wrong
+    cache.check_integrity()
+
+
+def test_an_interior_tombstone_keeps_serving_longer_prefixes():
+    cache, adm = hybrid("mamba", mamba_states=3)
+    serve(adm, 1, 2)
+    serve(adm, 1, 2, 3)  # states at 1,2 and at 1,2,3
+    node = cache.tree.root.children[("default", pack_tokens(toks(1)))]
+    assert node.mamba is not None and node.children
+    cache.parts._evict_state(node)
+    cache.parts.prune(node)  # interior: it stays, a tombstone
+    cache.check_integrity()
+    assert node.device_value is not None and node.mamba is None
+    assert serve(adm, 1, 2, 3)[0] == 3 * P
+    assert serve(adm, 1, 2, 9)[0] == 0
+
+
+def test_a_lock_protects_the_state_at_its_end_and_only_the_window_before_it():
+    cache, adm = hybrid("both", mamba_states=4)
+    serve(adm, 1, 2, 3, 4, 5)
+    serve(adm, 1, 2, 3, 4, 5, 6, 7, 8)  # its window: pages 6 and 7 (0-based)
+    long_key = cache.key(toks(1, 2, 3, 4, 5, 6, 7, 8))
+    m = cache.match_prefix(long_key)
+    assert m.device_tokens == 8 * P
+    cache.inc_lock_ref(m.last_device_node)
+    end = m.last_device_node
+    upper = end.parent
+    assert end.sliding_locks and end.part_ref == 1
+    assert not upper.sliding_locks and upper.part_ref == 0  # outside the window
+    freed = cache.parts.evict_mamba(4) + cache.parts.evict_sliding(100)
+    assert freed > 0
+    assert end.mamba is not None and end.sliding is not None  # locked: kept
+    assert upper.mamba is None and upper.sliding is None  # not needed by the lock: gone
+    assert cache.parts.valid_end(end, cache.tree.pages)
+    cache.check_integrity()
+    cache.dec_lock_ref(end)
+    cache.check_integrity()
+    assert cache.component_sizes()["sliding"].protected == 0
+
+
+def test_a_split_divides_the_sliding_locks_exactly():
+    cache, adm = hybrid("sliding", device_pages=64)  # window 2 pages
+    serve(adm, 1, 2, 3, 4)
+    m = cache.match_prefix(cache.key(toks(1, 2, 3, 4)))
+    cache.inc_lock_ref(m.last_device_node)
+    node = m.last_device_node
+    cache.match_prefix(cache.key(toks(1, 2, 3, 9)))  # splits the locked node after page 3
+    assert node.sliding_locks == {2: 1} and node.parent.sliding_locks == {1: 1}
+    cache.check_integrity()
+    cache.dec_lock_ref(node)
+    assert node.sliding_locks is None and node.parent.sliding_locks is None
+    cache.check_integrity()
+
+
+def test_sizes_per_component_add_up_and_a_reset_empties_them():
+    cache, adm = hybrid("both")
+    for first in range(1, 6):
+        serve(adm, first, 2, 3)
+    sizes = cache.component_sizes()
+    for name, s in sizes.items():
+        assert s.free + s.evictable + s.protected == s.capacity, name
+        assert s.evictable > 0 and s.protected == 0, name
+    cache.reset()
+    cache.check_integrity()
+    assert all(s.free == s.capacity for s in cache.component_sizes().values())
+
+
+def test_full_attention_models_have_no_components():
+    cache = make_cache(model=ModelConfig())
+    assert cache.parts is None and cache.component_sizes() == {}
+    assert ModelConfig(layers=2, layer_kinds=["full", "full"]).components == ("full",)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.layer_kinds=[full, attention, full, full]"], "'attention'"),
+        (["model.layer_kinds=[full, sliding]"], "one per layer"),
+        (["model.layer_kinds=[mamba, mamba, mamba, mamba]"], "no full layer"),
+        (["model.layer_kinds=[full, sliding, full, full]"], "model.sliding_window=0"),
+        (["cache.sliding_tokens=5"], "cache.sliding_tokens=5"),
+    ],
+)
+def test_bad_hybrid_configs_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        FabricConfig().with_overrides(overrides)
