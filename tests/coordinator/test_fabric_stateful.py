@@ -30,9 +30,17 @@ class FabricMachine(RuleBasedStateMachine):
         chunk=st.sampled_from([None, 1, 2, 3]),
         chunk_tokens=st.sampled_from([0, 4, 8]),
         session_tier=st.sampled_from(["device", "host"]),
+        hybrid=st.sampled_from([None, "[full, sliding]", "[full, mamba]"]),
     )
     def setup(
-        self, write_policy, stop_policy, storage, chunk, chunk_tokens=0, session_tier="device"
+        self,
+        write_policy,
+        stop_policy,
+        storage,
+        chunk,
+        chunk_tokens=0,
+        session_tier="device",
+        hybrid=None,
     ):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
@@ -47,6 +55,13 @@ class FabricMachine(RuleBasedStateMachine):
         ]
         if storage:
             options += ["storage.backend=file", f"storage.path={self.tmp.name}"]
+        if hybrid is not None:  # small component pools: components evicted apart
+            options += [
+                f"model.layer_kinds={hybrid}",
+                "model.sliding_window=6",
+                "cache.sliding_tokens=24",
+                "cache.mamba_states=5",
+            ]
         self.config = small_config(*options)
         self.clock = FakeClock()
         self.fabric = LocalFabric(self.config, clock=self.clock)
