@@ -453,6 +453,7 @@ def simulate(trace, requests, config_file, overrides, capacities, plot, as_json)
             "eviction_policy": cache.eviction_policy,
             "page_size": cache.page_size,
             "by_tier": {tier: round(n / total, 4) for tier, n in tokens.items()},
+            **({"components": stats.components} if stats.components else {}),
         },
         bounds=[
             {
@@ -477,6 +478,20 @@ def simulate(trace, requests, config_file, overrides, capacities, plot, as_json)
             click.echo(
                 f"  refused   {stats.refused_requests} requests larger than L1 "
                 "(raise cache.device_tokens)"
+            )
+        if stats.components:
+            comp = stats.components
+            for name, pool in comp["pools"].items():
+                click.echo(
+                    f"  L1 {name:<8} {pool['capacity']:>12,} {pool['unit']:<6} "
+                    f"{pool['bytes'] / 2**30:8.2f} GiB  in use {pool['in_use']:,}"
+                )
+            n = comp["counters"]
+            click.echo(
+                f"  L1 memory {comp['bytes'] / 2**30:.2f} GiB; every attention layer as full "
+                f"attention: {comp['all_full_attention_bytes'] / 2**30:.2f} GiB; "
+                f"{n['truncated_matches']} matches stopped short of a component, "
+                f"{n['tombstones_removed']} dead leaves removed"
             )
         click.echo(
             f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"

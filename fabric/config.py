@@ -245,6 +245,20 @@ class ModelConfig(_Section):
         """The cache components the model has, ``full`` (the base) first."""
         return tuple(k for k in LAYER_KINDS if k in self.kinds)
 
+    def component_bytes(self) -> dict[str, int]:
+        """Bytes of one unit of each component over the whole model, all ranks
+        together: a token of KV over the full-attention layers, a token over the
+        sliding layers, one state over the mamba layers."""
+        size = 4 if self.dtype == "float32" else 2
+        kv = 2 * self.kv_heads * self.head_dim * size
+        kinds = self.kinds
+        out = {"full": kinds.count("full") * kv}
+        if "sliding" in kinds:
+            out["sliding"] = kinds.count("sliding") * kv
+        if "mamba" in kinds:
+            out["mamba"] = kinds.count("mamba") * self.mamba_state_bytes
+        return out
+
     @property
     def kv_bytes_per_token(self) -> int:
         """One token's K and V over every layer and head, all ranks together."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from fabric.cache.hicache import HiCache
 from fabric.cache.inprocess import CoreReplay, ReplayStats
 from fabric.config import FabricConfig
 from fabric.errors import InvalidInput
@@ -115,7 +116,41 @@ def core_replay(
     replay = CoreReplay(config, storage=config.storage.backend != "none")
     stats = replay.run((p for _, p in iter_packed(list(requests))), progress)
     replay.cache.check_integrity()
+    stats.components = component_report(replay.cache, config)
     return stats
+
+
+def component_report(cache: HiCache, config: FabricConfig) -> dict:
+    """A hybrid model's L1 memory per component (pool sizes in their units and in
+    bytes, what is in use at the end) and the component counters, next to the
+    bytes the same L1 would take with every attention layer cached as full
+    attention (``all_full_attention_bytes``). Empty for full attention only."""
+    parts = cache.parts
+    if parts is None:
+        return {}
+    per = config.model.component_bytes()
+    device = cache.config.device_tokens
+    pools = {
+        "full": {
+            "unit": "tokens",
+            "capacity": device,
+            "in_use": device - cache.ctl.device.available_pages * cache.page_size,
+            "bytes": device * per["full"],
+        }
+    }
+    for name, sizes in cache.component_sizes().items():
+        pools[name] = {
+            "unit": "states" if name == "mamba" else "tokens",
+            "capacity": sizes.capacity,
+            "in_use": sizes.capacity - sizes.free,
+            "bytes": sizes.capacity * per[name],
+        }
+    return {
+        "pools": pools,
+        "bytes": sum(p["bytes"] for p in pools.values()),
+        "all_full_attention_bytes": device * (per["full"] + per.get("sliding", 0)),
+        "counters": asdict(parts.stats),
+    }
 
 
 def plot(path: str, curves: list[Bounds], core: tuple[int, float] | None = None) -> None:

@@ -73,3 +73,28 @@ def test_default_capacities_include_the_config_tiers_and_2m_20m(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     caps = [b["capacity_tokens"] for b in out["bounds"]]
     assert caps == sorted(caps) and {32768, 163840, 2 << 20, 20 << 20} <= set(caps)
+
+
+def test_simulate_reports_each_component_of_a_hybrid_model(capsys):
+    args = ["simulate", "--requests", "200", "--capacities", "64K", "--set"]
+    args += [
+        "cache.device_tokens=65536",
+        "--set",
+        "model.layer_kinds=[full, sliding, sliding, mamba]",
+    ]
+    args += ["--set", "model.sliding_window=256", "--set", "cache.sliding_tokens=4096"]
+    assert main([*args, "--set", "cache.mamba_states=8", "--set", "storage.backend=none"]) == 0
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    comp = out["core"]["components"]
+    pools = comp["pools"]
+    assert set(pools) == {"full", "sliding", "mamba"}
+    assert pools["sliding"]["capacity"] == 4096 and pools["mamba"]["capacity"] == 8
+    # Bytes from the model's shape: 1 full and 2 sliding layers of 4 heads x 32 x bf16 K+V.
+    assert pools["full"]["bytes"] == 65536 * 1 * 2 * 4 * 32 * 2
+    assert pools["sliding"]["bytes"] == 4096 * 2 * 2 * 4 * 32 * 2
+    assert pools["mamba"]["bytes"] == 8 * 65536
+    assert comp["bytes"] == sum(p["bytes"] for p in pools.values())
+    assert comp["all_full_attention_bytes"] == 65536 * 3 * 2 * 4 * 32 * 2
+    assert comp["counters"]["mamba_evicted_states"] > 0, "8 states: evicted apart"
+    assert "L1 sliding" in text and "every attention layer as full attention" in text
