@@ -315,5 +315,5 @@ class Admission:
         req.filled = upto
         # What is new starts in the page at ``base``: L1 had every page before it.
         pages = given if new_tail is None else given + as_pages((new_tail,))
-        parts = cache.fill_parts(node)
+        parts = cache.fill_parts(node, match.last_device_node)
         return Fill(base, first_new, upto, pages, match.last_device_node, parts)

@@ -45,16 +45,17 @@ from policies import EvictionPolicy
 class PartFill:
     """What a fill must write besides full-attention KV: sliding-window KV for key
     pages ``sliding_at`` (page indices of the request's key) into pages ``sliding``
-    of the sliding pool, and the mamba state at the fill's page-aligned end into
-    slot ``mamba`` (``None``: none to write)."""
+    of the sliding pool, and the mamba state after key page ``mamba_at[i] - 1``
+    (a node end the fill computes through) into slot ``mamba[i]``."""
 
     sliding_at: list[int] = field(default_factory=list)
     sliding: Pages = field(default_factory=as_pages)
-    mamba: int | None = None
+    mamba_at: list[int] = field(default_factory=list)
+    mamba: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.sliding_at and self.mamba is None
+        return not self.sliding_at and not self.mamba
 
 
 @dataclass
@@ -215,13 +216,19 @@ class Components:
 
     # -- filling -------------------------------------------------------------------
 
-    def fill(self, node: TreeNode, end_page: int, pages: Callable[[TreeNode], int]) -> PartFill:
+    def fill(
+        self,
+        node: TreeNode,
+        end_page: int,
+        pages: Callable[[TreeNode], int],
+        out: PartFill | None = None,
+    ) -> PartFill:
         """Give the prefix ending at ``node`` (page ``end_page`` of the key) every
         component it lacks, evicting other component values if a pool is short: the
         mamba state at its end and the sliding tails of the window before it. What
-        cannot be allocated stays missing (a tombstone); returns what the caller's
-        KV fill must write."""
-        out = PartFill()
+        cannot be allocated stays missing (a tombstone); returns (adds to ``out``)
+        what the caller's KV fill must write."""
+        out = PartFill() if out is None else out
         if node is self.root:
             return out
         if self.mamba and node.mamba is None:
@@ -230,7 +237,8 @@ class Components:
                 self.stats.mamba_alloc_failures += 1
             else:
                 node.mamba = slot[0]
-                out.mamba = slot[0]
+                out.mamba_at.append(end_page)
+                out.mamba.append(slot[0])
                 self.refresh(node)
         need, x, end = self.window_pages, node, end_page
         while need > 0 and x is not self.root:

@@ -200,12 +200,26 @@ class HiCache:
         # L2 and L3 hold only the full pages: no hybrid prefix is served from there.
         return MatchResult(pages, len(pages) * self.page_size, 0, last, last_host)
 
-    def fill_parts(self, node: TreeNode) -> PartFill | None:
-        """Give the prefix ending at ``node`` every component it lacks (a hybrid
-        model's; ``None`` for full attention only): what the KV fill must write."""
+    def fill_parts(self, node: TreeNode, stop: TreeNode | None = None) -> PartFill | None:
+        """For a hybrid model (``None`` for full attention only), give every node end
+        from below ``stop`` (an ancestor of ``node``; default: ``node``'s parent) down
+        to ``node`` the components it lacks: what the KV fill computing through
+        those ends must write. Ends where the tree branches (a split) get them too,
+        so a later request that stops there is served."""
         if self.parts is None:
             return None
-        return self.parts.fill(node, self.tree.depth_pages(node), self.tree.pages)
+        tree = self.tree
+        stop = node.parent if stop is None else stop
+        ends, x = [], node
+        end = tree.depth_pages(node)
+        while x is not stop and x is not tree.root:
+            ends.append((x, end))
+            end -= tree.pages(x)
+            x = x.parent  # type: ignore[assignment]
+        out = PartFill()
+        for x, end in reversed(ends):  # ancestors first: filling a deeper end spares them
+            self.parts.fill(x, end, tree.pages, out)
+        return out
 
     def _remove_dead(self, node: TreeNode) -> bool:
         # A device leaf a component is missing from serves nothing: demote it to L2

@@ -34,18 +34,18 @@ def hybrid(kinds: str, **options):
 def test_mamba_prefix_is_served_only_where_a_state_was_stored():
     cache, adm = hybrid("mamba")
     hit, fill = serve(adm, 1, 2, 3)
-    assert hit == 0 and fill.parts is not None and fill.parts.mamba is not None
+    assert hit == 0 and fill.parts is not None and fill.parts.mamba_at == [3]
     assert serve(adm, 1, 2, 3)[0] == 3 * P  # a state at the end of 1, 2, 3
     # 1, 2 is cached for full attention, but no state was stored after page 2.
     hit, fill = serve(adm, 1, 2, 7)
-    assert hit == 0 and cache.parts.stats.truncated_matches >= 1
-    # The fill recomputed pages 1 and 2 into the tree's own pages: nothing leaked.
-    assert len(fill.pages) == 3
+    assert hit == 0 and cache.parts.stats.truncated_matches == 1
+    # The fill recomputed pages 1 and 2 into the tree's own pages (nothing leaked)
+    # and stored a state where the tree now branches, and one at its own end.
+    assert len(fill.pages) == 3 and fill.parts.mamba_at == [2, 3]
     assert serve(adm, 1, 2, 3)[0] == 3 * P
-    hit, fill = serve(adm, 1, 2)  # stores the state at the end of 1, 2
-    assert hit == 0 and fill.parts.mamba is not None
-    assert serve(adm, 1, 2, 9)[0] == 2 * P
-    assert cache.component_sizes()["mamba"].free < cache.parts.mamba_pool.num_pages
+    assert serve(adm, 1, 2, 9)[0] == 2 * P  # served at the branch point
+    assert serve(adm, 1, 2)[0] == 2 * P
+    assert cache.component_sizes()["mamba"].evictable == 4
 
 
 def test_sliding_prefix_needs_the_window_before_its_end():
@@ -55,15 +55,15 @@ def test_sliding_prefix_needs_the_window_before_its_end():
     assert sorted(fill.parts.sliding_at) == [4, 5]  # only the last two pages' KV kept
     assert serve(adm, 1, 2, 3, 4, 5, 6)[0] == 6 * P
     # Ending at page 3: KV of pages 2 and 3 was never kept.
-    assert serve(adm, 1, 2, 3, 8)[0] == 0
-    # Now it is (the fill kept the window before the end of 1, 2, 3, 8 and the
-    # split made 1, 2, 3 a node; serving 1, 2, 3 stores its window).
-    hit, fill = serve(adm, 1, 2, 3)
-    # (the split gave 1, 2, 3 page 3's KV: the window of 1, 2, 3, 8 reached it)
-    assert hit == 0 and fill.parts.sliding_at == [1]
+    hit, fill = serve(adm, 1, 2, 3, 8)
+    assert hit == 0
+    # The fill kept the window before the branch point and before its own end.
+    assert sorted(fill.parts.sliding_at) == [1, 2, 3]
     assert serve(adm, 1, 2, 3, 9)[0] == 3 * P
     # The long prompt still hits through the split: its own tail covers its window.
     assert serve(adm, 1, 2, 3, 4, 5, 6)[0] == 6 * P
+    # A prefix ending inside a node, where no fill computed through: not served.
+    assert serve(adm, 1, 2, 3, 4, 5, 7)[0] == 3 * P
 
 
 def test_a_short_leaf_takes_part_of_its_window_from_its_parent():
