@@ -418,6 +418,12 @@ class FabricConfig(BaseModel):
                 raise ValueError(
                     f"{key}={value} is refused: allowed is a multiple of {what} ({divisor})"
                 )
+        if len(model.components) > 1 and model.filler != "synthetic":
+            raise ValueError(
+                f"model.filler={model.filler!r} is refused for a hybrid model "
+                f"(model.layer_kinds has {', '.join(model.components[1:])} layers): allowed is "
+                "synthetic until the ranks compute hybrid models' components with a real model"
+            )
         if self.events.enabled and not cache.kv_events:
             raise ValueError(
                 f"events.endpoint={self.events.endpoint!r} needs cache.kv_events=true "

@@ -99,4 +99,8 @@ class LocalFabric:
         lease = result.lease
         assert lease is not None
         cached = tokens[: lease.tokens * 4]
-        return [r.verify(lease.namespace, cached, list(lease.device_pages)) for r in self.ranks]
+        return [
+            r.verify(lease.namespace, cached, list(lease.device_pages))
+            and r.verify_parts(lease.namespace, cached, list(lease.sliding), list(lease.mamba))
+            for r in self.ranks
+        ]

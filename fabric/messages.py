@@ -38,6 +38,26 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
     """Base of every wire message (its ``t`` tag is ``<type name>/<VERSION>``)."""
 
 
+class SlidingPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A hybrid model's sliding-window KV of key page ``page`` (its ``tokens``,
+    after the page-hash chain ``prev_hash``), to store in sliding-pool page
+    ``pool_page``."""
+
+    page: Count
+    pool_page: Count
+    prev_hash: Hash
+    tokens: bytes
+
+
+class MambaPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A hybrid model's mamba state after key page ``end_page - 1`` (the chain
+    ``chain_hash`` through it), to store in state slot ``slot``."""
+
+    end_page: Count
+    slot: Count
+    chain_hash: Hash
+
+
 class Compute(_Message, frozen=True):
     """Fill L1 ``pages`` with KV for the packed ``tokens`` (``fabric.cache.keys``
     format) at positions ``[start_token, start_token + len(tokens) // 4)``.
@@ -54,6 +74,9 @@ class Compute(_Message, frozen=True):
     pages: tuple[Count, ...]
     prefix: bytes = b""
     prefix_pages: tuple[Count, ...] = ()
+    # A hybrid model's other components this compute also stores.
+    sliding: tuple[SlidingPart, ...] = ()
+    mamba: tuple[MambaPart, ...] = ()
 
 
 class Write(_Message, frozen=True):
@@ -143,6 +166,7 @@ class Report(_Message, frozen=True):
 _OVERHEAD = 160
 _INT = 9
 _HASH = 34
+_PART = 5 + 2 * _INT + _HASH  # a component part without its tokens
 
 
 def command_bound(cmd: Command) -> int:
@@ -150,7 +174,8 @@ def command_bound(cmd: Command) -> int:
     if isinstance(cmd, Compute):
         tokens = len(cmd.tokens) + len(cmd.prefix)
         pages = len(cmd.pages) + len(cmd.prefix_pages)
-        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * pages
+        parts = sum(_PART + 5 + len(p.tokens) for p in cmd.sliding) + _PART * len(cmd.mamba)
+        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * pages + parts
     if isinstance(cmd, (Write, Load)):
         return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
     if isinstance(cmd, (Backup, Prefetch)):
@@ -173,6 +198,13 @@ def pages_per_command(kind: str, budget: int, page_size: int, namespace_chars: i
     }[kind]
     fixed = _OVERHEAD + (4 * namespace_chars + _HASH if kind == "compute" else 0)
     return max(0, (budget - fixed) // per_page)
+
+
+def parts_per_command(budget: int, page_size: int, namespace_chars: int) -> int:
+    """The most component parts (each at most a page of tokens and a hash) one
+    compute may carry within ``budget`` bytes, at least 1."""
+    fixed = _OVERHEAD + 4 * namespace_chars + _HASH
+    return max(1, (budget - fixed) // (_PART + 5 + 4 * page_size))
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -64,3 +64,12 @@ class Topology:
         return Shard(
             rank, rank.pp * layers, layers, rank.tp * heads, heads, rank.cp, page_size // c.cp
         )
+
+
+def kind_layers(shard: Shard, model: ModelConfig, kind: str) -> list[int]:
+    """The global indices of ``shard``'s layers of ``kind`` (``full``, ``sliding``
+    or ``mamba``; every layer is ``full`` in a full-attention model)."""
+    kinds = model.kinds
+    return [
+        i for i in range(shard.layer_start, shard.layer_start + shard.layers) if kinds[i] == kind
+    ]

@@ -63,6 +63,9 @@ class RequestKV:
     storage_hit: int = 0
     computed: int = 0
     ended: bool = False
+    # A hybrid model's components of the prefix ending at ``node`` as of the last
+    # fill (``Components.held``): all written by that fill's commands or earlier.
+    parts_held: tuple = ((), ())
 
     @property
     def num_tokens(self) -> int:
@@ -316,4 +319,8 @@ class Admission:
         # What is new starts in the page at ``base``: L1 had every page before it.
         pages = given if new_tail is None else given + as_pages((new_tail,))
         parts = cache.fill_parts(node, match.last_device_node)
+        if cache.parts is not None:
+            # Fixed now: a later fill may give this prefix more (its writes still
+            # pending when this request ends); its lock keeps these.
+            req.parts_held = cache.parts.held(node, cache.tree.pages, len(req.pages))
         return Fill(base, first_new, upto, pages, match.last_device_node, parts)

@@ -274,6 +274,26 @@ class Components:
             got = pool.alloc(n)
         return got
 
+    def held(
+        self, node: TreeNode, pages: Callable[[TreeNode], int], end_page: int
+    ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The components a prefix ending at ``node`` (page ``end_page`` of its key)
+        has: sliding-pool pages of the window before it as ``(key page, pool
+        page)``, and its mamba state as ``(end page, slot)`` — those present."""
+        sliding: list[tuple[int, int]] = []
+        if node is self.root:
+            return (), ()
+        first, x, end = end_page - self.window_pages, node, end_page
+        while end > first and x is not self.root:
+            tail = x.sliding
+            if tail is not None:
+                start = end - len(tail)
+                sliding.extend((start + i, p) for i, p in enumerate(tail) if start + i >= first)
+            end -= pages(x)
+            x = x.parent  # type: ignore[assignment]
+        mamba = ((end_page, node.mamba),) if node.mamba is not None else ()
+        return tuple(sorted(sliding)), mamba
+
     # -- eviction ------------------------------------------------------------------
 
     def evict_sliding(self, num_pages: int, keep: TreeNode | None = None) -> int:

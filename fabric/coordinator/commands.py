@@ -26,11 +26,14 @@ from fabric.messages import (
     Backup,
     Compute,
     Load,
+    MambaPart,
     Message,
     Prefetch,
+    SlidingPart,
     Write,
     command_bound,
     pages_per_command,
+    parts_per_command,
 )
 
 
@@ -103,6 +106,8 @@ class FabricController(Controller):
                 + f"; allowed is at least {2 * (prefix_bytes + 4 * self.page_size + 2048)}"
             )
         self.max_prefetch_pages = self.storage_pages
+        # A hybrid model's component parts per command.
+        self.part_count = parts_per_command(self.command_budget, self.page_size, ns)
         self.reset()
 
     def reset(self) -> None:
@@ -152,6 +157,8 @@ class FabricController(Controller):
         prev: bytes,
         prefix: bytes = b"",
         prefix_pages: Sequence[int] = (),
+        sliding: Sequence[SlidingPart] = (),
+        mamba: Sequence[MambaPart] = (),
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -160,7 +167,9 @@ class FabricController(Controller):
         chain hash of the pages before ``start_token`` (the tree knows it): only
         the new pages are hashed, and only when a compute is cut in chunks.
         ``prefix``: the tokens before ``start_token``, and ``prefix_pages`` the L1
-        pages of their KV, sent along ``with_prefix``.
+        pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
+        hybrid model's other components to store, in commands of their own after
+        the tokens' (as many as the message limit needs).
         Returns the command ids."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
@@ -180,7 +189,20 @@ class FabricController(Controller):
             self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before, held))
             self.computes.append(cmd)
             cmds.append(cmd)
+        n = self.part_count
+        for i in range(0, len(sliding), n):
+            cmds.append(self._parts(namespace, prev, start_token, tuple(sliding[i : i + n]), ()))
+        for i in range(0, len(mamba), n):
+            cmds.append(self._parts(namespace, prev, start_token, (), tuple(mamba[i : i + n])))
         return tuple(cmds)
+
+    def _parts(self, namespace, prev, start_token, sliding, mamba) -> int:
+        cmd = self._cmd_id()
+        self._send(
+            Compute(cmd, namespace, prev, b"", start_token, (), sliding=sliding, mamba=mamba)
+        )
+        self.computes.append(cmd)
+        return cmd
 
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
         step, cmds = self.storage_pages, []

@@ -22,10 +22,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
-from fabric.cache.admission import Admission
+from fabric.cache.admission import Admission, Fill, RequestKV
 from fabric.cache.events import KVEvent
 from fabric.cache.hicache import HiCache
-from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, TokenKey, check_namespace
+from fabric.cache.keys import (
+    MAX_NAMESPACE_CHARS,
+    TOKEN_BYTES,
+    TokenKey,
+    chain_hashes,
+    check_namespace,
+    namespace_seed,
+)
 from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
@@ -33,7 +40,7 @@ from fabric.coordinator.commands import FabricController
 from fabric.coordinator.consensus import Consensus, Round
 from fabric.coordinator.requests import FabricStats, HeldLease, Lease, RequestResult, ServingRequest
 from fabric.errors import InvalidInput
-from fabric.messages import Batch, Report, batch_header_bound
+from fabric.messages import Batch, MambaPart, Report, SlidingPart, batch_header_bound
 from fabric.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -401,11 +408,41 @@ class CoordinatorCore:
         prefix, held = b"", kv.pages[:0]
         if self.ctl.with_prefix:
             prefix, held = bytes(kv.tokens[:start]), kv.pages[: fill.start // kv.page_size]
+        sliding, mamba = self._parts(kv, fill)
         req.compute_cmds = self.ctl.compute(
-            ns, bytes(kv.tokens[start:end]), fill.start, fill.pages, prev, prefix, held
+            ns,
+            bytes(kv.tokens[start:end]),
+            fill.start,
+            fill.pages,
+            prev,
+            prefix,
+            held,
+            sliding,
+            mamba,
         )
         self.running[req.rid] = req
         return True
+
+    def _parts(self, kv: RequestKV, fill: Fill) -> tuple[list[SlidingPart], list[MambaPart]]:
+        """A hybrid fill's other components as command parts: each sliding page with
+        its tokens and the chain before it, each mamba state with the chain
+        through its end (what a rank needs to compute them alone)."""
+        parts = fill.parts
+        if parts is None or parts.empty:
+            return [], []
+        pb = kv.page_size * TOKEN_BYTES
+        last = max([*parts.sliding_at, *(e - 1 for e in parts.mamba_at)]) + 1
+        seed = namespace_seed(kv.namespace)
+        chain = [seed, *chain_hashes(seed, bytes(kv.tokens[: last * pb]), pb)]
+        sliding = [
+            SlidingPart(k, page, chain[k], bytes(kv.tokens[k * pb : (k + 1) * pb]))
+            for k, page in zip(parts.sliding_at, parts.sliding, strict=True)
+        ]
+        mamba = [
+            MambaPart(e, slot, chain[e])
+            for e, slot in zip(parts.mamba_at, parts.mamba, strict=True)
+        ]
+        return sliding, mamba
 
     def on_round(
         self, reports: Sequence[Report], storage_hits: Mapping[int, int] | None = None
@@ -507,6 +544,7 @@ class CoordinatorCore:
         ttl = self.config.runtime.lease_ttl_s
         kv = req.kv
         assert kv is not None
+        sliding, mamba = kv.parts_held  # what the leased prefix has of the other components
         lease = Lease(
             req.rid,
             secrets.token_hex(16),
@@ -515,6 +553,8 @@ class CoordinatorCore:
             kv.filled,
             tuple(kv.device_pages),  # the lease crosses to drivers
             ttl,
+            sliding,
+            mamba,
         )
         held = HeldLease(lease, kv, req.owner, self.clock() + ttl, req.session)
         self.leases[lease.token] = held

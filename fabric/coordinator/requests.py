@@ -25,6 +25,11 @@ class Lease:
     tokens: int
     device_pages: tuple[int, ...]
     ttl_s: float
+    # A hybrid model's other components of the leased prefix: sliding-pool pages
+    # of the window before its end as (key page, pool page), the mamba state at
+    # its end as (end page, slot) — what is there (see ``fabric.cache.components``).
+    sliding: tuple[tuple[int, int], ...] = ()
+    mamba: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,14 @@ class KVPool:
         model: ModelConfig,
         device: torch.device,
         pin_memory: bool = False,
+        layers: int | None = None,
     ) -> None:
+        """``layers``: how many of the shard's layers the pool holds (default all; a
+        hybrid model's full-attention and sliding pools each hold their kind's)."""
         self.num_pages = num_pages
         self.layout = model.layout
-        pt, layers, heads, dim = shard.page_tokens, shard.layers, shard.heads, model.head_dim
+        pt, heads, dim = shard.page_tokens, shard.heads, model.head_dim
+        layers = shard.layers if layers is None else layers
         shape = {
             "layer_first": (2, layers, num_pages * pt, heads, dim),
             "page_first": (2, num_pages * pt, layers, heads, dim),
@@ -127,3 +131,17 @@ def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
     values = flat.view(pool.buffer.dtype).view(shape).permute(1, 0, 2, 3, 4, 5)
     idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
     pool.pages[:, idx] = values.to(pool.buffer.device)
+
+
+class StatePool:
+    """A hybrid model's mamba states on one rank: ``slots`` states of its
+    ``layers`` mamba layers, ``elems`` float32 values each (its share of a
+    layer's state)."""
+
+    def __init__(self, slots: int, layers: int, elems: int, device: torch.device) -> None:
+        self.num_slots = slots
+        self.buffer = torch.zeros((slots, layers, elems), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()

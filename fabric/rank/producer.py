@@ -121,10 +121,20 @@ class ShardPositions:
 class SyntheticKV(ShardPositions):
     """The deterministic producer; also recomputes expected values for checks."""
 
-    def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        model: ModelConfig,
+        page_size: int,
+        layer_ids: list[int] | None = None,
+    ) -> None:
+        """``layer_ids``: the global layers whose KV it makes (default: the shard's)."""
         super().__init__(shard, page_size)
         self.head_dim = model.head_dim
-        layer = torch.arange(shard.layer_start, shard.layer_start + shard.layers)
+        if layer_ids is None:
+            layer = torch.arange(shard.layer_start, shard.layer_start + shard.layers)
+        else:
+            layer = torch.tensor(layer_ids, dtype=torch.int64)
         head = torch.arange(shard.head_start, shard.head_start + shard.heads)
         dim = torch.arange(model.head_dim)
         kv = torch.arange(2)
@@ -181,3 +191,22 @@ class SyntheticKV(ShardPositions):
         positions = self.positions(start_token, end)
         codes = self.prefix_codes(prev_hash, tokens, start_token, positions)
         return positions, self.values(codes, dtype)
+
+
+class SyntheticStates:
+    """A hybrid model's synthetic mamba states: every value a deterministic
+    function of the page-hash chain through the state's position, the (global)
+    layer and the element (this rank's share of the state: elements
+    ``[tp_rank * elems, (tp_rank + 1) * elems)``)."""
+
+    def __init__(self, shard: Shard, layer_ids: list[int], elems: int) -> None:
+        layer = torch.tensor(layer_ids, dtype=torch.int64)
+        first = shard.rank.tp * elems
+        elem = torch.arange(first, first + elems)
+        self.salt = (layer.view(-1, 1) * 0x1B873593 + elem.view(1, -1) * 0x6A09E667) & _MASK
+
+    def state(self, chain_hash: bytes) -> torch.Tensor:
+        """``(layers, elems)`` float32 values in ``[-0.5, 0.5)``."""
+        code = int.from_bytes(chain_hash[:4], "little") & _MASK
+        x = ((self.salt ^ code) * 0x2127599B) & _MASK
+        return ((x >> 7) % 8191).to(torch.float32) / 8191 - 0.5

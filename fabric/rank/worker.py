@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from fabric.cache.keys import namespace_seed
+from fabric.cache.keys import chain_hashes, namespace_seed
 from fabric.config import FabricConfig
 from fabric.messages import (
     Backup,
@@ -34,9 +34,16 @@ from fabric.messages import (
     Report,
     Write,
 )
-from fabric.rank.pools import KVPool, bytes_to_pages, copy_pages, pages_to_bytes, pick_device
-from fabric.rank.producer import KVFiller, SyntheticKV
-from fabric.topology import Shard, Topology
+from fabric.rank.pools import (
+    KVPool,
+    StatePool,
+    bytes_to_pages,
+    copy_pages,
+    pages_to_bytes,
+    pick_device,
+)
+from fabric.rank.producer import KVFiller, SyntheticKV, SyntheticStates
+from fabric.topology import Shard, Topology, kind_layers
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +82,32 @@ class RankWorker:
         self.device = pick_device(config.runtime.device)
         cuda = self.device.type == "cuda"
         cache, model = config.cache, config.model
-        self.l1 = KVPool(cache.device_pages, self.shard, model, self.device)
-        self.l2 = KVPool(cache.host_pages, self.shard, model, torch.device("cpu"), pin_memory=cuda)
-        self.producer = SyntheticKV(self.shard, model, cache.page_size)
+        # The full-attention layers' pools (every layer's, for a full-attention model).
+        full = kind_layers(self.shard, model, "full")
+        self.l1 = KVPool(cache.device_pages, self.shard, model, self.device, layers=len(full))
+        self.l2 = KVPool(
+            cache.host_pages,
+            self.shard,
+            model,
+            torch.device("cpu"),
+            pin_memory=cuda,
+            layers=len(full),
+        )
+        self.producer = SyntheticKV(self.shard, model, cache.page_size, full)
+        # A hybrid model's other components, in L1 (``fabric.cache.components``).
+        self.sliding: KVPool | None = None
+        self.states: StatePool | None = None
+        if "sliding" in model.components:
+            ids = kind_layers(self.shard, model, "sliding")
+            self.sliding = KVPool(
+                cache.sliding_pages, self.shard, model, self.device, layers=len(ids)
+            )
+            self.sliding_producer = SyntheticKV(self.shard, model, cache.page_size, ids)
+        if "mamba" in model.components:
+            ids = kind_layers(self.shard, model, "mamba")
+            elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
+            self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
+            self.state_producer = SyntheticStates(self.shard, ids, elems)
         if filler is None and model.filler == "llama":
             from fabric.rank.model import LlamaKV  # transformers: an optional extra
 
@@ -227,6 +257,7 @@ class RankWorker:
                     first.prefix,
                     list(first.prefix_pages),
                 )
+                self._store_parts(first)
             else:
                 if isinstance(first, Write):
                     if self.faults.fail_writes:
@@ -365,6 +396,56 @@ class RankWorker:
         if not self.filler.tolerance:
             return bool(torch.equal(actual, expected))
         return bool(torch.allclose(actual, expected, rtol=0, atol=self.filler.tolerance))
+
+    def _store_parts(self, cmd: Compute) -> None:
+        """Store a hybrid compute's other components: each sliding page's KV of the
+        sliding layers, each mamba state (synthetic: checkable like the full KV)."""
+        for part in cmd.sliding:
+            assert self.sliding is not None, "sliding parts for a model without sliding layers"
+            positions, values = self.sliding_producer.expected(
+                part.prev_hash,
+                part.tokens,
+                part.page * self.config.cache.page_size,
+                self.sliding.buffer.dtype,
+            )
+            start = part.page * self.config.cache.page_size
+            page_idx, offsets = self.sliding_producer.locate(positions, start, [part.pool_page])
+            self.sliding.write_tokens(page_idx.to(self.device), offsets.to(self.device), values)
+        for part in cmd.mamba:
+            assert self.states is not None, "mamba parts for a model without mamba layers"
+            self.states.buffer[part.slot] = self.state_producer.state(part.chain_hash)
+
+    def verify_parts(
+        self,
+        namespace: str,
+        tokens: bytes,
+        sliding: list[tuple[int, int]],
+        mamba: list[tuple[int, int]],
+    ) -> bool:
+        """Whether this rank's sliding pages ``(key page, pool page)`` and mamba slots
+        ``(end page, slot)`` hold exactly the components of the packed prefix
+        ``tokens`` (synthetic components only)."""
+        ps = self.config.cache.page_size
+        pb = ps * 4
+        last = max([k + 1 for k, _ in sliding] + [e for e, _ in mamba] + [0])
+        seed = namespace_seed(namespace)
+        chain = [seed, *chain_hashes(seed, tokens[: last * pb], pb)]
+        for k, pool_page in sliding:
+            assert self.sliding is not None
+            positions, want = self.sliding_producer.expected(
+                chain[k], tokens[k * pb : (k + 1) * pb], k * ps, self.sliding.buffer.dtype
+            )
+            page_idx, offsets = self.sliding_producer.locate(positions, k * ps, [pool_page])
+            got = self.sliding.read_tokens(page_idx.to(self.device), offsets.to(self.device))
+            if not torch.equal(got.cpu(), want):
+                return False
+        for end, slot in mamba:
+            assert self.states is not None
+            if not torch.equal(
+                self.states.buffer[slot].cpu(), self.state_producer.state(chain[end])
+            ):
+                return False
+        return True
 
     def read(self, tokens: int, pages: list[int]) -> tuple[Shard, torch.Tensor]:
         """This rank's shard of the KV of the first ``tokens`` positions held in L1

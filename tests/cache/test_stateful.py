@@ -158,8 +158,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         last = c.insert(key, m.device_pages + fresh, priority).last_node
         self.remember(ns, pages)
-        # A hybrid leaf whose components found no room is a tombstone: cached, not served.
-        if c.parts is None or c.parts.complete(last):
+        # A hybrid prefix whose components found no room is cached, not served.
+        if c.parts is None or c.parts.valid_end(last, c.tree.pages):
             assert c.match_prefix(key).device_tokens == key.num_tokens
 
     @rule(ns=namespaces, pages=page_lists)

@@ -368,3 +368,29 @@ def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(
     parts = f.core.cache.parts
     assert parts.stats.truncated_matches > 0
     assert parts.stats.mamba_evicted_states + parts.stats.sliding_evicted_pages > 0
+
+
+def test_a_hybrid_lease_names_its_components_and_every_rank_checks_them():
+    f = LocalFabric(
+        small_config(
+            "model.layers=4",
+            "model.layer_kinds=[full, sliding, full, mamba]",
+            "model.sliding_window=6",
+            "model.mamba_state_bytes=64",
+        )
+    )
+    p = pack_tokens(prompt(1, pages=5))
+    first = f.serve(p)
+    assert f.core.release(first.lease)
+    again = f.serve(p)
+    lease = again.lease
+    assert again.device_hit_tokens == 20
+    # The window before the end (5 tokens: pages 3 and 4) and the state at the end.
+    assert [k for k, _ in lease.sliding] == [3, 4] and [e for e, _ in lease.mamba] == [5]
+    assert f.verify(again, p) == [True] * 4
+    # Stage 0 holds the sliding layer, stage 1 the mamba layer: a wrong value in
+    # either is caught by the ranks that hold it.
+    (_, sliding_page), (_, slot) = lease.sliding[0], lease.mamba[0]
+    f.ranks[0].sliding.pages[:, sliding_page] += 1
+    f.ranks[3].states.buffer[slot] += 1
+    assert f.verify(again, p) == [False, True, True, False]
