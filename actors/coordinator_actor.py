@@ -161,7 +161,8 @@ class CoordinatorActor:
             raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
         cached = tokens[: lease.tokens * 4]
         pages = list(lease.device_pages)
-        calls = [r.verify.remote(lease.namespace, cached, pages) for r in self.ranks]
+        parts = (list(lease.sliding), list(lease.mamba))
+        calls = [r.verify.remote(lease.namespace, cached, pages, *parts) for r in self.ranks]
         return list(await asyncio.gather(*calls))
 
     async def read_kv(self, lease: Lease) -> list:

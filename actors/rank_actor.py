@@ -115,8 +115,19 @@ class RankActor:
     def report(self) -> bytes:
         return encode(self.worker.report())
 
-    def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
-        return self.worker.verify(namespace, tokens, pages)
+    def verify(
+        self,
+        namespace: str,
+        tokens: bytes,
+        pages: list[int],
+        sliding: list[tuple[int, int]] = (),  # type: ignore[assignment]
+        mamba: list[tuple[int, int]] = (),  # type: ignore[assignment]
+    ) -> bool:
+        """The full KV in ``pages`` and a hybrid model's ``sliding`` / ``mamba`` parts."""
+        worker = self.worker
+        return worker.verify(namespace, tokens, pages) and worker.verify_parts(
+            namespace, tokens, list(sliding), list(mamba)
+        )
 
     def read(self, tokens: int, pages: list[int]) -> tuple:
         """This rank's shard of the KV of ``tokens`` positions held in L1 ``pages``."""
