@@ -170,7 +170,7 @@ class PrefetchConfig(_Section):
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
-FILLERS = ("synthetic", "llama")
+FILLERS = ("synthetic", "llama", "hybrid")
 # What a layer keeps per position: KV for every token (``full``, the base
 # component), KV for the last ``sliding_window - 1`` tokens (``sliding``), or one
 # fixed-size recurrent state (``mamba``).
@@ -418,11 +418,12 @@ class FabricConfig(BaseModel):
                 raise ValueError(
                     f"{key}={value} is refused: allowed is a multiple of {what} ({divisor})"
                 )
-        if len(model.components) > 1 and model.filler != "synthetic":
+        hybrid = len(model.components) > 1
+        if (hybrid and model.filler == "llama") or (not hybrid and model.filler == "hybrid"):
             raise ValueError(
-                f"model.filler={model.filler!r} is refused for a hybrid model "
-                f"(model.layer_kinds has {', '.join(model.components[1:])} layers): allowed is "
-                "synthetic until the ranks compute hybrid models' components with a real model"
+                f"model.filler={model.filler!r} is refused for model.layer_kinds="
+                f"{list(model.layer_kinds)}: allowed is synthetic, or hybrid for a model "
+                "with sliding or mamba layers, llama for full attention only"
             )
         if self.events.enabled and not cache.kv_events:
             raise ValueError(

@@ -107,7 +107,7 @@ class FabricController(Controller):
             )
         self.max_prefetch_pages = self.storage_pages
         # A hybrid model's component parts per command.
-        self.part_count = parts_per_command(self.command_budget, self.page_size, ns)
+        self.part_count = parts_per_command(self.command_budget - prefix_bytes, self.page_size, ns)
         self.reset()
 
     def reset(self) -> None:
@@ -189,18 +189,20 @@ class FabricController(Controller):
             self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before, held))
             self.computes.append(cmd)
             cmds.append(cmd)
+        # A model filler computes the parts from every token up to the fill's end.
+        upto = prefix + data if self.with_prefix else b""
         n = self.part_count
         for i in range(0, len(sliding), n):
-            cmds.append(self._parts(namespace, prev, start_token, tuple(sliding[i : i + n]), ()))
+            part = tuple(sliding[i : i + n])
+            cmds.append(self._parts(namespace, prev, start_token, upto, part, ()))
         for i in range(0, len(mamba), n):
-            cmds.append(self._parts(namespace, prev, start_token, (), tuple(mamba[i : i + n])))
+            part = tuple(mamba[i : i + n])
+            cmds.append(self._parts(namespace, prev, start_token, upto, (), part))
         return tuple(cmds)
 
-    def _parts(self, namespace, prev, start_token, sliding, mamba) -> int:
+    def _parts(self, namespace, prev, start_token, upto, sliding, mamba) -> int:
         cmd = self._cmd_id()
-        self._send(
-            Compute(cmd, namespace, prev, b"", start_token, (), sliding=sliding, mamba=mamba)
-        )
+        self._send(Compute(cmd, namespace, prev, b"", start_token, (), upto, (), sliding, mamba))
         self.computes.append(cmd)
         return cmd
 

@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-from fabric.errors import InvalidInput
+from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
+from fabric.config import ModelConfig
+from fabric.errors import ConfigError, InvalidInput
+from fabric.rank.producer import ShardPositions
+from fabric.topology import Shard
 
 KINDS = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "mamba"}
 
@@ -127,3 +131,149 @@ def component_bytes(states: list[LayerState]) -> dict[str, int]:
             tensors, kind = (s.keys, s.values), "sliding" if isinstance(s, SlidingKV) else "full"
         out[kind] += sum(t.numel() * t.element_size() for t in tensors)
     return dict(out)
+
+
+# -- a real hybrid model behind the ranks ------------------------------------------
+
+
+def build_hybrid(model: ModelConfig) -> tuple[Any, Any]:
+    """A tiny seeded-random transformers model whose layers follow
+    ``model.layer_kinds``: Gemma 3 for full + sliding layers (window
+    ``model.sliding_window``), Bamba (Mamba2) for full + mamba layers. Returns
+    ``(hf_config, model)`` in float32 eval mode."""
+    from fabric.rank.model import _transformers
+
+    tf = _transformers()
+    kinds = list(model.kinds)
+    heads = model.attention_heads or 2 * model.kv_heads
+    hidden = heads * model.head_dim
+    common = {
+        "vocab_size": model.vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": model.intermediate_size or 2 * hidden,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.kv_heads,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,  # tied, greedy output degenerates at this size
+    }
+    if "mamba" in kinds and "sliding" in kinds:
+        raise ConfigError(
+            "model.filler=hybrid is refused for sliding and mamba layers together: allowed is "
+            "full with sliding layers (Gemma 3) or full with mamba layers (Bamba)"
+        )
+    if "mamba" in kinds:
+        cfg = tf.BambaConfig(
+            **common,
+            attn_layer_indices=[i for i, k in enumerate(kinds) if k == "full"],
+            mamba_n_heads=8,
+            mamba_d_head=2 * hidden // 8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        )
+        cls = tf.BambaForCausalLM
+    else:
+        cfg = tf.Gemma3TextConfig(
+            **common,
+            head_dim=model.head_dim,
+            sliding_window=max(2, model.sliding_window),
+            layer_types=[f"{k}_attention" for k in kinds],
+        )
+        cls = tf.Gemma3ForCausalLM
+    torch.manual_seed(model.seed)
+    return cfg, cls(cfg).eval()
+
+
+def mamba_state_floats(hf_config: Any) -> int:
+    """float32 values of one mamba layer's state (conv + recurrent) in a Bamba model."""
+    c = hf_config
+    inner = c.mamba_expand * c.hidden_size
+    conv = (inner + 2 * c.mamba_n_groups * c.mamba_d_state) * c.mamba_d_conv
+    return conv + c.mamba_n_heads * c.mamba_d_head * c.mamba_d_state
+
+
+class HybridKV(ShardPositions):
+    """Fills a rank's pools with what a real hybrid model computes (``build_hybrid``):
+    the full-attention layers' KV of its positions and heads, and for a compute's
+    parts the sliding layers' KV of whole pages and the mamba layers' states at
+    page-aligned ends (this rank's contiguous share of each flattened state).
+    Each rank runs the whole model over the whole prefix: simple and exact on CPU."""
+
+    tolerance = 1e-4
+
+    def __init__(
+        self, shard: Shard, model: ModelConfig, page_size: int, elems: int, tp: int
+    ) -> None:
+        super().__init__(shard, page_size)
+        self.tp = tp
+        self.head_dim = model.head_dim
+        self.hf_config, self.model = build_hybrid(model)
+        self.kinds = list(model.kinds)
+        self.elems = elems
+        span = range(shard.layer_start, shard.layer_start + shard.layers)
+        self.full = [i for i in span if self.kinds[i] == "full"]
+        self.sliding = [i for i in span if self.kinds[i] == "sliding"]
+        self.mamba = [i for i in span if self.kinds[i] == "mamba"]
+        self.heads = slice(shard.head_start, shard.head_start + shard.heads)
+        floats = mamba_state_floats(self.hf_config) if "mamba" in self.kinds else 0
+        if floats and (model.mamba_state_bytes != 4 * floats or elems * self.tp != floats):
+            raise ConfigError(
+                f"model.mamba_state_bytes={model.mamba_state_bytes} is refused for this model: "
+                f"allowed is {4 * floats} (a layer's conv and recurrent state in float32, "
+                "split evenly over topology.tp)"
+            )
+
+    def _run(self, ids: list[int]) -> Any:
+        """The model's cache after ``ids``: every position's K and V in each attention
+        layer (a config-less cache keeps all of a sliding layer's), the mamba states."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf_config) if "mamba" in self.kinds else DynamicCache()
+        positions = torch.arange(len(ids)).unsqueeze(0)
+        with torch.no_grad():
+            x = torch.tensor([ids], dtype=torch.long)
+            out = self.model(x, cache=cache, use_cache=True, position_ids=positions)
+        return out.past_key_values
+
+    def _kv(self, cache: Any, layers: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """``(2, T, layers, heads, head_dim)`` of ``layers`` at ``positions``."""
+        k = torch.stack([cache.layers[i].keys[0, self.heads][:, positions] for i in layers])
+        v = torch.stack([cache.layers[i].values[0, self.heads][:, positions] for i in layers])
+        # (layers, heads, T, dim) -> (T, layers, heads, dim)
+        return torch.stack([k, v]).permute(0, 3, 1, 2, 4)
+
+    def expected(self, prev_hash, tokens, start_token, dtype, prefix=b""):
+        ids = unpack_tokens(prefix + tokens)
+        positions = self.positions(start_token, start_token + len(tokens) // TOKEN_BYTES)
+        if positions.numel() == 0 or not self.full:
+            dim = self.head_dim
+            return positions, torch.zeros(2, len(positions), len(self.full), self.shard.heads, dim)
+        return positions, self._kv(self._run(ids), self.full, positions).to(dtype)
+
+    def store_parts(self, sliding_pool: Any, states: Any, cmd: Any) -> None:
+        """Store a compute's sliding pages and mamba states (``cmd.prefix``: every
+        token up to the end of the compute's fill)."""
+        ids = unpack_tokens(cmd.prefix)
+        ps = self.page_size
+        if cmd.sliding and self.sliding:
+            cache = self._run(ids)
+            for part in cmd.sliding:
+                positions = self.positions(part.page * ps, (part.page + 1) * ps)
+                values = self._kv(cache, self.sliding, positions)
+                page_idx, offsets = self.locate(positions, part.page * ps, [part.pool_page])
+                sliding_pool.write_tokens(page_idx, offsets, values)
+        for part in cmd.mamba if self.mamba else ():
+            cache = self._run(ids[: part.end_page * ps])
+            flat = [
+                torch.cat(
+                    [
+                        cache.layers[i].conv_states[0].flatten(),
+                        cache.layers[i].recurrent_states[0].flatten(),
+                    ]
+                )
+                for i in self.mamba
+            ]
+            first = self.shard.rank.tp * self.elems
+            states.buffer[part.slot] = torch.stack(flat)[:, first : first + self.elems]

@@ -112,6 +112,12 @@ class RankWorker:
             from fabric.rank.model import LlamaKV  # transformers: an optional extra
 
             filler = LlamaKV(self.shard, model, cache.page_size)
+        if filler is None and model.filler == "hybrid":
+            from fabric.rank.hybrid import HybridKV  # transformers: an optional extra
+
+            elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
+            filler = HybridKV(self.shard, model, cache.page_size, elems, config.topology.tp)
+
         self.filler: KVFiller = filler or self.producer
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.incarnation = uuid.uuid4().hex
@@ -399,7 +405,12 @@ class RankWorker:
 
     def _store_parts(self, cmd: Compute) -> None:
         """Store a hybrid compute's other components: each sliding page's KV of the
-        sliding layers, each mamba state (synthetic: checkable like the full KV)."""
+        sliding layers, each mamba state (a model filler computes them; else
+        synthetic: checkable like the full KV)."""
+        store = getattr(self.filler, "store_parts", None)
+        if store is not None:
+            store(self.sliding, self.states, cmd)
+            return
         for part in cmd.sliding:
             assert self.sliding is not None, "sliding parts for a model without sliding layers"
             positions, values = self.sliding_producer.expected(
@@ -446,6 +457,31 @@ class RankWorker:
             ):
                 return False
         return True
+
+    def read_parts(
+        self, sliding: list[tuple[int, int]], mamba: list[tuple[int, int]]
+    ) -> tuple[Shard, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's shard of a hybrid prefix's other components: the sliding
+        layers' KV of the ``(key page, pool page)`` pages, ``(2, T, layers, heads,
+        head_dim)`` over its positions of those pages in order, and the mamba
+        states of the ``(end page, slot)`` slots, ``(n, layers, elems)``; on CPU."""
+        ps = self.config.cache.page_size
+        kv = states = None
+        if sliding and self.sliding is not None:
+            positions = torch.cat(
+                [self.producer.positions(k * ps, (k + 1) * ps) for k, _ in sliding]
+            )
+            keys = [k for k, _ in sliding]
+            pool_pages = [p for _, p in sliding]
+            page_idx = torch.tensor(pool_pages)[
+                torch.searchsorted(torch.tensor(keys), positions // ps)
+            ]
+            offsets = positions % ps - self.shard.cp_rank * self.shard.page_tokens
+            kv = self.sliding.read_tokens(page_idx.to(self.device), offsets.to(self.device))
+            kv = kv.cpu().clone()
+        if mamba and self.states is not None:
+            states = self.states.buffer[[slot for _, slot in mamba]].cpu().clone()
+        return self.shard, kv, states
 
     def read(self, tokens: int, pages: list[int]) -> tuple[Shard, torch.Tensor]:
         """This rank's shard of the KV of the first ``tokens`` positions held in L1

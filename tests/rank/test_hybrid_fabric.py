@@ -1,0 +1,134 @@
+"""Hybrid models served by the fabric with a real model behind the ranks: tiny
+seeded-random Gemma 3 (sliding + full attention) and Bamba (Mamba2 + attention)
+at TP=2 x PP=2 generate exactly the tokens they generate without a cache when
+they continue from the state the fabric served — the full pages, the sliding
+window before the prefix's end, the mamba state there — also through branch
+points and after component evictions that leave tombstones."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fabric.cache.keys import pack_tokens  # noqa: E402
+from fabric.local import LocalFabric  # noqa: E402
+from fabric.rank.hybrid import (  # noqa: E402
+    FullKV,
+    MambaState,
+    SlidingKV,
+    build_hybrid,
+    extract,
+    layer_kinds,
+    rebuild,
+)
+from tests.helpers import small_config  # noqa: E402
+from tests.rank.test_hybrid import greedy  # noqa: E402
+
+MODELS = {
+    "gemma3-swa": ["model.layer_kinds=[sliding, sliding, sliding, full]", "model.sliding_window=7"],
+    "bamba-mamba2": [
+        "model.layer_kinds=[mamba, full, mamba, full]",
+        "model.mamba_state_bytes=10752",
+    ],
+}
+
+
+def fabric(name: str, *extra: str) -> LocalFabric:
+    return LocalFabric(
+        small_config(
+            "model.layers=4",
+            "model.kv_heads=2",
+            "model.head_dim=16",
+            "model.attention_heads=4",
+            "model.vocab_size=200",
+            "model.dtype=float32",
+            "model.filler=hybrid",
+            "cache.device_tokens=128",
+            *MODELS[name],
+            *extra,
+        )
+    )
+
+
+def served_cache(f: LocalFabric, lease, hf_config, model):
+    """The transformers cache the fabric's pages make for ``lease``'s prefix."""
+    cfg = f.config.model
+    kinds = list(cfg.kinds)
+    tokens = lease.tokens
+    window = cfg.sliding_window - 1
+    probe = model(torch.tensor([[1]]), use_cache=True, position_ids=torch.tensor([[0]]))
+    shapes = {
+        i: (s.conv.shape, s.recurrent.shape, s.kernel)
+        for i, s in enumerate(extract(probe.past_key_values, layer_kinds(hf_config)))
+        if isinstance(s, MambaState)
+    }
+    full = {}
+    sliding = {}
+    flat = {}
+    for rank in f.ranks:
+        shard, kv = rank.read(tokens, list(lease.device_pages))
+        _, skv, states = rank.read_parts(list(lease.sliding), list(lease.mamba))
+        span = range(shard.layer_start, shard.layer_start + shard.layers)
+        heads = (shard.head_start, shard.head_start + shard.heads)
+        for j, layer in enumerate(i for i in span if kinds[i] == "full"):
+            full.setdefault(layer, {})[heads] = kv[:, :, j]  # (2, T, heads, dim)
+        for j, layer in enumerate(i for i in span if kinds[i] == "sliding"):
+            sliding.setdefault(layer, {})[heads] = skv[:, :, j]
+        for j, layer in enumerate(i for i in span if kinds[i] == "mamba"):
+            flat.setdefault(layer, {})[shard.rank.tp] = states[0, j]
+    positions = [k * 4 + t for k, _ in lease.sliding for t in range(4)]
+    keep = [positions.index(p) for p in range(max(0, tokens - window), tokens)]
+    layers = []
+    for i, kind in enumerate(kinds):
+        if kind == "mamba":
+            state = torch.cat([flat[i][tp] for tp in sorted(flat[i])])
+            conv_shape, rec_shape, kernel = shapes[i]
+            n = conv_shape.numel()
+            layers.append(MambaState(state[:n].view(conv_shape), state[n:].view(rec_shape), kernel))
+            continue
+        parts = full[i] if kind == "full" else sliding[i]
+        kv = torch.cat([parts[h] for h in sorted(parts)], dim=2)  # (2, T, kv_heads, dim)
+        if kind == "sliding":
+            kv = kv[:, keep]
+        k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in kv)  # (1, heads, T, dim)
+        layers.append(SlidingKV(k, v, tokens) if kind == "sliding" else FullKV(k, v))
+    return rebuild(layers, hf_config)
+
+
+def check(f: LocalFabric, hf_config, model, prompt: list[int], more: list[int]) -> int:
+    """Serve ``prompt`` (whole pages), continue greedily from what the fabric
+    served and from no cache; returns the device hit."""
+    r = f.serve(pack_tokens(prompt))
+    assert r.error is None and r.lease.tokens == len(prompt)
+    with torch.no_grad():
+        cache = served_cache(f, r.lease, hf_config, model)
+        got = greedy(model, torch.tensor([more]), cache, 6, len(prompt))
+        want = greedy(model, torch.tensor([prompt + more]), None, 6, 0)
+    assert got == want, f"continuing after {len(prompt)} served tokens"
+    assert f.core.release(r.lease)
+    f.core.cache.check_integrity()
+    return r.device_hit_tokens
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_hybrid_model_continues_from_served_state_as_from_no_cache(name):
+    f = fabric(name)
+    hf_config, model = build_hybrid(f.config.model)
+    a = [(7 * t + 3) % 200 for t in range(24)]  # six pages
+    b = a[:12] + [(5 * t + 1) % 200 for t in range(8)]  # branches after page 3
+    assert check(f, hf_config, model, a, [11, 12]) == 0
+    assert check(f, hf_config, model, a, [13]) == 24  # the whole prefix served
+    # B's match stops at page 3 (no state was kept inside A's node); its fill
+    # keeps one there, so C, which also branches there, is served up to it.
+    assert check(f, hf_config, model, b, [14]) == 0
+    c = a[:12] + [(3 * t + 2) % 200 for t in range(4)]
+    assert check(f, hf_config, model, c, [15]) == 12
+    # Evict every unlocked component: A's end is a tombstone, then removed;
+    # served again, it is recomputed and its state is right.
+    parts = f.core.cache.parts
+    parts.evict_sliding(1 << 20)
+    parts.evict_mamba(1 << 20)
+    f.core.cache.check_integrity()
+    assert parts.stats.tombstones_removed > 0
+    assert check(f, hf_config, model, a, [16]) < 24
+    assert check(f, hf_config, model, a, [17]) == 24
