@@ -131,10 +131,21 @@ class CacheConfig(_Section):
         description="an integer >= 0, a multiple of page_size (0: as many as device_tokens)",
     )
     mamba_states: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per L1 page)")
+    host_sliding_tokens: NonNegativeInt = Field(
+        0,
+        description="an integer >= 0, a multiple of page_size (0: as many as host_tokens)",
+    )
+    host_mamba_states: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per L2 page)")
 
     @model_validator(mode="after")
     def _whole_pages(self) -> CacheConfig:
-        for name in ("device_tokens", "host_tokens", "chunk_tokens", "sliding_tokens"):
+        for name in (
+            "device_tokens",
+            "host_tokens",
+            "chunk_tokens",
+            "sliding_tokens",
+            "host_sliding_tokens",
+        ):
             self._multiple(name, self.page_size, "page_size")
         return self
 
@@ -153,6 +164,14 @@ class CacheConfig(_Section):
     @property
     def mamba_slots(self) -> int:
         return self.mamba_states or self.device_pages
+
+    @property
+    def host_sliding_pages(self) -> int:
+        return (self.host_sliding_tokens or self.host_tokens) // self.page_size
+
+    @property
+    def host_mamba_slots(self) -> int:
+        return self.host_mamba_states or self.host_pages
 
 
 class PrefetchConfig(_Section):

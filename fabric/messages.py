@@ -80,19 +80,28 @@ class Compute(_Message, frozen=True):
 
 
 class Write(_Message, frozen=True):
-    """Copy L1 pages to L2 pages."""
+    """Copy L1 pages to L2 pages (and a hybrid model's sliding pages and mamba
+    state slots, L1 to L2)."""
 
     cmd_id: Count
     device_pages: tuple[Count, ...]
     host_pages: tuple[Count, ...]
+    sliding_src: tuple[Count, ...] = ()
+    sliding_dst: tuple[Count, ...] = ()
+    mamba_src: tuple[Count, ...] = ()
+    mamba_dst: tuple[Count, ...] = ()
 
 
 class Load(_Message, frozen=True):
-    """Copy L2 pages to L1 pages."""
+    """Copy L2 pages to L1 pages (and a hybrid model's components, L2 to L1)."""
 
     cmd_id: Count
     host_pages: tuple[Count, ...]
     device_pages: tuple[Count, ...]
+    sliding_src: tuple[Count, ...] = ()
+    sliding_dst: tuple[Count, ...] = ()
+    mamba_src: tuple[Count, ...] = ()
+    mamba_dst: tuple[Count, ...] = ()
 
 
 class Backup(_Message, frozen=True):
@@ -177,7 +186,10 @@ def command_bound(cmd: Command) -> int:
         parts = sum(_PART + 5 + len(p.tokens) for p in cmd.sliding) + _PART * len(cmd.mamba)
         return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * pages + parts
     if isinstance(cmd, (Write, Load)):
-        return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages))
+        parts = (
+            len(cmd.sliding_src) + len(cmd.sliding_dst) + len(cmd.mamba_src) + len(cmd.mamba_dst)
+        )
+        return _OVERHEAD + _INT * (len(cmd.device_pages) + len(cmd.host_pages) + parts)
     if isinstance(cmd, (Backup, Prefetch)):
         return _OVERHEAD + (_INT + _HASH) * len(cmd.page_hashes)
     raise TypeError(f"{type(cmd).__name__} is not a command")

@@ -25,13 +25,16 @@ missing can serve nothing and is removed (demoted to L2 or deleted), and so on
 up the tree (``prune``). Removing a node's full pages takes its components with
 it (``drop``).
 
-Only L1 holds components here: L2 and L3 keep the full pages, so a hybrid match
-ends at the deepest valid node on device (``HiCache.match_prefix``).
+L2 holds components too: a write to L2 copies a node's components with its
+pages (``to_host``; all or none with them), a load-back brings them to L1
+(``to_device``), and an L2 node deleted takes its components (``drop_host``).
+A hybrid match may end at an L2 node whose components are valid there; L3
+keeps the full pages only, so prefetch is off for hybrid models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from fabric.cache.allocator import PagedAllocator, Pages, as_pages
@@ -83,6 +86,8 @@ class Components:
         sliding_pages: int,
         mamba_slots: int,
         eviction: EvictionPolicy,
+        host_sliding_pages: int = 0,
+        host_mamba_slots: int = 0,
     ) -> None:
         self.sliding = "sliding" in components
         self.mamba = "mamba" in components
@@ -92,6 +97,10 @@ class Components:
             sliding_pages if self.sliding else 0, page_size, "L1 sliding"
         )
         self.mamba_pool = PagedAllocator(mamba_slots if self.mamba else 0, 1, "L1 mamba")
+        self.host_sliding_pool = PagedAllocator(
+            host_sliding_pages if self.sliding else 0, page_size, "L2 sliding"
+        )
+        self.host_mamba_pool = PagedAllocator(host_mamba_slots if self.mamba else 0, 1, "L2 mamba")
         self.eviction = eviction
         self.stats = ComponentStats()
         self.remove: Callable[[TreeNode], bool] = lambda node: False
@@ -105,8 +114,13 @@ class Components:
     def clear(self, root: TreeNode | None) -> None:
         """Forget every value (the tree was cleared) and empty the pools."""
         self.root = root
-        self.sliding_pool.reset()
-        self.mamba_pool.reset()
+        for pool in (
+            self.sliding_pool,
+            self.mamba_pool,
+            self.host_sliding_pool,
+            self.host_mamba_pool,
+        ):
+            pool.reset()
         self.sliding_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
         self.mamba_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
 
@@ -120,15 +134,19 @@ class Components:
 
     def valid_end(self, node: TreeNode, pages: Callable[[TreeNode], int]) -> bool:
         """A prefix ending at ``node`` can be served: the mamba state at its end and
-        sliding tails covering the window before it."""
+        sliding tails covering the window before it — each node's L1 values where
+        it is on device, its L2 values where it is in L2 only (a load-back brings
+        those chains to L1 with their components)."""
         if node is self.root:
             return True
-        if self.mamba and node.mamba is None:
+        on_device = node.device_value is not None
+        if self.mamba and (node.mamba if on_device else node.host_mamba) is None:
             return False
         need, x = self.window_pages, node
         while need > 0 and x is not self.root:
             n = pages(x)
-            have = 0 if x.sliding is None else len(x.sliding)
+            tail = x.sliding if x.device_value is not None else x.host_sliding
+            have = 0 if tail is None else len(tail)
             if have < min(n, need):
                 return False
             need -= n
@@ -139,12 +157,17 @@ class Components:
 
     def on_split(self, upper: TreeNode, lower: TreeNode, lower_pages: int) -> None:
         """``lower`` (the node that was split) keeps its last ``lower_pages`` pages;
-        the sliding tail and the sliding locks reaching above them move to ``upper``.
-        The mamba state stays with ``lower`` (it is at the same end)."""
+        the parts of its sliding tails (L1 and L2) and of its sliding locks reaching
+        above them move to ``upper``. The mamba states stay with ``lower`` (they are
+        at the same end)."""
         tail = lower.sliding
         if tail is not None and len(tail) > lower_pages:
             cut = len(tail) - lower_pages
             upper.sliding, lower.sliding = tail[:cut], tail[cut:]
+        tail = lower.host_sliding
+        if tail is not None and len(tail) > lower_pages:
+            cut = len(tail) - lower_pages
+            upper.host_sliding, lower.host_sliding = tail[:cut], tail[cut:]
         locks = lower.sliding_locks
         if locks:
             moved = {r - lower_pages: c for r, c in locks.items() if r > lower_pages}
@@ -174,6 +197,52 @@ class Components:
             self.mamba_pool.release((node.mamba,))
             node.mamba = None
             self.mamba_lru.discard(node)
+
+    # -- L2 ------------------------------------------------------------------------
+
+    def to_host(self, node: TreeNode, copy: list[list[int]]) -> None:
+        """``node``'s L1 components get L2 copies (its full pages are being written):
+        L2 slots are taken now and the copies added to ``copy`` (sliding src, dst,
+        mamba src, dst). A pool without room leaves that component out of L2."""
+        if node.sliding is not None and node.host_sliding is None:
+            got = self.host_sliding_pool.alloc(len(node.sliding))
+            if got is not None:
+                node.host_sliding = got
+                copy[0].extend(node.sliding)
+                copy[1].extend(got)
+        if node.mamba is not None and node.host_mamba is None:
+            got = self.host_mamba_pool.alloc(1)
+            if got is not None:
+                node.host_mamba = got[0]
+                copy[2].append(node.mamba)
+                copy[3].append(got[0])
+
+    def drop_host(self, node: TreeNode) -> None:
+        """Free ``node``'s L2 components (its L2 pages are going)."""
+        if node.host_sliding is not None:
+            self.host_sliding_pool.release(node.host_sliding)
+            node.host_sliding = None
+        if node.host_mamba is not None:
+            self.host_mamba_pool.release((node.host_mamba,))
+            node.host_mamba = None
+
+    def to_device(self, node: TreeNode, copy: list[list[int]]) -> None:
+        """``node`` (just loaded back to L1, locked) gets its L2 components in L1,
+        evicting other components if short; the copies go to ``copy``."""
+        if node.host_sliding is not None and node.sliding is None:
+            got = self._alloc(self.sliding_pool, len(node.host_sliding), self.evict_sliding, node)
+            if got is not None:
+                node.sliding = got
+                copy[0].extend(node.host_sliding)
+                copy[1].extend(got)
+                self.refresh(node)
+        if node.host_mamba is not None and node.mamba is None:
+            got = self._alloc(self.mamba_pool, 1, self.evict_mamba, node)
+            if got is not None:
+                node.mamba = got[0]
+                copy[2].append(node.host_mamba)
+                copy[3].append(got[0])
+                self.refresh(node)
 
     # -- locks ---------------------------------------------------------------------
 
@@ -322,7 +391,7 @@ class Components:
                 kept.append(node)
                 continue
             freed += one(node)
-            self.prune(node)
+            self.prune(node, spared)
         for node in kept:
             queue.requeue(node)
         return freed
@@ -344,12 +413,14 @@ class Components:
         self.stats.mamba_evicted_states += 1
         return 1
 
-    def prune(self, node: TreeNode) -> None:
+    def prune(self, node: TreeNode, spared: Collection[TreeNode] = ()) -> None:
         """Remove ``node`` if it is a dead device leaf (on device, unlocked, no child on
         device, a component missing: it can serve nothing), then its parent if that
-        became one, and so on up the tree."""
+        became one, and so on up the tree — never one of ``spared`` (the path being
+        filled: its components are on their way)."""
         while (
             node is not self.root
+            and node not in spared
             and node.device_value is not None
             and node.lock_ref == 0
             and node.device_children == 0
@@ -397,6 +468,16 @@ class Components:
         for pool, name, owned in (
             (self.sliding_pool, "sliding", [p for n in nodes if n.sliding for p in n.sliding]),
             (self.mamba_pool, "mamba", [n.mamba for n in nodes if n.mamba is not None]),
+            (
+                self.host_sliding_pool,
+                "L2 sliding",
+                [p for n in nodes if n.host_sliding for p in n.host_sliding],
+            ),
+            (
+                self.host_mamba_pool,
+                "L2 mamba",
+                [n.host_mamba for n in nodes if n.host_mamba is not None],
+            ),
         ):
             out += pool.violations()
             if len(set(owned)) != len(owned):
@@ -411,10 +492,13 @@ class Components:
         for node in nodes:
             if (node.sliding is not None or node.mamba is not None) and node.device_value is None:
                 out.append(f"{node}: a component without the full pages on device")
-            if node.sliding is not None and not 0 < len(node.sliding) <= min(
-                pages(node), self.window_pages
+            if (node.host_sliding is not None or node.host_mamba is not None) and (
+                node.host_value is None
             ):
-                out.append(f"{node}: a sliding tail of {len(node.sliding)} pages")
+                out.append(f"{node}: an L2 component without the full pages in L2")
+            for tail in (node.sliding, node.host_sliding):
+                if tail is not None and not 0 < len(tail) <= min(pages(node), self.window_pages):
+                    out.append(f"{node}: a sliding tail of {len(tail)} pages")
             want_s = node.sliding is not None and not node.sliding_locks
             if want_s != (node in self.sliding_lru):
                 out.append(f"{node}: sliding queue membership is {not want_s}")

@@ -17,6 +17,21 @@ from fabric.cache.allocator import PagedAllocator
 
 
 @dataclass(frozen=True)
+class PartCopy:
+    """A hybrid model's other components moving with a write (L1 -> L2) or a load
+    (L2 -> L1), all or none with its pages: sliding pages ``sliding_src`` to
+    ``sliding_dst`` and mamba state slots ``mamba_src`` to ``mamba_dst``."""
+
+    sliding_src: tuple[int, ...] = ()
+    sliding_dst: tuple[int, ...] = ()
+    mamba_src: tuple[int, ...] = ()
+    mamba_dst: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.sliding_src or self.mamba_src)
+
+
+@dataclass(frozen=True)
 class Completions:
     """What every rank has finished since the last step.
 
@@ -57,12 +72,24 @@ class Controller(ABC):
     max_prefetch_pages: int | None = None
 
     @abstractmethod
-    def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Copy device pages to host pages (L1 -> L2)."""
+    def write(
+        self,
+        op_id: int,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        parts: PartCopy | None = None,
+    ) -> None:
+        """Copy device pages to host pages (L1 -> L2), and ``parts`` with them."""
 
     @abstractmethod
-    def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        """Copy host pages to device pages (L2 -> L1)."""
+    def load(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        device_pages: Sequence[int],
+        parts: PartCopy | None = None,
+    ) -> None:
+        """Copy host pages to device pages (L2 -> L1), and ``parts`` with them."""
 
     @abstractmethod
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:

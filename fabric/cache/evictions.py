@@ -116,6 +116,7 @@ class Evictions:
         """Remove the leaf ``node`` from the tree, its pages back to their pools."""
         if self.tree.parts is not None:
             self.tree.parts.drop(node)
+            self.tree.parts.drop_host(node)
         if node.device_value is not None:
             self.ctl.device.release(node.device_value)
             self.events.removed(node, Medium.DEVICE)

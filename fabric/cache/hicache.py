@@ -69,6 +69,8 @@ class HiCache:
                 config.sliding_pages,
                 config.mamba_slots,
                 self.eviction,
+                config.host_sliding_pages,
+                config.host_mamba_slots,
             )
             self.parts.remove = self._remove_dead
         self.tree = RadixTree(self.page_size, self.eviction, self.parts)
@@ -177,28 +179,43 @@ class HiCache:
     def _match_components(
         self, path: list[TreeNode], now: float, held: TreeNode | None
     ) -> MatchResult:
+        # The deepest valid end on device (the served prefix, at least ``held``),
+        # and the deepest valid end at all: when that one is deeper it ends an
+        # L1-evicted chain whose L2 copies (components too) a load-back brings.
         parts, tree = self.parts, self.tree
         assert parts is not None
-        device = [n for n in path if n.device_value is not None]
-        end = len(device)
-        while (
-            end and device[end - 1] is not held and not parts.valid_end(device[end - 1], tree.pages)
-        ):
+        end = len(path)
+        while end and path[end - 1] is not held and not parts.valid_end(path[end - 1], tree.pages):
             end -= 1
-        if end < len(device):
+        deepest = path[end - 1] if end else tree.root
+        device = 0
+        for i in range(end):
+            if path[i].device_value is None:
+                break
+            device = i + 1
+        while (
+            device
+            and path[device - 1] is not held
+            and not parts.valid_end(path[device - 1], tree.pages)
+        ):
+            device -= 1
+        if end < len(path):
             parts.stats.truncated_matches += 1
         pages = as_pages()
-        for node in device[:end]:
+        for node in path[:device]:
             pages.extend(node.device_value)  # type: ignore[arg-type]
             if node.pin_expiry and node.pin_expiry >= now:
                 node.pin_expiry = now + node.pin_ttl
-        last = last_host = tree.root
-        for node in device[:end]:
-            last = node
-            if node.host_value is not None and node.write_op is None:
-                last_host = node
-        # L2 and L3 hold only the full pages: no hybrid prefix is served from there.
-        return MatchResult(pages, len(pages) * self.page_size, 0, last, last_host)
+        last = path[device - 1] if device else tree.root
+        host_pages = sum(len(n.host_value) for n in path[device:end] if n.device_value is None)  # type: ignore[arg-type]
+        last_host = deepest if host_pages else tree.root
+        if not host_pages:
+            for node in path[:device]:
+                if node.host_value is not None and node.write_op is None:
+                    last_host = node
+        return MatchResult(
+            pages, len(pages) * self.page_size, host_pages * self.page_size, last, last_host
+        )
 
     def fill_parts(self, node: TreeNode, stop: TreeNode | None = None) -> PartFill | None:
         """For a hybrid model (``None`` for full attention only), give every node end

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fabric.cache.admission import Admission
 from fabric.cache.allocator import PagedAllocator
-from fabric.cache.controller import Completions, Controller
+from fabric.cache.controller import Completions, Controller, PartCopy
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TokenKey
 from fabric.cache.results import TierTokens
@@ -56,10 +56,10 @@ class InProcessController(Controller):
         self.prefetches: dict[int, _Queued] = {}
         self.stopped: list[int] = []
 
-    def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    def write(self, op_id, device_pages, host_pages, parts: PartCopy | None = None) -> None:
         self.writes.append(op_id)
 
-    def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+    def load(self, op_id, host_pages, device_pages, parts: PartCopy | None = None) -> None:
         self.loads.append(op_id)
 
     def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:

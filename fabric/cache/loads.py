@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from fabric.cache.allocator import Pages, as_pages
-from fabric.cache.controller import Controller
+from fabric.cache.controller import Controller, PartCopy
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree
@@ -76,9 +76,13 @@ class LoadBacks:
             self.events.stored(n, Medium.DEVICE)
             offset += k
         tree.inc_lock_ref(node)
+        parts, copy = tree.parts, [[], [], [], []]
+        if parts is not None:  # the chain is locked: making room spares it
+            for n in chain:
+                parts.to_device(n, copy)
         op_id = self.next_op_id()
         self.pending.append((op_id, node))
-        self.ctl.load(op_id, host, device)
+        self.ctl.load(op_id, host, device, PartCopy(*map(tuple, copy)) if parts else None)
         self.stats.loaded_back_tokens += tokens
         self.stats.transfer_sizes["host_to_device"].observe(tokens)
         return LoadBack(op_id, tokens, device, node)

@@ -28,7 +28,9 @@ class TreeNode:
         "device_children",
         "device_value",
         "hit_count",
+        "host_mamba",
         "host_ref",
+        "host_sliding",
         "host_value",
         "id",
         "key",
@@ -77,6 +79,8 @@ class TreeNode:
         self.sliding_locks: dict[int, int] | None = None
         self.mamba: int | None = None
         self.part_ref = 0
+        self.host_sliding: array | None = None
+        self.host_mamba: int | None = None
 
     @property
     def on_device(self) -> bool:

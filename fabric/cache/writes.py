@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 
 from fabric.cache.allocator import Pages, as_pages
-from fabric.cache.controller import Controller
+from fabric.cache.controller import Controller, PartCopy
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.radix import RadixTree
@@ -95,15 +95,19 @@ class Writes:
         op = WriteOp(self.next_op_id(), chain, node, evict_after)
         device = as_pages()
         offset = 0
+        parts = self.tree.parts
+        copy: list[list[int]] = [[], [], [], []]
         for n in chain:
             k = len(n.device_value)  # type: ignore[arg-type]
             n.host_value = host[offset : offset + k]
             n.write_op = op
             device.extend(n.device_value)  # type: ignore[arg-type]
             offset += k
+            if parts is not None:
+                parts.to_host(n, copy)
         self.tree.inc_lock_ref(node)
         self.pending.append(op)
-        self.ctl.write(op.op_id, device, host)
+        self.ctl.write(op.op_id, device, host, PartCopy(*map(tuple, copy)) if parts else None)
         return tokens
 
     def complete(self, n: int, failed: Collection[int] = ()) -> None:
@@ -129,6 +133,8 @@ class Writes:
                     self.stats.failed_write_tokens += tokens
                     self.ctl.host.free(node.host_value)
                     node.host_value = None
+                    if self.tree.parts is not None:
+                        self.tree.parts.drop_host(node)
                     if not self.policy.write_back:
                         self._orphan_pending_descendants(node)
             if written:
@@ -150,4 +156,8 @@ class Writes:
             if child.write_op is not None and child.host_value is not None:
                 child.write_op.orphan_pages.extend(child.host_value)
                 child.host_value = None
+                if self.tree.parts is not None:
+                    # Copies to L2 and from it run in order on every rank: a later
+                    # use of these slots comes after this copy.
+                    self.tree.parts.drop_host(child)
             stack.extend(child.children.values())

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
-from fabric.cache.controller import Completions, Controller
+from fabric.cache.controller import Completions, Controller, PartCopy
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, chain_hashes
 from fabric.config import CacheConfig
 from fabric.coordinator.consensus import Round
@@ -142,11 +142,34 @@ class FabricController(Controller):
             cmds.append(cmd)
         return cmds
 
-    def write(self, op_id: int, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.writes.add(self._copies(Write, op_id, device_pages, host_pages), op_id)
+    def write(self, op_id, device_pages, host_pages, parts: PartCopy | None = None) -> None:
+        cmds = self._copies(Write, op_id, device_pages, host_pages) + self._part_copies(
+            Write, parts
+        )
+        self.writes.add(cmds, op_id)
 
-    def load(self, op_id: int, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.loads.add(self._copies(Load, op_id, host_pages, device_pages), op_id)
+    def load(self, op_id, host_pages, device_pages, parts: PartCopy | None = None) -> None:
+        cmds = self._copies(Load, op_id, host_pages, device_pages) + self._part_copies(Load, parts)
+        self.loads.add(cmds, op_id)
+
+    def _part_copies(self, kind: type, parts: PartCopy | None) -> list[int]:
+        """A hybrid model's component copies of one op, in commands of their own
+        (the op completes, or fails, with all of them)."""
+        if not parts:
+            return []
+        cmds, step = [], self.copy_pages
+        pairs = [
+            (parts.sliding_src[i : i + step], parts.sliding_dst[i : i + step], (), ())
+            for i in range(0, len(parts.sliding_src), step)
+        ] + [
+            ((), (), parts.mamba_src[i : i + step], parts.mamba_dst[i : i + step])
+            for i in range(0, len(parts.mamba_src), step)
+        ]
+        for s_src, s_dst, m_src, m_dst in pairs:
+            cmd = self._cmd_id()
+            self._send(kind(cmd, (), (), s_src, s_dst, m_src, m_dst))
+            cmds.append(cmd)
+        return cmds
 
     def compute(
         self,

@@ -102,11 +102,22 @@ class RankWorker:
             self.sliding = KVPool(
                 cache.sliding_pages, self.shard, model, self.device, layers=len(ids)
             )
+            self.sliding_host = KVPool(
+                cache.host_sliding_pages,
+                self.shard,
+                model,
+                torch.device("cpu"),
+                pin_memory=cuda,
+                layers=len(ids),
+            )
             self.sliding_producer = SyntheticKV(self.shard, model, cache.page_size, ids)
         if "mamba" in model.components:
             ids = kind_layers(self.shard, model, "mamba")
             elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
             self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
+            self.states_host = StatePool(
+                cache.host_mamba_slots, len(ids), elems, torch.device("cpu")
+            )
             self.state_producer = SyntheticStates(self.shard, ids, elems)
         if filler is None and model.filler == "llama":
             from fabric.rank.model import LlamaKV  # transformers: an optional extra
@@ -275,6 +286,7 @@ class RankWorker:
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
                     self._copy(self.l2, host, self.l1, device)
+                self._copy_parts(group, isinstance(first, Write))
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).synchronize()
             return True
@@ -402,6 +414,29 @@ class RankWorker:
         if not self.filler.tolerance:
             return bool(torch.equal(actual, expected))
         return bool(torch.allclose(actual, expected, rtol=0, atol=self.filler.tolerance))
+
+    def _copy_parts(self, group: list[Message], to_host: bool) -> None:
+        """A hybrid model's sliding pages and mamba states of a group of writes
+        (L1 -> L2) or loads (L2 -> L1)."""
+        s_src = [p for c in group for p in c.sliding_src]  # type: ignore[attr-defined]
+        s_dst = [p for c in group for p in c.sliding_dst]  # type: ignore[attr-defined]
+        m_src = [p for c in group for p in c.mamba_src]  # type: ignore[attr-defined]
+        m_dst = [p for c in group for p in c.mamba_dst]  # type: ignore[attr-defined]
+        if s_src:
+            assert self.sliding is not None, "sliding copies for a model without sliding layers"
+            pools = (
+                (self.sliding, self.sliding_host) if to_host else (self.sliding_host, self.sliding)
+            )
+            self._copy(pools[0], s_src, pools[1], s_dst)
+        if m_src:
+            assert self.states is not None, "mamba copies for a model without mamba layers"
+            src, dst = (
+                (self.states, self.states_host) if to_host else (self.states_host, self.states)
+            )
+            index = torch.tensor(m_src)
+            dst.buffer[torch.tensor(m_dst)] = src.buffer[index.to(src.buffer.device)].to(
+                dst.buffer.device
+            )
 
     def _store_parts(self, cmd: Compute) -> None:
         """Store a hybrid compute's other components: each sliding page's KV of the

@@ -187,3 +187,32 @@ def test_full_attention_models_have_no_components():
 def test_bad_hybrid_configs_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
         FabricConfig().with_overrides(overrides)
+
+
+def test_components_go_to_l2_with_their_pages_and_come_back_with_a_load():
+    cache, adm = hybrid("both", immediate=True, mamba_states=8)
+    serve(adm, 1, 2, 3)
+    cache.poll()  # write-through: the pages and their components to L2
+    node = cache.tree.root.children[("default", pack_tokens(toks(1)))]
+    assert node.host_value is not None and node.host_mamba is not None
+    assert node.host_sliding is not None and len(node.host_sliding) == len(node.sliding)
+    cache.evict(1 << 20)  # every unlocked leaf demoted: components leave L1, stay in L2
+    assert node.device_value is None and node.sliding is None and node.mamba is None
+    cache.check_integrity()
+    # Served from L2: the load brings the components back with the pages.
+    key = cache.key(toks(1, 2, 3))
+    m = cache.match_prefix(key)
+    assert m.device_tokens == 0 and m.host_tokens == 3 * P
+    req = adm.begin(pack_tokens(toks(1, 2, 3, 4)))
+    fill = adm.prefill(req, req.num_tokens)
+    assert req.host_hit == 3 * P and fill.start == 3 * P
+    assert node.sliding is not None and node.mamba is not None
+    adm.release(req)
+    cache.check_integrity()
+    # An L2 node deleted takes its components with it.
+    cache.poll()  # the load completes: its lock goes
+    cache.evict(1 << 20)
+    cache.evict_host(1 << 20)
+    cache.check_integrity()
+    assert all(s.free == s.capacity for s in cache.component_sizes().values())
+    assert cache.parts.host_mamba_pool.available_pages == cache.parts.host_mamba_pool.num_pages

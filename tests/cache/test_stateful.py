@@ -169,8 +169,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert n == 0 or (ns, tuple(pages[:n])) in self.known
         parts = self.cache.parts
         if parts is not None:  # a hybrid match ends where every component serves it
-            assert m.host_tokens == 0
-            assert parts.valid_end(m.last_device_node, self.cache.tree.pages)
+            pages = self.cache.tree.pages
+            assert parts.valid_end(m.last_device_node, pages)
+            assert not m.host_tokens or parts.valid_end(m.last_host_node, pages)
 
     @rule(ns=namespaces, pages=page_lists)
     def lock(self, ns, pages):

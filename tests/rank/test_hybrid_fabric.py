@@ -132,3 +132,23 @@ def test_a_hybrid_model_continues_from_served_state_as_from_no_cache(name):
     assert parts.stats.tombstones_removed > 0
     assert check(f, hf_config, model, a, [16]) < 24
     assert check(f, hf_config, model, a, [17]) == 24
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_components_written_to_l2_and_loaded_back_continue_as_no_cache(name):
+    f = fabric(name)
+    hf_config, model = build_hybrid(f.config.model)
+    a = [(11 * t + 5) % 200 for t in range(24)]
+    assert check(f, hf_config, model, a, [21]) == 0
+    for _ in range(3):
+        f.step()  # the write-through to L2 completes on every rank
+    f.core.cache.evict(1 << 20)  # L1 emptied: the pages and components stay in L2
+    assert f.core.cache.device_sizes().evictable == 0
+    for rank in f.ranks:  # as if other prompts had reused every L1 slot since
+        for pool in (rank.l1, rank.sliding, rank.states):
+            if pool is not None:
+                pool.buffer.zero_()
+    r = f.serve(pack_tokens(a))
+    assert r.host_hit_tokens == 24, "served from L2, components loaded back with the pages"
+    assert f.core.release(r.lease)
+    assert check(f, hf_config, model, a, [22]) == 24
