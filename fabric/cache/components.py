@@ -28,8 +28,8 @@ it (``drop``).
 L2 holds components too: a write to L2 copies a node's components with its
 pages (``to_host``; all or none with them), a load-back brings them to L1
 (``to_device``), and an L2 node deleted takes its components (``drop_host``).
-A hybrid match may end at an L2 node whose components are valid there; L3
-keeps the full pages only, so prefetch is off for hybrid models.
+A hybrid match may end at an L2 node whose components are valid there. L3 holds
+no components yet: a hybrid cache neither backs up to L3 nor prefetches.
 """
 
 from __future__ import annotations

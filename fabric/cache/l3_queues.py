@@ -167,8 +167,10 @@ class L3Queues:
     # -- backup --------------------------------------------------------------------
 
     def backup(self, node: TreeNode) -> None:
-        """Queue an L2 -> L3 copy of a node whose host copy just completed."""
-        if not self.attached:
+        """Queue an L2 -> L3 copy of a node whose host copy just completed. Not for a
+        hybrid model: L3 holds no components yet, so its pages could serve nothing
+        (and its shards' page shapes differ by pipeline stage)."""
+        if not self.attached or self.tree.parts is not None:
             return
         hashes = tuple(self.tree.page_hashes(node))  # hashes the path too
         parent = node.parent

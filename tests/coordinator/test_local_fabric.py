@@ -342,13 +342,14 @@ def test_the_coordinator_hashes_only_the_pages_a_request_adds(monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("kinds", ["[full, sliding]", "[full, mamba]"])
-def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(kinds):
+def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(kinds, tmp_path):
     f = LocalFabric(
         small_config(
             f"model.layer_kinds={kinds}",
             "model.sliding_window=6",
             "cache.mamba_states=4",
             "cache.sliding_tokens=16",
+            *storage_options(tmp_path),
         )
     )
     prompts = [pack_tokens(prompt(seed, pages=6, shared=3)) for seed in range(6)]
@@ -368,6 +369,10 @@ def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(
     parts = f.core.cache.parts
     assert parts.stats.truncated_matches > 0
     assert parts.stats.mamba_evicted_states + parts.stats.sliding_evicted_pages > 0
+    # L3 holds no components yet: a hybrid fabric backs nothing up there (and
+    # so fails no backup), although storage is attached.
+    l3 = f.core.cache.storage
+    assert l3.attached and l3.stats.backed_up_tokens == 0 and l3.stats.failed_backups == 0
 
 
 def test_a_hybrid_lease_names_its_components_and_every_rank_checks_them():
