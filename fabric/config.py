@@ -438,6 +438,11 @@ class FabricConfig(BaseModel):
                     f"{key}={value} is refused: allowed is a multiple of {what} ({divisor})"
                 )
         hybrid = len(model.components) > 1
+        if model.filler == "hybrid" and {"sliding", "mamba"} <= set(model.components):
+            raise ValueError(
+                "model.filler='hybrid' is refused for sliding and mamba layers together: "
+                "allowed is full with sliding layers (Gemma 3) or full with mamba layers (Bamba)"
+            )
         if (hybrid and model.filler == "llama") or (not hybrid and model.filler == "hybrid"):
             raise ValueError(
                 f"model.filler={model.filler!r} is refused for model.layer_kinds="

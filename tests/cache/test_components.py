@@ -182,6 +182,26 @@ def test_full_attention_models_have_no_components():
         (["model.layer_kinds=[mamba, mamba, mamba, mamba]"], "no full layer"),
         (["model.layer_kinds=[full, sliding, full, full]"], "model.sliding_window=0"),
         (["cache.sliding_tokens=5"], "cache.sliding_tokens=5"),
+        (
+            ["model.layer_kinds=[full, full, full, full]", "model.filler=hybrid"],
+            "full attention only",
+        ),
+        (
+            [
+                "model.layer_kinds=[full, sliding, full, full]",
+                "model.sliding_window=4",
+                "model.filler=llama",
+            ],
+            "'llama'",
+        ),
+        (
+            [
+                "model.layer_kinds=[full, sliding, mamba, full]",
+                "model.sliding_window=4",
+                "model.filler=hybrid",
+            ],
+            "sliding and mamba layers together",
+        ),
     ],
 )
 def test_bad_hybrid_configs_are_refused_by_name(overrides, message):
