@@ -82,42 +82,33 @@ class RankWorker:
         self.device = pick_device(config.runtime.device)
         cuda = self.device.type == "cuda"
         cache, model = config.cache, config.model
+        host = torch.device("cpu")
+
+        def pools(l1_pages: int, l2_pages: int, layers: int) -> tuple[KVPool, KVPool]:
+            # An L1 pool on the device and its L2 pool in (pinned, on GPU) host memory.
+            return (
+                KVPool(l1_pages, self.shard, model, self.device, layers=layers),
+                KVPool(l2_pages, self.shard, model, host, pin_memory=cuda, layers=layers),
+            )
+
         # The full-attention layers' pools (every layer's, for a full-attention model).
         full = kind_layers(self.shard, model, "full")
-        self.l1 = KVPool(cache.device_pages, self.shard, model, self.device, layers=len(full))
-        self.l2 = KVPool(
-            cache.host_pages,
-            self.shard,
-            model,
-            torch.device("cpu"),
-            pin_memory=cuda,
-            layers=len(full),
-        )
+        self.l1, self.l2 = pools(cache.device_pages, cache.host_pages, len(full))
         self.producer = SyntheticKV(self.shard, model, cache.page_size, full)
-        # A hybrid model's other components, in L1 (``fabric.cache.components``).
+        # A hybrid model's other components (``fabric.cache.components``).
         self.sliding: KVPool | None = None
         self.states: StatePool | None = None
+        self.state_elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
         if "sliding" in model.components:
             ids = kind_layers(self.shard, model, "sliding")
-            self.sliding = KVPool(
-                cache.sliding_pages, self.shard, model, self.device, layers=len(ids)
-            )
-            self.sliding_host = KVPool(
-                cache.host_sliding_pages,
-                self.shard,
-                model,
-                torch.device("cpu"),
-                pin_memory=cuda,
-                layers=len(ids),
+            self.sliding, self.sliding_host = pools(
+                cache.sliding_pages, cache.host_sliding_pages, len(ids)
             )
             self.sliding_producer = SyntheticKV(self.shard, model, cache.page_size, ids)
         if "mamba" in model.components:
-            ids = kind_layers(self.shard, model, "mamba")
-            elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
+            ids, elems = kind_layers(self.shard, model, "mamba"), self.state_elems
             self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
-            self.states_host = StatePool(
-                cache.host_mamba_slots, len(ids), elems, torch.device("cpu")
-            )
+            self.states_host = StatePool(cache.host_mamba_slots, len(ids), elems, host)
             self.state_producer = SyntheticStates(self.shard, ids, elems)
         if filler is None and model.filler == "llama":
             from fabric.rank.model import LlamaKV  # transformers: an optional extra
@@ -126,8 +117,9 @@ class RankWorker:
         if filler is None and model.filler == "hybrid":
             from fabric.rank.hybrid import HybridKV  # transformers: an optional extra
 
-            elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
-            filler = HybridKV(self.shard, model, cache.page_size, elems, config.topology.tp)
+            filler = HybridKV(
+                self.shard, model, cache.page_size, self.state_elems, config.topology.tp
+            )
 
         self.filler: KVFiller = filler or self.producer
         self.stream = torch.cuda.Stream(self.device) if cuda else None
