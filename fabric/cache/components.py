@@ -107,10 +107,6 @@ class Components:
         self.root: TreeNode | None = None
         self.clear(None)
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return ("sliding",) * self.sliding + ("mamba",) * self.mamba
-
     def clear(self, root: TreeNode | None) -> None:
         """Forget every value (the tree was cleared) and empty the pools."""
         self.root = root
