@@ -29,7 +29,6 @@ from fabric.cache.keys import (
     MAX_NAMESPACE_CHARS,
     TOKEN_BYTES,
     TokenKey,
-    chain_hashes,
     check_namespace,
     namespace_seed,
 )
@@ -431,15 +430,26 @@ class CoordinatorCore:
         if parts is None or parts.empty:
             return [], []
         pb = kv.page_size * TOKEN_BYTES
-        last = max([*parts.sliding_at, *(e - 1 for e in parts.mamba_at)]) + 1
-        seed = namespace_seed(kv.namespace)
-        chain = [seed, *chain_hashes(seed, bytes(kv.tokens[: last * pb]), pb)]
+        # ``before[k]``: the chain before page k, i.e. the hash of page k - 1 — the
+        # tree's own page hashes (kept on its nodes), read from the request's end up
+        # only as far as the first part needs: the prefix is not hashed again.
+        first = min([*parts.sliding_at, *parts.mamba_at])
+        before = {0: namespace_seed(kv.namespace)}
+        tree, node, end = self.cache.tree, kv.node, len(kv.pages)
+        while node is not tree.root and end >= first:
+            hashes = tree.page_hashes(node)
+            start = end - len(hashes)
+            before.update(
+                (start + i + 1, h) for i, h in enumerate(hashes) if start + i + 1 >= first
+            )
+            end = start
+            node = node.parent  # type: ignore[assignment]
         sliding = [
-            SlidingPart(k, page, chain[k], bytes(kv.tokens[k * pb : (k + 1) * pb]))
+            SlidingPart(k, page, before[k], bytes(kv.tokens[k * pb : (k + 1) * pb]))
             for k, page in zip(parts.sliding_at, parts.sliding, strict=True)
         ]
         mamba = [
-            MambaPart(e, slot, chain[e])
+            MambaPart(e, slot, before[e])
             for e, slot in zip(parts.mamba_at, parts.mamba, strict=True)
         ]
         return sliding, mamba
