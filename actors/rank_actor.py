@@ -31,12 +31,17 @@ class StorageActorLink:
             self._handle = ray.get_actor(self.name, namespace=self.namespace)
         return self._handle
 
-    def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray:
-        return ray.get(self._actor().load.remote(suffix, page_hashes), timeout=self.timeout_s)
-
-    def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool:
+    def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         return ray.get(
-            self._actor().store.remote(suffix, page_hashes, pages), timeout=self.timeout_s
+            self._actor().load.remote(suffix, page_hashes, component), timeout=self.timeout_s
+        )
+
+    def store(
+        self, suffix: str, page_hashes: list[bytes], pages: np.ndarray, component: str = "full"
+    ) -> bool:
+        return ray.get(
+            self._actor().store.remote(suffix, page_hashes, pages, component),
+            timeout=self.timeout_s,
         )
 
 

@@ -55,17 +55,20 @@ class StorageActor:
         self.ensure(spec)
 
     def query(self, queries: list[tuple[int, list[bytes]]]) -> dict[int, int]:
-        """Per op id, how many leading pages every shard holds."""
+        """Per op id, how many leading pages every shard holds (for a hybrid model,
+        the deepest end among them with every component)."""
         batch = self.config.prefetch.query_batch_pages
         return {op: self.service.query(hashes, batch) for op, hashes in queries}
 
-    def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray:
+    def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         self._fault()
-        return self.service.load(suffix, page_hashes)
+        return self.service.load(suffix, page_hashes, component)
 
-    def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool:
+    def store(
+        self, suffix: str, page_hashes: list[bytes], pages: np.ndarray, component: str = "full"
+    ) -> bool:
         self._fault()
-        return self.service.store(suffix, page_hashes, pages)
+        return self.service.store(suffix, page_hashes, pages, component)
 
     def attach(self, name: str, extra: dict[str, Any]) -> str:
         return self.service.attach(name, extra)

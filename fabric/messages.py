@@ -105,21 +105,32 @@ class Load(_Message, frozen=True):
 
 
 class Backup(_Message, frozen=True):
-    """Store L2 ``host_pages`` in L3 under ``page_hashes`` (this rank's shard of each)."""
+    """Store L2 ``host_pages`` in L3 under ``page_hashes`` (this rank's shard of
+    each), and a hybrid model's L2 sliding pages and mamba state slots under the
+    chain hashes of their pages (``fabric.cache.controller.StorageParts``)."""
 
     cmd_id: Count
     host_pages: tuple[Count, ...]
     page_hashes: tuple[Hash, ...]
+    sliding_pages: tuple[Count, ...] = ()
+    sliding_hashes: tuple[Hash, ...] = ()
+    mamba_slots: tuple[Count, ...] = ()
+    mamba_hashes: tuple[Hash, ...] = ()
 
 
 class Prefetch(_Message, frozen=True):
     """Read pages ``page_hashes`` from L3 into L2 ``host_pages``, in batches,
-    reporting cumulative progress under ``op_id``."""
+    reporting cumulative progress under ``op_id`` — a hybrid model's components
+    (into L2 sliding pages and mamba slots) first: no progress until they are in."""
 
     cmd_id: Count
     op_id: Count
     host_pages: tuple[Count, ...]
     page_hashes: tuple[Hash, ...]
+    sliding_pages: tuple[Count, ...] = ()
+    sliding_hashes: tuple[Hash, ...] = ()
+    mamba_slots: tuple[Count, ...] = ()
+    mamba_hashes: tuple[Hash, ...] = ()
 
 
 Command = Compute | Write | Load | Backup | Prefetch

@@ -116,8 +116,8 @@ class Admission:
         """Start fetching from L3 what L1 and L2 lack of ``key``; ``False`` when not
         worth it (no storage, below the threshold, rate limited)."""
         l3 = self.cache.storage
-        if not l3.attached or self.cache.parts is not None:
-            return False  # L3 holds no hybrid component yet: its pages could not serve
+        if not l3.attached:
+            return False
         return l3.start_prefetch(req_id, key, self.cache.match_prefix(key)).op_id is not None
 
     def check_prefetch(self, req_id: Hashable) -> int | None:

@@ -458,8 +458,14 @@ class Components:
             )
         return out
 
-    def violations(self, nodes: list[TreeNode], pages: Callable[[TreeNode], int]) -> list[str]:
-        """What is wrong with the components (for ``check_integrity``)."""
+    def violations(
+        self,
+        nodes: list[TreeNode],
+        pages: Callable[[TreeNode], int],
+        in_flight: tuple[list[int], list[int]] = ([], []),
+    ) -> list[str]:
+        """What is wrong with the components (for ``check_integrity``);
+        ``in_flight``: the L2 sliding pages and mamba slots prefetches hold."""
         out: list[str] = []
         for pool, name, owned in (
             (self.sliding_pool, "sliding", [p for n in nodes if n.sliding for p in n.sliding]),
@@ -467,12 +473,12 @@ class Components:
             (
                 self.host_sliding_pool,
                 "L2 sliding",
-                [p for n in nodes if n.host_sliding for p in n.host_sliding],
+                [p for n in nodes if n.host_sliding for p in n.host_sliding] + in_flight[0],
             ),
             (
                 self.host_mamba_pool,
                 "L2 mamba",
-                [n.host_mamba for n in nodes if n.host_mamba is not None],
+                [n.host_mamba for n in nodes if n.host_mamba is not None] + in_flight[1],
             ),
         ):
             out += pool.violations()

@@ -32,6 +32,23 @@ class PartCopy:
 
 
 @dataclass(frozen=True)
+class StorageParts:
+    """A hybrid model's other components moving with a backup (L2 -> L3) or a
+    prefetch (L3 -> L2), all or none with its pages: L2 sliding pages
+    ``sliding_pages`` stored under the chain hashes ``sliding_hashes`` of the
+    pages they belong to, and L2 mamba slots ``mamba_slots`` under the chain
+    hashes ``mamba_hashes`` of the pages whose end holds the state."""
+
+    sliding_pages: tuple[int, ...] = ()
+    sliding_hashes: tuple[bytes, ...] = ()
+    mamba_slots: tuple[int, ...] = ()
+    mamba_hashes: tuple[bytes, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.sliding_pages or self.mamba_slots)
+
+
+@dataclass(frozen=True)
 class Completions:
     """What every rank has finished since the last step.
 
@@ -92,16 +109,30 @@ class Controller(ABC):
         """Copy host pages to device pages (L2 -> L1), and ``parts`` with them."""
 
     @abstractmethod
-    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        """Store host pages in L3 under their page hashes."""
+    def backup(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
+        """Store host pages in L3 under their page hashes, and ``parts`` with them."""
 
     @abstractmethod
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
-        """Count how many leading ``page_hashes`` L3 holds (for every shard)."""
+        """Count how many leading ``page_hashes`` L3 holds (for every shard); for a
+        hybrid model, the deepest end among them where L3 holds every component."""
 
     @abstractmethod
-    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        """Read pages from L3 into host pages, reporting cumulative progress."""
+    def prefetch(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
+        """Read pages from L3 into host pages, reporting cumulative progress; with
+        ``parts``, those first (no progress is reported until they are in)."""
 
     @abstractmethod
     def stop_prefetch(self, op_id: int) -> None:

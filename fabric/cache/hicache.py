@@ -236,6 +236,7 @@ class HiCache:
         out = PartFill()
         for x, end in reversed(ends):  # ancestors first: filling a deeper end spares them
             self.parts.fill(x, end, tree.pages, out)
+            self.writes.on_parts(x)
         return out
 
     def _remove_dead(self, node: TreeNode) -> bool:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from fabric.cache.admission import Admission
 from fabric.cache.allocator import PagedAllocator
-from fabric.cache.controller import Completions, Controller, PartCopy
+from fabric.cache.components import Components
+from fabric.cache.controller import Completions, Controller, PartCopy, StorageParts
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TokenKey
 from fabric.cache.results import TierTokens
@@ -24,6 +25,7 @@ class _Queued:
     op_id: int
     host_pages: Sequence[int] = ()
     page_hashes: Sequence[bytes] = ()
+    parts: StorageParts | None = None
 
 
 class InProcessController(Controller):
@@ -32,7 +34,10 @@ class InProcessController(Controller):
     With ``immediate=True`` every queued operation is reported finished at the
     next ``take_completions``; otherwise nothing is, and the test tells the
     cache of completions itself (``HiCache.complete_writes`` and the rest).
-    ``storage`` stands in for L3: the set of page hashes that backups stored.
+    ``storage`` stands in for L3: the set of page hashes that backups stored
+    (and ``(component, hash)`` pairs for a hybrid model's other components: set
+    ``components`` to the cache's, so hit queries find the deepest end where
+    every component is stored).
     ``busy_s`` sums the time spent in ``take_completions`` (what ranks and the
     storage actor would do elsewhere: storing hashes, answering hit queries).
     """
@@ -45,6 +50,8 @@ class InProcessController(Controller):
         self.page_size = page_size
         self.immediate = immediate
         self.storage: set[bytes] = set()
+        self.part_storage: set[tuple[str, bytes]] = set()
+        self.components: Components | None = None
         self.busy_s = 0.0
         self.reset_queues()
 
@@ -62,14 +69,26 @@ class InProcessController(Controller):
     def load(self, op_id, host_pages, device_pages, parts: PartCopy | None = None) -> None:
         self.loads.append(op_id)
 
-    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        self.backups.append(_Queued(op_id, host_pages, page_hashes))  # kept, not copied
+    def backup(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
+        self.backups.append(_Queued(op_id, host_pages, page_hashes, parts))  # kept, not copied
 
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
         self.queries.append(_Queued(op_id, (), tuple(page_hashes)))
 
-    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
-        self.prefetches[op_id] = _Queued(op_id, tuple(host_pages), tuple(page_hashes))
+    def prefetch(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
+        self.prefetches[op_id] = _Queued(op_id, tuple(host_pages), tuple(page_hashes), parts)
 
     def stop_prefetch(self, op_id: int) -> None:
         self.prefetches.pop(op_id, None)
@@ -81,6 +100,17 @@ class InProcessController(Controller):
             if h not in self.storage:
                 break
             n += 1
+        comps = self.components
+        if comps is None:
+            return n
+        stored = self.part_storage
+        while n > 0:  # a hybrid model's deepest end with every component stored
+            window = page_hashes[max(0, n - comps.window_pages) : n]
+            if (not comps.mamba or ("mamba", page_hashes[n - 1]) in stored) and all(
+                ("sliding", h) in stored for h in window
+            ):
+                break
+            n -= 1
         return n
 
     def take_completions(self) -> Completions:
@@ -89,6 +119,9 @@ class InProcessController(Controller):
         t0 = time.perf_counter()
         for b in self.backups:
             self.storage.update(b.page_hashes)
+            if b.parts:
+                self.part_storage.update(("sliding", h) for h in b.parts.sliding_hashes)
+                self.part_storage.update(("mamba", h) for h in b.parts.mamba_hashes)
         done = Completions(
             writes=len(self.writes),
             loads=len(self.loads),
@@ -139,6 +172,7 @@ class CoreReplay:
         self.ctl = InProcessController(cc.device_pages, cc.host_pages, cc.page_size)
         self.cache = HiCache(cc, self.ctl, config.prefetch, model=config.model)
         self.admission = Admission(self.cache)
+        self.ctl.components = self.cache.parts
         if storage:
             self.cache.storage.attach()
         self.namespace = namespace

@@ -168,7 +168,7 @@ def check_integrity(cache: CacheState) -> None:
             )
     tier_sizes = [("L1", cache.device_sizes()), ("L2", cache.host_sizes())]
     if tree.parts is not None:
-        v.extend(tree.parts.violations(nodes, tree.pages))
+        v.extend(tree.parts.violations(nodes, tree.pages, cache.storage.held_host_parts()))
         tier_sizes += [(f"L1 {c}", s) for c, s in tree.parts.sizes(nodes).items()]
     for name, sizes in tier_sizes:
         if sizes.free + sizes.evictable + sizes.protected != sizes.capacity:

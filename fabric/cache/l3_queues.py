@@ -6,6 +6,13 @@ backups on its controller and commits what every rank reports finished
 (host pages allocated, pages arriving) -> done, or RELEASING while ranks may
 still write host pages past the committed prefix. Host protection (``host_ref``)
 holds the anchor of a prefetch and the node of a backup until they end.
+
+A hybrid model's backups carry the node's L2 components with its pages; its
+prefetches are all or nothing: the hit query finds the deepest end where L3
+holds every component, the prefetch loads that end's components (the mamba
+state there, the sliding pages of the window before it) with the pages, and
+only a prefetch that arrived whole enters the tree, its end with its
+components.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fabric.cache.allocator import Pages, as_pages
-from fabric.cache.controller import Completions, Controller
+from fabric.cache.controller import Completions, Controller, StorageParts
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.keys import TokenKey
 from fabric.cache.node import TreeNode
@@ -51,6 +58,8 @@ class PrefetchOp:
     completed_tokens: int = 0
     terminated: bool = False
     reported: bool = False
+    # A hybrid model's L2 component slots the prefetch fills (all or nothing).
+    parts: StorageParts | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,15 @@ class L3Queues:
         """L2 pages allocated to prefetches and not yet in the tree."""
         return sum(len(op.host_pages) for op in self.by_op.values())
 
+    def held_host_parts(self) -> tuple[list[int], list[int]]:
+        """L2 sliding pages and mamba slots allocated to prefetches, not yet in the tree."""
+        sliding, mamba = [], []
+        for op in self.by_op.values():
+            if op.parts is not None:
+                sliding.extend(op.parts.sliding_pages)
+                mamba.extend(op.parts.mamba_slots)
+        return sliding, mamba
+
     # -- attach / detach -----------------------------------------------------------
 
     def attach(self) -> None:
@@ -161,24 +179,40 @@ class L3Queues:
             if op.host_pages:
                 self.ctl.host.free(op.host_pages)
                 op.host_pages = as_pages()
+            self._free_parts(op)
             self._drop(op)
         self.attached = False
 
     # -- backup --------------------------------------------------------------------
 
-    def backup(self, node: TreeNode) -> None:
-        """Queue an L2 -> L3 copy of a node whose host copy just completed. Not for a
-        hybrid model: L3 holds no components yet, so its pages could serve nothing
-        (and its shards' page shapes differ by pipeline stage)."""
-        if not self.attached or self.tree.parts is not None:
+    def backup(self, node: TreeNode, parts_only: bool = False) -> None:
+        """Queue an L2 -> L3 copy of a node whose host copy just completed (and of
+        its L2 components, for a hybrid model; only those with ``parts_only``:
+        they reached L2 after its pages)."""
+        if not self.attached:
             return
         hashes = tuple(self.tree.page_hashes(node))  # hashes the path too
+        parts = None
+        if self.tree.parts is not None:
+            # A node's sliding tail is its last pages; its mamba state is at its end.
+            tail = node.host_sliding or ()
+            state = () if node.host_mamba is None else (node.host_mamba,)
+            parts = StorageParts(
+                tuple(tail),
+                hashes[len(hashes) - len(tail) :] if tail else (),
+                state,
+                hashes[-1:] if state else (),
+            )
+        if parts_only and not parts:
+            return
         parent = node.parent
         prev = parent.page_hashes[-1] if parent is not None and parent.page_hashes else None
-        op = BackupOp(self.next_op_id(), node, hashes, node.key, prev)
+        stored = () if parts_only else hashes
+        op = BackupOp(self.next_op_id(), node, stored, node.key, prev)
         node.host_ref += 1
         self.backups.append(op)
-        self.ctl.backup(op.op_id, node.host_value, op.page_hashes)  # type: ignore[arg-type]
+        pages = () if parts_only else node.host_value
+        self.ctl.backup(op.op_id, pages, op.page_hashes, parts)  # type: ignore[arg-type]
 
     def complete_backups(self, n: int, failed: Collection[int] = ()) -> None:
         """The ``n`` oldest backups ended; those in ``failed`` stored nothing."""
@@ -193,6 +227,8 @@ class L3Queues:
             self.stats.failed_backups += 1
             return
         tokens = len(op.page_hashes) * self.page_size
+        if not tokens:
+            return  # a hybrid node's components alone
         self.stats.backed_up_tokens += tokens
         self.to_storage.observe(tokens)
         self.events.stored_hashes(
@@ -247,26 +283,76 @@ class L3Queues:
             return
         size = self.page_size
         pages = max(0, min(int(hit_pages), len(op.page_hashes)))
-        if self.ctl.max_prefetch_pages is not None:
-            pages = min(pages, self.ctl.max_prefetch_pages)
+        # A hybrid prefix serves only at the end the query found: all or nothing.
+        whole = self.tree.parts is not None
+        cap = self.ctl.max_prefetch_pages
+        if cap is not None and pages > cap:
+            pages = 0 if whole else cap
         threshold = max(self.config.threshold_tokens, 1)
-        if (pages - op.cached_pages) * size < threshold:
+        if pages <= 0 or (pages - op.cached_pages) * size < threshold:
             self._revoke(op)
             return
         host = self.ctl.host
         got = host.alloc(pages)
         if got is None:
             self.evict_host((pages - host.available_pages) * size)
+            if whole and host.available_pages < pages:
+                self._revoke(op)
+                return
             pages = min(pages, host.available_pages)
             if (pages - op.cached_pages) * size < threshold:
                 self._revoke(op)
                 return
             got = host.alloc(pages)
             assert got is not None
+        if whole:
+            op.parts = self._alloc_parts(op.page_hashes[:pages])
+            if op.parts is None:
+                host.free(got)
+                self._revoke(op)
+                return
         op.host_pages = got
         self._reserve(op, pages * size)
         op.state = PrefetchState.LOADING
-        self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages])
+        self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts)
+
+    def _alloc_parts(self, hashes: list[bytes]) -> StorageParts | None:
+        """L2 slots for the components of the end after ``hashes`` (the sliding pages
+        of the window before it that these pages reach, the mamba state there),
+        evicting L2 once if short; ``None`` when there is no room."""
+        parts = self.tree.parts
+        assert parts is not None
+        n = min(parts.window_pages, len(hashes)) if parts.sliding else 0
+        for attempt in range(2):
+            sliding = parts.host_sliding_pool.alloc(n) if n else as_pages()
+            mamba = parts.host_mamba_pool.alloc(1) if parts.mamba else as_pages()
+            if sliding is not None and mamba is not None:
+                return StorageParts(
+                    tuple(sliding),
+                    tuple(hashes[len(hashes) - n :]) if n else (),
+                    tuple(mamba),
+                    tuple(hashes[-1:]) if parts.mamba else (),
+                )
+            if sliding:
+                parts.host_sliding_pool.release(sliding)
+            if mamba:
+                parts.host_mamba_pool.release(mamba)
+            if attempt == 0:
+                self.evict_host(len(hashes) * self.page_size)
+        self.stats.refusals["no L2 room for components"] = (
+            self.stats.refusals.get("no L2 room for components", 0) + 1
+        )
+        return None
+
+    def _free_parts(self, op: PrefetchOp) -> None:
+        parts, op.parts = op.parts, None
+        comps = self.tree.parts
+        if parts is None or comps is None:
+            return
+        if parts.sliding_pages:
+            comps.host_sliding_pool.release(parts.sliding_pages)
+        if parts.mamba_slots:
+            comps.host_mamba_pool.release(parts.mamba_slots)
 
     def update_progress(self, op_id: int, completed_tokens: int, terminated: bool = False) -> None:
         """Cumulative tokens every rank has (MIN), and whether any rank stopped (MAX)."""
@@ -300,8 +386,13 @@ class L3Queues:
             self._revoke(op)
             return 0
         done_pages = op.completed_tokens // size
+        if op.parts is not None and done_pages < len(op.host_pages):
+            done_pages = 0  # a hybrid prefetch enters the tree whole or not at all
         committed, tail = op.host_pages[:done_pages], op.host_pages[done_pages:]
-        added = self._insert_host(op.anchor, op.key, op.start_page, committed) if committed else 0
+        added = 0
+        if committed:
+            parts, op.parts = op.parts, None
+            added = self._insert_host(op.anchor, op.key, op.start_page, committed, parts)
         self.stats.prefetched_tokens += added
         if added:
             self.from_storage.observe(added)
@@ -330,6 +421,7 @@ class L3Queues:
             return
         self.ctl.host.free(op.host_pages)
         op.host_pages = as_pages()
+        self._free_parts(op)
         self._drop(op)
 
     def apply(self, done: Completions) -> None:
@@ -366,17 +458,24 @@ class L3Queues:
 
     def _drop(self, op: PrefetchOp) -> None:
         assert not op.host_pages
+        self._free_parts(op)  # none left once its pages are: they went with them
         self._release_anchor(op)
         self._reserve(op, 0)
         del self.by_op[op.op_id]
 
     def _insert_host(
-        self, anchor: TreeNode, key: TokenKey, start_page: int, host_pages: Pages
+        self,
+        anchor: TreeNode,
+        key: TokenKey,
+        start_page: int,
+        host_pages: Pages,
+        parts: StorageParts | None = None,
     ) -> int:
         """Insert ``host_pages`` (L2, filled by a prefetch) for the key's pages from
         ``start_page`` on, below ``anchor``. Existing L1-only nodes on the way get
-        them as their host copy; pages already in L2 are freed. Returns tokens
-        added as new L2-only nodes."""
+        them as their host copy; pages already in L2 are freed. A hybrid model's
+        ``parts`` go to the node ending where the pages end and the nodes above it
+        (those that lack them). Returns tokens added as new L2-only nodes."""
         tree, now = self.tree, self.clock()
         pb, data = tree.page_bytes, key.data
         start, end = start_page * pb, (start_page + len(host_pages)) * pb
@@ -406,7 +505,35 @@ class L3Queues:
             self.events.stored(leaf, Medium.HOST)
             added = len(host_pages) - used
             used = len(host_pages)
+            node, start = leaf, end
         duplicates.extend(host_pages[used:])
         if duplicates:
             self.ctl.host.free(duplicates)
+        if parts is not None:
+            self._place_parts(node if start == end else None, parts)
         return added * self.page_size
+
+    def _place_parts(self, end: TreeNode | None, parts: StorageParts) -> None:
+        """Give the prefetched components to the node ``end`` (where they were read
+        for) and, for sliding pages reaching above it, to the nodes above; a node
+        that has them already (or no end: the insert stopped short) frees them."""
+        comps = self.tree.parts
+        assert comps is not None
+        spare_states = list(parts.mamba_slots)
+        if end is not None and spare_states and end.host_mamba is None:
+            end.host_mamba = spare_states.pop()
+        tail, spare = list(parts.sliding_pages), []
+        x = end
+        while tail and x is not None and x is not self.tree.root:
+            take = min(self.tree.pages(x), len(tail))
+            mine, tail = tail[len(tail) - take :], tail[: len(tail) - take]
+            if x.host_sliding is None and x.host_value is not None:
+                x.host_sliding = as_pages(mine)
+            else:
+                spare.extend(mine)
+            x = x.parent
+        spare.extend(tail)
+        if spare:
+            comps.host_sliding_pool.release(spare)
+        if spare_states:
+            comps.host_mamba_pool.release(spare_states)

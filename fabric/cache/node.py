@@ -110,3 +110,6 @@ class WriteOp:
     lock_node: TreeNode
     evict_after: bool
     orphan_pages: list[int] = field(default_factory=list)
+    # A hybrid model's components alone, copied to L2 after the node's pages
+    # (``nodes`` is empty): the L2 sliding pages and mamba slots they fill.
+    part_slots: tuple[tuple[int, ...], tuple[int, ...]] | None = None

@@ -29,7 +29,7 @@ class Writes:
         policy: WritePolicy,
         events: EventLog,
         alloc_host: Callable[[int], Pages | None],
-        backup: Callable[[TreeNode], None],
+        backup: Callable[..., None],
         demote: Callable[[TreeNode], None],
         next_op_id: Callable[[], int],
         stats: CacheStats,
@@ -48,6 +48,14 @@ class Writes:
     def reset(self) -> None:
         self.pending: deque[WriteOp] = deque()
         self.candidates: dict[TreeNode, None] = {}
+        # Nodes already in L2 whose L1 components got new values (a hybrid fill).
+        self.part_candidates: dict[TreeNode, None] = {}
+
+    def on_parts(self, node: TreeNode) -> None:
+        """``node`` got components in L1: queue their L2 copy if its pages are there
+        already (else they go with its pages' copy)."""
+        if node.host_value is not None:
+            self.part_candidates[node] = None
 
     def orphan_pages(self) -> int:
         """L2 pages taken from nodes whose copy is still in flight."""
@@ -75,7 +83,32 @@ class Writes:
                 and node.host_value is None
             ):
                 queued += self.write_backup(node)
+        parts, self.part_candidates = self.part_candidates, {}
+        for node in parts:
+            if node.parent is None or node.device_value is None or node.host_value is None:
+                continue
+            if node.write_op is not None:
+                self.part_candidates[node] = None  # after its pages' copy lands
+            else:
+                self.write_parts(node)
         return queued
+
+    def write_parts(self, node: TreeNode) -> bool:
+        """Queue an L1 -> L2 copy of the components ``node`` has in L1 and lacks in
+        L2 (its pages are in L2 already); ``False`` when there are none or no room."""
+        parts = self.tree.parts
+        assert parts is not None
+        copy: list[list[int]] = [[], [], [], []]
+        parts.to_host(node, copy)
+        if not copy[0] and not copy[2]:
+            return False
+        op = WriteOp(
+            self.next_op_id(), [], node, False, part_slots=(tuple(copy[1]), tuple(copy[3]))
+        )
+        self.tree.inc_lock_ref(node)
+        self.pending.append(op)
+        self.ctl.write(op.op_id, (), (), PartCopy(*map(tuple, copy)))
+        return True
 
     def write_backup(self, node: TreeNode, evict_after: bool = False) -> int:
         """Queue an L1 -> L2 copy of ``node`` (under write-through policies, with any
@@ -117,6 +150,9 @@ class Writes:
         for _ in range(n):
             op = self.pending.popleft()
             ok = op.op_id not in failed
+            if op.part_slots is not None:
+                self._complete_parts(op, ok)
+                continue
             written = 0
             for node in op.nodes:
                 if node.write_op is not op:
@@ -146,6 +182,28 @@ class Writes:
             node = op.lock_node
             if op.evict_after and ok and node in self.tree.device_leaves and node.host_value:
                 self.demote(node)
+
+    def _complete_parts(self, op: WriteOp, ok: bool) -> None:
+        node = op.lock_node
+        self.tree.dec_lock_ref(node)
+        if ok:
+            self.backup(node, parts_only=True)
+            return
+        # The slots it filled, wherever splits moved them since, hold nothing.
+        parts = self.tree.parts
+        assert parts is not None and op.part_slots is not None
+        sliding, mamba = set(op.part_slots[0]), set(op.part_slots[1])
+        x: TreeNode | None = node
+        while x is not None and (sliding or mamba):
+            if x.host_sliding is not None and sliding & set(x.host_sliding):
+                sliding -= set(x.host_sliding)
+                parts.host_sliding_pool.release(x.host_sliding)
+                x.host_sliding = None
+            if x.host_mamba is not None and x.host_mamba in mamba:
+                mamba.discard(x.host_mamba)
+                parts.host_mamba_pool.release((x.host_mamba,))
+                x.host_mamba = None
+            x = x.parent
 
     def _orphan_pending_descendants(self, node: TreeNode) -> None:
         # A failed parent copy leaves in-flight child copies without a backed-up

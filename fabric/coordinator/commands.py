@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
-from fabric.cache.controller import Completions, Controller, PartCopy
+from fabric.cache.controller import Completions, Controller, PartCopy, StorageParts
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, chain_hashes
 from fabric.config import CacheConfig
 from fabric.coordinator.consensus import Round
@@ -74,7 +74,11 @@ class _OpQueue:
 
 class FabricController(Controller):
     def __init__(
-        self, config: CacheConfig, max_message_bytes: int, with_prefix: bool = False
+        self,
+        config: CacheConfig,
+        max_message_bytes: int,
+        with_prefix: bool = False,
+        part_slots: int = 0,
     ) -> None:
         self.device = PagedAllocator(config.device_pages, config.page_size, "L1 device pool")
         self.host = PagedAllocator(config.host_pages, config.page_size, "L2 host pool")
@@ -105,7 +109,8 @@ class FabricController(Controller):
                 )
                 + f"; allowed is at least {2 * (prefix_bytes + 4 * self.page_size + 2048)}"
             )
-        self.max_prefetch_pages = self.storage_pages
+        # A hybrid model's prefetch carries up to ``part_slots`` component slots too.
+        self.max_prefetch_pages = max(1, self.storage_pages - part_slots)
         # A hybrid model's component parts per command.
         self.part_count = parts_per_command(self.command_budget - prefix_bytes, self.page_size, ns)
         self.reset()
@@ -229,7 +234,13 @@ class FabricController(Controller):
         self.computes.append(cmd)
         return cmd
 
-    def backup(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+    def backup(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
         step, cmds = self.storage_pages, []
         for start in range(0, max(len(host_pages), 1), step):
             cmd = self._cmd_id()
@@ -241,14 +252,51 @@ class FabricController(Controller):
                 )
             )
             cmds.append(cmd)
+        if parts:  # a hybrid model's components: a command of their own in the same op
+            sliding = list(zip(parts.sliding_pages, parts.sliding_hashes, strict=True))
+            mamba = list(zip(parts.mamba_slots, parts.mamba_hashes, strict=True))
+            half = max(1, step // 2)  # sliding and mamba entries share a command
+            for start in range(0, max(len(sliding), len(mamba)), half):
+                s, m = sliding[start : start + half], mamba[start : start + half]
+                cmd = self._cmd_id()
+                self._send(
+                    Backup(
+                        cmd,
+                        (),
+                        (),
+                        tuple(p for p, _ in s),
+                        tuple(h for _, h in s),
+                        tuple(p for p, _ in m),
+                        tuple(h for _, h in m),
+                    )
+                )
+                cmds.append(cmd)
         self.backups.add(cmds, op_id)
 
     def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
         self.queries.append((op_id, tuple(page_hashes)))
 
-    def prefetch(self, op_id: int, host_pages: Sequence[int], page_hashes: Sequence[bytes]) -> None:
+    def prefetch(
+        self,
+        op_id: int,
+        host_pages: Sequence[int],
+        page_hashes: Sequence[bytes],
+        parts: StorageParts | None = None,
+    ) -> None:
         assert len(host_pages) <= self.max_prefetch_pages, "the cache caps prefetches"
-        self._send(Prefetch(self._cmd_id(), op_id, tuple(host_pages), tuple(page_hashes)))
+        p = parts or StorageParts()
+        self._send(
+            Prefetch(
+                self._cmd_id(),
+                op_id,
+                tuple(host_pages),
+                tuple(page_hashes),
+                p.sliding_pages,
+                p.sliding_hashes,
+                p.mamba_slots,
+                p.mamba_hashes,
+            )
+        )
 
     def stop_prefetch(self, op_id: int) -> None:
         self.stops.append(op_id)

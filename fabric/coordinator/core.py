@@ -51,8 +51,14 @@ class CoordinatorCore:
         self.clock = clock
         self._round_started: float | None = None  # when the last batch went out
         self.topology = Topology(config.topology)
+        model = config.model
+        parts = 0  # a hybrid model's component slots in one prefetch
+        if "sliding" in model.components:
+            parts += -(-(model.sliding_window - 1) // config.cache.page_size)
+        if "mamba" in model.components:
+            parts += 1
         self.ctl = FabricController(
-            config.cache, config.runtime.max_message_bytes, config.model.filler != "synthetic"
+            config.cache, config.runtime.max_message_bytes, model.filler != "synthetic", parts
         )
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock, config.model)
         self.admission = Admission(self.cache)

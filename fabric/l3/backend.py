@@ -48,13 +48,18 @@ class L3Backend(ABC):
             n += 1
         return n
 
-    def get(self, keys: Sequence[str], out: np.ndarray) -> int:
-        """Read and verify pages into ``out`` (``len(keys) x page_bytes`` uint8) from
-        the first key on; stop at the first miss. Returns pages read. A corrupt,
-        truncated or foreign page — one stored under another page's, shard's,
+    def get(
+        self, keys: Sequence[str], out: np.ndarray, provenance: Provenance | None = None
+    ) -> int:
+        """Read and verify pages into ``out`` (one uint8 row per key: ``page_bytes``,
+        or the row length of pages of ``provenance``, another shape this backend
+        also holds — a hybrid model's other components) from the first key on;
+        stop at the first miss. Returns pages read. A corrupt, truncated or
+        foreign page — one stored under another page's, shard's, component's,
         tenant's or model's key included — is a miss, counted under its reason."""
         n = 0
-        for refused in self._read_rows([check_key(key) for key in keys], out):
+        prov = provenance or self.provenance
+        for refused in self._read_rows([check_key(key) for key in keys], out, prov):
             if refused is not None:
                 self.refuse(refused)
                 break
@@ -62,41 +67,50 @@ class L3Backend(ABC):
         self.count("get_pages", n)
         return n
 
-    def _read_rows(self, keys: Sequence[str], out: np.ndarray) -> Iterator[str | None]:
-        """Per key in order, read and verify its page into ``out[i]``: ``None`` when
-        served, else why not. The caller stops at the first refusal; a backend
-        that fetches batches in one round trip overrides this."""
+    def _read_rows(
+        self, keys: Sequence[str], out: np.ndarray, provenance: Provenance
+    ) -> Iterator[str | None]:
+        """Per key in order, read and verify its page (of ``provenance``, one row of
+        ``out`` long) into ``out[i]``: ``None`` when served, else why not. The
+        caller stops at the first refusal; a backend that fetches batches in one
+        round trip overrides this."""
         for i, key in enumerate(keys):
-            yield self._read_into(key, out[i])
+            yield self._read_into(key, out[i], provenance)
 
     def refuse(self, reason: str) -> None:
         """Count a page not served: ``get_miss``, or ``refused_<reason>``."""
         self.count("get_miss" if reason == "miss" else f"refused_{reason}")
 
-    def _read_into(self, key: str, row: np.ndarray) -> str | None:
+    def _read_into(self, key: str, row: np.ndarray, provenance: Provenance) -> str | None:
         """Verify one page into ``row``: ``None`` when served, else why not (``miss``,
         or a ``decode_page`` reason). Backends may read straight into ``row``."""
-        return self.verify_into(key, self._read(key), row)
+        return self.verify_into(key, self._read(key), row, provenance)
 
-    def verify_into(self, key: str, blob: bytes | None, row: np.ndarray) -> str | None:
-        """Check ``blob`` read under ``key`` and copy its payload into ``row``;
-        ``None`` when served, else why not."""
+    def verify_into(
+        self, key: str, blob: bytes | None, row: np.ndarray, provenance: Provenance | None = None
+    ) -> str | None:
+        """Check ``blob`` read under ``key`` (a page of ``provenance``, by default the
+        backend's) and copy its payload into ``row``; ``None`` when served, else why not."""
         if blob is None:
             return "miss"
-        payload = decode_page(blob, self.provenance, self.page_bytes, key)
+        payload = decode_page(blob, provenance or self.provenance, row.nbytes, key)
         if isinstance(payload, str):
             return payload
         row[:] = np.frombuffer(payload, dtype=np.uint8)
         return None
 
-    def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
-        """Store ``pages`` (``len(keys) x page_bytes`` uint8); per page, whether it was stored."""
+    def set(
+        self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance | None = None
+    ) -> list[bool]:
+        """Store ``pages`` (one uint8 row per key, pages of ``provenance``, by default
+        the backend's); per page, whether it was stored."""
         ok = []
+        prov = provenance or self.provenance
         for i, key in enumerate(keys):
             try:
                 payload = memoryview(pages[i]).cast("B")
                 check_key(key)
-                self._write(key, (encode_header(payload, self.provenance, key), payload))
+                self._write(key, (encode_header(payload, prov, key), payload))
                 ok.append(True)
             except OSError as exc:
                 log.warning("L3 %s: storing %s failed: %s", self.name, key, exc)

@@ -150,7 +150,7 @@ class FileBackend(L3Backend):
         except OSError as exc:
             return "symlink" if exc.errno == errno.ELOOP else "miss"
 
-    def _read_into(self, key: str, row: np.ndarray) -> str | None:
+    def _read_into(self, key: str, row: np.ndarray, provenance: Provenance) -> str | None:
         # The payload goes from the file straight into the caller's row: no copy.
         fd = self._open(key)
         if not isinstance(fd, int):
@@ -164,10 +164,10 @@ class FileBackend(L3Backend):
             raw = f.read(n)
             if len(raw) != n:
                 return "truncated"
-            header = check_header(raw, self.provenance, self.page_bytes, key)
+            header = check_header(raw, provenance, row.nbytes, key)
             if isinstance(header, str):
                 return header
-            if f.readinto(memoryview(row).cast("B")) != self.page_bytes or f.read(1):
+            if f.readinto(memoryview(row).cast("B")) != row.nbytes or f.read(1):
                 return "truncated"
         if header.get("sum") != checksum(row):
             return "checksum"

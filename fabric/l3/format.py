@@ -37,6 +37,10 @@ class Provenance:
     dtype: str
     shard_shape: tuple[int, ...]
     page_size: int
+    # A hybrid model's other components (``sliding`` KV pages, ``mamba`` states)
+    # are pages of their own provenance; ``full`` pages keep the form they had
+    # before components existed, so their keys did not change.
+    component: str = "full"
 
     def as_wire(self) -> dict:
         """The header form (computed once: it is compared on every read)."""
@@ -44,6 +48,8 @@ class Provenance:
         if wire is None:
             wire = asdict(self)
             wire["shard_shape"] = list(self.shard_shape)
+            if self.component == "full":
+                del wire["component"]
             object.__setattr__(self, "_wire", wire)
         return wire
 

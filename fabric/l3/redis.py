@@ -95,22 +95,25 @@ class RedisBackend(L3Backend):
             n += 1
         return n
 
-    def _read_rows(self, keys: Sequence[str], out: np.ndarray) -> Iterator[str | None]:
+    def _read_rows(
+        self, keys: Sequence[str], out: np.ndarray, provenance: Provenance
+    ) -> Iterator[str | None]:
         if not keys:
             return
         blobs = self.client.mget([self.prefix + key for key in keys])
         for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
-            yield self.verify_into(key, blob, out[i])
+            yield self.verify_into(key, blob, out[i], provenance)
 
-    def set(self, keys: Sequence[str], pages: np.ndarray) -> list[bool]:
+    def set(
+        self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance | None = None
+    ) -> list[bool]:
         from fabric.l3.format import encode_header
 
+        prov = provenance or self.provenance
         pipe = self.client.pipeline(transaction=False)
         for i, key in enumerate(keys):
             payload = memoryview(pages[i]).cast("B")
-            pipe.set(
-                self.prefix + check_key(key), encode_header(payload, self.provenance, key) + payload
-            )
+            pipe.set(self.prefix + check_key(key), encode_header(payload, prov, key) + payload)
         try:
             ok = [bool(r) for r in pipe.execute(raise_on_error=False)]
         except self._errors as exc:

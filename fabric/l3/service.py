@@ -2,6 +2,14 @@
 for every shard at once (MIN over shards), and load or store page batches for
 one rank's shard. Bulk bytes are numpy arrays, which Ray's object store moves
 without copies; the coordinator never sees them.
+
+A hybrid model (``fabric.cache.components``) stores its other components as
+pages of their own shape and provenance beside the full-attention pages: a
+``sliding`` page is a page's KV of the shard's sliding-window layers, under the
+page's chain hash; a ``mamba`` page is the shard's states at a page end, under
+the chain hash of the page it ends. Each component's provenance (and so the tag
+in its keys) names the component and its shard shape, so one never passes for
+another and no index is needed to find them.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from fabric.errors import ConfigError
 from fabric.l3 import make_backend
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, page_key
-from fabric.topology import Topology
+from fabric.topology import Shard, Topology, kind_layers
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+COMPONENTS = ("full", "sliding", "mamba")
 
 
 def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
@@ -40,6 +49,36 @@ def storage_provenance(config: FabricConfig) -> Provenance:
     shape, _ = page_geometry(config)
     m = config.model
     return Provenance(m.model_id, m.layout, m.dtype, shape, config.cache.page_size)
+
+
+def component_shape(config: FabricConfig, shard: Shard, component: str) -> tuple[int, ...]:
+    """One page's shape on ``shard`` for ``component``: ``(2, page_tokens, layers,
+    heads, head_dim)`` over the shard's layers of that kind (every layer's, for
+    ``full`` in a full-attention model), or ``(layers, elems)`` float32 mamba
+    states (the shard's share of each of its mamba layers' state)."""
+    model, topo = config.model, config.topology
+    layers = len(kind_layers(shard, model, component))
+    if component == "mamba":
+        return (layers, max(1, model.mamba_state_bytes // 4 // topo.tp))
+    return (2, shard.page_tokens, layers, model.kv_heads // topo.tp, model.head_dim)
+
+
+def component_provenances(config: FabricConfig) -> dict[tuple[str, str], Provenance]:
+    """The provenance of every ``(component, shard suffix)`` page this fabric stores."""
+    topo, m = Topology(config.topology), config.model
+    out = {}
+    for shard in (topo.shard(i, m, config.cache.page_size) for i in range(topo.world_size)):
+        for component in m.components:
+            dtype = "float32" if component == "mamba" else m.dtype
+            shape = component_shape(config, shard, component)
+            out[component, shard.rank.suffix] = Provenance(
+                m.model_id, m.layout, dtype, shape, config.cache.page_size, component
+            )
+    return out
+
+
+def provenance_bytes(provenance: Provenance) -> int:
+    return int(np.prod(provenance.shard_shape)) * _ITEMSIZE[provenance.dtype]
 
 
 def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
@@ -67,15 +106,21 @@ class StorageService:
         self.provenance = storage_provenance(config)
         self.model_tag = self.provenance.tag
         self.allowed_modules = config.storage.allowed_modules()
+        self.shapes = component_provenances(config)
+        model = config.model
+        self.parts = tuple(c for c in model.components if c != "full")
+        # The sliding pages a served end needs before it (``Components.window_pages``).
+        ps = config.cache.page_size
+        self.window_pages = -(-(model.sliding_window - 1) // ps) if "sliding" in self.parts else 0
         self.backend: L3Backend | None = None
         self.spec: tuple[str, dict[str, Any]] | None = None
         self._lock = threading.Lock()
         if config.storage.enabled:
             self.attach(*backend_spec(config.storage))
 
-    def key(self, page_hash: bytes, suffix: str) -> str:
-        """The L3 key of one shard of one page of this model."""
-        return page_key(page_hash, self.model_tag, suffix)
+    def key(self, page_hash: bytes, suffix: str, component: str = "full") -> str:
+        """The L3 key of one shard of one page (of ``component``) of this model."""
+        return page_key(page_hash, self.shapes[component, suffix].tag, suffix)
 
     def attach(self, name: str, extra: Mapping[str, Any]) -> str:
         """Open a backend. The same one again changes nothing; another one is
@@ -111,7 +156,10 @@ class StorageService:
 
     def query(self, page_hashes: Sequence[bytes], batch_pages: int = 128) -> int:
         """Consecutive pages from the first that every shard holds (MIN over shards),
-        asked in batches of ``batch_pages``; 0 with no backend."""
+        asked in batches of ``batch_pages``; 0 with no backend. For a hybrid model,
+        the deepest of those page ends that every shard can serve with every
+        component: the mamba state at the end, and the sliding pages of the window
+        before it (those the query's pages reach)."""
         backend = self.backend
         if backend is None:
             return 0
@@ -129,24 +177,61 @@ class StorageService:
             best = min(best, found)
             if best == 0:
                 break
-        return best
+        if not self.parts:
+            return best
+        end = best
+        while end > 0 and not self._parts_at(backend, page_hashes, end):
+            end -= 1
+        return end
 
-    def load(self, suffix: str, page_hashes: Sequence[bytes]) -> np.ndarray:
-        """Verified payloads of the leading pages found, one row each (maybe fewer
-        rows than asked: the first miss or refused page ends the batch)."""
+    def _parts_at(self, backend: L3Backend, page_hashes: Sequence[bytes], end: int) -> bool:
+        """Every shard holds the components of the end after ``end`` pages."""
+        for suffix in self.suffixes:
+            if "mamba" in self.parts and not backend.exists(
+                [self.key(page_hashes[end - 1], suffix, "mamba")]
+            ):
+                return False
+            if "sliding" in self.parts:
+                window = page_hashes[max(0, end - self.window_pages) : end]
+                keys = [self.key(h, suffix, "sliding") for h in window]
+                if backend.exists(keys) < len(keys):
+                    return False
+        return True
+
+    def load(
+        self, suffix: str, page_hashes: Sequence[bytes], component: str = "full"
+    ) -> np.ndarray:
+        """Verified payloads of the leading pages (of ``component``) found, one row
+        each (maybe fewer rows than asked: the first miss or refused page ends the
+        batch)."""
         backend = self.backend
-        out = np.empty((len(page_hashes), self.page_bytes), dtype=np.uint8)
+        prov = self.shapes[component, suffix]
+        out = np.empty((len(page_hashes), provenance_bytes(prov)), dtype=np.uint8)
         if backend is None:
             return out[:0]
-        n = backend.get([self.key(h, suffix) for h in page_hashes], out)
+        keys = [self.key(h, suffix, component) for h in page_hashes]
+        n = backend.get(keys, out, prov)
         return out[:n]
 
-    def store(self, suffix: str, page_hashes: Sequence[bytes], pages: np.ndarray) -> bool:
-        """Store one rank's shard of a backup; ``True`` only if every page was stored."""
+    def store(
+        self,
+        suffix: str,
+        page_hashes: Sequence[bytes],
+        pages: np.ndarray,
+        component: str = "full",
+    ) -> bool:
+        """Store one rank's shard of a backup (pages of ``component``); ``True`` only
+        if every page was stored."""
         backend = self.backend
-        if backend is None or pages.shape != (len(page_hashes), self.page_bytes):
+        prov = self.shapes.get((component, suffix))
+        if (
+            backend is None
+            or prov is None
+            or pages.shape != (len(page_hashes), provenance_bytes(prov))
+        ):
             return False
-        return all(backend.set([self.key(h, suffix) for h in page_hashes], pages))
+        keys = [self.key(h, suffix, component) for h in page_hashes]
+        return all(backend.set(keys, pages, prov))
 
     def stats(self) -> dict[str, Any]:
         backend = self.backend

@@ -116,7 +116,8 @@ def pages_to_bytes(pool: KVPool, pages: Sequence[int]):
     order ``(2, page_tokens, layers, heads, head_dim)`` whatever the layout."""
     idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
     rows = pool.pages[:, idx].permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
-    return rows.view(torch.uint8).reshape(len(pages), -1).numpy()
+    row_bytes = rows[0].numel() * rows.element_size() if len(pages) else 0
+    return rows.view(torch.uint8).reshape(len(pages), row_bytes).numpy()
 
 
 def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
@@ -124,6 +125,8 @@ def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
     import warnings
 
     n = len(pages)
+    if not memoryview(rows).nbytes:
+        return  # a stage without layers of this kind: empty pages
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers: we only read
         flat = torch.frombuffer(memoryview(rows).cast("B"), dtype=torch.uint8)
@@ -145,3 +148,25 @@ class StatePool:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def state_rows(pool: StatePool, slots: Sequence[int]):
+    """Mamba states as rows of bytes (``numpy`` uint8, one row per slot)."""
+    idx = torch.as_tensor(list(slots), dtype=torch.long, device=pool.buffer.device)
+    rows = pool.buffer[idx].contiguous().cpu()
+    row_bytes = rows[0].numel() * rows.element_size() if len(slots) else 0
+    return rows.view(torch.uint8).reshape(len(slots), row_bytes).numpy()
+
+
+def rows_to_states(pool: StatePool, slots: Sequence[int], rows) -> None:
+    """Store rows from ``state_rows`` (possibly a read-only buffer) into ``slots``."""
+    import warnings
+
+    if not memoryview(rows).nbytes:
+        return  # a stage without mamba layers: empty states
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers: we only read
+        flat = torch.frombuffer(memoryview(rows).cast("B"), dtype=torch.uint8)
+    values = flat.view(torch.float32).view((len(slots), *pool.buffer.shape[1:]))
+    idx = torch.as_tensor(list(slots), dtype=torch.long, device=pool.buffer.device)
+    pool.buffer[idx] = values.to(pool.buffer.device)

@@ -41,6 +41,8 @@ from fabric.rank.pools import (
     copy_pages,
     pages_to_bytes,
     pick_device,
+    rows_to_states,
+    state_rows,
 )
 from fabric.rank.producer import KVFiller, SyntheticKV, SyntheticStates
 from fabric.topology import Shard, Topology, kind_layers
@@ -51,9 +53,13 @@ log = logging.getLogger(__name__)
 class StorageLink(Protocol):
     """How a rank reaches L3 (a storage actor, or a ``StorageService`` in process)."""
 
-    def load(self, suffix: str, page_hashes: list[bytes]) -> np.ndarray: ...
+    def load(
+        self, suffix: str, page_hashes: list[bytes], component: str = "full"
+    ) -> np.ndarray: ...
 
-    def store(self, suffix: str, page_hashes: list[bytes], pages: np.ndarray) -> bool: ...
+    def store(
+        self, suffix: str, page_hashes: list[bytes], pages: np.ndarray, component: str = "full"
+    ) -> bool: ...
 
 
 @dataclass
@@ -330,16 +336,61 @@ class RankWorker:
             with self.lock:  # read the pages only while they are still this epoch's
                 if epoch != self.epoch:
                     return False
-                rows = pages_to_bytes(self.l2, cmd.host_pages)
-            return bool(self.storage.store(self.suffix, list(cmd.page_hashes), rows))
+                rows = pages_to_bytes(self.l2, cmd.host_pages) if cmd.host_pages else None
+                sliding = states = None
+                if cmd.sliding_pages:
+                    assert self.sliding is not None, "sliding backup for a model without them"
+                    sliding = pages_to_bytes(self.sliding_host, cmd.sliding_pages)
+                if cmd.mamba_slots:
+                    assert self.states is not None, "mamba backup for a model without them"
+                    states = state_rows(self.states_host, cmd.mamba_slots)
+            link, ok = self.storage, True
+            if rows is not None:
+                ok = bool(link.store(self.suffix, list(cmd.page_hashes), rows))
+            if ok and sliding is not None:
+                ok = bool(link.store(self.suffix, list(cmd.sliding_hashes), sliding, "sliding"))
+            if ok and states is not None:
+                ok = bool(link.store(self.suffix, list(cmd.mamba_hashes), states, "mamba"))
+            return ok
         except Exception:
             log.exception("rank %s: backup command %d failed", self.shard.rank, cmd.cmd_id)
+            return False
+
+    def _prefetch_parts(self, cmd: Prefetch, epoch: int) -> bool:
+        """Load a hybrid prefetch's components into L2 (before its pages: no progress
+        is reported without them); ``False`` if any is missing or refused."""
+        try:
+            if self.storage is None:
+                raise RuntimeError("no storage link")
+            sliding = states = None
+            if cmd.sliding_pages:
+                sliding = self.storage.load(self.suffix, list(cmd.sliding_hashes), "sliding")
+                if len(sliding) < len(cmd.sliding_pages):
+                    return False
+            if cmd.mamba_slots:
+                states = self.storage.load(self.suffix, list(cmd.mamba_hashes), "mamba")
+                if len(states) < len(cmd.mamba_slots):
+                    return False
+            with self.lock:  # write the slots only while they are still this op's
+                if epoch != self.epoch or cmd.op_id not in self.prefetch_ops:
+                    return False
+                if sliding is not None:
+                    assert self.sliding is not None, "sliding prefetch for a model without them"
+                    bytes_to_pages(self.sliding_host, cmd.sliding_pages, sliding)
+                if states is not None:
+                    assert self.states is not None, "mamba prefetch for a model without them"
+                    rows_to_states(self.states_host, cmd.mamba_slots, states)
+            return True
+        except Exception:
+            log.exception("rank %s: prefetch %d lost its components", self.shard.rank, cmd.op_id)
             return False
 
     def _prefetch(self, cmd: Prefetch, epoch: int) -> None:
         batch = self.config.storage.transfer_batch_pages
         done, terminated = 0, False
         total = len(cmd.page_hashes)
+        if (cmd.sliding_pages or cmd.mamba_slots) and not self._prefetch_parts(cmd, epoch):
+            total, terminated = 0, True
         while done < total:
             with self.lock:
                 if epoch != self.epoch:

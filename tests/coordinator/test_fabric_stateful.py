@@ -182,6 +182,16 @@ class FabricMachine(RuleBasedStateMachine):
         # this rank lost; that round resets the fabric and ends them.
         self.restart_unseen = True
 
+    @precondition(lambda self: self.fabric.storage.backend is not None)
+    @rule()
+    def fresh_fabric(self):
+        """A new coordinator and ranks on the same L3, L1 and L2 empty (a hybrid
+        model's components included): what they serve next comes from L3 or is
+        computed, and is verified like any lease."""
+        self.fabric = LocalFabric(self.config, storage=self.fabric.storage, clock=self.clock)
+        self.tokens, self.appended, self.held = {}, set(), {}
+        self.router = RouterView()
+
     @invariant()
     def consistent(self):
         if not hasattr(self, "fabric"):
@@ -198,6 +208,7 @@ class FabricMachine(RuleBasedStateMachine):
             return
         for rid in live:
             assert f.verify(self.held[rid], self.tokens[rid]) == [True] * 4, rid
+            VERIFIED["from L3"] += self.held[rid].storage_hit_tokens > 0
         VERIFIED["leases"] += len(live)
 
 
