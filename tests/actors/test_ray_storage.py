@@ -39,9 +39,20 @@ def make(tmp_path, name, *more):
     )
 
 
-def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_path):
+HYBRID = (
+    "model.layers=4",
+    "model.layer_kinds=[full, sliding, full, mamba]",
+    "model.sliding_window=6",
+    "model.mamba_state_bytes=64",
+)
+
+
+@pytest.mark.parametrize("model", [(), HYBRID], ids=["full", "hybrid"])
+def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_path, model):
+    # A hybrid model's sliding pages and mamba states travel through the
+    # storage actor too, and every rank verifies them after the prefetch.
     tokens = prompt(1, pages=8)
-    first = make(tmp_path, "persist-a")
+    first = make(tmp_path, "persist-a", *model)
     try:
         r = first.submit(tokens, timeout=60)
         first.release(r.lease)
@@ -49,7 +60,7 @@ def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_pa
         assert first.stats()["storage_ops"]["backed_up_tokens"] == 32
     finally:
         first.shutdown()
-    second = make(tmp_path, "persist-b")
+    second = make(tmp_path, "persist-b", *model)
     try:
         r = second.submit(tokens, timeout=60)
         assert r.storage_hit_tokens == 32 and r.computed_tokens == 0

@@ -3,7 +3,7 @@ seeded-random Gemma 3 (sliding + full attention) and Bamba (Mamba2 + attention)
 at TP=2 x PP=2 generate exactly the tokens they generate without a cache when
 they continue from the state the fabric served — the full pages, the sliding
 window before the prefix's end, the mamba state there — also through branch
-points and after component evictions that leave tombstones."""
+points, after component evictions that leave tombstones, and from L2 and L3."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ from fabric.rank.hybrid import (  # noqa: E402
     layer_kinds,
     rebuild,
 )
-from tests.helpers import small_config  # noqa: E402
+from tests.helpers import small_config, storage_options  # noqa: E402
 from tests.rank.test_hybrid import greedy  # noqa: E402
 
 MODELS = {
@@ -152,3 +152,23 @@ def test_components_written_to_l2_and_loaded_back_continue_as_no_cache(name):
     assert r.host_hit_tokens == 24, "served from L2, components loaded back with the pages"
     assert f.core.release(r.lease)
     assert check(f, hf_config, model, a, [22]) == 24
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_components_backed_up_to_l3_continue_as_no_cache_on_a_fresh_fabric(name, tmp_path):
+    l3 = (*storage_options(tmp_path), "prefetch.threshold_tokens=4")
+    f = fabric(name, *l3)
+    hf_config, model = build_hybrid(f.config.model)
+    a = [(13 * t + 7) % 200 for t in range(24)]
+    assert check(f, hf_config, model, a, [31]) == 0
+    f.settle()  # the write-through to L2, then the backup to L3, on every rank
+    assert f.core.cache.storage.stats.backed_up_tokens == 24
+    g = fabric(name, *l3)  # a new coordinator and ranks: L1 and L2 empty, the same L3
+    r = g.serve(pack_tokens(a))
+    assert r.storage_hit_tokens == 24, "the pages and every component come from L3"
+    with torch.no_grad():
+        got = greedy(model, torch.tensor([[32]]), served_cache(g, r.lease, hf_config, model), 6, 24)
+        want = greedy(model, torch.tensor([a + [32]]), None, 6, 0)
+    assert got == want
+    assert g.core.release(r.lease)
+    g.core.cache.check_integrity()
