@@ -168,7 +168,7 @@ def test_components_backed_up_to_l3_continue_as_no_cache_on_a_fresh_fabric(name,
     assert r.storage_hit_tokens == 24, "the pages and every component come from L3"
     with torch.no_grad():
         got = greedy(model, torch.tensor([[32]]), served_cache(g, r.lease, hf_config, model), 6, 24)
-        want = greedy(model, torch.tensor([a + [32]]), None, 6, 0)
+        want = greedy(model, torch.tensor([[*a, 32]]), None, 6, 0)
     assert got == want
     assert g.core.release(r.lease)
     g.core.cache.check_integrity()
