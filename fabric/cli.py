@@ -486,6 +486,12 @@ def simulate(trace, requests, config_file, overrides, capacities, plot, as_json)
                     f"  L1 {name:<8} {pool['capacity']:>12,} {pool['unit']:<6} "
                     f"{pool['bytes'] / 2**30:8.2f} GiB  in use {pool['in_use']:,}"
                 )
+            rates = comp["hit_rates"]
+            click.echo(
+                "  could serve alone (L1 + L2, at admission): "
+                + ", ".join(f"{k} {v:.1%}" for k, v in rates.items() if k != "all")
+                + f"; every component together {rates.get('all', 0):.1%}"
+            )
             n = comp["counters"]
             click.echo(
                 f"  L1 memory {comp['bytes'] / 2**30:.2f} GiB; every attention layer as full "

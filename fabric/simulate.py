@@ -116,15 +116,18 @@ def core_replay(
     replay = CoreReplay(config, storage=config.storage.backend != "none")
     stats = replay.run((p for _, p in iter_packed(list(requests))), progress)
     replay.cache.check_integrity()
-    stats.components = component_report(replay.cache, config)
+    stats.components = component_report(replay.cache, config, stats.prompt_tokens)
     return stats
 
 
-def component_report(cache: HiCache, config: FabricConfig) -> dict:
+def component_report(cache: HiCache, config: FabricConfig, prompt_tokens: int = 0) -> dict:
     """A hybrid model's L1 memory per component (pool sizes in their units and in
     bytes, what is in use at the end) and the component counters, next to the
     bytes the same L1 would take with every attention layer cached as full
-    attention (``all_full_attention_bytes``). Empty for full attention only."""
+    attention (``all_full_attention_bytes``); and per component the share of the
+    ``prompt_tokens`` it alone could have served at admission from L1 or L2
+    (``hit_rates``; ``all``: every component together, what a hybrid prefix
+    needs). Empty for full attention only."""
     parts = cache.parts
     if parts is None:
         return {}
@@ -149,6 +152,10 @@ def component_report(cache: HiCache, config: FabricConfig) -> dict:
         "pools": pools,
         "bytes": sum(p["bytes"] for p in pools.values()),
         "all_full_attention_bytes": device * (per["full"] + per.get("sliding", 0)),
+        "hit_rates": {
+            name: round(tokens / max(1, prompt_tokens), 6)
+            for name, tokens in parts.stats.match_tokens.items()
+        },
         "counters": asdict(parts.stats),
     }
 

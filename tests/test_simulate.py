@@ -97,4 +97,12 @@ def test_simulate_reports_each_component_of_a_hybrid_model(capsys):
     assert comp["bytes"] == sum(p["bytes"] for p in pools.values())
     assert comp["all_full_attention_bytes"] == 65536 * 3 * 2 * 4 * 32 * 2
     assert comp["counters"]["mamba_evicted_states"] > 0, "8 states: evicted apart"
+    # Each component alone serves at least what they all serve together, and
+    # full attention (present wherever the others are) the most; here the 8
+    # mamba states are what limits the hybrid hit rate.
+    rates = comp["hit_rates"]
+    assert set(rates) == {"full", "sliding", "mamba", "all"}
+    assert rates["full"] >= max(rates["sliding"], rates["mamba"]) >= rates["all"] > 0
+    assert rates["mamba"] < rates["sliding"]
+    assert "could serve alone" in text
     assert "L1 sliding" in text and "every attention layer as full attention" in text

@@ -272,6 +272,8 @@ class Admission:
             key = TokenKey(bytes(req.tokens[: aligned * TOKEN_BYTES]), ps, req.namespace)
         # Our own pages are locked: the match reaches them.
         match = cache.match_prefix(key, req.node)
+        if cache.parts is not None and not req.filled:  # the request's admission
+            cache.parts.count_match(cache.last_path, cache.tree.pages)
         loaded_tokens = 0
         if match.host_tokens:
             loaded = cache.load_back(match.last_host_node)

@@ -71,6 +71,10 @@ class ComponentStats:
     sliding_alloc_failures: int = 0
     mamba_alloc_failures: int = 0
     truncated_matches: int = 0
+    # Over requests' admission matches (L1 and L2): the prompt tokens each
+    # component alone could have served (``full``, ``sliding``, ``mamba``) and
+    # those all of them together could (``all``).
+    match_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class Components:
@@ -135,9 +139,16 @@ class Components:
         those chains to L1 with their components)."""
         if node is self.root:
             return True
-        on_device = node.device_value is not None
-        if self.mamba and (node.mamba if on_device else node.host_mamba) is None:
-            return False
+        return self._state_at(node) and self._window_before(node, pages)
+
+    def _state_at(self, node: TreeNode) -> bool:
+        """The mamba state at ``node``'s end is there (or the model has none)."""
+        if not self.mamba:
+            return True
+        return (node.mamba if node.device_value is not None else node.host_mamba) is not None
+
+    def _window_before(self, node: TreeNode, pages: Callable[[TreeNode], int]) -> bool:
+        """The sliding tails covering the window before ``node``'s end are there."""
         need, x = self.window_pages, node
         while need > 0 and x is not self.root:
             n = pages(x)
@@ -148,6 +159,31 @@ class Components:
             need -= n
             x = x.parent  # type: ignore[assignment]
         return True
+
+    def count_match(self, path: list[TreeNode], pages: Callable[[TreeNode], int]) -> None:
+        """Count one request's admission match along ``path`` (the nodes of its
+        cached prefix, L1 or L2): the tokens each component alone could serve
+        there — the deepest end where it is valid — and those every component
+        together serves (``ComponentStats.match_tokens``)."""
+        depth, ends = 0, []
+        for node in path:
+            depth += pages(node)
+            ends.append(depth)
+        tokens = self.stats.match_tokens
+
+        def deepest(ok: Callable[[TreeNode], bool]) -> int:
+            i = len(path)
+            while i and not ok(path[i - 1]):
+                i -= 1
+            return ends[i - 1] * self.page_size if i else 0
+
+        tokens["full"] = tokens.get("full", 0) + (ends[-1] * self.page_size if ends else 0)
+        if self.sliding:
+            got = deepest(lambda n: self._window_before(n, pages))
+            tokens["sliding"] = tokens.get("sliding", 0) + got
+        if self.mamba:
+            tokens["mamba"] = tokens.get("mamba", 0) + deepest(self._state_at)
+        tokens["all"] = tokens.get("all", 0) + deepest(lambda n: self.valid_end(n, pages))
 
     # -- structure -----------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class HiCache:
         self.write_policy = get_write_policy(config.write_policy)
         # A hybrid model's sliding-window and mamba components (None: full attention only).
         self.parts: Components | None = None
+        self.last_path: list[TreeNode] = []  # a hybrid model's last match path
         if model is not None and len(model.components) > 1:
             self.parts = Components(
                 model.components,
@@ -184,6 +185,7 @@ class HiCache:
         # L1-evicted chain whose L2 copies (components too) a load-back brings.
         parts, tree = self.parts, self.tree
         assert parts is not None
+        self.last_path = path  # for ``Components.count_match``
         end = len(path)
         while end and path[end - 1] is not held and not parts.valid_end(path[end - 1], tree.pages):
             end -= 1
