@@ -168,7 +168,7 @@ def build_hybrid(model: ModelConfig) -> tuple[Any, Any]:
             attn_layer_indices=[i for i, k in enumerate(kinds) if k == "full"],
             mamba_n_heads=8,
             mamba_d_head=2 * hidden // 8,
-            mamba_n_groups=1,
+            mamba_n_groups=2,  # B and C split over TP ranks by group, as engines do
             mamba_d_state=16,
             mamba_d_conv=4,
             mamba_expand=2,
@@ -194,11 +194,56 @@ def mamba_state_floats(hf_config: Any) -> int:
     return conv + c.mamba_n_heads * c.mamba_d_head * c.mamba_d_state
 
 
+def _conv_channels(c: Any, tp_rank: int, tp: int) -> torch.Tensor:
+    """The conv state channels TP rank ``tp_rank`` of ``tp`` holds in a Mamba2 layer:
+    its heads' share of the ``x`` channels and its groups' share of ``B`` and ``C``
+    (the channel order ``[x | B | C]`` of the layer's in-projection)."""
+    inner, groups, ds = c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
+    x = torch.arange(inner).view(tp, -1)[tp_rank]
+    b = inner + torch.arange(groups * ds).view(tp, -1)[tp_rank]
+    return torch.cat([x, b, b + groups * ds])
+
+
+def check_mamba_tp(c: Any, tp: int) -> None:
+    """A Mamba2 layer splits over ``tp`` ranks only by whole heads and groups."""
+    if c.mamba_n_heads % tp or c.mamba_n_groups % tp:
+        raise ConfigError(
+            f"topology.tp={tp} is refused for this model's mamba layers: allowed is a "
+            f"divisor of both its {c.mamba_n_heads} heads and {c.mamba_n_groups} groups"
+        )
+
+
+def mamba_share(c: Any, state: MambaState, tp_rank: int, tp: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s share of one layer's state, flat: the conv state of
+    its channels (``_conv_channels``), then the recurrent state of its heads —
+    what that rank of a TP engine computes and holds."""
+    heads = c.mamba_n_heads // tp
+    conv = state.conv[0, _conv_channels(c, tp_rank, tp)]
+    recurrent = state.recurrent[0, tp_rank * heads : (tp_rank + 1) * heads]
+    return torch.cat([conv.flatten(), recurrent.flatten()])
+
+
+def mamba_from_shares(c: Any, shares: list[torch.Tensor], kernel: int) -> MambaState:
+    """One layer's state put back together from every TP rank's ``mamba_share``."""
+    tp = len(shares)
+    inner, groups, ds = c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
+    channels = inner + 2 * groups * ds
+    conv = torch.empty(1, channels, kernel)
+    recurrent = torch.empty(1, c.mamba_n_heads, c.mamba_d_head, ds)
+    heads = c.mamba_n_heads // tp
+    for r, flat in enumerate(shares):
+        idx = _conv_channels(c, r, tp)
+        n = len(idx) * kernel
+        conv[0, idx] = flat[:n].view(len(idx), kernel)
+        recurrent[0, r * heads : (r + 1) * heads] = flat[n:].view(heads, c.mamba_d_head, ds)
+    return MambaState(conv, recurrent, kernel)
+
+
 class HybridKV(ShardPositions):
     """Fills a rank's pools with what a real hybrid model computes (``build_hybrid``):
     the full-attention layers' KV of its positions and heads, and for a compute's
     parts the sliding layers' KV of whole pages and the mamba layers' states at
-    page-aligned ends (this rank's contiguous share of each flattened state).
+    page-aligned ends (this rank's TP share of each: ``mamba_share``).
     Each rank runs the whole model over the whole prefix: simple and exact on CPU."""
 
     tolerance = 1e-4
@@ -218,6 +263,8 @@ class HybridKV(ShardPositions):
         self.mamba = [i for i in span if self.kinds[i] == "mamba"]
         self.heads = slice(shard.head_start, shard.head_start + shard.heads)
         floats = mamba_state_floats(self.hf_config) if "mamba" in self.kinds else 0
+        if floats:
+            check_mamba_tp(self.hf_config, tp)
         if floats and (model.mamba_state_bytes != 4 * floats or elems * self.tp != floats):
             raise ConfigError(
                 f"model.mamba_state_bytes={model.mamba_state_bytes} is refused for this model: "
@@ -264,16 +311,10 @@ class HybridKV(ShardPositions):
                 values = self._kv(cache, self.sliding, positions)
                 page_idx, offsets = self.locate(positions, part.page * ps, [part.pool_page])
                 sliding_pool.write_tokens(page_idx, offsets, values)
+        c, tp_rank = self.hf_config, self.shard.rank.tp
         for part in cmd.mamba if self.mamba else ():
             cache = self._run(ids[: part.end_page * ps])
-            flat = [
-                torch.cat(
-                    [
-                        cache.layers[i].conv_states[0].flatten(),
-                        cache.layers[i].recurrent_states[0].flatten(),
-                    ]
-                )
-                for i in self.mamba
-            ]
-            first = self.shard.rank.tp * self.elems
-            states.buffer[part.slot] = torch.stack(flat)[:, first : first + self.elems]
+            layers = extract(cache, self.kinds)
+            states.buffer[part.slot] = torch.stack(
+                [mamba_share(c, layers[i], tp_rank, self.tp) for i in self.mamba]  # type: ignore[arg-type]
+            )

@@ -129,3 +129,38 @@ def test_unknown_layer_types_and_mismatched_states_are_refused():
     _, states = prefix_states(model, cfg, torch.zeros(1, 10, dtype=torch.long), 10)
     with pytest.raises(InvalidInput, match="3 layer states for a model of 4 layers"):
         rebuild(states[:3], cfg)
+
+
+def test_a_mamba_state_splits_over_tp_ranks_by_heads_and_groups_and_back():
+    from fabric.config import ModelConfig
+    from fabric.errors import ConfigError
+    from fabric.rank.hybrid import build_hybrid, check_mamba_tp, mamba_from_shares, mamba_share
+
+    cfg, model = build_hybrid(
+        ModelConfig(layers=2, layer_kinds=("mamba", "full"), kv_heads=2, head_dim=16)
+    )
+    with torch.no_grad():
+        out = model(
+            torch.tensor([[5, 6, 7, 8]]), use_cache=True, position_ids=torch.arange(4)[None]
+        )
+    state = extract(out.past_key_values, ["mamba", "full"])[0]
+    inner, ds, k = cfg.mamba_n_heads * cfg.mamba_d_head, cfg.mamba_d_state, state.kernel
+    groups = cfg.mamba_n_groups
+    shares = [mamba_share(cfg, state, r, 2) for r in range(2)]
+    # Rank 1 holds the second half of the x channels, group 1 of B and of C, and
+    # the second half of the heads' recurrent states — not the flat state's halves.
+    conv = state.conv[0]
+    want = torch.cat(
+        [
+            conv[inner // 2 : inner].flatten(),
+            conv[inner + ds : inner + 2 * ds].flatten(),
+            conv[inner + groups * ds + ds : inner + 2 * groups * ds].flatten(),
+            state.recurrent[0, cfg.mamba_n_heads // 2 :].flatten(),
+        ]
+    )
+    assert torch.equal(shares[1], want)
+    assert sum(s.numel() for s in shares) == conv.numel() + state.recurrent.numel()
+    back = mamba_from_shares(cfg, shares, k)
+    assert torch.equal(back.conv, state.conv) and torch.equal(back.recurrent, state.recurrent)
+    with pytest.raises(ConfigError, match="topology.tp=4"):
+        check_mamba_tp(cfg, 4)  # two groups do not split over four ranks

@@ -19,6 +19,7 @@ from fabric.rank.hybrid import (  # noqa: E402
     build_hybrid,
     extract,
     layer_kinds,
+    mamba_from_shares,
     rebuild,
 )
 from tests.helpers import small_config, storage_options  # noqa: E402
@@ -28,7 +29,7 @@ MODELS = {
     "gemma3-swa": ["model.layer_kinds=[sliding, sliding, sliding, full]", "model.sliding_window=7"],
     "bamba-mamba2": [
         "model.layer_kinds=[mamba, full, mamba, full]",
-        "model.mamba_state_bytes=10752",
+        "model.mamba_state_bytes=11264",
     ],
 }
 
@@ -80,11 +81,11 @@ def served_cache(f: LocalFabric, lease, hf_config, model):
     keep = [positions.index(p) for p in range(max(0, tokens - window), tokens)]
     layers = []
     for i, kind in enumerate(kinds):
-        if kind == "mamba":
-            state = torch.cat([flat[i][tp] for tp in sorted(flat[i])])
-            conv_shape, rec_shape, kernel = shapes[i]
-            n = conv_shape.numel()
-            layers.append(MambaState(state[:n].view(conv_shape), state[n:].view(rec_shape), kernel))
+        if kind == "mamba":  # each TP rank holds its heads' and groups' channels
+            shares = [flat[i][tp] for tp in sorted(flat[i])]
+            state = mamba_from_shares(hf_config, shares, shapes[i][2])
+            assert state.conv.shape == shapes[i][0] and state.recurrent.shape == shapes[i][1]
+            layers.append(state)
             continue
         parts = full[i] if kind == "full" else sliding[i]
         kv = torch.cat([parts[h] for h in sorted(parts)], dim=2)  # (2, T, kv_heads, dim)
