@@ -76,13 +76,17 @@ class CoordinatorActor:
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
-        newer than any rank has seen, so every rank resets its counters."""
+        newer than any rank has seen, so every rank resets its counters, and
+        adopts the L2 pages every rank still holds (``CoordinatorCore.adopt``)."""
         if self._task is None:
             if self.config.events.enabled and self.publisher is None:
                 self.publisher = KVEventPublisher(self.config.events, self.config.cache.page_size)
             self._wakeup = asyncio.Event()
             replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
-            self.core.start([decode(r) for r in replies])  # type: ignore[misc]
+            epoch = self.core.start([decode(r) for r in replies])  # type: ignore[misc]
+            # A restarted coordinator takes back the L2 pages every rank still holds.
+            held = await asyncio.gather(*(a.inventory.remote(epoch) for a in self.ranks))
+            self.core.adopt(held)
             self._storage_spec = await self.storage.spec.remote()
             if self._storage_spec is not None:
                 self.core.storage_attached()

@@ -120,6 +120,10 @@ class RankActor:
     def report(self) -> bytes:
         return encode(self.worker.report())
 
+    def inventory(self, epoch: int) -> list[tuple[int, str, bytes, bytes, bytes]]:
+        """The L2 pages this rank holds, named, for a new coordinator opening ``epoch``."""
+        return self.worker.inventory(epoch)
+
     def verify(
         self,
         namespace: str,

@@ -15,6 +15,7 @@ from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
 from fabric.rank.worker import RankWorker
+from fabric.topology import Topology
 
 
 class LocalFabric:
@@ -25,15 +26,13 @@ class LocalFabric:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.core = CoordinatorCore(config, clock)
+        self.clock = clock
         self.storage = storage or StorageService(config)
         self.ranks = [
             RankWorker(config, i, storage=self.storage)
-            for i in range(self.core.topology.world_size)
+            for i in range(Topology(config.topology).world_size)
         ]
-        self.core.start([r.report() for r in self.ranks])
-        if self.storage.backend is not None:
-            self.core.storage_attached()
+        self.core = self._open()
         self.results: dict[str, RequestResult] = {}
         # KV events go to ZMQ after every step when events.endpoint is set.
         self.publisher = (
@@ -41,6 +40,22 @@ class LocalFabric:
             if config.events.enabled
             else None
         )
+
+    def _open(self) -> CoordinatorCore:
+        """A new coordinator over the ranks as they are: it opens an epoch and
+        adopts the L2 pages every rank still holds."""
+        core = CoordinatorCore(self.config, self.clock)
+        core.start([r.report() for r in self.ranks])
+        core.adopt([r.inventory(core.epoch) for r in self.ranks])
+        if self.storage.backend is not None:
+            core.storage_attached()
+        return core
+
+    def restart_coordinator(self) -> None:
+        """As if the coordinator died and came back: a new one, the same ranks
+        (their L1 and L2 pages intact), every lease and request of the old one gone."""
+        self.core = self._open()
+        self.results.clear()
 
     def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
         """One coordinator step: send a batch, let ranks work (all but the indices

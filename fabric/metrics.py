@@ -220,6 +220,13 @@ METRICS: tuple[Spec, ...] = (
         _one("leases_reclaimed"),
     ),
     Spec(
+        "kvfabric_adopted_tokens",
+        "counter",
+        "L2 tokens a restarted coordinator took back from what every rank still held.",
+        (),
+        _one("adopted_tokens"),
+    ),
+    Spec(
         "kvfabric_coordinator_busy_seconds",
         "counter",
         "Seconds the coordinator spent in its own logic (admission, reduction, commit).",

@@ -141,6 +141,25 @@ class PagedAllocator:
             seen.add(p)
         raise AssertionError("no bad page found")
 
+    def take(self, pages: Sequence[int]) -> None:
+        """Allocate exactly ``pages`` (each free, none repeated): a restarted
+        coordinator taking back the pages the ranks still hold."""
+        packed = np.frombuffer(as_pages(pages), dtype=np.int64)
+        if len(packed) == 0:
+            return
+        if (
+            packed.min() < 0
+            or packed.max() >= self.num_pages
+            or not self._is_free[packed].all()
+            or len(np.unique(packed)) != len(packed)
+        ):
+            raise InvalidInput(f"{self.name}: pages to take must be free and distinct")
+        self._is_free[packed] = False
+        stacked = self._stack[: self._top]
+        keep = stacked[self._is_free[stacked]]
+        self._top = len(keep)
+        self._stack[: self._top] = keep
+
     def is_free(self, page: int) -> bool:
         return 0 <= page < self.num_pages and bool(self._is_free[page])
 

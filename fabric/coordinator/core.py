@@ -20,9 +20,10 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from fabric.cache.admission import Admission, Fill, RequestKV
+from fabric.cache.adopt import Entry, adopt_host, common_pages
 from fabric.cache.events import KVEvent
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import (
@@ -384,6 +385,19 @@ class CoordinatorCore:
             self.consensus.incarnations[r.rank] = r.incarnation
         return self.epoch
 
+    def adopt(self, inventories: Sequence[Iterable[Entry]]) -> int:
+        """After ``start``: take back the L2 pages every rank still holds (one
+        ``RankWorker.inventory`` per rank, taken at this epoch) — a restarted
+        coordinator then serves them as L2 hits instead of going to L3 or
+        recomputing. Returns tokens adopted (0 when any rank gave none)."""
+        if len(inventories) != self.topology.world_size:
+            return 0
+        tokens = adopt_host(self.cache, common_pages(inventories))
+        self.stats.adopted_tokens += tokens
+        if tokens:
+            log.info("adopted %d tokens of L2 pages the ranks still hold", tokens)
+        return tokens
+
     def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
         """This step's L3 hit queries, for the storage actor: ``(op_id, page_hashes)``."""
         return self.ctl.take_queries()
@@ -726,6 +740,7 @@ class CoordinatorCore:
             "step_errors": s.step_errors,
             "leases_expired": s.leases_expired,
             "leases_reclaimed": s.leases_reclaimed,
+            "adopted_tokens": s.adopted_tokens,
             "core_time_s": s.core_time_s,
             "storage_errors": s.storage_errors,
             "storage_restores": s.storage_restores,
@@ -785,6 +800,7 @@ class CoordinatorCore:
             "storage_errors": s.storage_errors,
             "leases_expired": s.leases_expired,
             "leases_reclaimed": s.leases_reclaimed,
+            "adopted_tokens": s.adopted_tokens,
             "sessions_refused": s.sessions_refused,
             "core_seconds": s.core_time_s,
             "prefetch_started": l3.stats.prefetch_started,

@@ -113,6 +113,8 @@ class FabricStats:
     storage_restores: int = 0
     leases_expired: int = 0
     leases_reclaimed: int = 0
+    # L2 tokens a restarted coordinator took back from the ranks (``adopt``).
+    adopted_tokens: int = 0
     sessions_refused: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     # Submit to result, and batch sent to reports reduced (one consensus round).

@@ -34,6 +34,7 @@ from fabric.messages import (
     Report,
     Write,
 )
+from fabric.rank.index import PageIndex
 from fabric.rank.pools import (
     KVPool,
     StatePool,
@@ -128,6 +129,8 @@ class RankWorker:
             )
 
         self.filler: KVFiller = filler or self.producer
+        # What every L1 and L2 page slot holds: a restarted coordinator adopts L2.
+        self.names = PageIndex(cache.page_size)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.incarnation = uuid.uuid4().hex
         self.faults = Faults()
@@ -193,6 +196,19 @@ class RankWorker:
                 self.prefetch_ops.discard(op)
                 self.stopping.discard(op)
             self.ready.notify_all()
+
+    def inventory(self, epoch: int) -> list[tuple[int, str, bytes, bytes, bytes]]:
+        """The named L2 slots (``PageIndex.entries``) for a new coordinator opening
+        ``epoch``: first the epoch is opened as a batch of it would (the old
+        epoch's queued commands dropped, its copy in flight finished), so nothing
+        changes the slots after they are listed."""
+        with self.lock:
+            if epoch > self.epoch:
+                self.epoch = epoch
+                while self.copying:
+                    self.idle.wait()
+                self._reset_counters()
+            return self.names.entries()
 
     def report(self) -> Report:
         with self.lock:
@@ -260,6 +276,7 @@ class RankWorker:
             if self.faults.delay_s:
                 time.sleep(self.faults.delay_s)
             if isinstance(first, Compute):
+                self.names.forget_device(first.pages)
                 if self.faults.fail_computes:
                     return False
                 self.filler.fill(
@@ -273,17 +290,26 @@ class RankWorker:
                     list(first.prefix_pages),
                 )
                 self._store_parts(first)
+                if first.pages:
+                    self.names.computed(
+                        first.namespace, first.prev_hash, first.tokens, list(first.pages)
+                    )
             else:
+                names = self.names
                 if isinstance(first, Write):
-                    if self.faults.fail_writes:
-                        return False
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
+                    names.forget_host(host)
+                    if self.faults.fail_writes:
+                        return False
                     self._copy(self.l1, device, self.l2, host)
+                    names.copied(names.device, device, names.host, host)
                 else:
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
+                    names.forget_device(device)
                     self._copy(self.l2, host, self.l1, device)
+                    names.copied(names.host, host, names.device, device)
                 self._copy_parts(group, isinstance(first, Write))
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).synchronize()
@@ -410,6 +436,8 @@ class RankWorker:
                     if epoch != self.epoch:
                         return
                     if got:
+                        # Named by hash alone (no tokens): a new coordinator leaves them.
+                        self.names.forget_host(cmd.host_pages[done : done + got])
                         bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
                         self.moved_bytes["storage_to_host"] += got * self.page_bytes
             except Exception:

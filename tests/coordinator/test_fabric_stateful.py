@@ -182,6 +182,17 @@ class FabricMachine(RuleBasedStateMachine):
         # this rank lost; that round resets the fabric and ends them.
         self.restart_unseen = True
 
+    @rule()
+    def restart_coordinator(self):
+        """The coordinator dies and a new one starts over the same ranks: it adopts
+        the L2 pages every rank holds alike; every lease served after it is
+        verified like any other (an adopted page that any rank lacks would fail)."""
+        self.fabric.restart_coordinator()
+        self.tokens, self.appended, self.held = {}, set(), {}
+        self.router = RouterView()
+        self.router.apply(self.fabric.core.cache.take_events())  # the adopted pages
+        VERIFIED["adopted"] += self.fabric.core.stats.adopted_tokens > 0
+
     @precondition(lambda self: self.fabric.storage.backend is not None)
     @rule()
     def fresh_fabric(self):

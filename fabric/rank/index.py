@@ -1,0 +1,75 @@
+"""What a rank's pages hold, kept by the rank itself, so a restarted coordinator
+can adopt the L2 pages every rank still holds instead of starting empty.
+
+Every whole page a rank computes into L1 is named by its namespace, its chain
+hash (``fabric.cache.keys``: a hash of the whole prefix up to it), the chain
+hash before it and its tokens; a copy to L2 or back carries the name with the
+bytes. A slot's name is dropped *before* anything writes into the slot and set
+again only once the write finished, so a name is never older than the bytes it
+names: a slot being written, or written by a failed copy, has none. A freed slot
+keeps its name until it is written again — its bytes are still that page, and a
+coordinator that adopts it serves exactly those bytes.
+
+``entries()`` lists the L2 slots with a name; a new coordinator adopts a slot
+only where every rank names it alike (MIN over ranks again) and the tokens hash
+to the name (``CoordinatorCore.adopt``). Pages prefetched from L3 get no name
+(the prefetch carries hashes, not tokens): they are still in L3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from fabric.cache.keys import chain_hashes
+
+
+class PageName(NamedTuple):
+    namespace: str
+    chain_hash: bytes
+    parent_hash: bytes
+    tokens: bytes
+
+
+class PageIndex:
+    """The names of one rank's L1 and L2 page slots."""
+
+    def __init__(self, page_size: int, token_bytes: int = 4) -> None:
+        self.page_bytes = page_size * token_bytes
+        self.device: dict[int, PageName] = {}
+        self.host: dict[int, PageName] = {}
+
+    def forget_device(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.device.pop(s, None)
+
+    def forget_host(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.host.pop(s, None)
+
+    def computed(self, namespace: str, prev: bytes, tokens: bytes, slots: Sequence[int]) -> None:
+        """L1 ``slots`` now hold the KV of the packed ``tokens`` (one page each from
+        the chain hash ``prev`` on; a partial last page gets no name)."""
+        pb = self.page_bytes
+        whole = min(len(slots), len(tokens) // pb)
+        hashes = chain_hashes(prev, tokens[: whole * pb], pb)
+        parent = prev
+        for i in range(whole):
+            self.device[slots[i]] = PageName(
+                namespace, hashes[i], parent, tokens[i * pb : (i + 1) * pb]
+            )
+            parent = hashes[i]
+        self.forget_device(slots[whole:])
+
+    def copied(self, src: dict[int, PageName], src_slots, dst: dict[int, PageName], dst_slots):
+        """A copy from ``src_slots`` to ``dst_slots`` finished: the names follow."""
+        for s, d in zip(src_slots, dst_slots, strict=True):
+            name = src.get(s)
+            if name is None:
+                dst.pop(d, None)
+            else:
+                dst[d] = name
+
+    def entries(self) -> list[tuple[int, str, bytes, bytes, bytes]]:
+        """Every named L2 slot: ``(slot, namespace, chain hash, parent hash, tokens)``."""
+        return [(s, *name) for s, name in self.host.items()]
