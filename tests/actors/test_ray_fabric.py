@@ -300,9 +300,10 @@ def test_a_malformed_message_is_refused_by_a_rank_that_keeps_serving(fabric):
     fabric.release(r.lease)
 
 
-def test_a_restarted_coordinator_resets_the_ranks_and_serves_again(fabric):
+def test_a_restarted_coordinator_adopts_what_the_ranks_hold_in_l2_and_serves_it(fabric):
     p = prompt(95, pages=2)
     fabric.release(fabric.submit(p, timeout=60).lease)
+    assert fabric.settle(30)  # written through to L2 on every rank
     ray.kill(fabric.coordinator, no_restart=False)
     results = []
     # While Ray restarts it, calls raise ActorUnavailableError: a driver retries.
@@ -310,9 +311,11 @@ def test_a_restarted_coordinator_resets_the_ranks_and_serves_again(fabric):
     r = results[0]
     stats = fabric.stats()
     assert stats["epoch"] > 1, "a newer epoch than any rank has seen"
-    assert r.error is None and r.device_hit_tokens == 0, "L1/L2 start empty"
+    assert stats["adopted_tokens"] > 0, "the L2 pages every rank still held"
+    assert r.error is None and r.device_hit_tokens == 0 and r.host_hit_tokens == 8
     assert fabric.verify(r, p) == [True] * 4
     fabric.release(r.lease)
+    fabric.check_integrity()
 
 
 def _try_submit(fabric, tokens, results):
