@@ -60,6 +60,7 @@ class RankActor:
         self.worker = RankWorker(self.config, index, storage=link)
         self.metrics = RankMetrics(self.config.runtime.name, str(self.worker.shard.rank))
         self._bad_report: bytes | None = None
+        self._duplicate = False
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, args=(run,), name=name, daemon=True)
@@ -92,6 +93,8 @@ class RankActor:
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
         self.worker.accept(message)
+        if self._duplicate:  # chaos: the same message delivered twice
+            self.worker.accept(message)
         if self._bad_report is not None:
             return self._bad_report
         return encode(self.worker.report())
@@ -148,13 +151,20 @@ class RankActor:
         fail_writes: bool = False,
         fail_computes: bool = False,
         bad_report: bytes | None = None,
+        duplicate: bool = False,
     ) -> None:
-        """Chaos hook: delay every command and L3 batch, fail every write or compute, or
-        answer every step with ``bad_report`` instead of a report."""
+        """Chaos hook: delay every command and L3 batch, fail every write or compute,
+        answer every step with ``bad_report`` instead of a report, or take every
+        step's message twice (``duplicate``)."""
         self.worker.faults.delay_s = delay_s
         self.worker.faults.fail_writes = fail_writes
         self.worker.faults.fail_computes = fail_computes
         self._bad_report = bad_report
+        self._duplicate = duplicate
+
+    def where(self) -> tuple[int, str]:
+        """This actor's process id and Ray node id (for chaos: signals, node loss)."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def info(self) -> dict:
         w = self.worker

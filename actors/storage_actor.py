@@ -9,6 +9,7 @@ asks it for that spec on start (and the coordinator re-sends it with
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ class StorageActor:
         self.config = FabricConfig.from_dict(config)
         self.service = StorageService(self.config)
         self.delay_s = 0.0
+        self.l3_fault: str | None = None
         self._released = threading.Event()
         self._released.set()
         self._holding = 0
@@ -68,7 +70,14 @@ class StorageActor:
         self, suffix: str, page_hashes: list[bytes], pages: np.ndarray, component: str = "full"
     ) -> bool:
         self._fault()
+        if self.l3_fault is not None:
+            log.warning("L3 is %s (chaos): %d pages not stored", self.l3_fault, len(page_hashes))
+            return False
         return self.service.store(suffix, page_hashes, pages, component)
+
+    def where(self) -> tuple[int, str]:
+        """This actor's process id and Ray node id."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def attach(self, name: str, extra: dict[str, Any]) -> str:
         return self.service.attach(name, extra)
@@ -114,9 +123,13 @@ class StorageActor:
             f"read {st.get('get_pages', 0)} written {st.get('set_pages', 0)} pages"
         )
 
-    def set_faults(self, delay_s: float = 0.0, hold: bool = False) -> None:
-        """Chaos hook: delay every page batch, or hold every one until released
-        (or until the actor is killed under it)."""
+    def set_faults(self, delay_s: float = 0.0, hold: bool = False, l3: str | None = None) -> None:
+        """Chaos hook: delay every page batch, hold every one until released (or
+        until the actor is killed under it), or make L3 refuse every write as a
+        read-only (``l3="read_only"``) or full (``l3="full"``) store would."""
+        if l3 not in (None, "read_only", "full"):
+            raise ValueError(f"l3={l3!r} is refused: allowed is None, 'read_only' or 'full'")
+        self.l3_fault = l3
         self.delay_s = delay_s
         if hold:
             self._released.clear()
