@@ -60,7 +60,11 @@ class CoordinatorActor:
         self.config_dict = config
         self.core = CoordinatorCore(self.config)
         ns = self.config.runtime.ray_namespace
+        self.rank_names = list(rank_names)
         self.ranks = [ray.get_actor(name, namespace=ns) for name in rank_names]
+        # Ranks whose actor died for good: looked up again by name before each
+        # step (an operator or the chaos harness may have made a new one).
+        self._dead_ranks: set[int] = set()
         self.storage = ray.get_actor(storage_name, namespace=ns)
         self.futures: dict[str, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
@@ -155,9 +159,11 @@ class CoordinatorActor:
         """Extend a lease by its TTL from now; ``False`` if it is gone."""
         return self.core.renew(lease)
 
-    async def verify(self, lease: Lease, tokens: bytes) -> list[bool]:
+    async def verify(self, lease: Lease, tokens: bytes) -> list[bool | None]:
         """Per rank, whether the lease's pages hold exactly the producer's KV of
-        ``tokens``. Call while holding the lease."""
+        ``tokens`` (``None`` from a rank no longer in the lease's epoch — restarted
+        since, its pages gone; the coordinator ends the lease when it sees that).
+        Call while holding the lease."""
         if not isinstance(tokens, bytes):
             raise InvalidInput(f"tokens must be packed bytes, got {type(tokens).__name__}")
         held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
@@ -166,7 +172,10 @@ class CoordinatorActor:
         cached = tokens[: lease.tokens * 4]
         pages = list(lease.device_pages)
         parts = (list(lease.sliding), list(lease.mamba))
-        calls = [r.verify.remote(lease.namespace, cached, pages, *parts) for r in self.ranks]
+        calls = [
+            r.verify.remote(lease.namespace, cached, pages, *parts, epoch=lease.epoch)
+            for r in self.ranks
+        ]
         return list(await asyncio.gather(*calls))
 
     async def read_kv(self, lease: Lease) -> list:
@@ -388,6 +397,8 @@ class CoordinatorActor:
         ):
             self._next_storage_check = now + STORAGE_CHECK_S
             self._storage_sync = asyncio.get_running_loop().create_task(self._sync_storage())
+        if self._dead_ranks:
+            await self._find_new_ranks()
         round_started = started = time.perf_counter()
         data = encode(self.core.next_batch())
         queries = self.core.take_queries()
@@ -412,6 +423,19 @@ class CoordinatorActor:
         self.core.stats.core_time_s += time.perf_counter() - started
         await asyncio.sleep(runtime.step_interval_s)
 
+    async def _find_new_ranks(self) -> None:
+        """Take the handle of a new actor made under a dead rank's name."""
+        ns = self.config.runtime.ray_namespace
+        for index in sorted(self._dead_ranks):
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, self.rank_names[index], ns)
+            except ValueError:
+                continue  # none yet
+            if handle._actor_id != self.ranks[index]._actor_id:
+                self.ranks[index] = handle
+                self._dead_ranks.discard(index)
+                log.warning("rank %s has a new actor: using it", self.rank_names[index])
+
     def _reports(
         self, calls: list[asyncio.Future], pending: set[asyncio.Future]
     ) -> tuple[list[Report], dict[int, str]]:
@@ -424,6 +448,8 @@ class CoordinatorActor:
             exc = call.exception()
             if exc is not None:  # a dead, restarting or failing rank
                 missing[index] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if isinstance(exc, ray.exceptions.ActorDiedError):
+                    self._dead_ranks.add(index)
                 continue
             try:
                 report = decode(call.result(), self.config.runtime.max_message_bytes)

@@ -89,6 +89,36 @@ def _ready(refs: list, actors: list, timeout: float) -> None:
 _FABRIC_ERROR = re.compile(r"fabric\.errors\.\w+: (.*)$")
 
 
+def _rank_actor(config: FabricConfig, index: int, pg: PlacementGroup, gpu: bool) -> Any:
+    """Rank ``index``'s actor, in its pipeline stage's placement group (its bundle
+    is its place in the stage): Ray restarts it, on another node if its node is
+    lost and the group is placed again there."""
+    topo = Topology(config.topology)
+    rank = topo.ranks[index]
+    bundle_index = topo.stage(rank.pp).index(rank)
+    cls = remote(
+        RankActor,
+        name=rank_name(config, index),
+        namespace=config.runtime.ray_namespace,
+        max_restarts=-1,
+        max_task_retries=0,
+        max_concurrency=4,
+        num_cpus=_RANK_CPU,
+        num_gpus=1 if gpu else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
+    )
+    return cls.remote(config.to_dict(), index, storage_name(config))
+
+
+def recreate_rank(deployment: Deployment, config: FabricConfig, index: int) -> Any:
+    """A new actor for rank ``index`` after its old one died for good (killed with
+    no restart): same name and place; the coordinator finds it by name."""
+    rank = Topology(config.topology).ranks[index]
+    handle = _rank_actor(config, index, deployment.placement_groups[rank.pp], uses_gpu(config))
+    deployment.ranks[index] = handle
+    return handle
+
+
 def deploy(config: FabricConfig) -> Deployment:
     """Create the storage actor, the rank actors (one placement group per pipeline
     stage) and the coordinator, and start its step loop."""
@@ -114,20 +144,9 @@ def deploy(config: FabricConfig) -> Deployment:
         pg = placement_group([bundle] * len(stage), strategy="STRICT_PACK")
         ray.get(pg.ready(), timeout=120)
         groups.append(pg)
-        for bundle_index, rank in enumerate(stage):
+        for rank in stage:
             index = topo.ranks.index(rank)
-            cls = remote(
-                RankActor,
-                name=rank_name(config, index),
-                namespace=ns,
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=4,
-                num_cpus=_RANK_CPU,
-                num_gpus=1 if gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
-            )
-            ranks.append((index, cls.remote(data, index, storage_name(config))))
+            ranks.append((index, _rank_actor(config, index, pg, gpu)))
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
     try:

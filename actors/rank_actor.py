@@ -134,9 +134,13 @@ class RankActor:
         pages: list[int],
         sliding: list[tuple[int, int]] = (),  # type: ignore[assignment]
         mamba: list[tuple[int, int]] = (),  # type: ignore[assignment]
-    ) -> bool:
-        """The full KV in ``pages`` and a hybrid model's ``sliding`` / ``mamba`` parts."""
+        epoch: int | None = None,
+    ) -> bool | None:
+        """The full KV in ``pages`` and a hybrid model's ``sliding`` / ``mamba`` parts;
+        ``None`` when this rank is not in ``epoch`` (the lease's) any more."""
         worker = self.worker
+        if epoch is not None and epoch != worker.epoch:
+            return None
         return worker.verify(namespace, tokens, pages) and worker.verify_parts(
             namespace, tokens, list(sliding), list(mamba)
         )

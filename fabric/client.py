@@ -7,8 +7,8 @@
     fabric.shutdown()
 
 While Ray restarts the coordinator, calls raise ``ray.exceptions.ActorUnavailableError``;
-the restarted coordinator starts with empty L1/L2 and old leases are gone, so a
-driver simply submits again.
+the restarted coordinator takes back the L2 pages every rank still holds, old
+leases are gone, so a driver simply submits again.
 """
 
 from __future__ import annotations
@@ -182,9 +182,10 @@ class Fabric:
     def abort(self, request_id: str) -> bool:
         return self._call(self.coordinator.abort, request_id)
 
-    def verify(self, result: RequestResult, tokens: Sequence[int] | bytes) -> list[bool]:
+    def verify(self, result: RequestResult, tokens: Sequence[int] | bytes) -> list[bool | None]:
         """Per rank: do the leased L1 pages hold exactly the KV a fresh computation
-        of ``tokens`` gives? (The synthetic producer only.)"""
+        of ``tokens`` gives? (The synthetic producer only.) ``None`` from a rank
+        that restarted since the lease was granted (the lease is ending)."""
         if result.lease is None:
             raise FabricError(f"{result.request_id} has no lease ({result.error})")
         return self._call(self.coordinator.verify, result.lease, self._pack(tokens))

@@ -127,6 +127,12 @@ class Prefetch(_Message, frozen=True):
     op_id: Count
     host_pages: tuple[Count, ...]
     page_hashes: tuple[Hash, ...]
+    # The pages' names (``fabric.rank.index``): namespace, the chain hash before
+    # the first page and the pages' packed tokens; a restarted coordinator can
+    # then adopt prefetched pages too. Empty: the pages stay unnamed.
+    namespace: str = ""
+    prev_hash: bytes = b""
+    tokens: bytes = b""
     sliding_pages: tuple[Count, ...] = ()
     sliding_hashes: tuple[Hash, ...] = ()
     mamba_slots: tuple[Count, ...] = ()
@@ -212,14 +218,17 @@ def batch_header_bound(world_size: int, stops: int, forgets: int) -> int:
 
 
 def pages_per_command(kind: str, budget: int, page_size: int, namespace_chars: int) -> int:
-    """The most pages one command of ``kind`` (``compute``, ``copy`` or ``storage``)
+    """The most pages one command of ``kind`` (``compute``, ``copy``, ``storage`` or
+    ``prefetch``)
     may carry within ``budget`` bytes; 0 when not even one fits."""
     per_page = {
         "compute": 4 * page_size + _INT,
         "copy": 2 * _INT,
         "storage": _INT + _HASH,
+        "prefetch": 4 * page_size + _INT + _HASH,
     }[kind]
-    fixed = _OVERHEAD + (4 * namespace_chars + _HASH if kind == "compute" else 0)
+    named = kind in ("compute", "prefetch")
+    fixed = _OVERHEAD + (4 * namespace_chars + _HASH if named else 0)
     return max(0, (budget - fixed) // per_page)
 
 

@@ -130,9 +130,12 @@ class Controller(ABC):
         host_pages: Sequence[int],
         page_hashes: Sequence[bytes],
         parts: StorageParts | None = None,
+        names: tuple[str, bytes, bytes] | None = None,
     ) -> None:
         """Read pages from L3 into host pages, reporting cumulative progress; with
-        ``parts``, those first (no progress is reported until they are in)."""
+        ``parts``, those first (no progress is reported until they are in).
+        ``names``: the pages' namespace, the chain hash before them and their
+        packed tokens, which ranks keep (``fabric.rank.index``)."""
 
     @abstractmethod
     def stop_prefetch(self, op_id: int) -> None:

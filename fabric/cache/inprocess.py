@@ -87,6 +87,7 @@ class InProcessController(Controller):
         host_pages: Sequence[int],
         page_hashes: Sequence[bytes],
         parts: StorageParts | None = None,
+        names: tuple[str, bytes, bytes] | None = None,
     ) -> None:
         self.prefetches[op_id] = _Queued(op_id, tuple(host_pages), tuple(page_hashes), parts)
 

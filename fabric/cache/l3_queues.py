@@ -51,6 +51,7 @@ class PrefetchOp:
     start_page: int
     cached_pages: int
     page_hashes: list[bytes]
+    prev_hash: bytes  # the chain hash before ``start_page``
     started_at: float
     reserved_tokens: int
     state: PrefetchState = PrefetchState.QUERY
@@ -252,7 +253,8 @@ class L3Queues:
         requested = (key.num_pages - start_page) * self.page_size
         if self.inflight_tokens + requested > self.max_inflight_tokens:
             return self._refuse("rate limited")
-        hashes = key.chain_from(start_page, tree.chain_hash(anchor, key.namespace))
+        prev = tree.chain_hash(anchor, key.namespace)
+        hashes = key.chain_from(start_page, prev)
         op = PrefetchOp(
             op_id=self.next_op_id(),
             req_id=req_id,
@@ -261,6 +263,7 @@ class L3Queues:
             start_page=start_page,
             cached_pages=match.matched_tokens // self.page_size - start_page,
             page_hashes=hashes,
+            prev_hash=prev,
             started_at=self.clock(),
             reserved_tokens=requested,
         )
@@ -314,7 +317,10 @@ class L3Queues:
         op.host_pages = got
         self._reserve(op, pages * size)
         op.state = PrefetchState.LOADING
-        self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts)
+        pb = self.tree.page_bytes
+        tokens = op.key.data[op.start_page * pb : (op.start_page + pages) * pb]
+        names = (op.key.namespace, op.prev_hash, tokens)
+        self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts, names)
 
     def _alloc_parts(self, hashes: list[bytes]) -> StorageParts | None:
         """L2 slots for the components of the end after ``hashes`` (the sliding pages

@@ -109,8 +109,10 @@ class FabricController(Controller):
                 )
                 + f"; allowed is at least {2 * (prefix_bytes + 4 * self.page_size + 2048)}"
             )
-        # A hybrid model's prefetch carries up to ``part_slots`` component slots too.
-        self.max_prefetch_pages = max(1, self.storage_pages - part_slots)
+        # A prefetch names its pages (their tokens travel with it), and a hybrid
+        # model's carries up to ``part_slots`` component slots too.
+        prefetch = pages_per_command("prefetch", self.command_budget, self.page_size, ns)
+        self.max_prefetch_pages = max(1, prefetch - part_slots)
         # A hybrid model's component parts per command.
         self.part_count = parts_per_command(self.command_budget - prefix_bytes, self.page_size, ns)
         self.reset()
@@ -282,15 +284,20 @@ class FabricController(Controller):
         host_pages: Sequence[int],
         page_hashes: Sequence[bytes],
         parts: StorageParts | None = None,
+        names: tuple[str, bytes, bytes] | None = None,
     ) -> None:
         assert len(host_pages) <= self.max_prefetch_pages, "the cache caps prefetches"
         p = parts or StorageParts()
+        namespace, prev, tokens = names or ("", b"", b"")
         self._send(
             Prefetch(
                 self._cmd_id(),
                 op_id,
                 tuple(host_pages),
                 tuple(page_hashes),
+                namespace,
+                prev,
+                tokens,
                 p.sliding_pages,
                 p.sliding_hashes,
                 p.mamba_slots,

@@ -12,8 +12,8 @@ coordinator that adopts it serves exactly those bytes.
 
 ``entries()`` lists the L2 slots with a name; a new coordinator adopts a slot
 only where every rank names it alike (MIN over ranks again) and the tokens hash
-to the name (``CoordinatorCore.adopt``). Pages prefetched from L3 get no name
-(the prefetch carries hashes, not tokens): they are still in L3.
+to the name (``CoordinatorCore.adopt``). A prefetch from L3 names its pages too
+(it carries their tokens).
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ class PageIndex:
             )
             parent = hashes[i]
         self.forget_device(slots[whole:])
+
+    def prefetched(self, cmd, first: int, n: int) -> None:
+        """L2 slots ``cmd.host_pages[first : first + n]`` now hold those pages of a
+        ``Prefetch`` that names its pages (namespace, hash before, tokens)."""
+        pb = self.page_bytes
+        for i in range(first, first + n):
+            parent = cmd.page_hashes[i - 1] if i else cmd.prev_hash
+            self.host[cmd.host_pages[i]] = PageName(
+                cmd.namespace, cmd.page_hashes[i], parent, cmd.tokens[i * pb : (i + 1) * pb]
+            )
 
     def copied(self, src: dict[int, PageName], src_slots, dst: dict[int, PageName], dst_slots):
         """A copy from ``src_slots`` to ``dst_slots`` finished: the names follow."""

@@ -436,9 +436,11 @@ class RankWorker:
                     if epoch != self.epoch:
                         return
                     if got:
-                        # Named by hash alone (no tokens): a new coordinator leaves them.
-                        self.names.forget_host(cmd.host_pages[done : done + got])
-                        bytes_to_pages(self.l2, cmd.host_pages[done : done + got], rows)
+                        slots = cmd.host_pages[done : done + got]
+                        self.names.forget_host(slots)
+                        bytes_to_pages(self.l2, slots, rows)
+                        if cmd.tokens:
+                            self.names.prefetched(cmd, done, got)
                         self.moved_bytes["storage_to_host"] += got * self.page_bytes
             except Exception:
                 log.exception(

@@ -153,3 +153,17 @@ def test_a_page_index_names_only_whole_pages_and_forgets_before_a_write():
     idx.copied(idx.device, [7, 9], idx.host, [0, 1])
     assert sorted(idx.host) == [0]
     assert idx.entries()[0][:2] == (0, "ns")
+
+
+def test_pages_prefetched_from_l3_are_adopted_too(tmp_path):
+    a = pack_tokens(prompt(12, pages=6))
+    cached(LocalFabric(small_config(*storage_options(tmp_path))), a)  # fills L3
+    f = LocalFabric(small_config(*storage_options(tmp_path), "prefetch.threshold_tokens=4"))
+    r = f.serve(a)
+    assert r.storage_hit_tokens == 24
+    f.core.release(r.lease)
+    f.settle()
+    f.restart_coordinator()
+    assert f.core.stats.adopted_tokens == 24, "the prefetch named its pages on every rank"
+    r = serve_verified(f, a)
+    assert r.host_hit_tokens == 24 and r.storage_hit_tokens == 0

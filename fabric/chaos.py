@@ -1,0 +1,606 @@
+"""``kvfabric chaos``: a workload against a fabric while a seeded killer injects
+faults, then proof that nothing was lost or corrupted.
+
+The fabric runs on a local multi-node Ray (``ray.cluster_utils.Cluster``: a
+head node for the coordinator and the storage actor, worker nodes for the
+ranks) or on an existing cluster (``address``). Clients submit prompts that
+share prefixes (so L1, L2 and L3 all serve), verify every served lease on every
+rank and release it. After a fault-free warm-up, a killer injects one fault at a
+time, at random moments drawn from the seed, from ``FAULTS``:
+
+- ``rank_kill``: a rank actor killed; Ray restarts it;
+- ``rank_kill_no_restart``: a rank actor killed for good; the harness makes a
+  new one under its name, which the coordinator finds;
+- ``rank_sigkill``: a rank's worker process SIGKILLed (Ray restarts it);
+- ``rank_sigstop``: a rank's process stopped for longer than the rank timeout,
+  then continued;
+- ``storage_kill``: the storage actor killed (mid-backup or mid-prefetch as it
+  falls: backups and prefetches run all the time);
+- ``coordinator_kill``: the coordinator killed; its successor adopts the L2
+  pages every rank holds;
+- ``node_loss``: a worker node removed, and a new one added after a while (its
+  ranks come back on it; local clusters only);
+- ``l3_read_only``, ``l3_full``: L3 refuses every write for a while;
+- ``duplicate_messages``, ``delayed_messages``: a rank takes every step's
+  message twice, or runs every command late, for a while.
+
+After the run every fault is lifted, the fabric must serve again, every lease
+is released, and it must settle: then ``check_integrity`` on the coordinator,
+no lease or L1/L2 slot left held (``leaked_slots``), no request left waiting
+(``stuck_requests``), and every lease served during the run verified on every
+rank (``wrong_pages``: pages some rank held wrongly). The report gives requests
+served and failed (with reasons), recovery time per fault kind (fault to the
+next served request), throughput with and without faults; ``ok`` is false —
+and the CLI exits non-zero — on any loss. Ray is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.config import FabricConfig
+from fabric.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+FAULTS = (
+    "rank_kill",
+    "rank_kill_no_restart",
+    "rank_sigkill",
+    "rank_sigstop",
+    "storage_kill",
+    "coordinator_kill",
+    "node_loss",
+    "l3_read_only",
+    "l3_full",
+    "duplicate_messages",
+    "delayed_messages",
+)
+
+
+@dataclass
+class ChaosOptions:
+    seed: int = 0
+    duration_s: float = 60.0
+    nodes: int = 2  # a local cluster's nodes (head included)
+    address: str | None = None  # an existing cluster instead
+    faults: tuple[str, ...] = FAULTS
+    fault_every_s: float = 4.0  # the mean gap between faults
+    fault_hold_s: float = 3.0  # how long lasting faults last (SIGSTOP, L3, messages)
+    warmup_fraction: float = 0.2  # the first part of the run has no faults
+    clients: int = 2
+    request_timeout_s: float = 30.0
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.faults) - set(FAULTS))
+        if unknown:
+            raise InvalidInput(
+                f"fault kind(s) {', '.join(unknown)} refused: allowed are {', '.join(FAULTS)}"
+            )
+        if self.duration_s <= 0 or self.nodes < 1 or self.clients < 1:
+            raise InvalidInput(
+                f"duration_s={self.duration_s}, nodes={self.nodes}, clients={self.clients} "
+                "refused: allowed are a positive duration and at least one node and client"
+            )
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # seconds since the start
+    ended: float | None = None
+    target: str = ""
+    recovered_at: float | None = None
+    injected: bool = False
+    adopted_tokens: int | None = None  # coordinator_kill: what its successor took back
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    served: list[float] = field(default_factory=list)  # completion times
+    failed: Counter[str] = field(default_factory=Counter)
+    wrong_pages: int = 0
+    verified: int = 0
+    unverifiable: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
+    """A small fabric (TP=2 x PP=2, CPU pools, file L3) with short timeouts, so
+    faults are seen and recovered from within seconds."""
+    return FabricConfig().with_overrides(
+        [
+            f"runtime.name=kvfabric-chaos-{opts.seed}",
+            "runtime.ray_namespace=kvfabric-chaos",
+            "runtime.dashboard=false",
+            "runtime.rank_timeout_s=2",
+            "runtime.rank_absent_timeout_s=20",
+            "runtime.lease_ttl_s=60",
+            "topology.tp=2",
+            "topology.pp=2",
+            "cache.page_size=4",
+            "cache.device_tokens=256",
+            "cache.host_tokens=512",
+            "cache.load_back_threshold=0",
+            "model.layers=2",
+            "model.kv_heads=2",
+            "model.head_dim=8",
+            "prefetch.threshold_tokens=4",
+            "storage.backend=file",
+            f"storage.path={l3_path}",
+            *opts.overrides,
+        ]
+    )
+
+
+def prompt(rng: random.Random, page_size: int) -> list[int]:
+    """A prompt from a few shared prefixes and a unique tail (whole pages)."""
+    family = rng.randrange(6)
+    shared = [family * 1000 + t for t in range(page_size * rng.randint(1, 6))]
+    own = [rng.randrange(100_000, 200_000) for _ in range(page_size * rng.randint(0, 4))]
+    return shared + own
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+class Chaos:
+    def __init__(self, opts: ChaosOptions, progress: Callable[[str], None] = print) -> None:
+        self.opts = opts
+        self.progress = progress
+        self.rng = random.Random(opts.seed)
+        self.tally = Tally()
+        self.faults: list[Fault] = []
+        self.stop = threading.Event()
+        self.cluster: Any = None
+        self.fabric: Any = None
+        self.config: FabricConfig | None = None
+        self.t0 = 0.0
+        self.stopped_pids: set[int] = set()
+        self.removed_nodes: list[dict] = []
+
+    # -- the cluster and the fabric -----------------------------------------------
+
+    def start(self, l3_path: str) -> None:
+        import ray
+
+        from actors.factory import HEAD_RESOURCE
+        from fabric.client import launch
+
+        opts = self.opts
+        if opts.address is None:
+            from ray.cluster_utils import Cluster
+
+            # The head runs the coordinator and the storage actor (no CPU for
+            # ranks); the ranks run on the worker nodes, a stage packed on one.
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": 0, "resources": {HEAD_RESOURCE: 100}},
+            )
+            for _ in range(opts.nodes - 1):
+                self.cluster.add_node(num_cpus=2)
+            ray.init(address=self.cluster.address, namespace="kvfabric-chaos", log_to_driver=False)
+        self.config = chaos_config(opts, l3_path)
+        self.fabric = launch(self.config, address=opts.address, announce=False)
+
+    def close(self) -> None:
+        import ray
+
+        for pid in list(self.stopped_pids):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        if self.fabric is not None:
+            with contextlib.suppress(Exception):
+                self.fabric.shutdown()
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            with contextlib.suppress(Exception):
+                self.cluster.shutdown()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # -- the workload --------------------------------------------------------------
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        fabric, tally = self.fabric, self.tally
+        assert self.config is not None
+        ps = self.config.cache.page_size
+        while not self.stop.is_set():
+            tokens = prompt(rng, ps)
+            started = time.monotonic()
+            try:
+                r = fabric.submit(tokens, timeout=self.opts.request_timeout_s)
+            except Exception as exc:  # the coordinator restarting, a timeout
+                with tally.lock:
+                    tally.failed[type(exc).__name__] += 1
+                time.sleep(0.2)
+                continue
+            if r.error is not None:
+                with tally.lock:
+                    tally.failed[_reason(r.error)] += 1
+                time.sleep(0.1)
+                continue
+            self.check(r, tokens)
+            with tally.lock:
+                tally.served.append(self.now())
+                tally.latencies.append(time.monotonic() - started)
+            with contextlib.suppress(Exception):
+                fabric.release(r.lease)
+
+    def check(self, r: Any, tokens: list[int]) -> None:
+        """Verify a served lease on every rank: a rank that says no holds wrong pages;
+        one that cannot answer (a fault) leaves the lease unverifiable."""
+        try:
+            ok = self.fabric.verify(r, tokens)
+        except Exception:
+            with self.tally.lock:
+                self.tally.unverifiable += 1
+            return
+        assert self.config is not None
+        pages = -(-r.lease.tokens // self.config.cache.page_size)
+        with self.tally.lock:
+            if None in ok:  # a rank restarted since: the lease is ending, not wrong
+                self.tally.unverifiable += 1
+                return
+            self.tally.verified += 1
+            self.tally.wrong_pages += pages * sum(1 for x in ok if x is False)
+
+    # -- the killer ----------------------------------------------------------------
+
+    def killer(self) -> None:
+        opts = self.opts
+        start = opts.warmup_fraction * opts.duration_s
+        while not self.stop.wait(max(0.0, start - self.now())):
+            if self.now() >= start:
+                break
+        order: list[str] = []
+        while not self.stop.is_set():
+            if not order:  # every kind once, in a seeded order, then again
+                order = list(opts.faults)
+                self.rng.shuffle(order)
+            kind = order.pop()
+            fault = Fault(kind, self.now())
+            try:
+                self.inject(fault)
+                fault.injected = True
+            except Exception as exc:
+                log.warning("chaos: %s could not be injected: %s", kind, exc)
+                fault.target += f" (not injected: {type(exc).__name__}: {str(exc)[:120]})"
+            if fault.ended is None:  # a lasting fault ends when it is lifted
+                fault.ended = self.now()
+            self.faults.append(fault)
+            self.progress(f"{fault.at:7.1f}s  {kind} {fault.target}")
+            # The next fault comes once this one is recovered from (a request served
+            # since it ended; at most a minute) and a seeded gap after that.
+            self.wait_served_after(fault.ended, 60.0)
+            gap = self.rng.expovariate(1.0 / opts.fault_every_s)
+            if self.stop.wait(max(0.5, gap)):
+                break
+
+    def wait_served_after(self, t: float, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            with self.tally.lock:
+                if self.tally.served and self.tally.served[-1] >= t:
+                    return
+            self.stop.wait(0.1)
+
+    def inject(self, fault: Fault) -> None:
+        import ray
+
+        from actors.factory import recreate_rank
+
+        fabric, rng, hold = self.fabric, self.rng, self.opts.fault_hold_s
+        deployment = fabric._deployment
+        index = rng.randrange(len(deployment.ranks))
+        rank = deployment.ranks[index]
+        kind = fault.kind
+        fault.target = f"rank {index}" if kind.startswith(("rank", "dup", "del")) else ""
+        if kind == "rank_kill":
+            ray.kill(rank, no_restart=False)
+            fault.ended = self.now()
+        elif kind == "rank_kill_no_restart":
+            ray.kill(rank, no_restart=True)
+            fault.ended = self.now()
+            time.sleep(1.0)
+            recreate_rank(deployment, self.config, index)
+        elif kind in ("rank_sigkill", "rank_sigstop"):
+            pid, node = ray.get(rank.where.remote(), timeout=10)
+            if not self._local(node):
+                raise RuntimeError("signals need the rank on this machine")
+            if kind == "rank_sigkill":
+                os.kill(pid, signal.SIGKILL)
+                fault.ended = self.now()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped_pids.add(pid)
+                self.stop.wait(hold + self.config.runtime.rank_timeout_s)
+                os.kill(pid, signal.SIGCONT)
+                self.stopped_pids.discard(pid)
+        elif kind == "storage_kill":
+            ray.kill(deployment.storage, no_restart=False)
+            fault.ended = self.now()
+        elif kind == "coordinator_kill":
+            before = fabric.stats()["epoch"]
+            ray.kill(fabric.coordinator, no_restart=False)
+            fault.ended = self.now()
+            fault.adopted_tokens = self.adopted_after(before)
+        elif kind == "node_loss":
+            self.lose_node(rank, hold)
+        elif kind in ("l3_read_only", "l3_full"):
+            l3 = kind.removeprefix("l3_")
+            ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
+            self.stop.wait(hold)
+            ray.get(deployment.storage.set_faults.remote(), timeout=10)
+        else:
+            what = {"duplicate": True} if kind == "duplicate_messages" else {"delay_s": 0.05}
+            ray.get(rank.set_faults.remote(**what), timeout=10)
+            self.stop.wait(hold)
+            ray.get(rank.set_faults.remote(), timeout=10)
+
+    def adopted_after(self, epoch: int, limit_s: float = 60.0) -> int | None:
+        """The L2 tokens the coordinator that follows ``epoch`` adopted."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                stats = self.fabric.stats()
+                if stats["epoch"] > epoch:
+                    return int(stats.get("adopted_tokens", 0))
+            time.sleep(0.2)
+        return None
+
+    def _local(self, node_id: str) -> bool:
+        import ray
+
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()) and (
+            self.cluster is not None or self.opts.address in (None, "auto")
+        )
+
+    def lose_node(self, rank: Any, hold: float) -> None:
+        """Remove the worker node a rank runs on; add a new one after ``hold``."""
+        import ray
+
+        if self.cluster is None:
+            raise RuntimeError("node loss needs a local cluster")
+        _, node_id = ray.get(rank.where.remote(), timeout=10)
+        victim = next(
+            (n for n in self.cluster.worker_nodes if n.node_id == node_id),
+            None,
+        )
+        if victim is None:
+            raise RuntimeError("that rank is on the head node")
+        self.cluster.remove_node(victim, allow_graceful=False)
+        self.stop.wait(hold)
+        self.cluster.add_node(num_cpus=2)
+
+    # -- the run -------------------------------------------------------------------
+
+    def run(self) -> dict:
+        opts = self.opts
+        self.t0 = time.monotonic()
+        threads = [
+            threading.Thread(target=self.client, args=(opts.seed * 1000 + i,), daemon=True)
+            for i in range(opts.clients)
+        ]
+        for t in threads:
+            t.start()
+        timer = threading.Timer(opts.duration_s, self.stop.set)
+        timer.start()
+        try:
+            # In this thread: adding and removing nodes needs the main thread.
+            self.killer()
+        finally:
+            self.stop.set()
+            timer.cancel()
+        for t in threads:
+            t.join(timeout=opts.request_timeout_s + 10)
+        end = self.now()
+        return self.report(end, self.settle())
+
+    def settle(self) -> dict:
+        """Every fault lifted: the fabric must serve again, hold nothing and settle."""
+        import ray
+
+        for pid in list(self.stopped_pids):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        fabric = self.fabric
+        with contextlib.suppress(Exception):
+            ray.get(fabric._deployment.storage.set_faults.remote(), timeout=30)
+        for rank in fabric._deployment.ranks:
+            with contextlib.suppress(Exception):
+                ray.get(rank.set_faults.remote(), timeout=30)
+        out: dict[str, Any] = {"serving_again_s": None, "integrity_errors": []}
+        started = time.monotonic()
+        assert self.config is not None
+        probe = [7] * (4 * self.config.cache.page_size)
+        while time.monotonic() - started < 120:
+            try:
+                r = fabric.submit(probe, timeout=20)
+            except Exception:
+                time.sleep(1.0)
+                continue
+            if r.error is None:
+                self.check(r, probe)
+                fabric.release(r.lease)
+                out["serving_again_s"] = round(time.monotonic() - started, 2)
+                break
+            time.sleep(0.5)
+        settled = False
+        with contextlib.suppress(Exception):
+            settled = fabric.settle(60)
+        out["settled"] = settled
+        try:
+            fabric.check_integrity()
+        except Exception as exc:
+            out["integrity_errors"] = [str(exc)[:500]]
+        try:
+            stats = fabric.stats()
+        except Exception as exc:
+            out["integrity_errors"].append(f"stats: {exc}")
+            stats = {}
+        out["stats"] = stats
+        return out
+
+    def report(self, end: float, after: dict) -> dict:
+        opts, tally = self.opts, self.tally
+        stats = after.get("stats", {})
+        warm = opts.warmup_fraction * opts.duration_s
+        served = sorted(tally.served)
+        injected = [f for f in self.faults if f.injected]
+        for fault in injected:
+            after_fault = fault.ended if fault.ended is not None else fault.at
+            fault.recovered_at = next((t for t in served if t >= after_fault), None)
+        recovery: dict[str, list[float]] = defaultdict(list)
+        for f in injected:
+            if f.recovered_at is not None:
+                recovery[f.kind].append(f.recovered_at - (f.ended or f.at))
+        all_rec = [x for xs in recovery.values() for x in xs]
+        # At idle with every lease released, nothing holds an L1 page; L2 and L1
+        # pages owned by nothing at all are integrity errors (free + owned == pool).
+        assert self.config is not None
+        leaked_leases = int(stats.get("leases", 0))
+        ps = self.config.cache.page_size
+        leaked_slots = int(stats.get("device", {}).get("protected", 0)) // ps
+        storage_ops = stats.get("storage_ops", {})
+        stuck = (
+            int(stats.get("waiting", 0))
+            + int(stats.get("running", 0))
+            + int(stats.get("prefetching", 0))
+            + int(stats.get("pending_writes", 0))
+            + int(stats.get("pending_loads", 0))
+            + int(storage_ops.get("inflight_prefetches", 0))
+            + int(storage_ops.get("pending_backups", 0))
+        )
+        unrecovered = [f.kind for f in injected if f.recovered_at is None]
+        in_warmup = sum(1 for t in served if t < warm)
+        report = {
+            "seed": opts.seed,
+            "duration_s": round(end, 1),
+            "nodes": opts.nodes if opts.address is None else None,
+            "requests": {
+                "served": len(served),
+                "failed": sum(tally.failed.values()),
+                "failed_by_reason": dict(tally.failed),
+                "verified": tally.verified,
+                "unverifiable": tally.unverifiable,
+                "latency_s_p50": round(percentile(tally.latencies, 0.5), 3),
+                "latency_s_p99": round(percentile(tally.latencies, 0.99), 3),
+            },
+            "faults_injected": len(injected),
+            "faults": dict(Counter(f.kind for f in injected)),
+            "faults_not_injected": dict(Counter(f.kind for f in self.faults if not f.injected)),
+            "fault_log": [
+                {
+                    "kind": f.kind,
+                    "at_s": round(f.at, 2),
+                    "lasted_s": round((f.ended or f.at) - f.at, 2),
+                    "target": f.target,
+                    "injected": f.injected,
+                    **(
+                        {"adopted_tokens": f.adopted_tokens} if f.kind == "coordinator_kill" else {}
+                    ),
+                }
+                for f in self.faults
+            ],
+            "recovery_s": {
+                k: {
+                    "n": len(v),
+                    "p50": round(percentile(v, 0.5), 2),
+                    "p99": round(percentile(v, 0.99), 2),
+                }
+                for k, v in sorted(recovery.items())
+            },
+            "recovery_s_p50": round(percentile(all_rec, 0.5), 2),
+            "recovery_s_p99": round(percentile(all_rec, 0.99), 2),
+            "unrecovered_faults": unrecovered,
+            "throughput_rps": {
+                "no_faults": round(in_warmup / warm, 2) if warm else None,
+                "with_faults": round((len(served) - in_warmup) / max(1e-9, end - warm), 2),
+            },
+            "serving_again_s": after["serving_again_s"],
+            "settled": after.get("settled", False),
+            "wrong_pages": tally.wrong_pages,
+            "leaked_slots": leaked_slots,
+            "leaked_leases": leaked_leases,
+            "stuck_requests": stuck,
+            "integrity_errors": after["integrity_errors"],
+            "adopted_tokens_after_coordinator_kills": [
+                f.adopted_tokens for f in injected if f.kind == "coordinator_kill"
+            ],
+            "resets": stats.get("resets", 0),
+        }
+        report["ok"] = (
+            tally.wrong_pages == 0
+            and leaked_slots == 0
+            and leaked_leases == 0
+            and stuck == 0
+            and not after["integrity_errors"]
+            and after["serving_again_s"] is not None
+            and len(served) > 0
+        )
+        return report
+
+
+def _reason(error: str) -> str:
+    """A request error's kind, for counting (the text before any detail)."""
+    head = error.split(":")[0].strip()
+    return head[:60] or "error"
+
+
+def run_chaos(opts: ChaosOptions, progress: Callable[[str], None] = print) -> dict:
+    """Run a seeded chaos test (see the module docstring) and return its report."""
+    chaos = Chaos(opts, progress)
+    with tempfile.TemporaryDirectory(prefix="kvfabric-chaos-l3-") as l3:
+        try:
+            chaos.start(l3)
+            where = opts.address or f"a local cluster of {opts.nodes} nodes"
+            progress(
+                f"chaos: seed {opts.seed}, {opts.duration_s:.0f} s on {where}; "
+                f"faults {', '.join(opts.faults)}"
+            )
+            return chaos.run()
+        finally:
+            chaos.close()
+
+
+def summary(report: dict) -> str:
+    r = report["requests"]
+    lines = [
+        f"served {r['served']} requests, {r['failed']} failed "
+        f"({', '.join(f'{k} {v}' for k, v in r['failed_by_reason'].items()) or 'none'}); "
+        f"verified {r['verified']} leases on every rank",
+        f"{report['faults_injected']} faults: "
+        + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
+    ]
+    for kind, rec in report["recovery_s"].items():
+        lines.append(f"  recovery {kind:<22} p50 {rec['p50']:6.2f} s  p99 {rec['p99']:6.2f} s")
+    t = report["throughput_rps"]
+    lines.append(f"throughput {t['no_faults']} req/s without faults, {t['with_faults']} with")
+    lines.append(
+        f"wrong pages {report['wrong_pages']}, leaked slots {report['leaked_slots']}, "
+        f"leaked leases {report['leaked_leases']}, stuck requests {report['stuck_requests']}, "
+        f"integrity errors {len(report['integrity_errors'])}: "
+        + ("nothing lost" if report["ok"] else "LOSS")
+    )
+    return "\n".join(lines)
