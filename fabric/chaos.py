@@ -208,10 +208,10 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
         if self.fabric is not None:
             with contextlib.suppress(Exception):
-                self.fabric.shutdown()
+                self.fabric.shutdown()  # its actors only: nothing else on a given cluster
+        with contextlib.suppress(Exception):
+            ray.shutdown()
         if self.cluster is not None:
-            with contextlib.suppress(Exception):
-                ray.shutdown()
             with contextlib.suppress(Exception):
                 self.cluster.shutdown()
 
@@ -370,10 +370,13 @@ class Chaos:
         return None
 
     def _local(self, node_id: str) -> bool:
+        """The node is this machine (a process there can be signalled from here)."""
         import ray
 
-        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()) and (
-            self.cluster is not None or self.opts.address in (None, "auto")
+        here = ray.util.get_node_ip_address()
+        return any(
+            n["NodeID"] == node_id and n["Alive"] and n["NodeManagerAddress"] == here
+            for n in ray.nodes()
         )
 
     def lose_node(self, rank: Any, hold: float) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from fabric import __version__
+from fabric.chaos import FAULTS
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
 from fabric.progress import Progress
@@ -380,6 +381,70 @@ def demo(trace, requests, config_file, overrides, as_json) -> None:
         )
         click.echo(f"  {out['requests_per_s']:,} requests/s through the core")
     _emit(out)
+
+
+@cli.command()
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds the faults and the workload."
+)
+@click.option(
+    "--duration", type=float, default=60.0, show_default=True, help="Seconds of workload."
+)
+@click.option(
+    "--nodes",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Nodes of the local Ray cluster made for the run (the head and workers).",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="Run on this existing Ray cluster instead (node loss needs a local one).",
+)
+@click.option(
+    "--faults",
+    default="all",
+    show_default=True,
+    help="Comma-separated fault kinds, or all: " + ", ".join(FAULTS) + ".",
+)
+@click.option(
+    "--fault-every", type=float, default=4.0, show_default=True, help="Mean seconds between faults."
+)
+@click.option(
+    "--hold", type=float, default=3.0, show_default=True, help="Seconds a lasting fault lasts."
+)
+@click.option("--clients", type=int, default=2, show_default=True, help="Concurrent clients.")
+@click.option("--set", "overrides", multiple=True, help="A config override for the fabric.")
+@_json_option
+def chaos(
+    seed, duration, nodes, address, faults, fault_every, hold, clients, overrides, as_json
+) -> None:
+    """Inject seeded faults into a fabric under load and prove nothing was lost.
+
+    Exits 1 on any loss (a wrong page served, a leaked slot or lease, a stuck
+    request, an integrity error) or when it never served again; the last line
+    is the report as one JSON object."""
+    from fabric.chaos import ChaosOptions, run_chaos, summary
+
+    kinds = FAULTS if faults == "all" else tuple(k.strip() for k in faults.split(",") if k.strip())
+    opts = ChaosOptions(
+        seed=seed,
+        duration_s=duration,
+        nodes=nodes,
+        address=address,
+        faults=kinds,
+        fault_every_s=fault_every,
+        fault_hold_s=hold,
+        clients=clients,
+        overrides=tuple(overrides),
+    )
+    report = run_chaos(opts, progress=(lambda line: None) if as_json else click.echo)
+    if not as_json:
+        click.echo(summary(report))
+    _emit(report)
+    if not report["ok"]:
+        raise SystemExit(1)
 
 
 SIZES = (2 * 1024**2, 20 * 1024**2)
