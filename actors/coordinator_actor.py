@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -186,6 +187,10 @@ class CoordinatorActor:
             raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
         pages = list(lease.device_pages)
         return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
+
+    async def where(self) -> tuple[int, str]:
+        """This actor's process id and Ray node id."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     async def running_config(self) -> dict[str, Any]:
         """This fabric's configuration (what ``connect()`` hands a driver)."""

@@ -21,16 +21,19 @@ from fabric.topology import Topology
 
 # A rank reserves a sliver of a CPU, so a laptop can hold many; on GPU, one GPU each.
 _RANK_CPU = 0.01
-# The custom resource of the node that should run the coordinator and the storage
+# The default `runtime.control_resource`: the node that should run the coordinator and the storage
 # actor (cluster.yaml gives it to the head node). Requested only where the cluster
 # has it, so a plain local Ray places them anywhere.
 HEAD_RESOURCE = "kvfabric_head"
 
 
-def head_placement() -> dict[str, Any]:
-    """Actor options that pin an actor to the head node, when the cluster has one."""
-    if ray.cluster_resources().get(HEAD_RESOURCE, 0) >= 2:
-        return {"resources": {HEAD_RESOURCE: 1}}
+def head_placement(config: FabricConfig) -> dict[str, Any]:
+    """Actor options that pin the coordinator or the storage actor to the nodes with
+    ``runtime.control_resource`` (the head node by default), when the cluster has
+    them (a plain local Ray places them anywhere)."""
+    resource = config.runtime.control_resource
+    if resource and ray.cluster_resources().get(resource, 0) >= 2:
+        return {"resources": {resource: 1}}
     return {}
 
 
@@ -130,7 +133,7 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=16,
         num_cpus=0,
-        **head_placement(),
+        **head_placement(config),
     ).remote(config.to_dict(), coordinator_name(config))
     _ready([storage.ping.remote()], [storage], 120)
     gpu = uses_gpu(config)
@@ -163,7 +166,7 @@ def deploy(config: FabricConfig) -> Deployment:
         max_restarts=-1,
         max_concurrency=1000,
         num_cpus=0,
-        **head_placement(),
+        **head_placement(config),
     ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_name(config))
     ray.get(coordinator.start.remote(), timeout=120)
     return Deployment(coordinator, handles, storage, groups)

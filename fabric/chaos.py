@@ -51,6 +51,7 @@ from typing import Any
 
 from fabric.config import FabricConfig
 from fabric.errors import InvalidInput
+from fabric.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class Chaos:
         self.config: FabricConfig | None = None
         self.t0 = 0.0
         self.stopped_pids: set[int] = set()
+        self.placed: dict[str, dict] = {}
         self.removed_nodes: list[dict] = []
 
     # -- the cluster and the fabric -----------------------------------------------
@@ -396,10 +398,32 @@ class Chaos:
         self.stop.wait(hold)
         self.cluster.add_node(num_cpus=2)
 
+    def placement(self) -> dict:
+        """Where the actors are: the coordinator and the storage actor on the nodes
+        with ``runtime.control_resource``, each pipeline stage's ranks on one node."""
+        import ray
+
+        assert self.config is not None
+        deployment = self.fabric._deployment
+        resource = self.config.runtime.control_resource
+        control = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource)}
+        coordinator = ray.get(self.fabric.coordinator.where.remote(), timeout=30)[1]
+        storage = ray.get(deployment.storage.where.remote(), timeout=30)[1]
+        nodes = [ray.get(r.where.remote(), timeout=30)[1] for r in deployment.ranks]
+        topo = Topology(self.config.topology)
+        stages = [{nodes[topo.ranks.index(r)] for r in topo.stage(pp)} for pp in range(topo.pp)]
+        return {
+            "coordinator_on_control_node": coordinator in control,
+            "storage_on_control_node": storage in control,
+            "stages_packed": all(len(s) == 1 for s in stages),
+            "rank_nodes": len(set(nodes)),
+        }
+
     # -- the run -------------------------------------------------------------------
 
     def run(self) -> dict:
         opts = self.opts
+        self.placed = {"start": self.placement()}
         self.t0 = time.monotonic()
         threads = [
             threading.Thread(target=self.client, args=(opts.seed * 1000 + i,), daemon=True)
@@ -453,6 +477,10 @@ class Chaos:
         with contextlib.suppress(Exception):
             settled = fabric.settle(60)
         out["settled"] = settled
+        try:
+            self.placed["end"] = self.placement()
+        except Exception as exc:
+            self.placed["end"] = {"error": str(exc)[:200]}
         try:
             fabric.check_integrity()
         except Exception as exc:
@@ -552,6 +580,7 @@ class Chaos:
                 f.adopted_tokens for f in injected if f.kind == "coordinator_kill"
             ],
             "resets": stats.get("resets", 0),
+            "placement": self.placed,
         }
         report["ok"] = (
             tally.wrong_pages == 0

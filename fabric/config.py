@@ -328,6 +328,11 @@ class RuntimeConfig(_Section):
     dashboard_host: Text = "127.0.0.1"
     dashboard_port: Annotated[int, _allowed("a TCP port", ge=1, lt=65536)] = 8265
     log_to_driver: bool = Field(True, description="true or false")
+    # Where the coordinator and the storage actor run: nodes with this custom
+    # resource (cluster.yaml gives it to the head node); empty: anywhere.
+    control_resource: Annotated[
+        str, _allowed("a Ray resource name, or empty for any node", pattern=r"^[A-Za-z0-9_.-]*$")
+    ] = "kvfabric_head"
 
     def allowed_namespaces(self) -> frozenset[str] | None:
         """``None`` when any namespace is allowed."""

@@ -47,6 +47,12 @@ def test_a_short_seeded_chaos_run_loses_nothing():
     assert report["unrecovered_faults"] == []
     assert set(report["recovery_s"]) == set(report["faults"])
     assert any("coordinator_kill" in line or "storage_kill" in line for line in lines)
+    # The coordinator and the storage actor on the head node (runtime.control_resource),
+    # each pipeline stage's ranks packed on one node, before and after the faults.
+    for when in ("start", "end"):
+        placed = report["placement"][when]
+        assert placed["coordinator_on_control_node"] and placed["storage_on_control_node"]
+        assert placed["stages_packed"], placed
 
 
 def test_chaos_refuses_unknown_fault_kinds_and_bad_sizes(capsys):
