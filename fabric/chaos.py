@@ -29,8 +29,10 @@ is released, and it must settle: then ``check_integrity`` on the coordinator,
 no lease or L1/L2 slot left held (``leaked_slots``), no request left waiting
 (``stuck_requests``), and every lease served during the run verified on every
 rank (``wrong_pages``: pages some rank held wrongly). The report gives requests
-served and failed (with reasons), recovery time per fault kind (fault to the
-next served request), throughput with and without faults; ``ok`` is false —
+served and failed (with reasons), recovery time per fault kind (from the fault,
+or a lasting fault's end, to the first request submitted after it being
+served), throughput with and without faults, where the actors ran, and every L3
+page file checked as a read would check it; ``ok`` is false —
 and the CLI exits non-zero — on any loss. Ray is imported inside functions.
 """
 
@@ -112,6 +114,9 @@ class Fault:
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     served: list[float] = field(default_factory=list)  # completion times
+    # (submitted, completed) of each served request: recovery counts only
+    # requests submitted after a fault.
+    spans: list[tuple[float, float]] = field(default_factory=list)
     failed: Counter[str] = field(default_factory=Counter)
     wrong_pages: int = 0
     verified: int = 0
@@ -229,12 +234,15 @@ class Chaos:
         ps = self.config.cache.page_size
         while not self.stop.is_set():
             tokens = prompt(rng, ps)
-            started = time.monotonic()
+            started, submitted = time.monotonic(), self.now()
             try:
                 r = fabric.submit(tokens, timeout=self.opts.request_timeout_s)
             except Exception as exc:  # the coordinator restarting, a timeout
+                name = type(exc).__name__
+                if not type(exc).__module__.startswith("ray"):  # ours: say what it was
+                    name += f": {_reason(str(exc))}"
                 with tally.lock:
-                    tally.failed[type(exc).__name__] += 1
+                    tally.failed[name] += 1
                 time.sleep(0.2)
                 continue
             if r.error is not None:
@@ -245,6 +253,7 @@ class Chaos:
             self.check(r, tokens)
             with tally.lock:
                 tally.served.append(self.now())
+                tally.spans.append((submitted, self.now()))
                 tally.latencies.append(time.monotonic() - started)
             with contextlib.suppress(Exception):
                 fabric.release(r.lease)
@@ -292,8 +301,8 @@ class Chaos:
                 fault.ended = self.now()
             self.faults.append(fault)
             self.progress(f"{fault.at:7.1f}s  {kind} {fault.target}")
-            # The next fault comes once this one is recovered from (a request served
-            # since it ended; at most a minute) and a seeded gap after that.
+            # The next fault comes once this one is recovered from (a request
+            # submitted after it ended was served; at most a minute) and a seeded gap.
             self.wait_served_after(fault.ended, 60.0)
             gap = self.rng.expovariate(1.0 / opts.fault_every_s)
             if self.stop.wait(max(0.5, gap)):
@@ -303,7 +312,7 @@ class Chaos:
         deadline = time.monotonic() + limit_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             with self.tally.lock:
-                if self.tally.served and self.tally.served[-1] >= t:
+                if any(start >= t for start, _ in self.tally.spans[-50:]):
                     return
             self.stop.wait(0.1)
 
@@ -419,6 +428,30 @@ class Chaos:
             "rank_nodes": len(set(nodes)),
         }
 
+    def scan_l3(self, root: str) -> dict:
+        """Every page file in the L3 directory, checked as a read would check it:
+        valid, or the reason a read would refuse it (a counted miss, never served)."""
+        from pathlib import Path
+
+        from fabric.l3.format import decode_page
+        from fabric.l3.service import StorageService, provenance_bytes
+
+        assert self.config is not None
+        off = self.config.replace(storage={**self.config.storage.model_dump(), "backend": "none"})
+        shapes = StorageService(off).shapes
+        by_tag = {(prov.tag, suffix): prov for (_, suffix), prov in shapes.items()}
+        out: Counter[str] = Counter()
+        for path in Path(root).glob("*/*.kv"):
+            key = path.name[: -len(".kv")]
+            _, tag, suffix = key.split(".")
+            prov = by_tag.get((tag, suffix))
+            if prov is None:
+                out["foreign"] += 1
+                continue
+            got = decode_page(path.read_bytes(), prov, provenance_bytes(prov), key)
+            out["valid" if not isinstance(got, str) else got] += 1
+        return dict(out)
+
     # -- the run -------------------------------------------------------------------
 
     def run(self) -> dict:
@@ -477,6 +510,7 @@ class Chaos:
         with contextlib.suppress(Exception):
             settled = fabric.settle(60)
         out["settled"] = settled
+        out["l3_pages"] = self.scan_l3(self.config.storage.path)
         try:
             self.placed["end"] = self.placement()
         except Exception as exc:
@@ -501,7 +535,8 @@ class Chaos:
         injected = [f for f in self.faults if f.injected]
         for fault in injected:
             after_fault = fault.ended if fault.ended is not None else fault.at
-            fault.recovered_at = next((t for t in served if t >= after_fault), None)
+            done = [end for start, end in tally.spans if start >= after_fault]
+            fault.recovered_at = min(done) if done else None
         recovery: dict[str, list[float]] = defaultdict(list)
         for f in injected:
             if f.recovered_at is not None:
@@ -581,6 +616,10 @@ class Chaos:
             ],
             "resets": stats.get("resets", 0),
             "placement": self.placed,
+            "l3_pages": after.get("l3_pages", {}),
+            "l3_refused": {
+                k: v for k, v in stats.get("l3", {}).items() if k.startswith("refused_")
+            },
         }
         report["ok"] = (
             tally.wrong_pages == 0

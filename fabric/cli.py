@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -439,7 +440,18 @@ def chaos(
         clients=clients,
         overrides=tuple(overrides),
     )
-    report = run_chaos(opts, progress=(lambda line: None) if as_json else click.echo)
+    # Progress goes to stderr, and so does whatever the Ray nodes the run starts
+    # and stops print (a removed node's raylet dumps its state): stdout keeps
+    # only the summary and the report.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        report = run_chaos(opts, progress=lambda line: click.echo(line, err=True))
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     if not as_json:
         click.echo(summary(report))
     _emit(report)
