@@ -420,7 +420,10 @@ class Chaos:
         storage = ray.get(deployment.storage.where.remote(), timeout=30)[1]
         nodes = [ray.get(r.where.remote(), timeout=30)[1] for r in deployment.ranks]
         topo = Topology(self.config.topology)
-        stages = [{nodes[topo.ranks.index(r)] for r in topo.stage(pp)} for pp in range(topo.pp)]
+        stages = [
+            {nodes[topo.ranks.index(r)] for r in topo.stage(pp)}
+            for pp in range(self.config.topology.pp)
+        ]
         return {
             "coordinator_on_control_node": coordinator in control,
             "storage_on_control_node": storage in control,
