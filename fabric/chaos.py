@@ -14,15 +14,17 @@ time, at random moments drawn from the seed, from ``FAULTS``:
 - ``rank_sigkill``: a rank's worker process SIGKILLed (Ray restarts it);
 - ``rank_sigstop``: a rank's process stopped for longer than the rank timeout,
   then continued;
-- ``storage_kill``: the storage actor killed (mid-backup or mid-prefetch as it
-  falls: backups and prefetches run all the time);
+- ``storage_kill``: the storage actor killed while it holds a backup or a
+  prefetch batch (the batches are held until one arrives, then it is killed);
 - ``coordinator_kill``: the coordinator killed; its successor adopts the L2
   pages every rank holds;
 - ``node_loss``: a worker node removed, and a new one added after a while (its
   ranks come back on it; local clusters only);
 - ``l3_read_only``, ``l3_full``: L3 refuses every write for a while;
 - ``duplicate_messages``, ``delayed_messages``: a rank takes every step's
-  message twice, or runs every command late, for a while.
+  message twice, or runs every command late, for a while;
+- ``client_exit``: a driver process submits a prompt and exits holding its
+  lease (the coordinator must reclaim it).
 
 After the run every fault is lifted, the fabric must serve again, every lease
 is released, and it must settle: then ``check_integrity`` on the coordinator,
@@ -69,6 +71,7 @@ FAULTS = (
     "l3_full",
     "duplicate_messages",
     "delayed_messages",
+    "client_exit",
 )
 
 
@@ -285,7 +288,9 @@ class Chaos:
             if self.now() >= start:
                 break
         order: list[str] = []
-        while not self.stop.is_set():
+        # No fault in the last tenth (at least 5 s): the last one is seen recovered.
+        last = opts.duration_s - max(5.0, 0.1 * opts.duration_s)
+        while not self.stop.is_set() and self.now() < last:
             if not order:  # every kind once, in a seeded order, then again
                 order = list(opts.faults)
                 self.rng.shuffle(order)
@@ -349,7 +354,17 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
                 self.stopped_pids.discard(pid)
         elif kind == "storage_kill":
-            ray.kill(deployment.storage, no_restart=False)
+            storage = deployment.storage
+            ray.get(storage.set_faults.remote(hold=True), timeout=10)
+            deadline, held = time.monotonic() + 5.0, 0
+            while time.monotonic() < deadline and not held:
+                held = ray.get(storage.holding.remote(), timeout=10)
+                time.sleep(0.05)
+            fault.target = f"mid-transfer ({held} page batches held)" if held else "idle"
+            ray.kill(storage, no_restart=False)  # the restarted actor holds nothing
+            fault.ended = self.now()
+        elif kind == "client_exit":
+            fault.target = self.client_exits()
             fault.ended = self.now()
         elif kind == "coordinator_kill":
             before = fabric.stats()["epoch"]
@@ -368,6 +383,30 @@ class Chaos:
             ray.get(rank.set_faults.remote(**what), timeout=10)
             self.stop.wait(hold)
             ray.get(rank.set_faults.remote(), timeout=10)
+
+    def client_exits(self) -> str:
+        """Another driver submits a prompt and exits (``os._exit``) holding its lease."""
+        import subprocess
+        import sys
+
+        import ray
+
+        assert self.config is not None
+        rt = self.config.runtime
+        address = ray.get_runtime_context().gcs_address
+        code = (
+            "import os\n"
+            "from fabric.client import connect\n"
+            f"f = connect({rt.name!r}, {address!r}, {rt.ray_namespace!r})\n"
+            f"r = f.submit([9] * {4 * self.config.cache.page_size}, timeout=30)\n"
+            "print('held' if r.lease is not None else r.error, flush=True)\n"
+            "os._exit(0)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        said = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-200:]]
+        return f"a driver exited holding a lease: {said[0]}"
 
     def adopted_after(self, epoch: int, limit_s: float = 60.0) -> int | None:
         """The L2 tokens the coordinator that follows ``epoch`` adopted."""
@@ -498,6 +537,7 @@ class Chaos:
         assert self.config is not None
         probe = [7] * (4 * self.config.cache.page_size)
         while time.monotonic() - started < 120:
+            submitted = self.now()
             try:
                 r = fabric.submit(probe, timeout=20)
             except Exception:
@@ -507,12 +547,22 @@ class Chaos:
                 self.check(r, probe)
                 fabric.release(r.lease)
                 out["serving_again_s"] = round(time.monotonic() - started, 2)
+                with self.tally.lock:  # a fault late in the run recovers by this one
+                    self.tally.spans.append((submitted, self.now()))
                 break
             time.sleep(0.5)
         settled = False
         with contextlib.suppress(Exception):
             settled = fabric.settle(60)
         out["settled"] = settled
+        # A driver that exited holding a lease has it reclaimed once the coordinator
+        # sees its job dead (it looks every few seconds): give it that long.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if fabric.stats()["leases"] == 0:
+                    break
+            time.sleep(0.5)
         out["l3_pages"] = self.scan_l3(self.config.storage.path)
         try:
             self.placed["end"] = self.placement()
@@ -618,6 +668,7 @@ class Chaos:
                 f.adopted_tokens for f in injected if f.kind == "coordinator_kill"
             ],
             "resets": stats.get("resets", 0),
+            "leases_reclaimed": stats.get("leases_reclaimed", 0),
             "placement": self.placed,
             "l3_pages": after.get("l3_pages", {}),
             "l3_refused": {

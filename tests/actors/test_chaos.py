@@ -33,6 +33,7 @@ def test_a_short_seeded_chaos_run_loses_nothing():
                 "l3_full",
                 "duplicate_messages",
                 "rank_kill_no_restart",
+                "client_exit",
             ),
         ),
         progress=lines.append,
