@@ -78,20 +78,34 @@ class CoordinatorActor:
         self.publisher: KVEventPublisher | None = None
         self.ray_metrics: CoordinatorMetrics | None = None
         self._ray_metrics_task: asyncio.Task | None = None
+        self._starting: asyncio.Lock | None = None
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
         newer than any rank has seen, so every rank resets its counters, and
-        adopts the L2 pages every rank still holds (``CoordinatorCore.adopt``)."""
+        adopts the L2 pages every rank still holds (``CoordinatorCore.adopt``).
+        Calls that race (requests arriving at a restarted coordinator) start it once."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            await self._start_once()
+        return self.core.epoch
+
+    async def _start_once(self) -> None:
         if self._task is None:
             if self.config.events.enabled and self.publisher is None:
                 self.publisher = KVEventPublisher(self.config.events, self.config.cache.page_size)
             self._wakeup = asyncio.Event()
             replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
             epoch = self.core.start([decode(r) for r in replies])  # type: ignore[misc]
-            # A restarted coordinator takes back the L2 pages every rank still holds.
-            held = await asyncio.gather(*(a.inventory.remote(epoch) for a in self.ranks))
-            self.core.adopt(held)
+            # A restarted coordinator takes back the L2 pages every rank still holds
+            # (none when a rank cannot say: it adopts only what all of them hold).
+            try:
+                held = await asyncio.gather(*(a.inventory.remote(epoch) for a in self.ranks))
+            except Exception as exc:
+                log.warning("no L2 pages adopted: a rank gave no inventory (%s)", exc)
+            else:
+                self.core.adopt(held)
             self._storage_spec = await self.storage.spec.remote()
             if self._storage_spec is not None:
                 self.core.storage_attached()
@@ -103,7 +117,6 @@ class CoordinatorActor:
                 )
             if self.config.runtime.metrics_port and self._metrics_task is None:
                 self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
-        return self.core.epoch
 
     async def submit(
         self,

@@ -389,8 +389,9 @@ class CoordinatorCore:
         """After ``start``: take back the L2 pages every rank still holds (one
         ``RankWorker.inventory`` per rank, taken at this epoch) — a restarted
         coordinator then serves them as L2 hits instead of going to L3 or
-        recomputing. Returns tokens adopted (0 when any rank gave none)."""
-        if len(inventories) != self.topology.world_size:
+        recomputing. Returns tokens adopted (0 when any rank gave none, or when
+        the cache holds anything already: adoption is for a fresh coordinator)."""
+        if len(inventories) != self.topology.world_size or self.cache.tree.root.children:
             return 0
         tokens = adopt_host(self.cache, common_pages(inventories))
         self.stats.adopted_tokens += tokens

@@ -305,22 +305,26 @@ def test_a_restarted_coordinator_adopts_what_the_ranks_hold_in_l2_and_serves_it(
     fabric.release(fabric.submit(p, timeout=60).lease)
     assert fabric.settle(30)  # written through to L2 on every rank
     ray.kill(fabric.coordinator, no_restart=False)
-    results = []
     # While Ray restarts it, calls raise ActorUnavailableError: a driver retries.
-    assert wait_for(lambda: _try_submit(fabric, p, results), timeout=120)
-    r = results[0]
+    assert wait_for(lambda: _try_stats(fabric), timeout=120)
+    # Requests racing to a restarted coordinator start it once, all served.
+    refs = [fabric.submit_async(p) for _ in range(3)]
+    results = [fabric.result(ref, timeout=60) for ref in refs]
     stats = fabric.stats()
     assert stats["epoch"] > 1, "a newer epoch than any rank has seen"
     assert stats["adopted_tokens"] > 0, "the L2 pages every rank still held"
-    assert r.error is None and r.device_hit_tokens == 0 and r.host_hit_tokens == 8
-    assert fabric.verify(r, p) == [True] * 4
-    fabric.release(r.lease)
+    assert [r.error for r in results] == [None] * 3
+    assert all(r.device_hit_tokens + r.host_hit_tokens == 8 for r in results)
+    assert any(r.host_hit_tokens == 8 for r in results), "served from the adopted L2"
+    for r in results:
+        assert fabric.verify(r, p) == [True] * 4
+        fabric.release(r.lease)
     fabric.check_integrity()
 
 
-def _try_submit(fabric, tokens, results):
+def _try_stats(fabric):
     try:
-        results.append(fabric.submit(tokens, timeout=30))
+        fabric.stats()
         return True
     except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
         return False
