@@ -95,10 +95,15 @@ class ChaosOptions:
             raise InvalidInput(
                 f"fault kind(s) {', '.join(unknown)} refused: allowed are {', '.join(FAULTS)}"
             )
-        if self.duration_s <= 0 or self.nodes < 1 or self.clients < 1:
+        if self.duration_s <= 0 or self.clients < 1:
             raise InvalidInput(
-                f"duration_s={self.duration_s}, nodes={self.nodes}, clients={self.clients} "
-                "refused: allowed are a positive duration and at least one node and client"
+                f"duration_s={self.duration_s}, clients={self.clients} refused: allowed are "
+                "a positive duration and at least one client"
+            )
+        if self.address is None and self.nodes < 2:
+            raise InvalidInput(
+                f"nodes={self.nodes} refused: a local cluster needs at least 2 (the head "
+                "node holds the coordinator and storage actor, the others the ranks)"
             )
 
 
@@ -184,7 +189,6 @@ class Chaos:
         self.t0 = 0.0
         self.stopped_pids: set[int] = set()
         self.placed: dict[str, dict] = {}
-        self.removed_nodes: list[dict] = []
 
     # -- the cluster and the fabric -----------------------------------------------
 

@@ -61,6 +61,8 @@ def test_chaos_refuses_unknown_fault_kinds_and_bad_sizes(capsys):
         ChaosOptions(faults=("rank_kill", "bogus"))
     with pytest.raises(InvalidInput, match="duration_s=0"):
         ChaosOptions(duration_s=0)
+    with pytest.raises(InvalidInput, match="nodes=1"):
+        ChaosOptions(nodes=1)
     assert main(["chaos", "--faults", "rank_kill,nope"]) == 2
     assert "nope" in capsys.readouterr().err
     assert set(FAULTS) >= {"node_loss", "coordinator_kill", "l3_read_only"}
