@@ -10,7 +10,8 @@ names: a slot being written, or written by a failed copy, has none. A freed slot
 keeps its name until it is written again — its bytes are still that page, and a
 coordinator that adopts it serves exactly those bytes.
 
-``entries()`` lists the L2 slots with a name; a new coordinator adopts a slot
+Pages are hashed only when a new coordinator asks (``entries``): a compute
+keeps its tokens once for all its pages. ``entries()`` lists the L2 slots with a name; a new coordinator adopts a slot
 only where every rank names it alike (MIN over ranks again) and the tokens hash
 to the name (``CoordinatorCore.adopt``). A prefetch from L3 names its pages too
 (it carries their tokens).
@@ -31,13 +32,58 @@ class PageName(NamedTuple):
     tokens: bytes
 
 
+class _Run:
+    """Consecutive pages one command filled: their tokens, hashed only when a name
+    is asked for (a new coordinator's inventory), not on every compute."""
+
+    __slots__ = ("_hashes", "namespace", "page_bytes", "prev", "tokens")
+
+    def __init__(self, namespace, prev, tokens, page_bytes, hashes=None) -> None:
+        self.namespace, self.prev, self.tokens = namespace, prev, tokens
+        self.page_bytes, self._hashes = page_bytes, hashes
+
+    def hashes(self) -> list[bytes]:
+        if self._hashes is None:
+            self._hashes = chain_hashes(self.prev, self.tokens, self.page_bytes)
+        return self._hashes
+
+
+class PageRef:
+    """Page ``i`` of a run: a ``PageName`` whose hashes are computed when read."""
+
+    __slots__ = ("i", "run")
+
+    def __init__(self, run: _Run, i: int) -> None:
+        self.run, self.i = run, i
+
+    @property
+    def namespace(self) -> str:
+        return self.run.namespace
+
+    @property
+    def chain_hash(self) -> bytes:
+        return self.run.hashes()[self.i]
+
+    @property
+    def parent_hash(self) -> bytes:
+        return self.run.hashes()[self.i - 1] if self.i else self.run.prev
+
+    @property
+    def tokens(self) -> bytes:
+        pb = self.run.page_bytes
+        return self.run.tokens[self.i * pb : (self.i + 1) * pb]
+
+
+Name = PageName | PageRef
+
+
 class PageIndex:
     """The names of one rank's L1 and L2 page slots."""
 
     def __init__(self, page_size: int, token_bytes: int = 4) -> None:
         self.page_bytes = page_size * token_bytes
-        self.device: dict[int, PageName] = {}
-        self.host: dict[int, PageName] = {}
+        self.device: dict[int, Name] = {}
+        self.host: dict[int, Name] = {}
 
     def forget_device(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -52,26 +98,19 @@ class PageIndex:
         the chain hash ``prev`` on; a partial last page gets no name)."""
         pb = self.page_bytes
         whole = min(len(slots), len(tokens) // pb)
-        hashes = chain_hashes(prev, tokens[: whole * pb], pb)
-        parent = prev
+        run = _Run(namespace, prev, tokens[: whole * pb], pb)
         for i in range(whole):
-            self.device[slots[i]] = PageName(
-                namespace, hashes[i], parent, tokens[i * pb : (i + 1) * pb]
-            )
-            parent = hashes[i]
+            self.device[slots[i]] = PageRef(run, i)
         self.forget_device(slots[whole:])
 
     def prefetched(self, cmd, first: int, n: int) -> None:
         """L2 slots ``cmd.host_pages[first : first + n]`` now hold those pages of a
         ``Prefetch`` that names its pages (namespace, hash before, tokens)."""
-        pb = self.page_bytes
+        run = _Run(cmd.namespace, cmd.prev_hash, cmd.tokens, self.page_bytes, cmd.page_hashes)
         for i in range(first, first + n):
-            parent = cmd.page_hashes[i - 1] if i else cmd.prev_hash
-            self.host[cmd.host_pages[i]] = PageName(
-                cmd.namespace, cmd.page_hashes[i], parent, cmd.tokens[i * pb : (i + 1) * pb]
-            )
+            self.host[cmd.host_pages[i]] = PageRef(run, i)
 
-    def copied(self, src: dict[int, PageName], src_slots, dst: dict[int, PageName], dst_slots):
+    def copied(self, src: dict[int, Name], src_slots, dst: dict[int, Name], dst_slots):
         """A copy from ``src_slots`` to ``dst_slots`` finished: the names follow."""
         for s, d in zip(src_slots, dst_slots, strict=True):
             name = src.get(s)
@@ -82,4 +121,6 @@ class PageIndex:
 
     def entries(self) -> list[tuple[int, str, bytes, bytes, bytes]]:
         """Every named L2 slot: ``(slot, namespace, chain hash, parent hash, tokens)``."""
-        return [(s, *name) for s, name in self.host.items()]
+        return [
+            (s, n.namespace, n.chain_hash, n.parent_hash, n.tokens) for s, n in self.host.items()
+        ]
