@@ -184,26 +184,37 @@ class Writes:
                 self.demote(node)
 
     def _complete_parts(self, op: WriteOp, ok: bool) -> None:
+        """A components-only copy ended: back the nodes holding its slots up to L3,
+        or, if it failed, take the slots (which hold nothing) back from them."""
         node = op.lock_node
         self.tree.dec_lock_ref(node)
-        if ok:
-            self.backup(node, parts_only=True)
-            return
-        # The slots it filled, wherever splits moved them since, hold nothing.
         parts = self.tree.parts
         assert parts is not None and op.part_slots is not None
-        sliding, mamba = set(op.part_slots[0]), set(op.part_slots[1])
-        x: TreeNode | None = node
-        while x is not None and (sliding or mamba):
-            if x.host_sliding is not None and sliding & set(x.host_sliding):
-                sliding -= set(x.host_sliding)
+        for x in self._holding(node, op.part_slots):
+            if ok:
+                self.backup(x, parts_only=True)
+                continue
+            if x.host_sliding is not None and set(op.part_slots[0]) & set(x.host_sliding):
                 parts.host_sliding_pool.release(x.host_sliding)
                 x.host_sliding = None
-            if x.host_mamba is not None and x.host_mamba in mamba:
-                mamba.discard(x.host_mamba)
+            if x.host_mamba is not None and x.host_mamba in op.part_slots[1]:
                 parts.host_mamba_pool.release((x.host_mamba,))
                 x.host_mamba = None
-            x = x.parent
+
+    @staticmethod
+    def _holding(node: TreeNode, slots: tuple[tuple[int, ...], tuple[int, ...]]):
+        """``node`` and the ancestors that hold any of the L2 component ``slots`` now
+        (a split since the copy was queued moves part of a sliding tail up)."""
+        sliding, mamba = set(slots[0]), set(slots[1])
+        out, x = [], node
+        while x is not None and (sliding or mamba):
+            held = set(x.host_sliding or ()) & sliding
+            if held or x.host_mamba in mamba:
+                out.append(x)
+                sliding -= held
+                mamba.discard(x.host_mamba)  # type: ignore[arg-type]
+            x = x.parent  # type: ignore[assignment]
+        return out
 
     def _orphan_pending_descendants(self, node: TreeNode) -> None:
         # A failed parent copy leaves in-flight child copies without a backed-up
