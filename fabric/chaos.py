@@ -121,10 +121,10 @@ class Fault:
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    served: list[float] = field(default_factory=list)  # completion times
     # (submitted, completed) of each served request: recovery counts only
     # requests submitted after a fault.
     spans: list[tuple[float, float]] = field(default_factory=list)
+    probe: tuple[float, float] | None = None  # the request served after the run
     failed: Counter[str] = field(default_factory=Counter)
     wrong_pages: int = 0
     verified: int = 0
@@ -259,7 +259,6 @@ class Chaos:
                 continue
             self.check(r, tokens)
             with tally.lock:
-                tally.served.append(self.now())
                 tally.spans.append((submitted, self.now()))
                 tally.latencies.append(time.monotonic() - started)
             with contextlib.suppress(Exception):
@@ -551,8 +550,7 @@ class Chaos:
                 self.check(r, probe)
                 fabric.release(r.lease)
                 out["serving_again_s"] = round(time.monotonic() - started, 2)
-                with self.tally.lock:  # a fault late in the run recovers by this one
-                    self.tally.spans.append((submitted, self.now()))
+                self.tally.probe = (submitted, self.now())  # a late fault recovers by it
                 break
             time.sleep(0.5)
         settled = False
@@ -588,11 +586,12 @@ class Chaos:
         opts, tally = self.opts, self.tally
         stats = after.get("stats", {})
         warm = opts.warmup_fraction * opts.duration_s
-        served = sorted(tally.served)
+        served = sorted(end for _, end in tally.spans)
+        spans = [*tally.spans, *([tally.probe] if tally.probe else [])]
         injected = [f for f in self.faults if f.injected]
         for fault in injected:
             after_fault = fault.ended if fault.ended is not None else fault.at
-            done = [end for start, end in tally.spans if start >= after_fault]
+            done = [end for start, end in spans if start >= after_fault]
             fault.recovered_at = min(done) if done else None
         recovery: dict[str, list[float]] = defaultdict(list)
         for f in injected:

@@ -264,6 +264,17 @@ class ModelConfig(_Section):
         """The cache components the model has, ``full`` (the base) first."""
         return tuple(k for k in LAYER_KINDS if k in self.kinds)
 
+    def window_pages(self, page_size: int) -> int:
+        """Pages of sliding-window KV a prefix end needs before it (the last
+        ``sliding_window - 1`` tokens); 0 without sliding layers."""
+        if "sliding" not in self.components:
+            return 0
+        return -(-(self.sliding_window - 1) // page_size)
+
+    def mamba_elems(self, tp: int) -> int:
+        """float32 values of one TP rank's share of one mamba layer's state."""
+        return max(1, self.mamba_state_bytes // 4 // tp)
+
     def component_bytes(self) -> dict[str, int]:
         """Bytes of one unit of each component over the whole model, all ranks
         together: a token of KV over the full-attention layers, a token over the

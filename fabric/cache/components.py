@@ -86,7 +86,7 @@ class Components:
         self,
         components: tuple[str, ...],
         page_size: int,
-        window_tokens: int,
+        window_pages: int,
         sliding_pages: int,
         mamba_slots: int,
         eviction: EvictionPolicy,
@@ -96,7 +96,7 @@ class Components:
         self.sliding = "sliding" in components
         self.mamba = "mamba" in components
         self.page_size = page_size
-        self.window_pages = -(-(window_tokens - 1) // page_size) if self.sliding else 0
+        self.window_pages = window_pages if self.sliding else 0
         self.sliding_pool = PagedAllocator(
             sliding_pages if self.sliding else 0, page_size, "L1 sliding"
         )

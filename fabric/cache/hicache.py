@@ -66,7 +66,7 @@ class HiCache:
             self.parts = Components(
                 model.components,
                 self.page_size,
-                model.sliding_window,
+                model.window_pages(self.page_size),
                 config.sliding_pages,
                 config.mamba_slots,
                 self.eviction,

@@ -53,11 +53,8 @@ class CoordinatorCore:
         self._round_started: float | None = None  # when the last batch went out
         self.topology = Topology(config.topology)
         model = config.model
-        parts = 0  # a hybrid model's component slots in one prefetch
-        if "sliding" in model.components:
-            parts += -(-(model.sliding_window - 1) // config.cache.page_size)
-        if "mamba" in model.components:
-            parts += 1
+        # A hybrid model's component slots in one prefetch.
+        parts = model.window_pages(config.cache.page_size) + ("mamba" in model.components)
         self.ctl = FabricController(
             config.cache, config.runtime.max_message_bytes, model.filler != "synthetic", parts
         )

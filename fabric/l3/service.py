@@ -28,7 +28,6 @@ from fabric.l3.format import Provenance, page_key
 from fabric.topology import Shard, Topology, kind_layers
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-COMPONENTS = ("full", "sliding", "mamba")
 
 
 def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
@@ -59,7 +58,7 @@ def component_shape(config: FabricConfig, shard: Shard, component: str) -> tuple
     model, topo = config.model, config.topology
     layers = len(kind_layers(shard, model, component))
     if component == "mamba":
-        return (layers, max(1, model.mamba_state_bytes // 4 // topo.tp))
+        return (layers, model.mamba_elems(topo.tp))
     return (2, shard.page_tokens, layers, model.kv_heads // topo.tp, model.head_dim)
 
 
@@ -109,9 +108,8 @@ class StorageService:
         self.shapes = component_provenances(config)
         model = config.model
         self.parts = tuple(c for c in model.components if c != "full")
-        # The sliding pages a served end needs before it (``Components.window_pages``).
-        ps = config.cache.page_size
-        self.window_pages = -(-(model.sliding_window - 1) // ps) if "sliding" in self.parts else 0
+        # The sliding pages a served end needs before it.
+        self.window_pages = model.window_pages(config.cache.page_size)
         self.backend: L3Backend | None = None
         self.spec: tuple[str, dict[str, Any]] | None = None
         self._lock = threading.Lock()

@@ -105,7 +105,7 @@ class RankWorker:
         # A hybrid model's other components (``fabric.cache.components``).
         self.sliding: KVPool | None = None
         self.states: StatePool | None = None
-        self.state_elems = max(1, model.mamba_state_bytes // 4 // config.topology.tp)
+        self.state_elems = model.mamba_elems(config.topology.tp)
         if "sliding" in model.components:
             ids = kind_layers(self.shard, model, "sliding")
             self.sliding, self.sliding_host = pools(
@@ -166,14 +166,7 @@ class RankWorker:
         with self.lock:
             if batch.epoch < self.epoch:
                 return
-            if batch.epoch > self.epoch:
-                # Pages of the old epoch may already belong to new data: let the
-                # copy in flight finish (the storage thread checks the epoch
-                # before it writes) before the new epoch's commands are queued.
-                self.epoch = batch.epoch
-                while self.copying:
-                    self.idle.wait()
-                self._reset_counters()
+            self._open_epoch(batch.epoch)
             addressed = self.index < len(batch.incarnations) and (
                 batch.incarnations[self.index] == self.incarnation
             )
@@ -203,12 +196,19 @@ class RankWorker:
         epoch's queued commands dropped, its copy in flight finished), so nothing
         changes the slots after they are listed."""
         with self.lock:
-            if epoch > self.epoch:
-                self.epoch = epoch
-                while self.copying:
-                    self.idle.wait()
-                self._reset_counters()
+            self._open_epoch(epoch)
             return self.names.entries()
+
+    def _open_epoch(self, epoch: int) -> None:
+        """Under the lock: a newer ``epoch`` starts counting afresh. Pages of the old
+        epoch may already belong to new data: the copy in flight finishes first
+        (the storage thread checks the epoch before it writes), and the old
+        epoch's queued commands are dropped."""
+        if epoch > self.epoch:
+            self.epoch = epoch
+            while self.copying:
+                self.idle.wait()
+            self._reset_counters()
 
     def report(self) -> Report:
         with self.lock:
