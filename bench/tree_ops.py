@@ -31,6 +31,11 @@ both, to show they serve the same workload. The last line is one JSON object.
     python3 bench/tree_ops.py --quick
     python3 bench/tree_ops.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
     python3 bench/tree_ops.py --trace ... --peer sglang     # needs sglang installed
+    python3 bench/tree_ops.py --trace ... --policies 2q,slru  # their cost and hits next to LRU
+
+With ``--policies``, the one-tier tree also runs with each named eviction policy
+(in the same rounds): ``policies`` gives its ``tree_us``, its hit tokens and
+``cost_vs_lru`` (its time over LRU's: > 1 is dearer).
 """
 
 from __future__ import annotations
@@ -59,8 +64,11 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else 0.0
 
 
-def config(page: int, device: int, host: int, events: bool, one_tier: bool) -> FabricConfig:
+def config(
+    page: int, device: int, host: int, events: bool, one_tier: bool, policy: str = "lru"
+) -> FabricConfig:
     overrides = [
+        f"cache.eviction_policy={policy}",
         f"cache.page_size={page}",
         f"cache.device_tokens={device}",
         f"cache.host_tokens={page if one_tier else host}",
@@ -199,7 +207,13 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=3, help="rounds per page size; each side's best is kept"
     )
+    ap.add_argument(
+        "--policies",
+        default="",
+        help="eviction policies to time next to LRU in the one-tier tree, comma-separated",
+    )
     args = ap.parse_args()
+    policies = [p for p in args.policies.split(",") if p and p != "lru"]
     device, host = args.device_tokens, args.host_tokens
     if args.quick:
         n, device, host, args.repeat = args.requests or 600, 65_536, 262_144, 1
@@ -223,8 +237,13 @@ def main() -> None:
         off = config(page, device, host, False, False)
         on = config(page, device, host, True, False)
         runs: dict[str, list[dict]] = {k: [] for k in ("tree", "b_off", "off", "on", "b_on")}
+        for name in policies:
+            runs[name] = []
         for i in range(args.repeat):  # alternating, so a slow stretch hits both sides
             runs["tree"].append(run_ours(packed, one, storage=False))
+            for name in policies:
+                cfg = config(page, device, host, False, True, name)
+                runs[name].append(run_ours(packed, cfg, storage=False))
             runs["b_off"].append(run_peer(keys, one, peer))
             runs["off"].append(run_ours(packed, off, storage=True))
             runs["on"].append(run_ours(packed, on, storage=True))
@@ -248,6 +267,21 @@ def main() -> None:
                 base_off["us"] / core_on["request"]["us"], 2
             ),
         }
+        if policies:
+            row["policies"] = {}
+            for name in policies:
+                run = best(runs[name], "tree")
+                row["policies"][name] = {
+                    "tree_us": run["tree"]["us"],
+                    "hit_tokens": run["hit_tokens"],
+                    "cost_vs_lru": round(run["tree"]["us"] / tree["tree"]["us"], 2),
+                }
+                print(
+                    f"page {page:>2}: {name} {run['tree']['us']} us a request "
+                    f"({row['policies'][name]['cost_vs_lru']}x LRU's), hits "
+                    f"{run['hit_tokens']:,} vs LRU's {tree['hit_tokens']:,} tokens",
+                    file=sys.stderr,
+                )
         results["pages"][str(page)] = row
         print(
             f"page {page:>2}: tree+allocator (one tier) kvfabric {tree['tree']['us']} us vs "

@@ -480,6 +480,24 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
     return out
 
 
+def _hit_rate(tokens: dict[str, int]) -> float:
+    """The share of prompt tokens served from a cache tier (as ``hit_rate``)."""
+    prompt = sum(tokens.values())
+    return round(1 - tokens.get("computed", 0) / prompt, 4) if prompt else 0.0
+
+
+def _policies(text: str | None) -> list[str]:
+    from policies import EVICTION_POLICIES
+
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in EVICTION_POLICIES]
+    if unknown:
+        raise FabricError(
+            f"--policies {', '.join(unknown)} refused: allowed are {', '.join(EVICTION_POLICIES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
 @cli.command()
 @_workload_options(0)
 @_config_options
@@ -489,29 +507,43 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
     "(default: L1, and L1 + L2 of the config, 2M and 20M).",
 )
 @click.option(
+    "--policies",
+    metavar="NAMES",
+    help="Also serve the trace through the core with each of these eviction policies, "
+    "comma-separated (e.g. lru,2q), and print their hit rates side by side.",
+)
+@click.option(
     "--plot",
     metavar="FILE.png",
     help="Also draw hit rate against capacity (pip install 'kvfabric[plot]').",
 )
 @_json_option
-def simulate(trace, requests, config_file, overrides, capacities, plot, as_json) -> None:
+def simulate(trace, requests, config_file, overrides, capacities, policies, plot, as_json) -> None:
     """What-if on a trace, with no Ray and no KV bytes.
 
     Serves the trace through the core at the configured sizes and policies and
     prints the share of prompt tokens each tier served, next to block-level
     bounds at given capacities: LRU, Belady (the offline optimum) and an
-    infinite cache.
+    infinite cache. With --policies, the core's hit rate under each named
+    eviction policy too.
     """
     from fabric.simulate import bounds, core_replay
     from fabric.simulate import plot as draw
 
     config = _load(config_file, overrides)
+    others = _policies(policies)
     reqs, source = _requests(trace, requests, whole_trace_ok=True)
     caps = _capacities(capacities, config)
     started = time.perf_counter()
     with Progress(len(reqs), "requests", "core") as progress:
         stats = core_replay(reqs, config, progress.update)
     elapsed = time.perf_counter() - started
+    by_policy = {}
+    for name in others:
+        variant = config.with_overrides([f"cache.eviction_policy={name}"])
+        with Progress(len(reqs), "requests", name) as progress:
+            served = core_replay(reqs, variant, progress.update).tokens.as_dict()
+        by_policy[name] = _hit_rate(served)
     limits = bounds(reqs, caps)
     refused = (
         {"larger than L1 (raise cache.device_tokens)": stats.refused_requests}
@@ -532,6 +564,7 @@ def simulate(trace, requests, config_file, overrides, capacities, plot, as_json)
             "by_tier": {tier: round(n / total, 4) for tier, n in tokens.items()},
             **({"components": stats.components} if stats.components else {}),
         },
+        **({"policies": {cache.eviction_policy: _hit_rate(tokens), **by_policy}} if others else {}),
         bounds=[
             {
                 "capacity_tokens": b.capacity_tokens,
@@ -575,6 +608,11 @@ def simulate(trace, requests, config_file, overrides, capacities, plot, as_json)
                 f"attention: {comp['all_full_attention_bytes'] / 2**30:.2f} GiB; "
                 f"{n['truncated_matches']} matches stopped short of a component, "
                 f"{n['tombstones_removed']} dead leaves removed"
+            )
+        if others:
+            click.echo(
+                "  the core by eviction policy: "
+                + ", ".join(f"{k} {v:.1%}" for k, v in out["policies"].items())
             )
         click.echo(
             f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"

@@ -65,6 +65,10 @@ SCHEMA: dict[str, Any] = {
         },
         # simulate
         "core": {"type": "object"},
+        "policies": {
+            "type": "object",
+            "additionalProperties": {"type": "number", "minimum": 0, "maximum": 1},
+        },
         "bounds": {
             "type": "array",
             "items": {

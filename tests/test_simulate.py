@@ -106,3 +106,39 @@ def test_simulate_reports_each_component_of_a_hybrid_model(capsys):
     assert rates["mamba"] < rates["sliding"]
     assert "could serve alone" in text
     assert "L1 sliding" in text and "every attention layer as full attention" in text
+
+
+def test_simulate_compares_eviction_policies_and_2q_resists_a_scan(tmp_path, capsys):
+    # A prompt used again after every three single-use prompts: its reuse distance
+    # (8 blocks) is twice L1 (4 blocks). LRU loses it each time; 2Q keeps it
+    # protected and evicts the single-use prompts instead.
+    lines, single = [], 100
+    reused = [1, 2]
+    for _ in range(12):
+        lines.append(reused)
+        for _ in range(3):
+            lines.append([single, single + 1])
+            single += 2
+    path = tmp_path / "scan.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 2 * B, "output_length": 1, "hash_ids": h})
+            + "\n"
+            for i, h in enumerate(lines)
+        )
+    )
+    args = ["simulate", "--trace", str(path), "--capacities", "2K", "--json"]
+    sizes = ["--set", "cache.device_tokens=2048", "--set", "cache.host_tokens=16"]
+    code = main([*args, *sizes, "--set", "storage.backend=none", "--policies", "lru,2q"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rates = out["policies"]
+    assert rates["lru"] == out["hit_rate"] == 0
+    # 2Q: from the third use on (the second protects it) every use of the prompt hits.
+    assert rates["2q"] == round(10 * 2 * B / (len(lines) * 2 * B), 4)
+
+
+def test_simulate_refuses_an_unknown_policy_naming_it(capsys):
+    assert main(["simulate", "--requests", "10", "--policies", "lru,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "2q" in err

@@ -58,6 +58,7 @@ class HiCache:
         self.clock = clock
         self.page_size = config.page_size
         self.eviction = get_eviction_policy(config.eviction_policy)
+        self.eviction.bind(config.device_tokens)
         self.write_policy = get_write_policy(config.write_policy)
         # A hybrid model's sliding-window and mamba components (None: full attention only).
         self.parts: Components | None = None

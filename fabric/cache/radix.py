@@ -57,7 +57,7 @@ class RadixTree:
         self.evictable_size = 0
         self.protected_size = 0
         self.device_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
-        self.host_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
+        self.host_leaves = LeafQueue(self.eviction.host_order(), self.eviction.monotone)
         if self.parts is not None:
             self.parts.clear(self.root)
 
@@ -159,6 +159,8 @@ class RadixTree:
         if node.device_value is not None:
             self.evictable_size -= self.tokens(node)
             parent.device_children -= 1
+            if self.eviction.remembers:
+                self.eviction.evicted(node, self._name(node), self.tokens(node))
         node.device_value = node.host_value = None
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
@@ -166,6 +168,11 @@ class RadixTree:
         self.refresh(parent)
 
     # -- tier values ----------------------------------------------------------------
+
+    def _name(self, node: TreeNode) -> int:
+        """What an eviction policy's history knows a node by: its namespace and
+        first page (no hashing of the prefix: a collision only reorders eviction)."""
+        return hash((node.namespace, node.key[: self.page_bytes]))
 
     def set_device(self, node: TreeNode, pages: tuple[int, ...]) -> None:
         assert node.device_value is None and node.lock_ref == 0
@@ -175,6 +182,8 @@ class RadixTree:
         parent = node.parent
         assert parent is not None
         parent.device_children += 1
+        if self.eviction.remembers:
+            self.eviction.admitted(node, self._name(node))
         self.refresh(node)
         self.refresh(parent)
 
@@ -186,6 +195,8 @@ class RadixTree:
         parent = node.parent
         assert parent is not None
         parent.device_children -= 1
+        if self.eviction.remembers:
+            self.eviction.evicted(node, self._name(node), self.tokens(node))
         self.refresh(node)
         self.refresh(parent)
         return pages

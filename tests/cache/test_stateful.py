@@ -9,6 +9,7 @@ from fabric.cache.admission import Admission
 from fabric.cache.keys import pack_tokens, unpack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
+from policies import EVICTION_POLICIES
 from tests.helpers import (
     FakeClock,
     P,
@@ -33,7 +34,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        eviction_policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]),
+        eviction_policy=st.sampled_from(sorted(EVICTION_POLICIES)),
         stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
         session_tier=st.sampled_from(["device", "host"]),
         hybrid=st.sampled_from([None, "sliding", "mamba", "both"]),

@@ -12,7 +12,16 @@ def leaf(c, *pages):
 
 @pytest.mark.parametrize(
     ("policy", "victim"),
-    [("lru", 2), ("mru", 1), ("fifo", 1), ("filo", 3), ("lfu", 1), ("priority", 2), ("slru", 1)],
+    [
+        ("lru", 2),
+        ("mru", 1),
+        ("fifo", 1),
+        ("filo", 3),
+        ("lfu", 1),
+        ("priority", 2),
+        ("slru", 1),
+        ("2q", 1),
+    ],
 )
 def test_eviction_order_follows_the_policy(clock, policy, victim):
     c = make_cache(clock=clock, eviction_policy=policy, write_policy="write_back")
@@ -28,6 +37,53 @@ def test_eviction_order_follows_the_policy(clock, policy, victim):
     c.complete_writes(1)
     left = {p for p in (1, 2, 3) if c.match_prefix(c.key(toks(p))).device_tokens}
     assert {1, 2, 3} - left == {victim}
+    c.check_integrity()
+
+
+def _cached(c, *pages):
+    return c.match_prefix(c.key(toks(*pages))).device_tokens
+
+
+@pytest.mark.parametrize("policy", ["lru", "2q"])
+def test_2q_keeps_a_reused_prompt_through_a_scan_that_flushes_lru(clock, policy):
+    c = make_cache(device_pages=8, host_pages=1, clock=clock, eviction_policy=policy)
+    for _ in range(2):  # used twice: protected under 2q
+        clock.advance(1)
+        put(c, toks(1, 2))
+    for first in range(10, 40, 2):  # a scan: prompts used once, 15 times L1 in all
+        clock.advance(1)
+        put(c, toks(first, first + 1))
+    kept = _cached(c, 1, 2) == 2 * P
+    assert kept == (policy == "2q")
+    c.check_integrity()
+
+
+def test_2q_protects_a_prompt_that_returns_while_its_ghost_remembers_it(clock):
+    c = make_cache(device_pages=8, host_pages=1, clock=clock, eviction_policy="2q")
+    put(c, toks(1, 2))  # used once, then flushed by a scan: only the ghost has it
+    for first in range(10, 30, 2):
+        clock.advance(1)
+        put(c, toks(first, first + 1))
+    assert _cached(c, 1, 2) == 0
+    clock.advance(1)
+    put(c, toks(1, 2, 3))  # back, with one page more: its first page is remembered
+    node = c.match_prefix(c.key(toks(1, 2, 3))).last_device_node
+    assert node.hit_count == 2, "protected on return, as if hit before"
+    for first in range(40, 60, 2):
+        clock.advance(1)
+        put(c, toks(first, first + 1))
+    assert _cached(c, 1, 2, 3) == 3 * P, "the scan took the single-use prompts instead"
+    c.check_integrity()
+
+
+def test_2q_ghost_is_bounded_by_its_factor_of_l1():
+    c = make_cache(device_pages=8, host_pages=1, eviction_policy="2q")
+    for first in range(0, 400, 2):
+        put(c, toks(first + 1000, first + 1001))
+    ghost = c.eviction
+    assert ghost.ghost_capacity == ghost.ghost_factor * 8 * P
+    assert 0 < ghost.ghost_tokens <= ghost.ghost_capacity
+    assert ghost.ghost_tokens == sum(ghost.ghost.values())
     c.check_integrity()
 
 
