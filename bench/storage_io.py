@@ -3,15 +3,21 @@ sequential file writes and reads of the same bytes in the same directory, same
 run; and the L3 hit rate on a workload after a restart.
 
 Backup: page batches go from a driver-side array, through Ray's object store,
-into the storage actor, which writes one verified file per page. Prefetch: the
-storage actor reads and verifies them and ships them back. The baseline writes
-(then reads) the same bytes as one file per page with plain ``open/write``:
-``backup_vs_raw_write`` and ``prefetch_vs_raw_read`` are raw time / actor time
-(goal >= 0.7 each). By default reads come from the page cache (just written),
-which measures memory copies more than storage; ``--cold`` drops the cache
-before each read so both sides read from the device.
+into the storage actor, which writes them verified to its backend (``file``:
+one file per page; ``segment``: appended to segment files). Prefetch: the
+storage actor reads and verifies them and ships them back. Two baselines write
+(then read) the same bytes with plain ``open/write``/``readinto``: as one file
+per page (``raw_*``), and as one file read sequentially into one buffer
+(``raw_*_one_file``, what the device and the page cache can do at best).
+``backup_vs_raw_write`` and ``prefetch_vs_raw_read`` are raw (one file per page)
+time / actor time, ``prefetch_vs_raw_read_one_file`` against the one-file
+read. ``files_per_GB`` counts the backend's files. By default reads come from
+the page cache (just written), which measures memory copies more than storage;
+``--cold`` drops the cache before each read (root) so both sides read from the
+device. Each backend named in ``--backends`` is measured in the same run.
 
     python3 bench/storage_io.py --quick
+    python3 bench/storage_io.py --backends file,segment [--cold]
 """
 
 from __future__ import annotations
@@ -50,16 +56,29 @@ def drop_page_cache() -> bool:
         return False
 
 
-def io_throughput(root: pathlib.Path, pages: int, batch: int, repeats: int, cold: bool) -> dict:
+def count_files(path: pathlib.Path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def io_throughput(
+    root: pathlib.Path, pages: int, batch: int, repeats: int, cold: bool, backend: str = "file"
+) -> dict:
     config = FabricConfig().with_overrides(
-        [f"storage.path={root / 'actor'}", "model.layers=8", "model.head_dim=64"]
+        [
+            f"storage.path={root / backend}",
+            f"storage.backend={backend}",
+            "storage.max_bytes=0",
+            "model.layers=8",
+            "model.head_dim=64",
+        ]
     )
     _, page_bytes = page_geometry(config)
     data = np.random.default_rng(0).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
     actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
     ray.get(actor.ping.remote())
-    raw_dir = root / "raw"
+    raw_dir = root / f"raw-{backend}"
     raw_dir.mkdir()
+    buffer = np.zeros_like(data)  # touched before any timing: the read only fills it
 
     # Every round stores new pages under new names, as a backup does (a page's key
     # is new until it is stored), and reads back what it just wrote.
@@ -91,16 +110,32 @@ def io_throughput(root: pathlib.Path, pages: int, batch: int, repeats: int, cold
             with open(raw_dir / f"{r}-{i}.bin", "rb") as f:
                 f.read()
         took["read"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with open(raw_dir / f"{r}.all", "wb") as f:
+            f.write(memoryview(data).cast("B"))
+        took["write_one_file"] = time.perf_counter() - t0
+        if cold:
+            drop_page_cache()
+        t0 = time.perf_counter()
+        with open(raw_dir / f"{r}.all", "rb", buffering=0) as f:
+            f.readinto(memoryview(buffer).cast("B"))
+        took["read_one_file"] = time.perf_counter() - t0
         return took
 
     one_round(-1)  # warm-up
     rounds = [one_round(r) for r in range(repeats)]
-    backup_s, write_s, prefetch_s, read_s = (
-        statistics.median(t[k] for t in rounds) for k in ("backup", "write", "prefetch", "read")
+    backup_s, write_s, prefetch_s, read_s, read1_s = (
+        statistics.median(t[k] for t in rounds)
+        for k in ("backup", "write", "prefetch", "read", "read_one_file")
     )
     ray.kill(actor)
     mb = pages * page_bytes / 1e6
+    stored = (repeats + 1) * pages * page_bytes
     return {
+        "backend": backend,
+        "files_per_GB": round(count_files(root / backend) / (stored / 1e9), 1),
+        "raw_read_one_file_MBps": round(mb / read1_s, 1),
+        "prefetch_vs_raw_read_one_file": round(read1_s / prefetch_s, 3),
         "pages": pages,
         "page_bytes": page_bytes,
         "backup_MBps": round(mb / backup_s, 1),
@@ -142,6 +177,9 @@ def main() -> None:
     )
     ap.add_argument("--dir", help="directory to measure in (default: a temporary one)")
     ap.add_argument(
+        "--backends", default="file,segment", help="L3 backends to measure, comma-separated"
+    )
+    ap.add_argument(
         "--cold",
         action="store_true",
         help="drop the OS page cache before each read (needs root), so both the prefetch and "
@@ -157,15 +195,18 @@ def main() -> None:
         cold = args.cold and drop_page_cache()
         if args.cold and not cold:
             print("cannot drop the page cache here (not root?): reads are warm", file=sys.stderr)
-        io = io_throughput(
-            root, pages, FabricConfig().storage.transfer_batch_pages, 3 if args.quick else 7, cold
-        )
-        print(
-            f"backup {io['backup_MBps']} MB/s vs raw write {io['raw_write_MBps']} MB/s "
-            f"({io['backup_vs_raw_write']}); prefetch {io['prefetch_MBps']} MB/s vs raw read "
-            f"{io['raw_read_MBps']} MB/s ({io['prefetch_vs_raw_read']}); reads from {io['reads_from']}",
-            file=sys.stderr,
-        )
+        batch = FabricConfig().storage.transfer_batch_pages
+        io = {}
+        for name in args.backends.split(","):
+            one = io[name] = io_throughput(root, pages, batch, 3 if args.quick else 7, cold, name)
+            print(
+                f"{name}: backup {one['backup_MBps']} MB/s vs raw write {one['raw_write_MBps']} "
+                f"MB/s ({one['backup_vs_raw_write']}); prefetch {one['prefetch_MBps']} MB/s vs "
+                f"raw read {one['raw_read_MBps']} MB/s ({one['prefetch_vs_raw_read']}), one file "
+                f"{one['raw_read_one_file_MBps']} MB/s ({one['prefetch_vs_raw_read_one_file']}); "
+                f"{one['files_per_GB']} files per GB; reads from {one['reads_from']}",
+                file=sys.stderr,
+            )
         hits = hit_rate_after_restart(root, requests, inflight=8)
         print(
             f"L3 hit rate: first run {hits['first']['l3_hit_rate']}, after restart "
@@ -175,7 +216,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({**io, "hit_rate": hits}))
+    print(json.dumps({"backends": io, "hit_rate": hits}))
 
 
 if __name__ == "__main__":

@@ -805,7 +805,7 @@ def storage() -> None:
 
 @storage.command()
 @_cluster_options
-@click.argument("backend", type=click.Choice(["file", "redis", "dynamic"]))
+@click.argument("backend", type=click.Choice(["file", "segment", "redis", "dynamic"]))
 @click.option(
     "--options",
     "options",

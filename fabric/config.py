@@ -354,8 +354,8 @@ class StorageConfig(_Section):
     """L3: which backend, where, and how pages move to and from it."""
 
     section: ClassVar[str] = "storage"
-    backend: Literal["none", "file", "redis", "dynamic"] = Field(
-        "file", description="one of none, file, redis, dynamic"
+    backend: Literal["none", "file", "segment", "redis", "dynamic"] = Field(
+        "file", description="one of none, file, segment, redis, dynamic"
     )
     path: Text = "kvfabric-l3"
     max_bytes: Annotated[int, _allowed("an integer >= 0 (0: no cap)", ge=0)] = 1 << 30

@@ -1,7 +1,7 @@
 """L3 storage: backends by name, their typed options, and the page format.
 
 ``make_backend(name, provenance, page_bytes, options, allowed_modules)`` builds
-``file``, ``redis`` or ``dynamic`` (a user's class: ``options = {"module":
+``file``, ``segment``, ``redis`` or ``dynamic`` (a user's class: ``options = {"module":
 "pkg.mod", "class": "Name", "options": {...}}``, a subclass of
 ``fabric.l3.backend.L3Backend``, from a module named in ``allowed_modules`` —
 ``storage.dynamic_modules`` of the launch config; nothing else is imported).
@@ -21,7 +21,7 @@ from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance
 from fabric.l3.options import DynamicOptions
 
-BACKENDS = ("file", "redis", "dynamic")
+BACKENDS = ("file", "segment", "redis", "dynamic")
 
 
 def parse_options(text: str) -> dict[str, Any]:
@@ -55,6 +55,10 @@ def make_backend(
         from fabric.l3.file import FileBackend
 
         return FileBackend(provenance, page_bytes, options)
+    if name == "segment":
+        from fabric.l3.segment import SegmentBackend
+
+        return SegmentBackend(provenance, page_bytes, options)
     if name == "redis":
         from fabric.l3.redis import RedisBackend
 

@@ -56,6 +56,12 @@ class FileOptions(BackendOptions):
     dir_mode: Mode = "0700"
 
 
+class SegmentOptions(FileOptions):
+    segment_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="an integer >= 1048576 (bytes per segment file)"
+    )
+
+
 class RedisOptions(BackendOptions):
     host: str = Field("127.0.0.1", min_length=1, description="a host name or address")
     port: int = Field(6379, ge=1, lt=65536, description="a TCP port")

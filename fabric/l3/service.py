@@ -81,10 +81,11 @@ def provenance_bytes(provenance: Provenance) -> int:
 
 
 def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
-    """The backend name and its options from the config. The file backend's come
-    from ``storage.path`` and its neighbours, overridden by ``storage.options``."""
+    """The backend name and its options from the config. The file and segment
+    backends' come from ``storage.path`` and its neighbours, overridden by
+    ``storage.options``."""
     options = dict(storage.options)
-    if storage.backend == "file":
+    if storage.backend in ("file", "segment"):
         options = {
             "path": storage.path,
             "max_bytes": storage.max_bytes,

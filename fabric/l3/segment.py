@@ -1,0 +1,437 @@
+"""An L3 of segment files: page shards appended to a few large files in a directory.
+
+One file per page shard (``fabric.l3.file``) costs an open, a read and a close
+for every 16 KB a prefetch reads, and a directory entry for every page a backup
+writes: a few runs made a quarter of a million files. Here a backup's pages are
+appended, in one ``pwritev``, to the writer's current segment
+(``seg-<writer>-<seq>.kvs``, up to ``segment_bytes``); a prefetch reads the
+pages it wants, straight into the caller's rows, one ``preadv`` for each run of
+pages that lie one after another in a segment — as a backup's do.
+
+Each record is ``frame | key | page`` where the frame is ``KVR1``, the key's
+length and the page's length, and the page is the format every backend
+stores (``fabric.l3.format``: header with the page's own key, checksum and
+provenance, then the payload). The index (key -> segment, offset) lives in
+memory and is rebuilt by reading the frames when the store opens — no separate
+index file to lose or to trust: a frame only says where to look; what is served
+is checked against its header exactly as a single page file is (key binding,
+checksum, provenance). A writer that dies mid-append leaves a torn last record:
+the scan stops there, and nothing ever appends to a segment it did not create
+in this process, so a torn tail stays the end. Several processes may share the
+directory: each appends to its own segments and picks up the others' on a miss
+(at most once a second).
+
+Files and directories are owner-only (``file_mode``/``dir_mode``) and opened
+without following links. With ``max_bytes``, whole segments go, least recently
+used first (a read refreshes its segment), and segments are cut at most an
+eighth of ``max_bytes`` so that an eviction frees a small share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fabric.errors import ConfigError
+from fabric.l3.backend import L3Backend
+from fabric.l3.format import (
+    PREAMBLE,
+    Provenance,
+    check_header,
+    check_key,
+    checksum,
+    encode_header,
+    header_length,
+)
+from fabric.l3.options import SegmentOptions
+
+log = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("<4sHI")  # magic, key length, page length
+_MAGIC = b"KVR1"
+_SUFFIX = ".kvs"
+_MAX_KEY = 128
+_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_IOV = 1020  # iovecs per call, under IOV_MAX (1024 on Linux)
+RESCAN_S = 1.0
+
+
+@dataclass(eq=False)
+class Segment:
+    name: str
+    fd: int
+    size: int = 0  # bytes of whole records (the scan's or the appends' end)
+    file_size: int = 0  # bytes counted in the store's total
+    used: float = 0.0  # last write or read, for eviction
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    segment: Segment
+    page: int  # offset of the page (its header) in the segment
+    head: int  # bytes of preamble and header before the payload
+    payload: int  # bytes of payload
+
+
+class SegmentBackend(L3Backend):
+    name = "segment"
+
+    def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
+        super().__init__(provenance, page_bytes, extra)
+        options = SegmentOptions.parse(extra, "segment")
+        self.root = Path(options.path).expanduser().resolve()
+        self.max_bytes = options.max_bytes
+        self.fsync = options.fsync
+        self.file_mode = int(options.file_mode, 8)
+        self.dir_mode = int(options.dir_mode, 8)
+        limit = options.segment_bytes
+        if self.max_bytes:
+            limit = min(limit, max(self.max_bytes // 8, 1 << 20))
+        self.segment_bytes = limit
+        self.writer = uuid.uuid4().hex[:16]
+        self._seq = 0
+        self._lock = threading.RLock()  # the index, the segments and the append offset
+        self._index: dict[str, _Entry] = {}
+        self._segments: dict[str, Segment] = {}
+        self._active: Segment | None = None
+        self._bytes = 0
+        self._scanned = 0.0
+        self._root_fd = self._open_root()
+        with self._lock:
+            self._rescan()
+
+    # -- the directory ---------------------------------------------------------------
+
+    def _open_root(self) -> int:
+        where = f"storage path {str(self.root)!r}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=self.dir_mode)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise ConfigError(
+                f"{where} cannot be used: {exc.strerror or exc}; set storage.path to a "
+                "writable directory (or storage.backend=none)"
+            ) from None
+        probe = f".probe-{uuid.uuid4().hex}.tmp"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
+            os.unlink(probe, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
+        return fd
+
+    def _rescan(self) -> None:
+        """Index segments that appeared or grew since the last scan (another
+        writer's), and forget those that vanished. Call with the lock held."""
+        self._scanned = time.monotonic()
+        names = set()
+        for entry in os.scandir(self._root_fd):
+            if not (entry.name.startswith("seg-") and entry.name.endswith(_SUFFIX)):
+                continue
+            names.add(entry.name)
+            seg = self._segments.get(entry.name)
+            if seg is None:
+                try:
+                    fd = os.open(entry.name, _READ, dir_fd=self._root_fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        self.count("refused_symlink")
+                        log.warning("L3: %s/%s is a link; ignored", self.root, entry.name)
+                    continue
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    os.close(fd)
+                    continue
+                seg = Segment(entry.name, fd, used=st.st_mtime)
+                self._segments[entry.name] = seg
+            if seg is not self._active:
+                self._scan(seg)
+        for name in [n for n in self._segments if n not in names]:
+            if self._segments[name] is not self._active:
+                self._forget(self._segments[name])
+
+    def _scan(self, seg: Segment) -> None:
+        """Index ``seg``'s whole records from where the last scan stopped."""
+        end = os.fstat(seg.fd).st_size
+        self._bytes += end - seg.file_size
+        seg.file_size = end
+        at = seg.size
+        while at + _FRAME.size <= end:
+            head = os.pread(seg.fd, _FRAME.size + _MAX_KEY + PREAMBLE, at)
+            if len(head) < _FRAME.size:
+                break
+            magic, key_len, page_len = _FRAME.unpack_from(head)
+            page = at + _FRAME.size + key_len
+            if magic != _MAGIC or key_len > _MAX_KEY or page + page_len > end:
+                break  # a torn or foreign tail: what follows is not indexed
+            try:
+                key = check_key(head[_FRAME.size : _FRAME.size + key_len].decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                break
+            n = header_length(head[_FRAME.size + key_len :])
+            if isinstance(n, str) or PREAMBLE + n > page_len:
+                break
+            self._put(key, _Entry(seg, page, PREAMBLE + n, page_len - PREAMBLE - n))
+            at = page + page_len
+        if at < end and seg.size < at:
+            self.count("segment_torn_tails")  # or a record another writer is appending
+        seg.size = max(seg.size, at)
+
+    def _put(self, key: str, entry: _Entry) -> None:
+        old = self._index.get(key)
+        if old is not None:
+            old.segment.keys.discard(key)
+        self._index[key] = entry
+        entry.segment.keys.add(key)
+
+    def _forget(self, seg: Segment) -> None:
+        for key in seg.keys:
+            if self._index.get(key, None) is not None and self._index[key].segment is seg:
+                del self._index[key]
+        self._bytes -= seg.file_size
+        with contextlib.suppress(OSError):
+            os.close(seg.fd)
+        del self._segments[seg.name]
+        if seg is self._active:
+            self._active = None
+
+    def _refresh_on_miss(self) -> bool:
+        """Pick up other writers' pages, at most once per ``RESCAN_S``."""
+        with self._lock:
+            if time.monotonic() - self._scanned < RESCAN_S:
+                return False
+            self._rescan()
+            return True
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _new_segment(self) -> Segment:
+        self._seq += 1
+        name = f"seg-{self.writer}-{self._seq:08d}{_SUFFIX}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(name, flags, self.file_mode, dir_fd=self._root_fd)
+        os.fchmod(fd, self.file_mode)  # exactly the mode asked for, whatever the umask
+        if self.fsync:
+            os.fsync(self._root_fd)
+        seg = Segment(name, fd, used=time.time())
+        self._segments[name] = seg
+        self._active = seg
+        return seg
+
+    def set(
+        self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance | None = None
+    ) -> list[bool]:
+        """Append the batch to this writer's segment in one ``pwritev`` (per
+        segment); all pages stored or none."""
+        prov = provenance or self.provenance
+        records: list[tuple[str, list[Any], int, int]] = []
+        for i, key in enumerate(keys):
+            check_key(key)
+            payload = memoryview(pages[i]).cast("B")
+            header = encode_header(payload, prov, key)
+            kb = key.encode("ascii")
+            frame = _FRAME.pack(_MAGIC, len(kb), len(header) + len(payload)) + kb
+            records.append((key, [frame, header, payload], len(header), len(payload)))
+        if not records:
+            return []
+        try:
+            self._append(records)
+        except OSError as exc:
+            log.warning("L3 segment: storing %d pages failed: %s", len(records), exc)
+            self.count("set_failed", len(records))
+            return [False] * len(records)
+        self.count("set_pages", len(records))
+        self._evict()
+        return [True] * len(records)
+
+    def _append(self, records: list[tuple[str, list[Any], int, int]]) -> None:
+        size = sum(len(p) for _, parts, _, _ in records for p in parts)
+        with self._lock:
+            seg = self._active
+            if seg is None or (seg.size and seg.size + size > self.segment_bytes):
+                seg = self._new_segment()
+            start = at = seg.size
+            try:
+                for i in range(0, len(records), _IOV // 3):
+                    chunk = [p for _, parts, _, _ in records[i : i + _IOV // 3] for p in parts]
+                    want = sum(len(p) for p in chunk)
+                    done = os.pwritev(seg.fd, chunk, at)
+                    if done != want:
+                        raise OSError(errno.ENOSPC, f"short write ({done} of {want} bytes)")
+                    at += done
+                if self.fsync:
+                    os.fsync(seg.fd)
+            except OSError:
+                # Cut the torn records off, so the segment's end stays a whole record;
+                # if even that fails, never append to it again.
+                try:
+                    os.ftruncate(seg.fd, start)
+                except OSError:
+                    self._active = None
+                raise
+            for key, parts, head, payload in records:
+                page = start + len(parts[0])
+                self._put(key, _Entry(seg, page, head, payload))
+                start = page + head + payload
+            seg.size = seg.file_size = at
+            seg.used = time.time()
+            self._bytes += size
+
+    def _evict(self) -> None:
+        if not self.max_bytes:
+            return
+        victims = []
+        with self._lock:
+            while self._bytes > self.max_bytes and len(self._segments) > 1:
+                old = min(
+                    (s for s in self._segments.values() if s is not self._active),
+                    key=lambda s: s.used,
+                )
+                victims.append((old.name, len(old.keys)))
+                self._forget(old)
+        for name, n in victims:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._root_fd)
+            self.count("evicted_pages", n)
+            self.count("evicted_segments")
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _locate(self, key: str) -> _Entry | None:
+        entry = self._index.get(key)
+        if entry is None and self._refresh_on_miss():
+            entry = self._index.get(key)
+        return entry
+
+    def _exists(self, key: str) -> bool:
+        return self._locate(key) is not None
+
+    def _read_rows(
+        self, keys: Sequence[str], out: np.ndarray, provenance: Provenance
+    ) -> Iterator[str | None]:
+        """Each run of pages that follow one another in a segment comes in one
+        ``preadv``: headers into small buffers, payloads straight into ``out``."""
+        i, n = 0, len(keys)
+        while i < n:
+            first = self._locate(keys[i])
+            if first is None:
+                yield "miss"
+                return
+            if first.payload != out.shape[1]:
+                yield self._odd_length(first, keys[i], out.shape[1], provenance)
+                return
+            run = [first]
+            while i + len(run) < n and len(run) < _IOV // 3:
+                nxt = self._index.get(keys[i + len(run)])
+                prev = run[-1]
+                if (
+                    nxt is None
+                    or nxt.segment is not first.segment
+                    or nxt.payload != out.shape[1]
+                    or nxt.page - (prev.page + prev.head + prev.payload) > _FRAME.size + _MAX_KEY
+                    or nxt.page <= prev.page
+                ):
+                    break
+                run.append(nxt)
+            yield from self._read_run(
+                run, keys[i : i + len(run)], out[i : i + len(run)], provenance
+            )
+            i += len(run)
+
+    def _read_run(
+        self, run: list[_Entry], keys: Sequence[str], rows: np.ndarray, provenance: Provenance
+    ) -> Iterator[str | None]:
+        seg = run[0].segment
+        heads = [bytearray(e.head) for e in run]
+        iov: list[Any] = []
+        end = run[0].page
+        for e, head, row in zip(run, heads, rows, strict=True):
+            if e.page > end:
+                iov.append(bytearray(e.page - end))  # the next record's frame and key
+            iov += [head, memoryview(row).cast("B")]
+            end = e.page + e.head + e.payload
+        try:
+            got = os.preadv(seg.fd, iov, run[0].page)
+        except OSError:
+            got = 0
+        seg.used = time.time()
+        for e, key, head, row in zip(run, keys, heads, rows, strict=True):
+            if got < e.page + e.head + e.payload - run[0].page:
+                yield "truncated"
+                return
+            n = header_length(head)
+            if isinstance(n, str) or PREAMBLE + n != e.head:
+                yield "format"
+                return
+            header = check_header(memoryview(head)[PREAMBLE:], provenance, row.nbytes, key)
+            if isinstance(header, str):
+                yield header
+                return
+            if header.get("sum") != checksum(row):
+                yield "checksum"
+                return
+            yield None
+
+    def _odd_length(self, entry: _Entry, key: str, want: int, provenance: Provenance) -> str:
+        head = os.pread(entry.segment.fd, entry.head, entry.page)
+        n = header_length(head)
+        if isinstance(n, str) or len(head) != entry.head:
+            return "format" if isinstance(n, str) else "truncated"
+        header = check_header(memoryview(head)[PREAMBLE:], provenance, want, key)
+        return header if isinstance(header, str) else "truncated"
+
+    def _read(self, key: str) -> bytes | None:
+        entry = self._locate(key)
+        if entry is None:
+            return None
+        return os.pread(entry.segment.fd, entry.head + entry.payload, entry.page)
+
+    def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:  # pragma: no cover
+        raise NotImplementedError("SegmentBackend.set appends whole batches")
+
+    # -- the rest ---------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        with self._lock:
+            for seg in list(self._segments.values()):
+                self._forget(seg)
+            self._index.clear()
+            self._bytes = 0
+            for entry in os.scandir(self._root_fd):  # also segments other writers made
+                if entry.name.startswith("seg-") and entry.name.endswith(_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=self._root_fd)
+
+    def _usage(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "pages": len(self._index),
+                "bytes": self._bytes,
+                "max_bytes": self.max_bytes,
+                "files": len(self._segments),
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            fds = [s.fd for s in self._segments.values()]
+            self._segments.clear()
+            self._index.clear()
+            self._active = None
+        for fd in [*fds, self._root_fd]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
