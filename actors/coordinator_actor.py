@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from actors.compiled_rounds import CompiledRounds
 from actors.ray_metrics import CoordinatorMetrics
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
@@ -79,6 +80,7 @@ class CoordinatorActor:
         self.ray_metrics: CoordinatorMetrics | None = None
         self._ray_metrics_task: asyncio.Task | None = None
         self._starting: asyncio.Lock | None = None
+        self.compiled = CompiledRounds() if self.config.runtime.compiled_rounds else None
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
@@ -217,6 +219,8 @@ class CoordinatorActor:
             snapshot["l3"] = {"error": type(exc).__name__}
         if self.publisher is not None:
             snapshot["kv_events"] = self.publisher.stats()
+        if self.compiled is not None:
+            snapshot["compiled_rounds"] = self.compiled.stats()
         return snapshot
 
     async def status(self) -> dict[str, Any]:
@@ -336,6 +340,8 @@ class CoordinatorActor:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.compiled is not None:
+            await self.compiled.drop("stopped", failed=False)
         if self.publisher is not None:
             self.publisher.close()
 
@@ -421,11 +427,8 @@ class CoordinatorActor:
         data = encode(self.core.next_batch())
         queries = self.core.take_queries()
         self.core.stats.core_time_s += time.perf_counter() - started
-        calls = [asyncio.ensure_future(_await(rank.step.remote(data))) for rank in self.ranks]
         hits_call = self.storage.query.remote(queries) if queries else None
-        _, pending = await asyncio.wait(calls, timeout=runtime.rank_timeout_s)
-        for call in pending:
-            call.cancel()
+        calls, pending = await self._round(data)
         hits = await self._hits(hits_call, queries)
         reports, missing = self._reports(calls, pending)
         started = time.perf_counter()
@@ -440,6 +443,25 @@ class CoordinatorActor:
             self.ray_metrics.round_seconds.observe(time.perf_counter() - round_started)
         self.core.stats.core_time_s += time.perf_counter() - started
         await asyncio.sleep(runtime.step_interval_s)
+
+    async def _round(self, data: bytes) -> tuple[list[asyncio.Future], set[asyncio.Future]]:
+        """Send the step's batch to every rank; each rank's reply as a future, and
+        those that gave none in time. On the compiled graph when it is on and
+        works; otherwise (and again after any graph failure) one call per rank."""
+        timeout = self.config.runtime.rank_timeout_s
+        if self.compiled is not None and not self._dead_ranks:
+            replies = await self.compiled.round(self.ranks, data, timeout)
+            if replies is not None:
+                loop = asyncio.get_running_loop()
+                calls = [loop.create_future() for _ in replies]
+                for call, reply in zip(calls, replies, strict=True):
+                    call.set_result(reply)
+                return calls, set()
+        calls = [asyncio.ensure_future(_await(rank.step.remote(data))) for rank in self.ranks]
+        _, pending = await asyncio.wait(calls, timeout=timeout)
+        for call in pending:
+            call.cancel()
+        return calls, pending
 
     async def _find_new_ranks(self) -> None:
         """Take the handle of a new actor made under a dead rank's name."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -119,6 +120,26 @@ class RankActor:
 
     def ping(self) -> None:
         """A no-op, for measuring the bare cost of a call."""
+
+    def leave_graphs(self) -> int:
+        """Close the channels of any compiled-graph loop still running in this actor
+        (``runtime.compiled_rounds``): one whose coordinator died cannot be torn down
+        by anyone else, and an actor can be in one graph at a time. The coordinator
+        calls this before it compiles; the loop's read fails and it ends. Returns
+        how many graph tasks were closed."""
+        try:
+            from ray.dag.compiled_dag_node import ExecutableTask
+        except ImportError:  # pragma: no cover - a Ray without compiled graphs
+            return 0
+        closed = 0
+        for obj in gc.get_objects():
+            if isinstance(obj, ExecutableTask):
+                try:
+                    obj.cancel()
+                    closed += 1
+                except Exception:  # already closed
+                    log.debug("graph task already closed", exc_info=True)
+        return closed
 
     def report(self) -> bytes:
         return encode(self.worker.report())

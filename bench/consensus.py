@@ -3,7 +3,11 @@
 A round is what the coordinator does each step: encode the step's batch, send it
 to every rank actor, await every report, decode and reduce them (MIN/MAX). The
 baseline is the same fan-out of calls that do nothing. Same actors, same run:
-``round_vs_bare_gather`` = round time / bare time (goal <= 1.5).
+``round_vs_bare_gather`` = round time / bare time (goal <= 1.5). The same
+round on a Ray Compiled Graph (``runtime.compiled_rounds``: the batch and the
+reports through shared-memory channels) is ``compiled_round_us``, and
+``compiled_vs_bare_gather`` its time over the bare gather's (goal <= 0.3 at 8
+ranks). ``--no-compiled`` leaves it out.
 
     python3 bench/consensus.py --quick
 """
@@ -28,7 +32,7 @@ from fabric.coordinator.consensus import Consensus
 from fabric.messages import Batch, decode, encode
 
 
-def measure(world: int, rounds: int) -> dict:
+def measure(world: int, rounds: int, compiled: bool = True) -> dict:
     tp = 2 if world > 1 else 1
     config = FabricConfig().with_overrides(
         [
@@ -54,25 +58,48 @@ def measure(world: int, rounds: int) -> dict:
     def bare() -> None:
         ray.get([r.ping.remote() for r in ranks])
 
-    for fn in (one_round, bare):
+    graph = None
+    if compiled:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as batch:
+            dag = MultiOutputNode([r.step.bind(batch) for r in ranks])
+        graph = dag.experimental_compile()
+
+    def compiled_round() -> None:
+        data = encode(Batch(1, ()))
+        reports = [decode(x) for x in ray.get(graph.execute(data))]
+        consensus.reduce(reports, 1)  # type: ignore[arg-type]
+
+    fns = [("round", one_round), ("bare", bare)]
+    if graph is not None:
+        fns.append(("compiled", compiled_round))
+    for _, fn in fns:
         for _ in range(20):
             fn()
-    samples: dict[str, list[float]] = {"round": [], "bare": []}
-    for _ in range(rounds):  # interleave so drift hits both alike
-        for name, fn in (("round", one_round), ("bare", bare)):
+    samples: dict[str, list[float]] = {name: [] for name, _ in fns}
+    for _ in range(rounds):  # interleave so drift hits all alike
+        for name, fn in fns:
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
+    if graph is not None:
+        graph.teardown()
     for r in ranks:
         ray.kill(r)
     round_us = statistics.median(samples["round"]) * 1e6
     bare_us = statistics.median(samples["bare"]) * 1e6
-    return {
+    row = {
         "ranks": world,
         "round_us": round(round_us, 1),
         "bare_gather_us": round(bare_us, 1),
         "round_vs_bare_gather": round(round_us / bare_us, 3),
     }
+    if graph is not None:
+        compiled_us = statistics.median(samples["compiled"]) * 1e6
+        row["compiled_round_us"] = round(compiled_us, 1)
+        row["compiled_vs_bare_gather"] = round(compiled_us / bare_us, 3)
+    return row
 
 
 def main() -> None:
@@ -80,25 +107,31 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
+    ap.add_argument("--no-compiled", action="store_true", help="leave out the compiled-graph round")
     args = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for world in (2, 4, 8):
-            row = measure(world, 100 if args.quick else 500)
+            row = measure(world, 100 if args.quick else 500, not args.no_compiled)
             rows.append(row)
+            compiled = (
+                f"; compiled round {row['compiled_round_us']} us, "
+                f"{row['compiled_vs_bare_gather']}x the bare gather"
+                if "compiled_round_us" in row
+                else ""
+            )
             print(
                 f"{world} ranks: round {row['round_us']} us, bare gather {row['bare_gather_us']} us, "
-                f"ratio {row['round_vs_bare_gather']}",
+                f"ratio {row['round_vs_bare_gather']}{compiled}",
                 file=sys.stderr,
             )
     finally:
         ray.shutdown()
-    print(
-        json.dumps(
-            {"rows": rows, "round_vs_bare_gather": max(r["round_vs_bare_gather"] for r in rows)}
-        )
-    )
+    out = {"rows": rows, "round_vs_bare_gather": max(r["round_vs_bare_gather"] for r in rows)}
+    if not args.no_compiled:
+        out["compiled_vs_bare_gather_8"] = rows[-1]["compiled_vs_bare_gather"]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -327,6 +327,10 @@ class RuntimeConfig(_Section):
     )
     step_interval_s: NonNegativeFloat = 0.001
     rank_timeout_s: PositiveFloat = 30.0
+    # Consensus rounds on a Ray Compiled Graph (shared-memory channels instead of
+    # one RPC per rank): faster rounds, but every rank actor and the coordinator
+    # then poll their channels on a core each, busy or idle. Off by default.
+    compiled_rounds: bool = Field(False, description="true or false")
     rank_absent_timeout_s: PositiveFloat = 60.0
     max_request_retries: NonNegativeInt = 3
     lease_ttl_s: PositiveFloat = 300.0
@@ -355,7 +359,7 @@ class StorageConfig(_Section):
 
     section: ClassVar[str] = "storage"
     backend: Literal["none", "file", "segment", "redis", "dynamic"] = Field(
-        "file", description="one of none, file, segment, redis, dynamic"
+        "segment", description="one of none, file, segment, redis, dynamic"
     )
     path: Text = "kvfabric-l3"
     max_bytes: Annotated[int, _allowed("an integer >= 0 (0: no cap)", ge=0)] = 1 << 30

@@ -164,7 +164,7 @@ def test_an_unusable_path_is_a_config_error_naming_it(tmp_path):
 
 def test_the_default_l3_has_a_size_cap():
     name, extra = backend_spec(StorageConfig())
-    assert name == "file" and extra["max_bytes"] == StorageConfig().max_bytes == 1 << 30
+    assert name == "segment" and extra["max_bytes"] == StorageConfig().max_bytes == 1 << 30
 
 
 def test_the_dynamic_backend_imports_only_modules_the_launch_config_allows(tmp_path):

@@ -1,0 +1,93 @@
+"""Consensus rounds on a Ray Compiled Graph (``runtime.compiled_rounds``): served
+pages verify, a rank killed mid-traffic drops the graph (the round goes again
+with plain calls) and a new one is compiled for the restarted rank, and a
+restarted coordinator serves. Two ranks only: each actor in a graph polls a core."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from actors import compiled_rounds  # noqa: E402
+from fabric.client import launch  # noqa: E402
+from tests.helpers import prompt, small_config, wait_for  # noqa: E402
+
+NS = "kvfabric-test-compiled"
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    assert not ray.is_initialized(), "this module starts its own Ray"
+    f = launch(
+        small_config(
+            "runtime.name=compiled",
+            f"runtime.ray_namespace={NS}",
+            "runtime.compiled_rounds=true",
+            "runtime.rank_timeout_s=10",
+            "topology.pp=1",
+        ),
+        announce=False,
+    )
+    yield f
+    f.shutdown()
+    assert not ray.is_initialized()
+
+
+def _compiled(fabric) -> dict:
+    return fabric.stats()["compiled_rounds"]
+
+
+def test_requests_are_served_through_the_compiled_graph(fabric):
+    for seed in range(3):
+        p = prompt(seed, pages=3)
+        r = fabric.submit(p, timeout=60)
+        assert r.error is None and fabric.verify(r, p) == [True] * 2
+        fabric.release(r.lease)
+    c = _compiled(fabric)
+    assert c["active"] and c["compiles"] == 1 and c["failures"] == 0
+    assert c["rounds"] > 0
+    fabric.check_integrity()
+
+
+def test_a_rank_killed_mid_traffic_drops_the_graph_and_a_new_one_is_compiled(fabric):
+    before = _compiled(fabric)
+    ray.kill(fabric._deployment.ranks[1], no_restart=False)
+    p = prompt(20, pages=3)
+    r = fabric.submit(p, timeout=120)  # served once the rank is back (plain calls meanwhile)
+    assert r.error is None and fabric.verify(r, p) == [True] * 2
+    fabric.release(r.lease)
+
+    def recompiled() -> bool:
+        time.sleep(compiled_rounds.RETRY_S / 4)
+        q = prompt(21, pages=2)
+        fabric.release(fabric.submit(q, timeout=60).lease)  # a round, to compile on
+        c = _compiled(fabric)
+        return c["active"] and c["compiles"] > before["compiles"]
+
+    assert wait_for(recompiled, timeout=60)
+    c = _compiled(fabric)
+    assert c["failures"] > before["failures"] and c["last_error"]
+    assert fabric.stats()["leases"] == 0
+    fabric.check_integrity()
+
+
+def test_a_restarted_coordinator_serves_again(fabric):
+    old_pid = ray.get(fabric.coordinator.where.remote())[0]
+    ray.kill(fabric.coordinator, no_restart=False)
+
+    def restarted() -> bool:
+        try:
+            return ray.get(fabric.coordinator.where.remote(), timeout=10)[0] != old_pid
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            return False
+
+    assert wait_for(restarted, timeout=120)
+    p = prompt(30, pages=3)
+    r = fabric.submit(p, timeout=120)
+    assert r.error is None and fabric.verify(r, p) == [True] * 2
+    fabric.release(r.lease)
+    assert fabric.stats()["compiled_rounds"]["rounds"] > 0, "the new coordinator compiled its own"
+    fabric.check_integrity()
