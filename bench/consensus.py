@@ -32,6 +32,21 @@ from fabric.coordinator.consensus import Consensus
 from fabric.messages import Batch, decode, encode
 
 
+def interleaved(fns: list, rounds: int) -> dict[str, list[float]]:
+    """Each function's time per call, ``rounds`` times, interleaved so that drift
+    hits all alike (after 20 warm-up calls each)."""
+    for _, fn in fns:
+        for _ in range(20):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name, _ in fns}
+    for _ in range(rounds):
+        for name, fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
 def measure(world: int, rounds: int, compiled: bool = True) -> dict:
     tp = 2 if world > 1 else 1
     config = FabricConfig().with_overrides(
@@ -58,32 +73,24 @@ def measure(world: int, rounds: int, compiled: bool = True) -> dict:
     def bare() -> None:
         ray.get([r.ping.remote() for r in ranks])
 
-    graph = None
+    fns = [("round", one_round), ("bare", bare)]
+    samples = interleaved(fns, rounds)
     if compiled:
+        # Measured after the plain calls, with no graph compiled while they ran:
+        # a graph's actors poll their channels on a core each, which would slow
+        # the baseline down and flatter the ratio.
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as batch:
             dag = MultiOutputNode([r.step.bind(batch) for r in ranks])
         graph = dag.experimental_compile()
 
-    def compiled_round() -> None:
-        data = encode(Batch(1, ()))
-        reports = [decode(x) for x in ray.get(graph.execute(data))]
-        consensus.reduce(reports, 1)  # type: ignore[arg-type]
+        def compiled_round() -> None:
+            data = encode(Batch(1, ()))
+            reports = [decode(x) for x in ray.get(graph.execute(data))]
+            consensus.reduce(reports, 1)  # type: ignore[arg-type]
 
-    fns = [("round", one_round), ("bare", bare)]
-    if graph is not None:
-        fns.append(("compiled", compiled_round))
-    for _, fn in fns:
-        for _ in range(20):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name, _ in fns}
-    for _ in range(rounds):  # interleave so drift hits all alike
-        for name, fn in fns:
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    if graph is not None:
+        samples.update(interleaved([("compiled", compiled_round)], rounds))
         graph.teardown()
     for r in ranks:
         ray.kill(r)
@@ -95,7 +102,7 @@ def measure(world: int, rounds: int, compiled: bool = True) -> dict:
         "bare_gather_us": round(bare_us, 1),
         "round_vs_bare_gather": round(round_us / bare_us, 3),
     }
-    if graph is not None:
+    if compiled:
         compiled_us = statistics.median(samples["compiled"]) * 1e6
         row["compiled_round_us"] = round(compiled_us, 1)
         row["compiled_vs_bare_gather"] = round(compiled_us / bare_us, 3)
