@@ -75,6 +75,7 @@ class Segment:
     fd: int
     size: int = 0  # bytes of whole records (the scan's or the appends' end)
     file_size: int = 0  # bytes counted in the store's total
+    torn_at: int = -1  # where a scan last found a record it could not index
     used: float = 0.0  # last write or read, for eviction
     keys: set[str] = field(default_factory=set)
 
@@ -188,8 +189,9 @@ class SegmentBackend(L3Backend):
                 break
             self._put(key, _Entry(seg, page, PREAMBLE + n, page_len - PREAMBLE - n))
             at = page + page_len
-        if at < end and seg.size < at:
-            self.count("segment_torn_tails")  # or a record another writer is appending
+        if at < end and seg.torn_at != at:
+            seg.torn_at = at  # counted once (it may be a record another writer is appending)
+            self.count("segment_torn_tails")
         seg.size = max(seg.size, at)
 
     def _put(self, key: str, entry: _Entry) -> None:

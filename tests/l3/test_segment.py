@@ -82,6 +82,16 @@ def test_a_torn_tail_is_left_out_and_the_rest_is_served(tmp_path):
     assert n == 3 and np.array_equal(out[:3], pages(4)[:3])
 
 
+def test_a_segment_torn_in_its_first_record_serves_nothing_and_is_counted(tmp_path):
+    root = tmp_path / "l3"
+    backend(root).set(keys(1), pages(1))
+    (seg,) = segments(root)
+    os.truncate(seg, 40)
+    b = backend(root)
+    assert b.stats()["pages"] == 0 and b.stats()["segment_torn_tails"] == 1
+    assert read(b, keys(1))[0] == 0 and b.stats()["segment_torn_tails"] == 1
+
+
 def _flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
