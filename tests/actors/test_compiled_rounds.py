@@ -52,9 +52,20 @@ def test_requests_are_served_through_the_compiled_graph(fabric):
     fabric.check_integrity()
 
 
+def _incarnation(rank):
+    try:
+        return ray.get(rank.info.remote(), timeout=5)["incarnation"]
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+        return None
+
+
 def test_a_rank_killed_mid_traffic_drops_the_graph_and_a_new_one_is_compiled(fabric):
     before = _compiled(fabric)
-    ray.kill(fabric._deployment.ranks[1], no_restart=False)
+    rank = fabric._deployment.ranks[1]
+    old = _incarnation(rank)
+    ray.kill(rank, no_restart=False)
+    # ray.kill returns before the process dies: wait for the new one.
+    assert wait_for(lambda: _incarnation(rank) not in (None, old), timeout=60)
     p = prompt(20, pages=3)
     r = fabric.submit(p, timeout=120)  # served once the rank is back (plain calls meanwhile)
     assert r.error is None and fabric.verify(r, p) == [True] * 2
