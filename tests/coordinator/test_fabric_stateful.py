@@ -26,7 +26,7 @@ class FabricMachine(RuleBasedStateMachine):
     @initialize(
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-        storage=st.booleans(),
+        storage=st.sampled_from([None, "file", "segment"]),
         chunk=st.sampled_from([None, 1, 2, 3]),
         chunk_tokens=st.sampled_from([0, 4, 8]),
         session_tier=st.sampled_from(["device", "host"]),
@@ -54,7 +54,7 @@ class FabricMachine(RuleBasedStateMachine):
             f"cache.session_tier={session_tier}",
         ]
         if storage:
-            options += ["storage.backend=file", f"storage.path={self.tmp.name}"]
+            options += [f"storage.backend={storage}", f"storage.path={self.tmp.name}"]
         if hybrid is not None:  # small component pools: components evicted apart
             options += [
                 f"model.layer_kinds={hybrid}",
@@ -236,7 +236,7 @@ def test_the_machine_verified_held_leases_on_every_rank():
 def test_the_invariant_verifies_a_lease_that_came_back_from_a_decode_append():
     machine = FabricMachine()
     try:
-        machine.setup("write_through", "best_effort", storage=True, chunk=None)
+        machine.setup("write_through", "best_effort", storage="segment", chunk=None)
         machine.submit(1, [2, 3])
         for _ in range(4):
             machine.step(set())
