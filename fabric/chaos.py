@@ -133,7 +133,7 @@ class Tally:
 
 
 def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
-    """A small fabric (TP=2 x PP=2, CPU pools, file L3) with short timeouts, so
+    """A small fabric (TP=2 x PP=2, CPU pools, the default L3) with short timeouts, so
     faults are seen and recovered from within seconds."""
     return FabricConfig().with_overrides(
         [
@@ -153,7 +153,6 @@ def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
             "model.kv_heads=2",
             "model.head_dim=8",
             "prefetch.threshold_tokens=4",
-            "storage.backend=file",
             f"storage.path={l3_path}",
             *opts.overrides,
         ]
@@ -473,28 +472,38 @@ class Chaos:
             "rank_nodes": len(set(nodes)),
         }
 
-    def scan_l3(self, root: str) -> dict:
-        """Every page file in the L3 directory, checked as a read would check it:
-        valid, or the reason a read would refuse it (a counted miss, never served)."""
-        from pathlib import Path
+    def scan_l3(self) -> dict:
+        """Every page in L3, read back as a prefetch reads it (through a backend of
+        the fabric's kind on the same directory): valid, or the reason the read
+        refuses it (a counted miss, never served)."""
+        import numpy as np
 
-        from fabric.l3.format import decode_page
-        from fabric.l3.service import StorageService, provenance_bytes
+        from fabric.l3 import make_backend
+        from fabric.l3.service import StorageService, backend_spec, provenance_bytes
 
         assert self.config is not None
         off = self.config.replace(storage={**self.config.storage.model_dump(), "backend": "none"})
         shapes = StorageService(off).shapes
         by_tag = {(prov.tag, suffix): prov for (_, suffix), prov in shapes.items()}
+        name, options = backend_spec(self.config.storage)
+        any_prov = next(iter(shapes.values()))
+        backend = make_backend(name, any_prov, provenance_bytes(any_prov), options)
         out: Counter[str] = Counter()
-        for path in Path(root).glob("*/*.kv"):
-            key = path.name[: -len(".kv")]
-            _, tag, suffix = key.split(".")
-            prov = by_tag.get((tag, suffix))
-            if prov is None:
-                out["foreign"] += 1
-                continue
-            got = decode_page(path.read_bytes(), prov, provenance_bytes(prov), key)
-            out["valid" if not isinstance(got, str) else got] += 1
+        try:
+            for key in backend.page_keys():
+                _, tag, suffix = key.split(".")
+                prov = by_tag.get((tag, suffix))
+                if prov is None:
+                    out["foreign"] += 1
+                    continue
+                row = np.empty((1, provenance_bytes(prov)), dtype=np.uint8)
+                out["valid"] += backend.get([key], row, prov)
+            refused = backend.stats()
+        finally:
+            backend.close()
+        for reason, n in refused.items():
+            if reason.startswith("refused_") or reason == "get_miss":
+                out[reason.removeprefix("refused_")] += n
         return dict(out)
 
     # -- the run -------------------------------------------------------------------
@@ -565,7 +574,7 @@ class Chaos:
                 if fabric.stats()["leases"] == 0:
                     break
             time.sleep(0.5)
-        out["l3_pages"] = self.scan_l3(self.config.storage.path)
+        out["l3_pages"] = self.scan_l3()
         try:
             self.placed["end"] = self.placement()
         except Exception as exc:

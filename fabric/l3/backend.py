@@ -133,6 +133,11 @@ class L3Backend(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles (default: nothing)."""
 
+    def page_keys(self) -> list[str]:
+        """Every page key this backend holds, for audits (``kvfabric chaos``);
+        backends that cannot list cheaply raise ``NotImplementedError``."""
+        raise NotImplementedError(f"the {self.name} backend cannot list its keys")
+
     @abstractmethod
     def _read(self, key: str) -> bytes | None: ...
 

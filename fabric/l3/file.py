@@ -243,6 +243,10 @@ class FileBackend(L3Backend):
         with self._index_lock:
             return {"pages": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
 
+    def page_keys(self) -> list[str]:
+        with self._index_lock:
+            return list(self._index)
+
     def close(self) -> None:
         with self._index_lock:
             fds, self._dirs = list(self._dirs.values()), {}

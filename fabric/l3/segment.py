@@ -428,6 +428,10 @@ class SegmentBackend(L3Backend):
                 "files": len(self._segments),
             }
 
+    def page_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
     def close(self) -> None:
         with self._lock:
             fds = [s.fd for s in self._segments.values()]

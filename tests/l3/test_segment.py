@@ -228,3 +228,14 @@ def test_a_fresh_fabric_serves_from_segments_an_earlier_one_wrote(tmp_path):
     assert r.storage_hit_tokens == 32 and stats["backend"] == "segment"
     # 8 pages x 4 ranks in one file (the second fabric only read).
     assert len(segments(tmp_path / "l3")) == 1
+
+
+def test_both_directory_backends_list_their_page_keys_for_audits(tmp_path):
+    from fabric.l3.file import FileBackend
+
+    for b in (
+        backend(tmp_path / "seg"),
+        FileBackend(PROV, PAGE_BYTES, {"path": str(tmp_path / "f")}),
+    ):
+        b.set(keys(3), pages(3))
+        assert sorted(b.page_keys()) == sorted(keys(3))
