@@ -24,7 +24,7 @@ from fabric.chaos import FAULTS
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
 from fabric.progress import Progress
-from fabric.report import result, workload
+from fabric.report import hit_rate, result, workload
 
 log = logging.getLogger("kvfabric")
 
@@ -480,12 +480,6 @@ def _capacities(text: str | None, config: FabricConfig) -> list[int]:
     return out
 
 
-def _hit_rate(tokens: dict[str, int]) -> float:
-    """The share of prompt tokens served from a cache tier (as ``hit_rate``)."""
-    prompt = sum(tokens.values())
-    return round(1 - tokens.get("computed", 0) / prompt, 4) if prompt else 0.0
-
-
 def _policies(text: str | None) -> list[str]:
     from policies import EVICTION_POLICIES
 
@@ -543,7 +537,7 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
         variant = config.with_overrides([f"cache.eviction_policy={name}"])
         with Progress(len(reqs), "requests", name) as progress:
             served = core_replay(reqs, variant, progress.update).tokens.as_dict()
-        by_policy[name] = _hit_rate(served)
+        by_policy[name] = hit_rate(served)
     limits = bounds(reqs, caps)
     refused = (
         {"larger than L1 (raise cache.device_tokens)": stats.refused_requests}
@@ -564,7 +558,7 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
             "by_tier": {tier: round(n / total, 4) for tier, n in tokens.items()},
             **({"components": stats.components} if stats.components else {}),
         },
-        **({"policies": {cache.eviction_policy: _hit_rate(tokens), **by_policy}} if others else {}),
+        **({"policies": {cache.eviction_policy: hit_rate(tokens), **by_policy}} if others else {}),
         bounds=[
             {
                 "capacity_tokens": b.capacity_tokens,

@@ -98,6 +98,12 @@ def result(command: str, **parts: Any) -> dict[str, Any]:
     return {"command": command, "version": __version__, **parts}
 
 
+def hit_rate(tokens: Mapping[str, int]) -> float:
+    """The share of prompt tokens a cache tier served (``tokens`` by tier)."""
+    prompt = sum(tokens.values())
+    return round(1 - tokens.get("computed", 0) / prompt, 4) if prompt else 0.0
+
+
 def workload(
     source: str,
     requests: int,
@@ -108,7 +114,6 @@ def workload(
 ) -> dict[str, Any]:
     """A workload's figures under their shared names."""
     n_refused = sum(refused.values())
-    prompt = sum(tokens.values())
     served = requests - n_refused
     xs = sorted(latencies_s)
 
@@ -122,7 +127,7 @@ def workload(
         "refused_requests": n_refused,
         "refused": dict(refused),
         "tokens_by_tier": {t: int(tokens.get(t, 0)) for t in TIERS},
-        "hit_rate": round(1 - tokens.get("computed", 0) / prompt, 4) if prompt else 0.0,
+        "hit_rate": hit_rate(tokens),
         "requests_per_s": round(served / elapsed_s, 1) if elapsed_s > 0 else 0.0,
         "latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
     }

@@ -46,6 +46,28 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _DIR = _READ | os.O_DIRECTORY
 
 
+def open_store_dir(root: Path, dir_mode: int) -> int:
+    """A descriptor of the store's directory, made if missing and proven writable
+    (a probe file is created and removed); else a ``ConfigError`` naming the path."""
+    where = f"storage path {str(root)!r}"
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} cannot be used: {exc.strerror or exc}; set storage.path to a "
+            "writable directory (or storage.backend=none)"
+        ) from None
+    probe = f".probe-{uuid.uuid4().hex}{_TMP}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
+        os.unlink(probe, dir_fd=fd)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
+    return fd
+
+
 class FileBackend(L3Backend):
     name = "file"
 
@@ -57,31 +79,12 @@ class FileBackend(L3Backend):
         self.fsync = options.fsync
         self.file_mode = int(options.file_mode, 8)
         self.dir_mode = int(options.dir_mode, 8)
-        self._root_fd = self._open_root()
+        self._root_fd = open_store_dir(self.root, self.dir_mode)
         self._index_lock = threading.Lock()
         self._dirs: dict[str, int] = {}
         self._index: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
         self._load_index()
-
-    def _open_root(self) -> int:
-        where = f"storage path {str(self.root)!r}"
-        try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=self.dir_mode)
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise ConfigError(
-                f"{where} cannot be used: {exc.strerror or exc}; set storage.path to a "
-                "writable directory (or storage.backend=none)"
-            ) from None
-        probe = f".probe-{uuid.uuid4().hex}{_TMP}"
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
-            os.unlink(probe, dir_fd=fd)
-        except OSError as exc:
-            os.close(fd)
-            raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
-        return fd
 
     def _load_index(self) -> None:
         entries, now = [], time.time()

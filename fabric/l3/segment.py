@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
+from fabric.l3.file import open_store_dir
 from fabric.l3.format import (
     PREAMBLE,
     Provenance,
@@ -111,30 +111,11 @@ class SegmentBackend(L3Backend):
         self._active: Segment | None = None
         self._bytes = 0
         self._scanned = 0.0
-        self._root_fd = self._open_root()
+        self._root_fd = open_store_dir(self.root, self.dir_mode)
         with self._lock:
             self._rescan()
 
     # -- the directory ---------------------------------------------------------------
-
-    def _open_root(self) -> int:
-        where = f"storage path {str(self.root)!r}"
-        try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=self.dir_mode)
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise ConfigError(
-                f"{where} cannot be used: {exc.strerror or exc}; set storage.path to a "
-                "writable directory (or storage.backend=none)"
-            ) from None
-        probe = f".probe-{uuid.uuid4().hex}.tmp"
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
-            os.unlink(probe, dir_fd=fd)
-        except OSError as exc:
-            os.close(fd)
-            raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
-        return fd
 
     def _rescan(self) -> None:
         """Index segments that appeared or grew since the last scan (another
