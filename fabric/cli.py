@@ -23,6 +23,7 @@ from fabric import __version__
 from fabric.chaos import FAULTS
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
+from fabric.l3 import BACKENDS
 from fabric.progress import Progress
 from fabric.report import hit_rate, result, workload
 
@@ -534,6 +535,8 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
     elapsed = time.perf_counter() - started
     by_policy = {}
     for name in others:
+        if name == config.cache.eviction_policy:
+            continue  # the run above
         variant = config.with_overrides([f"cache.eviction_policy={name}"])
         with Progress(len(reqs), "requests", name) as progress:
             served = core_replay(reqs, variant, progress.update).tokens.as_dict()
@@ -799,7 +802,7 @@ def storage() -> None:
 
 @storage.command()
 @_cluster_options
-@click.argument("backend", type=click.Choice(["file", "segment", "redis", "dynamic"]))
+@click.argument("backend", type=click.Choice(list(BACKENDS)))
 @click.option(
     "--options",
     "options",
