@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Controller
 from fabric.cache.events import EventLog, Medium
 from fabric.cache.node import TreeNode
@@ -52,30 +53,37 @@ class Evictions:
         leaves.begin()
         kept = []
         freed = scheduled = 0
-        while freed + scheduled < num_tokens:
-            node = leaves.pop()
-            if node is None:
-                break
-            tokens = tree.tokens(node)
-            if node.pinned and node.pin_expiry < now:
-                self.pins.clear(node)
-            if node.host_value is not None:
-                self.demote(node)
-                freed += tokens
-            elif (node.pinned or node.host_ref or self.policy.write_back) and self.write_backup(
-                node, True
-            ):
-                scheduled += tokens
-            elif node.children or node.host_ref > node.pinned:
-                # Under write_back: L2-only children and no room in L2 to keep this
-                # node; deleting it would orphan them. Or a session keeps it in L2 (a
-                # host protection besides a pin's) and L2 has no room for it now.
-                kept.append(node)
-            else:
-                if node.pinned:
+        # The victims' pages go back to each pool in one release (vector checks
+        # once per eviction, not once per node), even if the loop fails midway.
+        device, host = as_pages(), as_pages()
+        try:
+            while freed + scheduled < num_tokens:
+                node = leaves.pop()
+                if node is None:
+                    break
+                tokens = tree.tokens(node)
+                if node.pinned and node.pin_expiry < now:
                     self.pins.clear(node)
-                self.delete(node)
-                freed += tokens
+                if node.host_value is not None:
+                    self.demote(node, device)
+                    freed += tokens
+                elif (node.pinned or node.host_ref or self.policy.write_back) and self.write_backup(
+                    node, True
+                ):
+                    scheduled += tokens
+                elif node.children or node.host_ref > node.pinned:
+                    # Under write_back: L2-only children and no room in L2 to keep
+                    # this node; deleting it would orphan them. Or a session keeps it
+                    # in L2 (a host protection besides a pin's) and L2 has no room
+                    # for it now.
+                    kept.append(node)
+                else:
+                    if node.pinned:
+                        self.pins.clear(node)
+                    self.delete(node, device, host)
+                    freed += tokens
+        finally:
+            self._release(device, host)
         for node in kept:
             leaves.requeue(node)
         self.stats.device_evicted_tokens += freed
@@ -89,38 +97,62 @@ class Evictions:
         leaves.begin()
         kept = []
         freed = 0
-        while freed < num_tokens:
-            node = leaves.pop()
-            if node is None:
-                break
-            if node.pinned and node.pin_expiry < now:
-                self.pins.clear(node)
-            if node.host_ref > 0:
-                kept.append(node)
-                continue
-            freed += tree.tokens(node)
-            self.delete(node)
+        host = as_pages()
+        try:
+            while freed < num_tokens:
+                node = leaves.pop()
+                if node is None:
+                    break
+                if node.pinned and node.pin_expiry < now:
+                    self.pins.clear(node)
+                if node.host_ref > 0:
+                    kept.append(node)
+                    continue
+                freed += tree.tokens(node)
+                self.delete(node, None, host)
+        finally:
+            self._release(None, host)
         for node in kept:
             leaves.requeue(node)
         self.stats.host_evicted_tokens += freed
         return freed
 
-    def demote(self, node: TreeNode) -> None:
-        """Drop ``node``'s L1 copy (and its other components); it stays in L2."""
+    def demote(self, node: TreeNode, device: Pages | None = None) -> None:
+        """Drop ``node``'s L1 copy (and its other components); it stays in L2. Its
+        pages go back to the pool now, or join ``device`` for the caller to release."""
         if self.tree.parts is not None:
             self.tree.parts.drop(node)
-        self.ctl.device.release(self.tree.clear_device(node))
+        pages = self.tree.clear_device(node)
+        if device is None:
+            self.ctl.device.release(pages)
+        else:
+            device.extend(pages)
         self.events.removed(node, Medium.DEVICE)
 
-    def delete(self, node: TreeNode) -> None:
-        """Remove the leaf ``node`` from the tree, its pages back to their pools."""
+    def delete(
+        self, node: TreeNode, device: Pages | None = None, host: Pages | None = None
+    ) -> None:
+        """Remove the leaf ``node`` from the tree, its pages back to their pools now
+        (or, for a tier given ``device`` / ``host``, into it for the caller to release)."""
         if self.tree.parts is not None:
             self.tree.parts.drop(node)
             self.tree.parts.drop_host(node)
         if node.device_value is not None:
-            self.ctl.device.release(node.device_value)
+            if device is None:
+                self.ctl.device.release(node.device_value)
+            else:
+                device.extend(node.device_value)
             self.events.removed(node, Medium.DEVICE)
         if node.host_value is not None:
-            self.ctl.host.release(node.host_value)
+            if host is None:
+                self.ctl.host.release(node.host_value)
+            else:
+                host.extend(node.host_value)
             self.events.removed(node, Medium.HOST)
         self.tree.detach_leaf(node)
+
+    def _release(self, device: Pages | None, host: Pages | None) -> None:
+        if device:
+            self.ctl.device.release(device)
+        if host:
+            self.ctl.host.release(host)

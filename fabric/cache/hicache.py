@@ -14,10 +14,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
-from fabric.cache.allocator import Pages, as_pages
+from fabric.cache.allocator import Pages
 from fabric.cache.components import Components, PartFill
 from fabric.cache.controller import Completions, Controller
-from fabric.cache.events import EventLog, KVEvent, Medium
+from fabric.cache.events import EventLog, KVEvent
 from fabric.cache.evictions import Evictions
 from fabric.cache.integrity import check_integrity
 from fabric.cache.keys import TokenKey
@@ -25,6 +25,7 @@ from fabric.cache.l3_queues import L3Queues
 from fabric.cache.loads import LoadBacks
 from fabric.cache.node import TreeNode, WriteOp
 from fabric.cache.pins import Pins
+from fabric.cache.placement import Placement, check_key, take_pages
 from fabric.cache.radix import RadixTree
 from fabric.cache.results import (
     CacheStats,
@@ -62,7 +63,6 @@ class HiCache:
         self.write_policy = get_write_policy(config.write_policy)
         # A hybrid model's sliding-window and mamba components (None: full attention only).
         self.parts: Components | None = None
-        self.last_path: list[TreeNode] = []  # a hybrid model's last match path
         if model is not None and len(model.components) > 1:
             self.parts = Components(
                 model.components,
@@ -74,7 +74,6 @@ class HiCache:
                 config.host_sliding_pages,
                 config.host_mamba_slots,
             )
-            self.parts.remove = self._remove_dead
         self.tree = RadixTree(self.page_size, self.eviction, self.parts)
         self.events = EventLog(self.tree.page_hashes, config.kv_events)
         self.next_op_id = itertools.count(1).__next__
@@ -104,7 +103,7 @@ class HiCache:
             controller,
             self.write_policy,
             self.events,
-            lambda tokens: self._alloc(self.ctl.host, tokens, self.evict_host),
+            lambda tokens: take_pages(self.ctl.host, tokens, self.evict_host),
             self.storage.backup,
             lambda node: self.evictions.demote(node),
             self.next_op_id,
@@ -124,16 +123,21 @@ class HiCache:
             self.tree,
             controller,
             config.load_back_threshold,
-            lambda tokens: self._alloc(self.ctl.device, tokens, self.evict),
+            lambda tokens: take_pages(self.ctl.device, tokens, self.evict),
             self.events,
             self.next_op_id,
             self.stats,
         )
+        self.placement = Placement(
+            self.tree, controller, self.parts, self.events, self.writes, self.evictions, clock
+        )
+        if self.parts is not None:
+            self.parts.remove = self.placement.remove_dead
         self._init_state()
 
     def _init_state(self) -> None:
         self.tree.clear()
-        self.leased: set[int] = set()
+        self.placement.leased.clear()
         self.writes.reset()
         self.loads.reset()
         self.pins.reset()
@@ -145,272 +149,41 @@ class HiCache:
     # -- match and insert ------------------------------------------------------------
 
     def match_prefix(self, key: TokenKey, held: TreeNode | None = None) -> MatchResult:
-        """The longest cached prefix of ``key`` over L1 and L2. Splits the node where
-        the match ends inside it; refreshes access times and pin TTLs.
-
-        For a hybrid model, the longest prefix on device that every component can
-        serve (``Components.valid_end``), or at least up to ``held`` (a request's
-        own locked pages: the engine holds its state there)."""
-        self._check_key(key)
-        now = self.clock()
-        tree = self.tree
-        path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
-        if self.parts is not None:
-            return self._match_components(path, now, held)
-        device_pages = as_pages()
-        last_device = last_host = tree.root
-        host_pages = 0
-        for node in path:
-            if node.pin_expiry and node.pin_expiry >= now:
-                node.pin_expiry = now + node.pin_ttl
-            if node.device_value is not None:
-                device_pages.extend(node.device_value)
-                last_device = node
-            else:
-                host_pages += len(node.host_value)  # type: ignore[arg-type]
-            if node.host_value is not None and node.write_op is None:
-                last_host = node
-        return MatchResult(
-            device_pages,
-            len(device_pages) * self.page_size,
-            host_pages * self.page_size,
-            last_device,
-            last_host,
-        )
-
-    def _match_components(
-        self, path: list[TreeNode], now: float, held: TreeNode | None
-    ) -> MatchResult:
-        # The deepest valid end on device (the served prefix, at least ``held``),
-        # and the deepest valid end at all: when that one is deeper it ends an
-        # L1-evicted chain whose L2 copies (components too) a load-back brings.
-        parts, tree = self.parts, self.tree
-        assert parts is not None
-        self.last_path = path  # for ``Components.count_match``
-        end = len(path)
-        while end and path[end - 1] is not held and not parts.valid_end(path[end - 1], tree.pages):
-            end -= 1
-        deepest = path[end - 1] if end else tree.root
-        device = 0
-        for i in range(end):
-            if path[i].device_value is None:
-                break
-            device = i + 1
-        while (
-            device
-            and path[device - 1] is not held
-            and not parts.valid_end(path[device - 1], tree.pages)
-        ):
-            device -= 1
-        if end < len(path):
-            parts.stats.truncated_matches += 1
-        pages = as_pages()
-        for node in path[:device]:
-            pages.extend(node.device_value)  # type: ignore[arg-type]
-            if node.pin_expiry and node.pin_expiry >= now:
-                node.pin_expiry = now + node.pin_ttl
-        last = path[device - 1] if device else tree.root
-        host_pages = sum(len(n.host_value) for n in path[device:end] if n.device_value is None)  # type: ignore[arg-type]
-        last_host = deepest if host_pages else tree.root
-        if not host_pages:
-            for node in path[:device]:
-                if node.host_value is not None and node.write_op is None:
-                    last_host = node
-        return MatchResult(
-            pages, len(pages) * self.page_size, host_pages * self.page_size, last, last_host
-        )
+        """The longest cached prefix of ``key`` over L1 and L2 (``Placement.match_prefix``)."""
+        return self.placement.match_prefix(key, held)
 
     def fill_parts(self, node: TreeNode, stop: TreeNode | None = None) -> PartFill | None:
-        """For a hybrid model (``None`` for full attention only), give every node end
-        from below ``stop`` (an ancestor of ``node``; default: ``node``'s parent) down
-        to ``node`` the components it lacks: what the KV fill computing through
-        those ends must write. Ends where the tree branches (a split) get them too,
-        so a later request that stops there is served."""
-        if self.parts is None:
-            return None
-        tree = self.tree
-        stop = node.parent if stop is None else stop
-        ends, x = [], node
-        end = tree.depth_pages(node)
-        while x is not stop and x is not tree.root:
-            ends.append((x, end))
-            end -= tree.pages(x)
-            x = x.parent  # type: ignore[assignment]
-        out = PartFill()
-        for x, end in reversed(ends):  # ancestors first: filling a deeper end spares them
-            self.parts.fill(x, end, tree.pages, out)
-            self.writes.on_parts(x)
-        return out
-
-    def _remove_dead(self, node: TreeNode) -> bool:
-        # A device leaf a component is missing from serves nothing: demote it to L2
-        # (kept for a later full-attention use) or delete it, unless an in-flight
-        # write or an L2 protection needs it as it is.
-        if node.write_op is not None:
-            return False
-        if node.host_value is not None:
-            self.evictions.demote(node)
-            return True
-        if node.children or node.host_ref:
-            return False
-        self.evictions.delete(node)
-        return True
+        """A hybrid model's components for the ends from ``stop`` to ``node``
+        (``Placement.fill_parts``)."""
+        return self.placement.fill_parts(node, stop)
 
     def insert(self, key: TokenKey, device_pages: Sequence[int], priority: int = 0) -> InsertResult:
-        """Cache ``key`` with KV in ``device_pages`` (one L1 page per key page).
-
-        Pages past the device-resident prefix must be leased from
-        ``alloc_device``; they become the tree's (also over L1-evicted nodes,
-        which get them as their new device value). Leased pages given for the
-        already-cached prefix are duplicates and are freed here. Priority is
-        max-propagated along the path. Raises ``InvalidInput`` and changes
-        nothing on a length mismatch or a page that is not leased.
-        """
-        self._check_key(key)
-        if not isinstance(priority, int):
-            raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
-        given = as_pages(device_pages)
-        if len(given) != key.num_pages:
-            raise InvalidInput(
-                f"insert of {key.num_pages} pages got {len(given)} device pages: lengths differ"
-            )
-        cached = self.tree.peek_device_pages(key.namespace, key.data)
-        fresh = set(given[cached:])
-        if len(fresh) != len(given) - cached or not fresh <= self.leased:
-            raise InvalidInput(
-                f"insert pages {sorted(fresh - self.leased) or 'repeated'} are not distinct "
-                "pages leased by alloc_device"
-            )
-        last = self._place(key, self.tree.root, 0, given, priority)
-        if self.parts is not None:
-            self.fill_parts(last)
-        duplicates = tuple(sorted(self.leased.intersection(given[:cached])))
-        self.leased -= fresh
-        if duplicates:
-            self.free_device(duplicates)
-        return InsertResult(cached * self.page_size, duplicates, last)
+        """Cache ``key`` with KV in leased ``device_pages`` (``Placement.insert``)."""
+        return self.placement.insert(key, device_pages, priority)
 
     def extend(
         self, key: TokenKey, match: MatchResult, priority: int = 0, first: int | None = None
     ) -> tuple[TreeNode, Pages] | None:
-        """Allocate L1 pages for what ``match`` lacks of ``key`` (evicting if short) and
-        insert them: ``alloc_device`` and ``insert`` in one step, for the request
-        lifecycle (``fabric.cache.admission``). ``match`` must be current, its last
-        device node locked. ``first``: a page leased from ``alloc_device`` to be
-        the first new page (it stops being leased). Returns the last node and the
-        new pages (their KV is still to be computed), or ``None`` when L1 has no
-        room now."""
-        need = key.num_tokens - match.device_tokens - (0 if first is None else self.page_size)
-        new = self._alloc(self.ctl.device, need, self.evict)
-        if new is None:
-            return None
-        if first is not None:
-            self.leased.remove(first)
-            new = as_pages((first,)) + new
-        # The matched device path is locked, so unchanged since the match: count
-        # its hits from the top without walking the key again.
-        path, node = [], match.last_device_node
-        while node is not self.tree.root:
-            path.append(node)
-            node = node.parent  # type: ignore[assignment]
-        for node in reversed(path):
-            node.priority = max(node.priority, priority)
-            self.writes.on_hit(node)
-        start = match.device_tokens // self.page_size
-        surplus = as_pages()
-        last = self._place(key, match.last_device_node, start, new, priority, surplus)
-        if surplus:
-            # A hybrid match stopped short of pages already on device: they stay the
-            # tree's (the fill recomputes their KV in place); ours for them go back.
-            self.ctl.device.free(surplus)
-            chain, node = [], last
-            while node is not match.last_device_node:
-                chain.append(node.device_value)
-                node = node.parent  # type: ignore[assignment]
-            new = as_pages()
-            for value in reversed(chain):
-                new.extend(value)
-        return last, new
-
-    def _place(
-        self,
-        key: TokenKey,
-        top: TreeNode,
-        start: int,
-        given: Pages,
-        priority: int,
-        surplus: Pages | None = None,
-    ) -> TreeNode:
-        # Below ``top`` (which ends page ``start`` of the key), nodes without a device
-        # value (L1-evicted) take their pages from ``given`` (for the key's pages
-        # from ``start`` on); the rest of the key becomes a new leaf. Nodes already on
-        # device (below a hybrid match's end only) keep theirs; the pages given for
-        # them go to ``surplus``.
-        tree, now = self.tree, self.clock()
-        pb, ns, data = tree.page_bytes, key.namespace, key.data
-        offset, last = start, top
-        for node in tree.descend(top, ns, data, start * pb, len(data), now):
-            node.priority = max(node.priority, priority)
-            n = tree.pages(node)
-            if node.device_value is None:
-                tree.set_device(node, given[offset - start : offset - start + n])
-                self.events.stored(node, Medium.DEVICE)
-            else:
-                if surplus is not None:
-                    assert self.parts is not None, "L1 residency is prefix-closed"
-                    surplus.extend(given[offset - start : offset - start + n])
-                self.writes.on_hit(node)
-            offset += n
-            last = node
-        if offset < key.num_pages:
-            last = tree.attach(last, ns, data[offset * pb :], now, priority)
-            last.page_hashes = key.known_hashes(offset)  # hashed once per request
-            tree.set_device(last, given if offset == start else given[offset - start :])
-            self.events.stored(last, Medium.DEVICE)
-            self.writes.on_hit(last)
-        return last
-
-    def _check_key(self, key: TokenKey) -> None:
-        if not isinstance(key, TokenKey):
-            raise InvalidInput(f"expected a TokenKey, got {type(key).__name__}")
-        if key.page_size != self.page_size:
-            raise InvalidInput(f"key page_size {key.page_size} != cache page_size {self.page_size}")
+        """Allocate and insert what ``match`` lacks of ``key`` (``Placement.extend``)."""
+        return self.placement.extend(key, match, priority, first)
 
     # -- L1 allocation and locks ---------------------------------------------------
 
     def alloc_device(self, num_tokens: int) -> Pages | None:
-        """Lease L1 pages for ``num_tokens`` of new KV, evicting L1 if short. ``None``
-        when not enough can be freed now (write-backs may free more later)."""
-        if not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens % self.page_size:
-            raise InvalidInput(
-                f"alloc_device({num_tokens!r}) is refused: allowed is a multiple of page_size "
-                f"({self.page_size}) >= 0"
-            )
-        leased = self._alloc(self.ctl.device, num_tokens, self.evict)
-        if leased is not None:
-            self.leased.update(leased)
-        return leased
+        """Lease L1 pages for ``num_tokens`` of new KV (``Placement.alloc_device``)."""
+        return self.placement.alloc_device(num_tokens)
 
     def free_device(self, device_pages: Sequence[int]) -> None:
-        """Return leased L1 pages; ``InvalidInput`` (nothing freed) for any page not leased."""
-        freed = tuple(device_pages)
-        bad = set(freed) - self.leased
-        if bad or len(set(freed)) != len(freed):
-            raise InvalidInput(
-                f"free_device of pages {sorted(bad) or 'repeated'} that are not leased"
-            )
-        self.ctl.device.free(freed)
-        self.leased.difference_update(freed)
+        """Return leased L1 pages (``Placement.free_device``)."""
+        self.placement.free_device(device_pages)
 
-    def _alloc(self, pool, num_tokens: int, evict: Callable[[int], int]) -> Pages | None:
-        num_pages = num_tokens // self.page_size
-        if num_pages > pool.num_pages:
-            return None  # no eviction can make room
-        got = pool.alloc(num_pages)
-        if got is None:
-            evict((num_pages - pool.available_pages) * self.page_size)
-            got = pool.alloc(num_pages)
-        return got
+    @property
+    def leased(self) -> set[int]:
+        return self.placement.leased
+
+    @property
+    def last_path(self) -> list[TreeNode]:
+        return self.placement.last_path
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its path from L1 eviction (the node must be on device),
@@ -471,7 +244,7 @@ class HiCache:
 
     def pin_prefix(self, key: TokenKey, ttl_s: float) -> PinResult:
         """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds (see ``Pins.pin``)."""
-        self._check_key(key)
+        check_key(key, self.page_size)
         return self.pins.pin(key, ttl_s)
 
     @property
