@@ -53,9 +53,10 @@ class Evictions:
         leaves.begin()
         kept = []
         freed = scheduled = 0
-        # The victims' pages go back to each pool in one release (vector checks
+        # The victims' pages go back to the pool in one release (vector checks
         # once per eviction, not once per node), even if the loop fails midway.
-        device, host = as_pages(), as_pages()
+        # (A deleted victim has no L2 copy: one with a copy is demoted.)
+        device = as_pages()
         try:
             while freed + scheduled < num_tokens:
                 node = leaves.pop()
@@ -80,10 +81,11 @@ class Evictions:
                 else:
                     if node.pinned:
                         self.pins.clear(node)
-                    self.delete(node, device, host)
+                    self.delete(node, device)
                     freed += tokens
         finally:
-            self._release(device, host)
+            if device:
+                self.ctl.device.release(device)
         for node in kept:
             leaves.requeue(node)
         self.stats.device_evicted_tokens += freed
@@ -111,7 +113,8 @@ class Evictions:
                 freed += tree.tokens(node)
                 self.delete(node, None, host)
         finally:
-            self._release(None, host)
+            if host:
+                self.ctl.host.release(host)
         for node in kept:
             leaves.requeue(node)
         self.stats.host_evicted_tokens += freed
@@ -150,9 +153,3 @@ class Evictions:
                 host.extend(node.host_value)
             self.events.removed(node, Medium.HOST)
         self.tree.detach_leaf(node)
-
-    def _release(self, device: Pages | None, host: Pages | None) -> None:
-        if device:
-            self.ctl.device.release(device)
-        if host:
-            self.ctl.host.release(host)
