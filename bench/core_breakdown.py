@@ -9,7 +9,8 @@ The wrappers add ~1 µs per wrapped call, so the parts
 are upper bounds. ``--free-hashes`` replaces SHA-256 with a slice of the page
 (no hashing at all): what the core would cost if page hashes came for free —
 the floor of any change to where pages are hashed. The last line is one JSON
-object.
+object. ``--count-repeats`` also reports the fraction of page hashes that were
+computed before (a page hashed twice).
 
     python3 bench/core_breakdown.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
     python3 bench/core_breakdown.py --trace ... --free-hashes --requests 0   # the whole trace
@@ -62,6 +63,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--events", action="store_true", help="KV events on")
     ap.add_argument("--free-hashes", action="store_true", help="no SHA-256: slices stand in")
+    ap.add_argument(
+        "--count-repeats",
+        action="store_true",
+        help="also count page hashes computed more than once (keeps every hash: "
+        "memory, and slower timings)",
+    )
     args = ap.parse_args()
     limit = args.requests or None  # 0: all of a trace
     requests = read_trace(args.trace, limit) if args.trace else synthetic_trace(limit or 3000)
@@ -82,9 +89,17 @@ def main() -> None:
 
     hash_pages = free if args.free_hashes else real_chain
 
+    seen: set[bytes] = set()
+    repeats = [0]
+
     def counting(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
         hashed[0] += len(data) // page_bytes
-        return hash_pages(prev, data, page_bytes)
+        out = hash_pages(prev, data, page_bytes)
+        if args.count_repeats:
+            before = len(seen)
+            seen.update(out)
+            repeats[0] += len(out) - (len(seen) - before)
+        return out
 
     keys.chain_hashes = counting
     timed(keys, "chain_hashes", "sha256_page_hashes")
@@ -113,6 +128,8 @@ def main() -> None:
         "us_per_page_hash": round(spent["sha256_page_hashes"] * 1e6 / max(hashed[0], 1), 3),
         "match_prefix_calls_per_request": round(calls["match_prefix"] / n, 2),
     }
+    if args.count_repeats:
+        out["page_hashes_repeated_fraction"] = round(repeats[0] / max(hashed[0], 1), 5)
     for k, v in out.items():
         print(f"{k:>32}: {v}", file=sys.stderr)
     print(json.dumps(out))
