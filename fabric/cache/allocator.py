@@ -86,8 +86,8 @@ class PagedAllocator:
         self._push(packed)
 
     def release(self, owned: Sequence[int]) -> None:
-        """``free`` for the distinct pages of one tree node (``HiCache`` frees with it
-        as it evicts): still refused when out of range or free already (a double
+        """``free`` for pages the tree owned (a node's, or all of one eviction's
+        victims'): still refused when out of range or free already (a double
         free), not checked for repeats within (``check_integrity`` counts every
         owned page)."""
         self._push(self._checked(owned))
