@@ -502,16 +502,17 @@ class CoordinatorActor:
             reports.append(report)
         return reports, missing
 
-    async def _hits(self, call: Any, queries: list) -> dict[int, int]:
-        """The storage actor's answer; a dead or slow one finds nothing (the
-        prefetches are revoked; the requests go on without L3)."""
+    async def _hits(self, call: Any, queries: list) -> dict[int, Any]:
+        """The storage actor's answers (hit pages and the pages' hashes); a dead or
+        slow one finds nothing (the prefetches are revoked; the requests go on
+        without L3)."""
         if call is None:
             return {}
         try:
             return await asyncio.wait_for(call, self.config.runtime.rank_timeout_s)
         except Exception:
             self.core.stats.storage_errors += 1
-            return {op: 0 for op, _ in queries}
+            return {op: (0, ()) for op, *_ in queries}
 
     async def _export_metrics(self) -> None:
         """Serve Prometheus metrics (localhost unless configured): the core's

@@ -56,11 +56,13 @@ class StorageActor:
         log.warning("storage restarted: restoring L3 %s", spec[0] if spec else "none")
         self.ensure(spec)
 
-    def query(self, queries: list[tuple[int, list[bytes]]]) -> dict[int, int]:
-        """Per op id, how many leading pages every shard holds (for a hybrid model,
-        the deepest end among them with every component)."""
+    def query(self, queries: list[tuple[int, bytes, bytes]]) -> dict[int, tuple[int, list[bytes]]]:
+        """Per ``(op id, chain hash before, packed tokens)``: the pages' chain hashes
+        (hashed here, not in the coordinator) and how many leading pages every
+        shard holds (for a hybrid model, the deepest end among them with every
+        component)."""
         batch = self.config.prefetch.query_batch_pages
-        return {op: self.service.query(hashes, batch) for op, hashes in queries}
+        return {op: self.service.answer(prev, tokens, batch) for op, prev, tokens in queries}
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         self._fault()

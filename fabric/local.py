@@ -63,7 +63,10 @@ class LocalFabric:
         storage service's hit counts."""
         wire = encode(self.core.next_batch())
         batch_pages = self.config.prefetch.query_batch_pages
-        hits = {op: self.storage.query(h, batch_pages) for op, h in self.core.take_queries()}
+        hits = {
+            op: self.storage.answer(prev, tokens, batch_pages)
+            for op, prev, tokens in self.core.take_queries()
+        }
         for i, rank in enumerate(self.ranks):
             rank.accept(decode(wire))  # type: ignore[arg-type]
             if run_ranks and i not in lagging:

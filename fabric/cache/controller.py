@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fabric.cache.allocator import PagedAllocator
 
@@ -48,6 +49,29 @@ class StorageParts:
         return bool(self.sliding_pages or self.mamba_slots)
 
 
+class HitAnswer(NamedTuple):
+    """The answer to a hit query (``Controller.query_storage``): ``pages``, how many
+    leading pages L3 holds, and ``hashes``, the chain hashes of every page asked
+    about, computed by whoever answered (``()`` when it could not answer)."""
+
+    pages: int
+    hashes: Sequence[bytes] = ()
+
+
+def as_answer(answer: object) -> HitAnswer:
+    """A hit query's answer from another process as a ``HitAnswer``: a
+    ``(pages, hashes)`` pair, or a bare page count (no hashes); anything else
+    finds nothing. The hashes themselves are checked where they are used
+    (``L3Queues.complete_query``)."""
+    if isinstance(answer, tuple) and len(answer) == 2:
+        pages, hashes = answer
+        if type(pages) is int and isinstance(hashes, (list, tuple)):
+            return HitAnswer(pages, hashes)
+    elif type(answer) is int:
+        return HitAnswer(answer)
+    return HitAnswer(0)
+
+
 @dataclass(frozen=True)
 class Completions:
     """What every rank has finished since the last step.
@@ -55,8 +79,8 @@ class Completions:
     Counts commit that many of the oldest queued operations of each kind;
     ``failed_*`` name the op ids among them that failed (for computes, which
     the cache does not queue, the command ids). Prefetch entries are
-    keyed by op id: ``prefetch_hits`` is the number of consecutive pages found
-    in L3, ``prefetch_progress`` the cumulative completed tokens,
+    keyed by op id: ``prefetch_hits`` answers the hit query (the number of
+    consecutive pages found in L3 and the pages' hashes), ``prefetch_progress`` the cumulative completed tokens,
     ``prefetch_terminated`` the ops some rank stopped, ``prefetch_released``
     the stopped ops whose host slots no rank will write any more.
     """
@@ -69,7 +93,7 @@ class Completions:
     failed_computes: frozenset[int] = frozenset()
     backups: int = 0
     failed_backups: frozenset[int] = frozenset()
-    prefetch_hits: Mapping[int, int] = field(default_factory=dict)
+    prefetch_hits: Mapping[int, HitAnswer] = field(default_factory=dict)
     prefetch_progress: Mapping[int, int] = field(default_factory=dict)
     prefetch_terminated: frozenset[int] = frozenset()
     prefetch_released: frozenset[int] = frozenset()
@@ -119,9 +143,13 @@ class Controller(ABC):
         """Store host pages in L3 under their page hashes, and ``parts`` with them."""
 
     @abstractmethod
-    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
-        """Count how many leading ``page_hashes`` L3 holds (for every shard); for a
-        hybrid model, the deepest end among them where L3 holds every component."""
+    def query_storage(self, op_id: int, prev: bytes, tokens: bytes) -> None:
+        """Count how many leading pages of the packed ``tokens`` (whole pages) L3
+        holds for every shard; for a hybrid model, the deepest end among them where
+        L3 holds every component. The answerer hashes the pages (the chain from
+        ``prev``, ``fabric.cache.keys.chain_hashes``) and answers with the hashes
+        (``HitAnswer``): the cache keeps them, so pages are hashed outside the
+        cache's process (in a fabric, the storage actor's)."""
 
     @abstractmethod
     def prefetch(

@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 from fabric.cache.admission import Admission
 from fabric.cache.allocator import PagedAllocator
 from fabric.cache.components import Components
-from fabric.cache.controller import Completions, Controller, PartCopy, StorageParts
+from fabric.cache.controller import (
+    Completions,
+    Controller,
+    HitAnswer,
+    PartCopy,
+    StorageParts,
+)
 from fabric.cache.hicache import HiCache
-from fabric.cache.keys import TokenKey
+from fabric.cache.keys import TOKEN_BYTES, TokenKey, chain_hashes
 from fabric.cache.results import TierTokens
 from fabric.config import FabricConfig
 
@@ -26,6 +32,13 @@ class _Queued:
     host_pages: Sequence[int] = ()
     page_hashes: Sequence[bytes] = ()
     parts: StorageParts | None = None
+
+
+@dataclass
+class _Query:
+    op_id: int
+    prev: bytes
+    tokens: bytes
 
 
 class InProcessController(Controller):
@@ -39,7 +52,8 @@ class InProcessController(Controller):
     ``components`` to the cache's, so hit queries find the deepest end where
     every component is stored).
     ``busy_s`` sums the time spent in ``take_completions`` (what ranks and the
-    storage actor would do elsewhere: storing hashes, answering hit queries).
+    storage actor would do elsewhere: storing hashes, answering hit queries —
+    hashing the pages asked about).
     """
 
     def __init__(
@@ -59,7 +73,7 @@ class InProcessController(Controller):
         self.writes: list[int] = []
         self.loads: list[int] = []
         self.backups: list[_Queued] = []
-        self.queries: list[_Queued] = []
+        self.queries: list[_Query] = []
         self.prefetches: dict[int, _Queued] = {}
         self.stopped: list[int] = []
 
@@ -78,8 +92,8 @@ class InProcessController(Controller):
     ) -> None:
         self.backups.append(_Queued(op_id, host_pages, page_hashes, parts))  # kept, not copied
 
-    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
-        self.queries.append(_Queued(op_id, (), tuple(page_hashes)))
+    def query_storage(self, op_id: int, prev: bytes, tokens: bytes) -> None:
+        self.queries.append(_Query(op_id, prev, tokens))
 
     def prefetch(
         self,
@@ -94,6 +108,12 @@ class InProcessController(Controller):
     def stop_prefetch(self, op_id: int) -> None:
         self.prefetches.pop(op_id, None)
         self.stopped.append(op_id)
+
+    def answer(self, prev: bytes, tokens: bytes) -> HitAnswer:
+        """A hit query's answer, as the storage actor gives it: the pages' chain
+        hashes, and how many of them the stand-in L3 holds."""
+        hashes = chain_hashes(prev, tokens, self.page_size * TOKEN_BYTES)
+        return HitAnswer(self.hit_pages(hashes), hashes)
 
     def hit_pages(self, page_hashes: Sequence[bytes]) -> int:
         n = 0
@@ -127,7 +147,7 @@ class InProcessController(Controller):
             writes=len(self.writes),
             loads=len(self.loads),
             backups=len(self.backups),
-            prefetch_hits={q.op_id: self.hit_pages(q.page_hashes) for q in self.queries},
+            prefetch_hits={q.op_id: self.answer(q.prev, q.tokens) for q in self.queries},
             prefetch_progress={
                 op: len(q.host_pages) * self.page_size for op, q in self.prefetches.items()
             },

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from fabric.errors import InvalidInput
 
 TOKEN_BYTES = 4
+HASH_BYTES = 32
 MAX_TOKEN_ID = 2**32 - 1
 MAX_NAMESPACE_CHARS = 256
 DEFAULT_NAMESPACE = "default"
@@ -97,6 +98,29 @@ def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
     ]
 
 
+def answers_chain(prev: bytes, data: bytes, page_bytes: int, hashes: Sequence[bytes]) -> bool:
+    """Whether ``hashes``, computed elsewhere, can be the chain from ``prev`` over
+    the pages packed in ``data``: one 32-byte hash a page, and the first and last
+    pages hash to theirs (two SHA-256 calls whatever the length). It proves the
+    answer is for these pages after this prefix; the middle is taken on trust
+    from the fabric's own storage actor."""
+    n = len(data) // page_bytes
+    try:
+        if len(hashes) != n or len(b"".join(hashes)) != HASH_BYTES * n:
+            return False
+    except TypeError:
+        return False
+    if n == 0:
+        return True
+    sha256 = hashlib.sha256
+    if hashes[0] != sha256(prev + data[:page_bytes]).digest():
+        return False
+    return (
+        n == 1
+        or hashes[-1] == sha256(hashes[-2] + data[(n - 1) * page_bytes : n * page_bytes]).digest()
+    )
+
+
 class TokenKey:
     """A request's key: namespace and token ids, cut to whole pages.
 
@@ -152,6 +176,13 @@ class TokenKey:
         )
         self._from = start_page
         return self._hashes
+
+    def keep_hashes(self, start_page: int, hashes: Sequence[bytes]) -> None:
+        """Keep ``hashes``, computed elsewhere, as the chain of pages ``start_page``
+        on (the caller checked them: ``answers_chain``). Hashes known already from
+        ``start_page`` or before stay."""
+        if self.known_hashes(start_page) is None:
+            self._hashes, self._from = list(hashes), start_page
 
     def known_hashes(self, start_page: int) -> list[bytes] | None:
         """The hashes of pages ``start_page`` on if already computed, else ``None``."""

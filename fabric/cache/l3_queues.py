@@ -17,15 +17,16 @@ components.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller, StorageParts
 from fabric.cache.events import EventLog, Medium
-from fabric.cache.keys import TokenKey
+from fabric.cache.keys import TokenKey, answers_chain
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree, common_pages
 from fabric.cache.results import MatchResult, check_count
@@ -34,6 +35,8 @@ from fabric.errors import InvalidInput
 from fabric.histogram import Histogram
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
+
+log = logging.getLogger(__name__)
 
 
 class PrefetchState(StrEnum):
@@ -50,7 +53,6 @@ class PrefetchOp:
     key: TokenKey
     start_page: int
     cached_pages: int
-    page_hashes: list[bytes]
     prev_hash: bytes  # the chain hash before ``start_page``
     started_at: float
     reserved_tokens: int
@@ -61,6 +63,13 @@ class PrefetchOp:
     reported: bool = False
     # A hybrid model's L2 component slots the prefetch fills (all or nothing).
     parts: StorageParts | None = None
+    # The chain hashes of the pages asked about, from the query's answer.
+    page_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages asked about: the key's from ``start_page`` on."""
+        return self.key.num_pages - self.start_page
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class StorageStats:
     prefetched_tokens: int = 0
     backed_up_tokens: int = 0
     failed_backups: int = 0
+    bad_answers: int = 0  # hit answers whose page hashes failed the check
     refusals: dict[str, int] = field(default_factory=dict)
 
 
@@ -254,7 +264,6 @@ class L3Queues:
         if self.inflight_tokens + requested > self.max_inflight_tokens:
             return self._refuse("rate limited")
         prev = tree.chain_hash(anchor, key.namespace)
-        hashes = key.chain_from(start_page, prev)
         op = PrefetchOp(
             op_id=self.next_op_id(),
             req_id=req_id,
@@ -262,7 +271,6 @@ class L3Queues:
             key=key,
             start_page=start_page,
             cached_pages=match.matched_tokens // self.page_size - start_page,
-            page_hashes=hashes,
             prev_hash=prev,
             started_at=self.clock(),
             reserved_tokens=requested,
@@ -272,20 +280,42 @@ class L3Queues:
         self.inflight_tokens += requested
         self.prefetches[req_id] = self.by_op[op.op_id] = op
         self.stats.prefetch_started += 1
-        self.ctl.query_storage(op.op_id, hashes)
+        self.ctl.query_storage(op.op_id, prev, key.data[start_page * tree.page_bytes :])
         return PrefetchStart(op.op_id)
 
     def _refuse(self, reason: str) -> PrefetchStart:
         self.stats.refusals[reason] = self.stats.refusals.get(reason, 0) + 1
         return PrefetchStart(None, reason)
 
-    def complete_query(self, op_id: int, hit_pages: int) -> None:
-        """Every shard holds the first ``hit_pages`` pages (MIN over ranks)."""
+    def complete_query(
+        self, op_id: int, hit_pages: int, hashes: Sequence[bytes] | None = None
+    ) -> None:
+        """Every shard holds the first ``hit_pages`` pages (MIN over ranks);
+        ``hashes``: the chain hashes of the pages asked about, as the answerer
+        computed them — checked (``answers_chain``) and kept on the key, so the
+        cache does not hash these pages itself. An answer whose hashes fail the
+        check is refused (the prefetch is revoked); none given (a test, or a
+        storage call that failed): the pages are hashed here if they are fetched."""
         op = self.by_op.get(op_id)
         if op is None or op.state is not PrefetchState.QUERY:
             return
+        key, pb = op.key, self.tree.page_bytes
+        asked = key.data[op.start_page * pb :]
+        if hashes:
+            if not answers_chain(op.prev_hash, asked, pb, hashes):
+                self.stats.bad_answers += 1
+                log.warning(
+                    "hit query %d: the answer's %d page hashes are not the chain of the "
+                    "%d pages asked about; prefetch revoked",
+                    op_id,
+                    len(hashes),
+                    op.num_pages,
+                )
+                self._revoke(op)
+                return
+            key.keep_hashes(op.start_page, hashes)
         size = self.page_size
-        pages = max(0, min(int(hit_pages), len(op.page_hashes)))
+        pages = max(0, min(int(hit_pages), op.num_pages))
         # A hybrid prefix serves only at the end the query found: all or nothing.
         whole = self.tree.parts is not None
         cap = self.ctl.max_prefetch_pages
@@ -308,6 +338,7 @@ class L3Queues:
                 return
             got = host.alloc(pages)
             assert got is not None
+        op.page_hashes = key.chain_from(op.start_page, op.prev_hash)  # kept, or hashed here
         if whole:
             op.parts = self._alloc_parts(op.page_hashes[:pages])
             if op.parts is None:
@@ -317,9 +348,8 @@ class L3Queues:
         op.host_pages = got
         self._reserve(op, pages * size)
         op.state = PrefetchState.LOADING
-        pb = self.tree.page_bytes
-        tokens = op.key.data[op.start_page * pb : (op.start_page + pages) * pb]
-        names = (op.key.namespace, op.prev_hash, tokens)
+        tokens = asked[: pages * pb]
+        names = (key.namespace, op.prev_hash, tokens)
         self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts, names)
 
     def _alloc_parts(self, hashes: list[bytes]) -> StorageParts | None:
@@ -432,8 +462,8 @@ class L3Queues:
 
     def apply(self, done: Completions) -> None:
         self.complete_backups(done.backups, done.failed_backups)
-        for op_id, pages in done.prefetch_hits.items():
-            self.complete_query(op_id, pages)
+        for op_id, (pages, hashes) in done.prefetch_hits.items():
+            self.complete_query(op_id, pages, hashes)
         for op_id, tokens in done.prefetch_progress.items():
             self.update_progress(op_id, tokens, op_id in done.prefetch_terminated)
         for op_id in done.prefetch_terminated:
@@ -505,6 +535,9 @@ class L3Queues:
         added = 0
         if start < end and (node.children.get((key.namespace, data[start : start + pb])) is None):
             leaf = tree.attach(node, key.namespace, data[start:end], now, node.priority)
+            known = key.known_hashes(start // pb)  # the query's answer: not hashed again
+            if known is not None:
+                leaf.page_hashes = known[: (end - start) // pb]
             leaf.host_value = host_pages[used:]
             tree.refresh(leaf)
             tree.refresh(node)

@@ -17,7 +17,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from fabric.cache.allocator import PagedAllocator
-from fabric.cache.controller import Completions, Controller, PartCopy, StorageParts
+from fabric.cache.controller import (
+    Completions,
+    Controller,
+    HitAnswer,
+    PartCopy,
+    StorageParts,
+    as_answer,
+)
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, TOKEN_BYTES, chain_hashes
 from fabric.config import CacheConfig
 from fabric.coordinator.consensus import Round
@@ -35,6 +42,11 @@ from fabric.messages import (
     pages_per_command,
     parts_per_command,
 )
+
+# A hit query for the storage actor: ``(op_id, chain hash before, packed tokens)``;
+# its answer: ``(hit pages, the pages' chain hashes)`` (``HitAnswer``).
+Query = tuple[int, bytes, bytes]
+Answer = HitAnswer | tuple[int, Sequence[bytes]]
 
 
 class _OpQueue:
@@ -128,7 +140,7 @@ class FabricController(Controller):
         self.computes: deque[int] = deque()
         self.computes_counted = 0
         self.computes_committed = 0  # the highest compute cmd id committed
-        self.queries: list[tuple[int, tuple[bytes, ...]]] = []
+        self.queries: list[Query] = []
         self.stops: list[int] = []
 
     def _send(self, cmd: Message) -> None:
@@ -275,8 +287,8 @@ class FabricController(Controller):
                 cmds.append(cmd)
         self.backups.add(cmds, op_id)
 
-    def query_storage(self, op_id: int, page_hashes: Sequence[bytes]) -> None:
-        self.queries.append((op_id, tuple(page_hashes)))
+    def query_storage(self, op_id: int, prev: bytes, tokens: bytes) -> None:
+        self.queries.append((op_id, prev, tokens))
 
     def prefetch(
         self,
@@ -321,7 +333,7 @@ class FabricController(Controller):
         out, self.stops = tuple(self.stops[:limit]), self.stops[limit:]
         return out
 
-    def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
+    def take_queries(self) -> list[Query]:
         out, self.queries = self.queries, []
         return out
 
@@ -346,9 +358,10 @@ class FabricController(Controller):
             or self.stops
         )
 
-    def completions(self, rnd: Round, storage_hits: Mapping[int, int]) -> Completions:
-        """What to commit after a usable round (and the storage actor's hit counts,
-        already MIN over shards); advances the committed counts."""
+    def completions(self, rnd: Round, storage_hits: Mapping[int, Answer]) -> Completions:
+        """What to commit after a usable round (and the storage actor's answers to
+        the hit queries: hit counts, already MIN over shards, and the pages'
+        hashes); advances the committed counts."""
         assert rnd.computes_done is not None and rnd.writes_done is not None
         assert rnd.loads_done is not None
         failed = rnd.failed
@@ -369,7 +382,7 @@ class FabricController(Controller):
             failed_computes=frozenset(cmd for cmd in computes if cmd in failed),
             backups=backups,
             failed_backups=failed_backups,
-            prefetch_hits=dict(storage_hits),
+            prefetch_hits={op: as_answer(a) for op, a in storage_hits.items()},
             prefetch_progress=rnd.prefetch_progress,
             prefetch_terminated=rnd.prefetch_terminated,
             prefetch_released=rnd.prefetch_finished,

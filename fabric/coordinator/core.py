@@ -36,7 +36,7 @@ from fabric.cache.keys import (
 from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
-from fabric.coordinator.commands import FabricController
+from fabric.coordinator.commands import Answer, FabricController, Query
 from fabric.coordinator.consensus import Consensus, Round
 from fabric.coordinator.requests import FabricStats, HeldLease, Lease, RequestResult, ServingRequest
 from fabric.errors import InvalidInput
@@ -396,8 +396,10 @@ class CoordinatorCore:
             log.info("adopted %d tokens of L2 pages the ranks still hold", tokens)
         return tokens
 
-    def take_queries(self) -> list[tuple[int, tuple[bytes, ...]]]:
-        """This step's L3 hit queries, for the storage actor: ``(op_id, page_hashes)``."""
+    def take_queries(self) -> list[Query]:
+        """This step's L3 hit queries, for the storage actor: ``(op_id, chain hash
+        before, packed tokens)``; it hashes the pages and answers ``(hit pages,
+        hashes)`` (``StorageService.answer``)."""
         return self.ctl.take_queries()
 
     def _admit(self, req: ServingRequest) -> bool:
@@ -473,10 +475,11 @@ class CoordinatorCore:
         return sliding, mamba
 
     def on_round(
-        self, reports: Sequence[Report], storage_hits: Mapping[int, int] | None = None
+        self, reports: Sequence[Report], storage_hits: Mapping[int, Answer] | None = None
     ) -> list[RequestResult]:
-        """Reduce one report per rank (and the storage actor's hit counts, already
-        MIN over shards) and commit; returns requests that finished."""
+        """Reduce one report per rank (and the storage actor's answers to the hit
+        queries: hit counts, already MIN over shards, and the pages' hashes) and
+        commit; returns requests that finished."""
         self._count_round()
         self.absent.clear()
         self._absent_reason.clear()
@@ -533,7 +536,7 @@ class CoordinatorCore:
         ranks = self.topology.ranks
         return ", ".join(str(ranks[i]) if 0 <= i < len(ranks) else str(i) for i in indices)
 
-    def _commit(self, rnd: Round, storage_hits: Mapping[int, int]) -> list[RequestResult]:
+    def _commit(self, rnd: Round, storage_hits: Mapping[int, Answer]) -> list[RequestResult]:
         done = self.ctl.completions(rnd, storage_hits)
         if done.writes or done.loads or done.computes or done.backups:
             self._blocked = False  # finished work may have unlocked pages: admit again

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from fabric.cache.controller import HitAnswer
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes
 from fabric.config import FabricConfig, StorageConfig
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
@@ -103,6 +105,7 @@ class StorageService:
         topo = Topology(config.topology)
         self.suffixes = [r.suffix for r in topo.ranks]
         _, self.page_bytes = page_geometry(config)
+        self.key_page_bytes = config.cache.page_size * TOKEN_BYTES  # a page of packed tokens
         self.provenance = storage_provenance(config)
         self.model_tag = self.provenance.tag
         self.allowed_modules = config.storage.allowed_modules()
@@ -152,6 +155,14 @@ class StorageService:
             return False
         backend.clear()
         return True
+
+    def answer(self, prev: bytes, tokens: bytes, batch_pages: int = 128) -> HitAnswer:
+        """A coordinator's hit query: the chain hashes of the pages packed in
+        ``tokens`` (whole pages, from the chain hash ``prev``) — hashed here, in
+        the storage actor's process, so the coordinator does not — and how many
+        of them ``query`` finds."""
+        hashes = chain_hashes(prev, tokens, self.key_page_bytes)
+        return HitAnswer(self.query(hashes, batch_pages), hashes)
 
     def query(self, page_hashes: Sequence[bytes], batch_pages: int = 128) -> int:
         """Consecutive pages from the first that every shard holds (MIN over shards),

@@ -2,8 +2,9 @@
 
 import pytest
 
-from fabric.cache.controller import Completions
+from fabric.cache.controller import Completions, HitAnswer, as_answer
 from fabric.cache.events import BlockStored, Medium
+from fabric.cache.keys import chain_hashes, namespace_seed
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
 from tests.helpers import P, make_cache, put, toks
@@ -55,7 +56,11 @@ def test_failed_backup_releases_protection_and_node_stays_l2():
 def test_prefetch_inserts_the_min_completed_prefix_and_releases_the_rest():
     c = storage_cache(stop_policy="best_effort")
     key, st = start(c, toks(1, 2, 3, 4))
-    assert st.op_id is not None and c.ctl.queries[0].page_hashes == tuple(key.page_hashes())
+    (query,) = c.ctl.queries
+    assert st.op_id is not None and (query.prev, query.tokens) == (
+        c.tree.chain_hash(c.tree.root, key.namespace),
+        key.data,
+    )
     c.storage.complete_query(st.op_id, 3)
     op = c.storage.by_op[st.op_id]
     assert op.state is PrefetchState.LOADING and tuple(op.host_pages) == (0, 1, 2)
@@ -166,3 +171,46 @@ def test_duplicate_request_id_is_refused():
     start(c, toks(1, 2))
     with pytest.raises(ValueError, match="already has a prefetch"):
         start(c, toks(1, 2))
+
+
+def test_an_answers_hashes_are_kept_for_the_key_and_its_prefetch():
+    c = storage_cache()
+    key, st = start(c, toks(1, 2, 3, 4))
+    (q,) = c.ctl.queries
+    answer = c.ctl.answer(q.prev, q.tokens)  # hashed by the answerer, as the storage actor does
+    assert answer.hashes == chain_hashes(namespace_seed(key.namespace), key.data, key.page_bytes)
+    c.storage.complete_query(st.op_id, 4, answer.hashes)
+    assert key.known_hashes(0) == answer.hashes
+    assert c.ctl.prefetches[st.op_id].page_hashes == tuple(answer.hashes)
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["last", "other_prefix", "count", "not_bytes"])
+def test_an_answer_whose_hashes_are_not_the_asked_chain_is_refused(damage):
+    c = storage_cache()
+    key, st = start(c, toks(1, 2, 3, 4))
+    (q,) = c.ctl.queries
+    hashes = list(c.ctl.answer(q.prev, q.tokens).hashes)
+    if damage == "last":
+        hashes[-1] = bytes(32)
+    elif damage == "other_prefix":
+        hashes = list(c.ctl.answer(bytes(32), q.tokens).hashes)
+    elif damage == "count":
+        hashes = hashes[:-1]
+    else:
+        hashes = [h.hex() for h in hashes]
+    c.storage.complete_query(st.op_id, 4, hashes)
+    assert c.storage.by_op == {} and c.storage.stats.bad_answers == 1
+    assert c.storage.stats.prefetch_revoked == 1 and c.ctl.prefetches == {}
+    assert key.known_hashes(0) is None, "no hash of a refused answer is kept"
+    assert c.match_prefix(key).host_tokens == 0
+    c.check_integrity()
+
+
+def test_answers_from_another_process_are_read_defensively():
+    hashes = [bytes(32)]
+    assert as_answer((3, hashes)) == HitAnswer(3, hashes)
+    assert as_answer(HitAnswer(2, hashes)) == HitAnswer(2, hashes)
+    assert as_answer(2) == HitAnswer(2, ())
+    for junk in (None, True, "3", 2.0, (1, 2, 3), ("3", hashes), (True, hashes), (3, b"x" * 32)):
+        assert as_answer(junk) == HitAnswer(0, ()), junk

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fabric.cache.admission import Admission
-from fabric.cache.keys import pack_tokens, unpack_tokens
+from fabric.cache.keys import chain_hashes, pack_tokens, unpack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.config import PrefetchConfig
 from policies import EVICTION_POLICIES
@@ -24,6 +24,18 @@ page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 namespaces = st.sampled_from(["a", "b"])
 sessions = st.sampled_from(["s1", "s2"])
 loose_tokens = st.lists(st.integers(0, 3), max_size=5)
+
+
+def answer_hashes(op, how: str) -> list[bytes] | None:
+    """A hit query's hashes as an answerer gives them: none, the right chain, or a
+    chain whose last hash is wrong (the cache must refuse it)."""
+    if how == "none":
+        return None
+    pb = op.key.page_bytes
+    hashes = chain_hashes(op.prev_hash, op.key.data[op.start_page * pb :], pb)
+    if how == "bad":
+        hashes[-1] = bytes(32)
+    return hashes
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -255,7 +267,9 @@ class CacheMachine(RuleBasedStateMachine):
         op = data.draw(st.sampled_from(ops))
         s = self.cache.storage
         if op.state is PrefetchState.QUERY:
-            s.complete_query(op.op_id, data.draw(st.integers(0, len(op.page_hashes))))
+            hit = data.draw(st.integers(0, op.num_pages))
+            answer = data.draw(st.sampled_from(["none", "hashes", "bad"]))
+            s.complete_query(op.op_id, hit, answer_hashes(op, answer))
         elif op.state is PrefetchState.LOADING:
             action = data.draw(st.sampled_from(["progress", "check", "abort"]))
             if action == "progress":

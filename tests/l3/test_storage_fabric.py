@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.cache.keys import TokenKey, pack_tokens
+from fabric.cache.events import BlockStored
+from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.cache.l3_queues import PrefetchState
 from fabric.errors import ConfigError
 from fabric.l3.format import page_key
@@ -47,6 +48,37 @@ def test_a_fresh_fabric_serves_what_an_earlier_one_stored_verified(tmp_path):
     r = f.serve(tokens)
     assert r.storage_hit_tokens == 32 and r.computed_tokens == 0
     assert f.verify(r, tokens) == [True] * 4
+    f.core.cache.check_integrity()
+
+
+def test_the_coordinator_hashes_no_page_its_hit_queries_asked_about(tmp_path, monkeypatch):
+    """The storage service hashes the pages a hit query asks about and answers with
+    the hashes; the coordinator keeps them for its tree, backups and events."""
+    import fabric.cache.keys as keys_module
+    import fabric.cache.radix as radix_module
+    import fabric.coordinator.commands as commands_module
+
+    real, hashed = keys_module.chain_hashes, []
+
+    def counting(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
+        hashed.append(len(data) // page_bytes)
+        return real(prev, data, page_bytes)
+
+    for module in (keys_module, radix_module, commands_module):
+        monkeypatch.setattr(module, "chain_hashes", counting)
+    cfg = config(tmp_path, "cache.kv_events=true")
+    tokens = pack_tokens(prompt(1, pages=8))
+    fill_l3(cfg, tokens)  # the stored pages' keys are the storage service's hashes
+    f = LocalFabric(cfg)
+    r = f.serve(tokens)
+    assert r.storage_hit_tokens == 32 and f.verify(r, tokens) == [True] * 4
+    assert hashed == []
+    stored = [e for e in f.core.take_events() if isinstance(e, BlockStored)]
+    assert stored and all(
+        e.page_hashes == tuple(real(e.parent_hash or namespace_seed("default"), e.tokens, 4 * P))
+        for e in stored
+    ), "events carry the chain hashes"
+    monkeypatch.undo()
     f.core.cache.check_integrity()
 
 
