@@ -185,7 +185,7 @@ def test_an_answers_hashes_are_kept_for_the_key_and_its_prefetch():
     c.check_integrity()
 
 
-@pytest.mark.parametrize("damage", ["last", "other_prefix", "count", "not_bytes"])
+@pytest.mark.parametrize("damage", ["last", "other_prefix", "count", "not_bytes", "one_not_bytes"])
 def test_an_answer_whose_hashes_are_not_the_asked_chain_is_refused(damage):
     c = storage_cache()
     key, st = start(c, toks(1, 2, 3, 4))
@@ -197,8 +197,10 @@ def test_an_answer_whose_hashes_are_not_the_asked_chain_is_refused(damage):
         hashes = list(c.ctl.answer(bytes(32), q.tokens).hashes)
     elif damage == "count":
         hashes = hashes[:-1]
-    else:
+    elif damage == "not_bytes":
         hashes = [h.hex() for h in hashes]
+    else:
+        hashes[-2] = hashes[-2].hex()
     c.storage.complete_query(st.op_id, 4, hashes)
     assert c.storage.by_op == {} and c.storage.stats.bad_answers == 1
     assert c.storage.stats.prefetch_revoked == 1 and c.ctl.prefetches == {}
