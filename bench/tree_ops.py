@@ -11,8 +11,10 @@ trace) at page sizes 16 and 64 through:
   off and on): ``request_us`` is everything the core does for a request — the
   key and its SHA-256 page hashes, the L3 prefetch, the admission, the release,
   the step's write-throughs, backups and completions, the events (it includes
-  ``in_process_stand_in_us``, the in-memory L3 and completions that ranks and
-  the storage actor keep in their own processes in a fabric);
+  ``in_process_stand_in_us``, the in-memory L3, the hit answers and the
+  completions that ranks and the storage actor keep in their own processes in
+  a fabric; the hit answers carry the pages' hashes, so the stand-in does the
+  hashing of every page a hit query asks about, as the storage actor does);
 - **the baseline**: SGLang's ``RadixCache`` algorithm and paged allocator
   (``bench/sglang_style_radix.py``: match, lock, evict, allocate, insert,
   unlock), one tier, events off and on; or, with ``--peer sglang``, the real
