@@ -148,6 +148,14 @@ METRICS: tuple[Spec, ...] = (
         _one("failed_backups"),
     ),
     Spec(
+        "kvfabric_bad_hit_answers",
+        "counter",
+        "Hit answers from the storage actor refused because their page hashes are "
+        "not the chain of the pages asked about (the prefetch is revoked).",
+        (),
+        _one("bad_hit_answers"),
+    ),
+    Spec(
         "kvfabric_transfer_size_tokens",
         "histogram",
         "Tokens moved by one transfer operation, by direction.",

@@ -790,6 +790,7 @@ class CoordinatorCore:
             "transfer_tokens": transfers,
             "failed_write_tokens": cache.stats.failed_write_tokens,
             "failed_backups": l3.stats.failed_backups,
+            "bad_hit_answers": l3.stats.bad_answers,
             "transfer_sizes": cache.stats.transfer_sizes,
             "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
             "request_seconds": s.request_seconds,

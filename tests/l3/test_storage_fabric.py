@@ -82,6 +82,28 @@ def test_the_coordinator_hashes_no_page_its_hit_queries_asked_about(tmp_path, mo
     f.core.cache.check_integrity()
 
 
+def test_a_hit_answer_for_other_pages_is_refused_and_the_request_computes(tmp_path):
+    cfg = config(tmp_path)
+    tokens = pack_tokens(prompt(1, pages=8))
+    fill_l3(cfg, tokens)
+    f = LocalFabric(cfg)
+    real = f.storage.answer
+
+    def for_other_pages(prev: bytes, tokens: bytes, batch_pages: int = 128):
+        hits, hashes = real(prev, tokens, batch_pages)
+        return hits, [*hashes[:-1], bytes(32)]  # the last page's hash is not its own
+
+    f.storage.answer = for_other_pages
+    r = f.serve(tokens)
+    assert r.error is None and r.storage_hit_tokens == 0 and r.computed_tokens == 32
+    assert f.verify(r, tokens) == [True] * 4
+    assert f.core.figures()["bad_hit_answers"] == 1
+    f.storage.answer = real
+    f.core.release(r.lease)
+    f.settle()
+    f.core.cache.check_integrity()
+
+
 def test_partial_hit_takes_the_stored_prefix_and_computes_the_rest(tmp_path):
     cfg = config(tmp_path)
     fill_l3(cfg, pack_tokens(prompt(1, pages=4)))
