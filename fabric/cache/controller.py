@@ -78,11 +78,12 @@ class Completions:
 
     Counts commit that many of the oldest queued operations of each kind;
     ``failed_*`` name the op ids among them that failed (for computes, which
-    the cache does not queue, the command ids). Prefetch entries are
-    keyed by op id: ``prefetch_hits`` answers the hit query (the number of
-    consecutive pages found in L3 and the pages' hashes), ``prefetch_progress`` the cumulative completed tokens,
-    ``prefetch_terminated`` the ops some rank stopped, ``prefetch_released``
-    the stopped ops whose host slots no rank will write any more.
+    the cache does not queue, the command ids). Prefetch entries are keyed by
+    op id: ``prefetch_hits`` answers the hit query (the number of consecutive
+    pages found in L3, and the pages' hashes), ``prefetch_progress`` the
+    cumulative completed tokens, ``prefetch_terminated`` the ops some rank
+    stopped, ``prefetch_released`` the stopped ops whose host slots no rank
+    will write any more.
     """
 
     writes: int = 0

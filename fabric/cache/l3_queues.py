@@ -54,6 +54,7 @@ class PrefetchOp:
     start_page: int
     cached_pages: int
     prev_hash: bytes  # the chain hash before ``start_page``
+    asked: bytes  # the packed tokens of the pages asked about (``start_page`` on)
     started_at: float
     reserved_tokens: int
     state: PrefetchState = PrefetchState.QUERY
@@ -264,6 +265,7 @@ class L3Queues:
         if self.inflight_tokens + requested > self.max_inflight_tokens:
             return self._refuse("rate limited")
         prev = tree.chain_hash(anchor, key.namespace)
+        asked = key.data[start_page * tree.page_bytes :]
         op = PrefetchOp(
             op_id=self.next_op_id(),
             req_id=req_id,
@@ -272,6 +274,7 @@ class L3Queues:
             start_page=start_page,
             cached_pages=match.matched_tokens // self.page_size - start_page,
             prev_hash=prev,
+            asked=asked,
             started_at=self.clock(),
             reserved_tokens=requested,
         )
@@ -280,7 +283,7 @@ class L3Queues:
         self.inflight_tokens += requested
         self.prefetches[req_id] = self.by_op[op.op_id] = op
         self.stats.prefetch_started += 1
-        self.ctl.query_storage(op.op_id, prev, key.data[start_page * tree.page_bytes :])
+        self.ctl.query_storage(op.op_id, prev, asked)
         return PrefetchStart(op.op_id)
 
     def _refuse(self, reason: str) -> PrefetchStart:
@@ -300,9 +303,8 @@ class L3Queues:
         if op is None or op.state is not PrefetchState.QUERY:
             return
         key, pb = op.key, self.tree.page_bytes
-        asked = key.data[op.start_page * pb :]
         if hashes:
-            if not answers_chain(op.prev_hash, asked, pb, hashes):
+            if not answers_chain(op.prev_hash, op.asked, pb, hashes):
                 self.stats.bad_answers += 1
                 log.warning(
                     "hit query %d: the answer's %d page hashes are not the chain of the "
@@ -348,7 +350,7 @@ class L3Queues:
         op.host_pages = got
         self._reserve(op, pages * size)
         op.state = PrefetchState.LOADING
-        tokens = asked[: pages * pb]
+        tokens = op.asked[: pages * pb]
         names = (key.namespace, op.prev_hash, tokens)
         self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts, names)
 
