@@ -60,7 +60,7 @@ class LocalFabric:
     def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
         """One coordinator step: send a batch, let ranks work (all but the indices
         in ``lagging``; none without ``run_ranks``), reduce their reports and the
-        storage service's hit counts."""
+        storage service's answers to the hit queries (counts and page hashes)."""
         wire = encode(self.core.next_batch())
         batch_pages = self.config.prefetch.query_batch_pages
         hits = {
