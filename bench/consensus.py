@@ -30,6 +30,7 @@ from actors.rank_actor import RankActor
 from fabric.config import FabricConfig
 from fabric.coordinator.consensus import Consensus
 from fabric.messages import Batch, decode, encode
+from fabric.process_exit import finish
 
 
 def interleaved(fns: list, rounds: int) -> dict[str, list[float]]:
@@ -143,3 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py

@@ -25,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.client import launch
 from fabric.config import FabricConfig
+from fabric.process_exit import finish
 from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
@@ -80,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py

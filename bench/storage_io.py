@@ -42,6 +42,7 @@ from actors.storage_actor import StorageActor
 from fabric.client import launch
 from fabric.config import FabricConfig
 from fabric.l3.service import page_geometry
+from fabric.process_exit import finish
 from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
@@ -221,3 +222,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py

@@ -33,6 +33,7 @@ from fabric.config import FabricConfig
 from fabric.l3.format import checksum, page_key
 from fabric.l3.segment import SegmentBackend
 from fabric.l3.service import page_geometry, storage_provenance
+from fabric.process_exit import finish
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -125,3 +126,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py

@@ -24,6 +24,7 @@ from fabric.chaos import FAULTS
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
 from fabric.l3 import BACKENDS
+from fabric.process_exit import finish
 from fabric.progress import Progress
 from fabric.report import hit_rate, result, workload
 
@@ -967,5 +968,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``kvfabric`` command: :func:`main`, then the process ends through
+    :func:`fabric.process_exit.finish` (Ray's threads outlive ``ray.shutdown`` and can
+    crash the native exit handlers after a command that succeeded)."""
+    finish(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

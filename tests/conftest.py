@@ -1,0 +1,32 @@
+"""The session's end: once the results are printed, a session that used Ray ends
+through ``fabric.process_exit``.
+
+Each Ray test module starts and stops its own Ray, and Ray leaves a metrics exporter
+thread behind in this process on every start (see ``fabric/process_exit.py``). With
+several of them alive, the native exit handlers crashed the process with SIGSEGV
+after every test had passed, and CI read exit status 139. Python's own exit work
+(the ``atexit`` callbacks, logging, the streams) still runs; only the native exit
+handlers are skipped, and the exit status is pytest's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fabric.process_exit import exit_process, ray_was_loaded
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not ray_was_loaded() or _EXIT_STATUS not in config.stash:
+        return
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if capture is not None:  # give the process its own stdout and stderr back
+        capture.stop_global_capturing()
+    exit_process(config.stash[_EXIT_STATUS])
