@@ -10,9 +10,10 @@ process that started and stopped Ray several times (a test session) has one such
 thread per start and crashes on most exits.
 
 :func:`exit_process` ends the process the way Python would, minus the native exit
-handlers: the ``atexit`` callbacks (``weakref.finalize`` among them, so temporary
-directories are removed), logging's flush, the standard streams' flush, then
-``os._exit``. Nothing here imports Ray.
+handlers: it waits for the non-daemon threads (and lets ``concurrent.futures``
+finish its queued work), runs the ``atexit`` callbacks (``weakref.finalize`` among
+them, so temporary directories are removed), flushes logging and the standard
+streams, then calls ``os._exit``. Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from typing import NoReturn
 
 
@@ -31,8 +33,13 @@ def ray_was_loaded() -> bool:
 
 
 def exit_process(code: int) -> NoReturn:
-    """Run the ``atexit`` callbacks, flush logging and the standard streams, and end
-    the process with ``code``, skipping the native libraries' exit handlers."""
+    """Wait for the non-daemon threads, run the ``atexit`` callbacks, flush logging and
+    the standard streams, and end the process with ``code``, skipping the native
+    libraries' exit handlers."""
+    # What the interpreter's own shutdown does first (private, so looked up).
+    wait_for_threads = getattr(threading, "_shutdown", None)
+    if wait_for_threads is not None and threading.current_thread() is threading.main_thread():
+        wait_for_threads()
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -41,6 +41,26 @@ def test_exit_process_runs_atexit_flushes_output_and_keeps_the_status():
     assert "logged" in done.stderr
 
 
+def test_exit_process_waits_for_threads_and_queued_executor_work():
+    done = run(
+        """
+        import threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from fabric.process_exit import exit_process
+        def late(what):
+            time.sleep(0.3)
+            print(what, flush=True)
+        threading.Thread(target=late, args=("thread",)).start()
+        pool = ThreadPoolExecutor(1)
+        pool.submit(late, "job 1")
+        pool.submit(late, "job 2")
+        exit_process(0)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == ["1", "2", "job", "job", "thread"]
+
+
 def test_exit_process_removes_temporary_directories_left_to_the_exit():
     done = run(
         """
