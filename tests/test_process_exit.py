@@ -78,7 +78,7 @@ def test_exit_process_removes_temporary_directories_left_to_the_exit():
     assert not left.exists(), f"{left} was left behind"
 
 
-def test_finish_exits_normally_without_ray_and_skips_native_handlers_with_it():
+def test_finish_exits_normally_without_ray_and_skips_the_interpreter_teardown_with_it():
     probe = """
         import atexit, sys, types
         from fabric.process_exit import finish
