@@ -22,8 +22,8 @@ trace) at page sizes 16 and 64 through:
 
 Each measurement runs ``--repeat`` times (alternating kvfabric and the baseline)
 and each side's run with the lowest mean is kept; the one-tier pair (kvfabric's
-tree and the baseline with events off), cheap and the noisiest here, runs
-``--tree-repeat`` times in each round. Ratios are baseline time over
+tree, with each of ``--policies``, and the baseline with events off), cheap and
+the noisiest here, runs ``--tree-repeat`` times in each round. Ratios are baseline time over
 kvfabric time (> 1: kvfabric is cheaper):
 ``tree_speedup`` (one tier, events off on both sides) and ``core_ratio_events_on``
 / ``core_ratio_events_off`` (kvfabric's whole three-tier core against the
@@ -252,12 +252,12 @@ def main() -> None:
         for name in policies:
             runs[name] = []
         for i in range(args.repeat):  # alternating, so a slow stretch hits both sides
-            for _ in range(args.tree_repeat):
+            for _ in range(args.tree_repeat):  # the policies' best over as many runs
                 runs["tree"].append(run_ours(packed, one, storage=False))
+                for name in policies:
+                    cfg = config(page, device, host, False, True, name)
+                    runs[name].append(run_ours(packed, cfg, storage=False))
                 runs["b_off"].append(run_peer(keys, one, peer))
-            for name in policies:
-                cfg = config(page, device, host, False, True, name)
-                runs[name].append(run_ours(packed, cfg, storage=False))
             runs["off"].append(run_ours(packed, off, storage=True))
             runs["on"].append(run_ours(packed, on, storage=True))
             runs["b_on"].append(run_peer(keys, on, peer))
