@@ -30,7 +30,7 @@ from array import array
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from tree_ops import config, run_peer
+from tree_ops import best, config, run_peer
 
 from fabric.cache.keys import unpack_tokens
 from fabric.workload import iter_packed, read_trace, synthetic_trace
@@ -69,8 +69,7 @@ def main() -> int:
             for _ in range(args.repeat):
                 rewritten.append(run_peer(subset, cfg, "faithful"))
                 real.append(run_peer(subset, cfg, "sglang"))
-            a = min(rewritten, key=lambda r: r["us"])
-            b = min(real, key=lambda r: r["us"])
+            a, b = best(rewritten), best(real)
             same &= a["hit_tokens"] == b["hit_tokens"]
             name = f"page_{page}_events_{'on' if events else 'off'}"
             out["rows"][name] = {

@@ -151,6 +151,15 @@ class RealSGLang:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+        if events:  # SGLang compiles its chain hash on first use: not in the timings
+            try:
+                from sglang.srt.mem_cache.cpp_utils.native_hash import (
+                    _load_native_hash_module,
+                )
+            except ImportError:  # a version that hashes in Python
+                pass
+            else:
+                _load_native_hash_module()
         self.torch = torch
         self.types = (EvictParams, InsertParams, MatchPrefixParams, RadixKey)
         self.page = page
