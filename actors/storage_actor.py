@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from fabric.config import FabricConfig
+from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,27 @@ class StorageActor:
             log.warning("L3 is %s (chaos): %d pages not stored", self.l3_fault, len(page_hashes))
             return False
         return self.service.store(suffix, page_hashes, pages, component)
+
+    def engine_exists(self, keys: list[str]) -> list[bool]:
+        """Per full page key of an engine's page (``fabric.engines``), whether L3
+        holds it."""
+        return self.service.engine_exists(keys)
+
+    def engine_load(self, keys: list[str], provenance: Provenance) -> np.ndarray:
+        self._fault()
+        return self.service.engine_load(keys, provenance)
+
+    def engine_store(
+        self, keys: list[str], pages: np.ndarray, provenance: Provenance, writer: str
+    ) -> list[bool]:
+        self._fault()
+        if self.l3_fault is not None:
+            log.warning("L3 is %s (chaos): %d engine pages not stored", self.l3_fault, len(keys))
+            return [False] * len(keys)
+        return self.service.engine_store(keys, pages, provenance, writer)
+
+    def usage_by_writer(self) -> list[dict[str, Any]]:
+        return self.service.usage_by_writer()
 
     def where(self) -> tuple[int, str]:
         """This actor's process id and Ray node id."""

@@ -25,9 +25,51 @@ _TOKEN_TYPECODE = next(c for c in "IL" if array(c).itemsize == TOKEN_BYTES)
 _SWAP = sys.byteorder != "little"
 
 
+# Namespaces whose chains are SGLang's own (``get_storage_hash_str``), so pages an
+# SGLang worker stores through ``fabric.engines.sglang`` and pages this fabric
+# stores have equal keys: ``sglang`` is SGLang's unseeded chain (a request with no
+# extra key or cache salt), ``sglang:<extra key>`` its chain seeded by that extra key.
+SGLANG_NAMESPACE = "sglang"
+_SGLANG_SEED_DOMAIN = b"sglang-cache-namespace-v1"
+# What every seed of a seeded chain hashes (kvfabric's own, and every digest this
+# project domain-separates) starts with one of these. An unseeded chain's first
+# page is hashed alone, so a first page spelling one out would hash to a seed and
+# continue as another namespace's chain: such prompts are refused there.
+_SEED_PREFIXES = (b"kvfabric/", _SGLANG_SEED_DOMAIN)
+
+
+def sglang_seed(extra_key: str | None) -> bytes:
+    """SGLang's storage-chain seed for a request's extra key (its
+    ``storage_namespace_seed(extra_key, None)``); ``b""`` for none (unseeded)."""
+    if extra_key is None:
+        return b""
+    encoded = extra_key.encode()
+    digest = hashlib.sha256(_SGLANG_SEED_DOMAIN)
+    digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    digest.update(b"\x00")  # no cache salt
+    return digest.digest()
+
+
 def namespace_seed(namespace: str) -> bytes:
-    """The hash that seeds the page-hash chain of every key in ``namespace``."""
+    """The hash that seeds the page-hash chain of every key in ``namespace``:
+    SGLang's seed for ``sglang`` and ``sglang:<extra key>``, else kvfabric's own."""
+    if namespace == SGLANG_NAMESPACE:
+        return b""
+    if namespace.startswith(SGLANG_NAMESPACE + ":"):
+        return sglang_seed(namespace[len(SGLANG_NAMESPACE) + 1 :])
     return hashlib.sha256(b"kvfabric/ns\0" + namespace.encode()).digest()
+
+
+def check_unseeded(namespace: str, data: bytes) -> None:
+    """``InvalidInput`` when ``data`` (packed tokens) opens an unseeded chain with a
+    page that spells out a seed's preimage: its chain would continue as the chain
+    of another namespace (another tenant's keys)."""
+    if namespace == SGLANG_NAMESPACE and data.startswith(_SEED_PREFIXES):
+        raise InvalidInput(
+            f"tokens are refused in namespace {namespace!r}: its chain is unseeded, and a "
+            "first page that spells out a namespace seed's preimage would continue as "
+            "another namespace's chain"
+        )
 
 
 def check_namespace(namespace: object) -> str:
@@ -143,6 +185,7 @@ class TokenKey:
         if isinstance(tokens, bytes) and len(data) % TOKEN_BYTES:
             raise InvalidInput(f"packed tokens of {len(data)} bytes are not whole uint32 tokens")
         self.data = data[: len(data) - len(data) % self.page_bytes]
+        check_unseeded(self.namespace, self.data)
         self._hashes: list[bytes] | None = None
         self._from = 0  # _hashes holds the hashes of pages _from, _from + 1, ...
 

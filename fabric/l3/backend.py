@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from fabric.l3.format import Provenance, check_key, decode_page, encode_header
+from fabric.l3.manifest import Manifest, usage_by_tag
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,9 @@ class L3Backend(ABC):
     counters; subclasses make their own I/O safe to call from several threads."""
 
     name = ""
+    # Backends that keep a directory record who wrote which model's pages there
+    # (``fabric.l3.manifest``); the others cannot say.
+    manifest: Manifest | None = None
 
     def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
         self.provenance = provenance
@@ -34,6 +38,22 @@ class L3Backend(ABC):
         self.extra = dict(extra)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
+
+    def record_writer(self, provenance: Provenance, writer: str) -> None:
+        """Note that ``writer`` (an engine: ``kvfabric``, ``sglang``, ``vllm``, ``hf``)
+        stores pages of ``provenance`` here, for ``usage_by_writer``."""
+        if self.manifest is not None:
+            self.manifest.record(provenance, writer)
+
+    def usage_by_writer(self) -> list[dict[str, Any]]:
+        """Pages per model tag, with the tag's model, layout, dtype, shape and the
+        engines that wrote it (``unknown`` where no record says); ``[]`` for a
+        backend that cannot list its keys."""
+        try:
+            keys = self.page_keys()
+        except NotImplementedError:
+            return []
+        return usage_by_tag(keys, self.manifest.entries() if self.manifest else {})
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -47,6 +67,10 @@ class L3Backend(ABC):
                 break
             n += 1
         return n
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether it exists (unverified)."""
+        return [self._exists(check_key(key)) for key in keys]
 
     def get(
         self, keys: Sequence[str], out: np.ndarray, provenance: Provenance | None = None
@@ -121,6 +145,8 @@ class L3Backend(ABC):
 
     def clear(self) -> None:
         self._clear()
+        if self.manifest is not None:
+            self.manifest.clear()
         self.count("clears")
 
     def stats(self) -> dict[str, Any]:

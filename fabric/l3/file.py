@@ -34,6 +34,7 @@ import numpy as np
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import PREAMBLE, Provenance, check_header, checksum, header_length
+from fabric.l3.manifest import Manifest
 from fabric.l3.options import FileOptions
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class FileBackend(L3Backend):
         self.file_mode = int(options.file_mode, 8)
         self.dir_mode = int(options.dir_mode, 8)
         self._root_fd = open_store_dir(self.root, self.dir_mode)
+        self.manifest = Manifest(self.root, self.file_mode, self.dir_mode)
         self._index_lock = threading.Lock()
         self._dirs: dict[str, int] = {}
         self._index: OrderedDict[str, int] = OrderedDict()

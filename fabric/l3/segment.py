@@ -56,6 +56,7 @@ from fabric.l3.format import (
     encode_header,
     header_length,
 )
+from fabric.l3.manifest import Manifest
 from fabric.l3.options import SegmentOptions
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class SegmentBackend(L3Backend):
         self._bytes = 0
         self._scanned = 0.0
         self._root_fd = open_store_dir(self.root, self.dir_mode)
+        self.manifest = Manifest(self.root, self.file_mode, self.dir_mode)
         with self._lock:
             self._rescan()
 

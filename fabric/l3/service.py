@@ -29,7 +29,16 @@ from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, page_key
 from fabric.topology import Shard, Topology, kind_layers
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Bytes per element of the dtypes pages may hold (engines' pages too: vLLM blocks
+# are stored as bytes, fp8 KV caches have one byte an element).
+_ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def page_geometry(config: FabricConfig) -> tuple[tuple[int, ...], int]:
@@ -79,7 +88,13 @@ def component_provenances(config: FabricConfig) -> dict[tuple[str, str], Provena
 
 
 def provenance_bytes(provenance: Provenance) -> int:
-    return int(np.prod(provenance.shard_shape)) * _ITEMSIZE[provenance.dtype]
+    """One page's payload bytes; ``ValueError`` naming a dtype of unknown size."""
+    size = _ITEMSIZE.get(provenance.dtype)
+    if size is None:
+        raise ValueError(
+            f"page dtype {provenance.dtype!r} is refused: allowed is one of {sorted(_ITEMSIZE)}"
+        )
+    return int(np.prod(provenance.shard_shape)) * size
 
 
 def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
@@ -139,6 +154,8 @@ class StorageService:
                 name, self.provenance, self.page_bytes, extra, self.allowed_modules
             )
             self.spec = spec
+        for prov in self.shapes.values():
+            self.backend.record_writer(prov, "kvfabric")
         return "attached"
 
     def detach(self) -> bool:
@@ -246,3 +263,38 @@ class StorageService:
     def stats(self) -> dict[str, Any]:
         backend = self.backend
         return {"attached": backend is not None, **(backend.stats() if backend else {})}
+
+    def usage_by_writer(self) -> list[dict[str, Any]]:
+        """Pages per model tag and the engines that wrote them (``[]`` with no backend)."""
+        backend = self.backend
+        return backend.usage_by_writer() if backend is not None else []
+
+    # -- pages an engine names by full key (``fabric.engines``) -----------------------
+
+    def engine_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per full page key, whether the store holds it (unverified); all ``False``
+        with no backend."""
+        backend = self.backend
+        if backend is None:
+            return [False] * len(keys)
+        return backend.present(keys)
+
+    def engine_load(self, keys: Sequence[str], provenance: Provenance) -> np.ndarray:
+        """Verified payloads of the leading pages found (pages of ``provenance``, one
+        row each; fewer rows than keys when a page is missing or refused)."""
+        backend = self.backend
+        out = np.empty((len(keys), provenance_bytes(provenance)), dtype=np.uint8)
+        if backend is None:
+            return out[:0]
+        return out[: backend.get(keys, out, provenance)]
+
+    def engine_store(
+        self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance, writer: str
+    ) -> list[bool]:
+        """Store an engine's pages of ``provenance`` under their full keys; per page,
+        whether it was stored."""
+        backend = self.backend
+        if backend is None or pages.shape != (len(keys), provenance_bytes(provenance)):
+            return [False] * len(keys)
+        backend.record_writer(provenance, writer)
+        return backend.set(keys, pages, provenance)

@@ -1,0 +1,255 @@
+"""Where an engine adapter's pages go: a kvfabric L3, opened one of two ways.
+
+- ``path`` (direct): the adapter opens the store directory itself — the
+  directory a fabric's ``storage.path`` names, on a local disk or a shared
+  mount — with the same backend code the storage actor runs (``segment`` by
+  default, or ``file``). Each process appends to segments of its own, so many
+  engine processes and a fabric share one directory; a page another process
+  wrote is seen after its next rescan (at most a second later).
+- ``fabric`` (over Ray): pages go to and come from a running fabric's storage
+  actor, found by the fabric's ``runtime.name`` on the Ray cluster at
+  ``address``; bytes travel through Ray's object store.
+
+Both check every page read as L3 does (its header binds its full key; checksum;
+provenance): a page that fails is a miss, never bytes. Nothing here raises into
+the engine on an I/O or Ray failure: a read that fails is a miss, a write that
+fails is ``False``, and the reason is logged and counted in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fabric.errors import ConfigError
+from fabric.l3 import make_backend
+from fabric.l3.backend import L3Backend
+from fabric.l3.format import Provenance
+from fabric.l3.manifest import WRITERS
+
+log = logging.getLogger(__name__)
+
+# The backend's own default provenance is never used: every call names the
+# provenance of the pages it moves.
+_NO_PROVENANCE = Provenance("kvfabric-engines", "none", "uint8", (1,), 1)
+
+
+class StoreOptions(BaseModel):
+    """Where an adapter's pages go (one of ``path`` and ``fabric``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    path: str = Field("", description="a kvfabric L3 directory (a fabric's storage.path)")
+    backend: Literal["segment", "file"] = Field(
+        "segment", description="segment or file (the fabric's storage.backend)"
+    )
+    max_bytes: int = Field(1 << 30, ge=0, description="an integer >= 0 (0: no cap)")
+    fsync: bool = Field(False, description="true or false")
+    fabric: str = Field("", description="a running fabric's runtime.name (pages over Ray)")
+    address: str = Field("auto", min_length=1, description="the Ray cluster's address")
+    ray_namespace: str = Field("kvfabric", min_length=1, description="the fabric's Ray namespace")
+    timeout_s: float = Field(30.0, gt=0, description="a number > 0 (seconds per Ray call)")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> StoreOptions:
+        if bool(self.path) == bool(self.fabric):
+            raise ValueError(
+                "give exactly one of path (a kvfabric L3 directory) and fabric "
+                "(a running fabric's runtime.name)"
+            )
+        return self
+
+
+def parse_options(model: type[BaseModel], options: Mapping[str, Any], where: str) -> Any:
+    """``options`` validated by ``model``, or a ``ConfigError`` naming ``where``, the
+    key, the value and what is allowed."""
+    try:
+        return model.model_validate(dict(options))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(
+                f"{where}: option {key!r} is unknown; known: {sorted(model.model_fields)}"
+            ) from None
+        field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+        allowed = (field.description if field else None) or err["msg"]
+        if not key:
+            raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(
+            f"{where}: {key}={err.get('input')!r} is refused: allowed is {allowed}"
+        ) from None
+
+
+class PageStore(ABC):
+    """Pages by full L3 key, for one writer (an engine's name)."""
+
+    def __init__(self, writer: str) -> None:
+        if writer not in WRITERS:
+            raise ValueError(f"writer {writer!r} is refused: allowed is one of {WRITERS}")
+        self.writer = writer
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the store holds."""
+        present = self.present(keys)
+        return present.index(False) if False in present else len(present)
+
+    @abstractmethod
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether the store holds it (unverified: a read still checks)."""
+
+    @abstractmethod
+    def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+        """Read and verify the leading pages into ``out`` (one uint8 row a key);
+        how many were read (the first missing or refused page ends it)."""
+
+    @abstractmethod
+    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
+        """Store ``pages`` (one uint8 row a key) of ``provenance``; per page, whether
+        it was stored."""
+
+    @abstractmethod
+    def clear(self) -> bool:
+        """Delete every page of the store (every engine's and the fabric's)."""
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files or connections."""
+
+
+class DirectStore(PageStore):
+    """A kvfabric L3 directory opened in this process."""
+
+    def __init__(self, options: StoreOptions, writer: str) -> None:
+        super().__init__(writer)
+        self.backend: L3Backend = make_backend(
+            options.backend,
+            _NO_PROVENANCE,
+            1,
+            {"path": options.path, "max_bytes": options.max_bytes, "fsync": options.fsync},
+        )
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        try:
+            return self.backend.present(keys)
+        except OSError as exc:
+            log.warning("L3 %s: lookup failed: %s", self.backend.name, exc)
+            self.count("errors")
+            return [False] * len(keys)
+
+    def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+        try:
+            n = self.backend.get(keys, out, provenance)
+        except OSError as exc:
+            log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
+            self.count("errors")
+            return 0
+        self.count("loaded_pages", n)
+        return n
+
+    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
+        self.backend.record_writer(provenance, self.writer)
+        try:
+            ok = self.backend.set(keys, pages, provenance)
+        except OSError as exc:
+            log.warning("L3 %s: storing %d pages failed: %s", self.backend.name, len(keys), exc)
+            self.count("errors")
+            return [False] * len(keys)
+        self.count("stored_pages", sum(ok))
+        return ok
+
+    def clear(self) -> bool:
+        self.backend.clear()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "l3": self.backend.stats()}
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class RayStore(PageStore):
+    """A running fabric's L3, through its storage actor."""
+
+    def __init__(self, options: StoreOptions, writer: str) -> None:
+        super().__init__(writer)
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                ray.init(
+                    address=options.address,
+                    namespace=options.ray_namespace,
+                    log_to_driver=False,
+                )
+            except ConnectionError as exc:
+                raise ConfigError(
+                    f"fabric={options.fabric!r}: no Ray cluster at address={options.address!r} "
+                    f"({exc.__class__.__name__})"
+                ) from None
+        try:
+            self.actor = ray.get_actor(f"{options.fabric}-storage", namespace=options.ray_namespace)
+        except ValueError:
+            raise ConfigError(
+                f"fabric={options.fabric!r}: no such fabric's storage actor in Ray namespace "
+                f"{options.ray_namespace!r}; check fabric (its runtime.name) and ray_namespace"
+            ) from None
+        self.timeout_s = options.timeout_s
+        self._ray = ray
+
+    def _call(self, method: Any, *args: Any, default: Any) -> Any:
+        try:
+            return self._ray.get(method.remote(*args), timeout=self.timeout_s)
+        except Exception as exc:  # a dead, restarting or slow storage actor: a miss
+            log.warning("kvfabric storage actor: %s failed: %s", method, exc)
+            self.count("errors")
+            return default
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(self.actor.engine_exists, list(keys), default=[False] * len(keys))
+
+    def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+        rows = self._call(self.actor.engine_load, list(keys), provenance, default=None)
+        if rows is None:
+            return 0
+        n = min(len(rows), len(keys))
+        out[:n] = rows[:n]
+        self.count("loaded_pages", n)
+        return n
+
+    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
+        ok = self._call(
+            self.actor.engine_store,
+            list(keys),
+            np.ascontiguousarray(pages),
+            provenance,
+            self.writer,
+            default=[False] * len(keys),
+        )
+        self.count("stored_pages", sum(ok))
+        return ok
+
+    def clear(self) -> bool:
+        return bool(self._call(self.actor.clear, default=False))
+
+
+def open_store(options: StoreOptions, writer: str) -> PageStore:
+    """The store ``options`` name, for ``writer``'s pages."""
+    return DirectStore(options, writer) if options.path else RayStore(options, writer)
