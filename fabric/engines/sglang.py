@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -66,10 +67,10 @@ SGLANG_KEYS = frozenset(
 class SGLangOptions(StoreOptions):
     """This backend's keys in ``--hicache-storage-backend-extra-config``."""
 
-    namespace: str = ""
-    model_id: str = ""
-    kv_heads: int = 0
-    clear_store: bool = False
+    namespace: str = Field("", description="a kvfabric tenant, or empty for SGLang's own keys")
+    model_id: str = Field("", description="the model's id in page keys (default: SGLang's)")
+    kv_heads: int = Field(0, ge=0, description="the model's KV heads, an integer >= 0")
+    clear_store: bool = Field(False, description="true or false")
 
 
 def parse_sglang_options(extra: dict[str, Any] | None) -> SGLangOptions:
@@ -82,8 +83,6 @@ def parse_sglang_options(extra: dict[str, Any] | None) -> SGLangOptions:
     options = parse_options(SGLangOptions, ours, "kvfabric SGLang backend")
     if options.namespace:
         check_tenant(options.namespace)
-    if options.kv_heads < 0:
-        raise ConfigError(f"kv_heads={options.kv_heads} is refused: allowed is an integer >= 0")
     return options
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -88,8 +88,17 @@ def parse_options(model: type[BaseModel], options: Mapping[str, Any], where: str
         ) from None
 
 
+# Keys a read found missing or refused, remembered per process (at most this many).
+MAX_FAILED_KEYS = 65536
+
+
 class PageStore(ABC):
-    """Pages by full L3 key, for one writer (an engine's name)."""
+    """Pages by full L3 key, for one writer (an engine's name).
+
+    A page a read found missing or refused (corrupt, foreign) is remembered: it
+    is absent to ``present`` from then on — so an engine does not ask for it
+    again and again — and the next ``store`` of it writes it anew (the store
+    then serves the new copy), which ends the memory of it."""
 
     def __init__(self, writer: str) -> None:
         if writer not in WRITERS:
@@ -97,6 +106,7 @@ class PageStore(ABC):
         self.writer = writer
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._failed: OrderedDict[str, None] = OrderedDict()
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -107,19 +117,47 @@ class PageStore(ABC):
         present = self.present(keys)
         return present.index(False) if False in present else len(present)
 
-    @abstractmethod
     def present(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, whether the store holds it (unverified: a read still checks)."""
+        """Per key, whether the store holds it (unverified: a read still checks)
+        and no read of it here failed since it was last stored."""
+        found = self._present(keys)
+        with self._lock:
+            failed = self._failed
+            return [ok and key not in failed for key, ok in zip(keys, found, strict=True)]
 
-    @abstractmethod
     def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
         """Read and verify the leading pages into ``out`` (one uint8 row a key);
         how many were read (the first missing or refused page ends it)."""
+        n = self._load(keys, out, provenance)
+        self.count("loaded_pages", n)
+        if n < len(keys):
+            with self._lock:
+                self._failed[keys[n]] = None
+                while len(self._failed) > MAX_FAILED_KEYS:
+                    self._failed.popitem(last=False)
+        return n
 
-    @abstractmethod
     def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
         """Store ``pages`` (one uint8 row a key) of ``provenance``; per page, whether
         it was stored."""
+        ok = self._store(keys, pages, provenance)
+        self.count("stored_pages", sum(ok))
+        with self._lock:
+            for key, good in zip(keys, ok, strict=True):
+                if good:
+                    self._failed.pop(key, None)
+        return ok
+
+    @abstractmethod
+    def _present(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int: ...
+
+    @abstractmethod
+    def _store(
+        self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance
+    ) -> list[bool]: ...
 
     @abstractmethod
     def clear(self) -> bool:
@@ -145,7 +183,7 @@ class DirectStore(PageStore):
             {"path": options.path, "max_bytes": options.max_bytes, "fsync": options.fsync},
         )
 
-    def present(self, keys: Sequence[str]) -> list[bool]:
+    def _present(self, keys: Sequence[str]) -> list[bool]:
         try:
             return self.backend.present(keys)
         except OSError as exc:
@@ -153,26 +191,22 @@ class DirectStore(PageStore):
             self.count("errors")
             return [False] * len(keys)
 
-    def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
         try:
-            n = self.backend.get(keys, out, provenance)
+            return self.backend.get(keys, out, provenance)
         except OSError as exc:
             log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")
             return 0
-        self.count("loaded_pages", n)
-        return n
 
-    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
+    def _store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
         self.backend.record_writer(provenance, self.writer)
         try:
-            ok = self.backend.set(keys, pages, provenance)
+            return self.backend.set(keys, pages, provenance)
         except OSError as exc:
             log.warning("L3 %s: storing %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")
             return [False] * len(keys)
-        self.count("stored_pages", sum(ok))
-        return ok
 
     def clear(self) -> bool:
         self.backend.clear()
@@ -222,20 +256,19 @@ class RayStore(PageStore):
             self.count("errors")
             return default
 
-    def present(self, keys: Sequence[str]) -> list[bool]:
+    def _present(self, keys: Sequence[str]) -> list[bool]:
         return self._call(self.actor.engine_exists, list(keys), default=[False] * len(keys))
 
-    def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
         rows = self._call(self.actor.engine_load, list(keys), provenance, default=None)
         if rows is None:
             return 0
         n = min(len(rows), len(keys))
         out[:n] = rows[:n]
-        self.count("loaded_pages", n)
         return n
 
-    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
-        ok = self._call(
+    def _store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
+        return self._call(
             self.actor.engine_store,
             list(keys),
             np.ascontiguousarray(pages),
@@ -243,8 +276,6 @@ class RayStore(PageStore):
             self.writer,
             default=[False] * len(keys),
         )
-        self.count("stored_pages", sum(ok))
-        return ok
 
     def clear(self) -> bool:
         return bool(self._call(self.actor.clear, default=False))

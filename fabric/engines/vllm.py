@@ -34,9 +34,10 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -61,10 +62,10 @@ class VllmOptions(StoreOptions):
     """This tier's keys in its ``secondary_tiers`` entry (beside ``type`` and
     ``module_path``)."""
 
-    namespace: str = ""
-    io_threads: int = 4
-    enable_kv_events: bool = False
-    locality: str | None = None
+    namespace: str = Field("", description="a kvfabric tenant, or empty")
+    io_threads: int = Field(4, ge=1, le=64, description="an integer in 1..64")
+    enable_kv_events: bool = Field(False, description="true or false")
+    locality: Literal["LOCAL", "REMOTE"] | None = Field(None, description="LOCAL, REMOTE or none")
 
 
 def chunk_provenance(spec: Any, chunk_bytes: int) -> tuple[Provenance, str]:

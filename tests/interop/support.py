@@ -5,6 +5,7 @@ here re-writes an engine's interface: each helper calls the engine's constructor
 from __future__ import annotations
 
 import contextlib
+import mmap
 import struct
 import threading
 from collections.abc import Iterator
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import MagicMock
 
-import numpy as np
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -229,5 +229,10 @@ def corrupt_one_payload_byte(store_dir: Path, which: int = 0) -> None:
     seg.write_bytes(bytes(data))
 
 
-def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.array_equal(a, b))
+def page_aligned(rows: int, floats: int) -> torch.Tensor:
+    """A zeroed float32 ``(rows, floats)`` tensor whose memory starts on a page
+    boundary, as vLLM's primary tier's is (its fs tier reads with O_DIRECT)."""
+    page = mmap.PAGESIZE
+    raw = torch.zeros(rows * floats * 4 + page, dtype=torch.uint8)
+    shift = -raw.data_ptr() % page
+    return raw[shift : shift + rows * floats * 4].view(torch.float32).view(rows, floats)
