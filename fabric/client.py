@@ -229,6 +229,18 @@ class Fabric:
     def detach_storage(self, timeout_s: float = 30.0) -> bool:
         return self._call(self.coordinator.detach_storage, timeout_s)
 
+    def storage_usage(self) -> list[dict[str, Any]]:
+        """L3 pages per model tag, with the tag's model, layout, dtype, shard shape,
+        component and the engines that wrote pages of it (``kvfabric``, ``sglang``,
+        ``vllm``, ``hf``; ``unknown`` where no record says): what ``kvfabric storage
+        usage`` prints. ``[]`` with no L3 attached or one that cannot list its keys."""
+        import ray
+
+        storage = ray.get_actor(
+            f"{self.config.runtime.name}-storage", namespace=self.config.runtime.ray_namespace
+        )
+        return self._call(storage.usage_by_writer)
+
     def clear_storage(self) -> bool:
         """Delete every page in L3."""
         return self._call(self.coordinator.clear_storage)

@@ -23,6 +23,9 @@ DEFAULT_MAX_BYTES = 64 << 20
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Hash = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+# Where a page-hash chain continues from: a page's hash, or a namespace's seed —
+# empty for SGLang's unseeded chain (namespace ``sglang``, ``fabric.cache.keys``).
+ChainStart = Annotated[bytes, msgspec.Meta(max_length=32)]
 Incarnation = Annotated[str, msgspec.Meta(max_length=64)]
 
 
@@ -45,7 +48,7 @@ class SlidingPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
     page: Count
     pool_page: Count
-    prev_hash: Hash
+    prev_hash: ChainStart
     tokens: bytes
 
 
@@ -68,7 +71,7 @@ class Compute(_Message, frozen=True):
 
     cmd_id: Count
     namespace: Name
-    prev_hash: Hash
+    prev_hash: ChainStart
     tokens: bytes
     start_token: Count
     pages: tuple[Count, ...]
