@@ -100,6 +100,14 @@ _NATIVE = {
     "page_head": "kHTLD",
 }
 _CANONICAL = "kTLHD"
+# From a run of an MHA pool's pages (``PoolPages._run``) to ``(n, 2, T, L, H, D)``.
+_TO_PAGES = {
+    "layer_first": (2, 0, 3, 1, 4, 5),
+    "page_first": (1, 0, 2, 3, 4, 5),
+    "page_first_direct": (1, 0, 3, 2, 4, 5),
+    "page_head": (1, 0, 3, 4, 2, 5),
+}
+_FROM_PAGES = {k: tuple(v.index(i) for i in range(6)) for k, v in _TO_PAGES.items()}
 
 
 class PoolPages:
@@ -112,6 +120,7 @@ class PoolPages:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self._scratch = threading.local()
         self.page_size = getattr(pool, "page_size", 1) or 1
         self.dtype = pool.dtype
         self.canonical = type(pool) is MHATokenToKVPoolHost and pool.layout in _NATIVE
@@ -133,7 +142,12 @@ class PoolPages:
         return self
 
     def rows(self, n: int) -> np.ndarray:
-        return np.empty((n, self.row_bytes), dtype=np.uint8)
+        """Room for ``n`` pages, reused by this thread's next call (a fresh array
+        of a batch's size costs as much in page faults as the batch's read)."""
+        buf = getattr(self._scratch, "rows", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.rows = np.empty((n, self.row_bytes), dtype=np.uint8)
+        return buf[:n]
 
     def as_pages(self, rows: np.ndarray) -> torch.Tensor:
         """``rows`` (uint8) as ``(n, *shape)`` of the pool's dtype, sharing memory."""
@@ -149,18 +163,10 @@ class PoolPages:
                 page = self.pool.get_data_page(int(host_indices[i * self.page_size]), flat=True)
                 rows[i] = page.contiguous().view(torch.uint8).numpy()
             return rows
-        kv, t = self.pool.kv_buffer, self.page_size
-        idx = host_indices[: n * t].to(torch.int64)
-        layout = self.pool.layout
-        if layout == "layer_first":
-            src = kv[:, :, idx].view(2, kv.shape[1], n, t, *kv.shape[3:]).permute(2, 0, 3, 1, 4, 5)
-        elif layout == "page_first":
-            src = kv[:, idx].view(2, n, t, *kv.shape[2:]).permute(1, 0, 2, 3, 4, 5)
-        elif layout == "page_first_direct":
-            src = kv[:, idx[::t] // t].permute(1, 0, 3, 2, 4, 5)
-        else:  # page_head
-            src = kv[:, idx[::t] // t].permute(1, 0, 3, 4, 2, 5)
-        self.as_pages(rows).copy_(src)
+        pages = self.as_pages(rows)
+        to_pages = _TO_PAGES[self.pool.layout]
+        for i, j, first in self._runs(host_indices, n):
+            pages[i:j].copy_(self._run(first, j - i).permute(to_pages))
         return rows
 
     def scatter(self, host_indices: torch.Tensor, rows: np.ndarray) -> None:
@@ -173,19 +179,30 @@ class PoolPages:
             for i in range(n):
                 self.pool.set_from_flat_data_page(int(host_indices[i * self.page_size]), pages[i])
             return
-        kv, t = self.pool.kv_buffer, self.page_size
-        idx = host_indices[: n * t].to(torch.int64)
-        layout = self.pool.layout
+        to_pool = _FROM_PAGES[self.pool.layout]
+        for i, j, first in self._runs(host_indices, n):
+            self._run(first, j - i).copy_(pages[i:j].permute(to_pool))
+
+    def _runs(self, host_indices: torch.Tensor, n: int) -> list[tuple[int, int, int]]:
+        """Pages ``[i, j)`` whose slots follow one another from slot ``first``: one
+        strided copy each, not a gather and a scatter per page."""
+        t = self.page_size
+        starts = host_indices[: n * t : t].tolist()
+        runs, i = [], 0
+        for j in range(1, n + 1):
+            if j == n or starts[j] != starts[j - 1] + t:
+                runs.append((i, j, starts[i]))
+                i = j
+        return runs
+
+    def _run(self, first: int, n: int) -> torch.Tensor:
+        """The pool's view of ``n`` pages from slot ``first``, with a page axis."""
+        kv, t, layout = self.pool.kv_buffer, self.page_size, self.pool.layout
         if layout == "layer_first":
-            kv[:, :, idx] = pages.permute(1, 3, 0, 2, 4, 5).reshape(
-                2, kv.shape[1], n * t, *kv.shape[3:]
-            )
-        elif layout == "page_first":
-            kv[:, idx] = pages.permute(1, 0, 2, 3, 4, 5).reshape(2, n * t, *kv.shape[2:])
-        elif layout == "page_first_direct":
-            kv[:, idx[::t] // t] = pages.permute(1, 0, 3, 2, 4, 5)
-        else:  # page_head
-            kv[:, idx[::t] // t] = pages.permute(1, 0, 4, 2, 3, 5)
+            return kv[:, :, first : first + n * t].unflatten(2, (n, t))  # (2, L, n, T, H, D)
+        if layout == "page_first":
+            return kv[:, first : first + n * t].unflatten(1, (n, t))  # (2, n, T, L, H, D)
+        return kv[:, first // t : first // t + n]  # (2, n, L, T, H, D) or (2, n, H, T, L, D)
 
     # -- single flat pages (the generic interface) -----------------------------------
 

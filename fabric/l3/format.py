@@ -22,6 +22,11 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
+try:  # zlib-ng's CRC-32 (folded with carry-less multiplies) is zlib's, ~5x faster
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # a platform without its wheel: the same checksum, slower
+    _crc32 = zlib.crc32
+
 MAGIC = b"KVFABRIC"
 FORMAT_VERSION = 2
 _MAX_HEADER = 4096
@@ -79,7 +84,7 @@ def check_key(key: str) -> str:
 def checksum(payload: bytes | memoryview) -> int:
     # CRC-32 catches torn, truncated and bit-flipped pages at memory speed; who
     # may read a page is settled by its key (a hash of namespace and prefix).
-    return zlib.crc32(payload)
+    return _crc32(payload)
 
 
 def encode_header(payload: bytes | memoryview, provenance: Provenance, key: str) -> bytes:

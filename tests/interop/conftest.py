@@ -1,44 +1,24 @@
 """The interop tier: kvfabric driven by the engines' own code (SGLang 0.5.20, vLLM
 0.33.0, Hugging Face transformers), installed by ``tests/interop/setup_engines.sh``
-into ``.interop/`` — the README's test command runs it first.
-
-The engines' directories go at the end of ``sys.path``, so nothing they bring
-replaces a package of the project's own environment. transformers is asked
-whether torchvision is available before the stand-in torchvision becomes
-importable: it caches the answer (no), so transformers never reaches for the
-stand-in's image transforms.
-"""
+into ``.interop/`` — the README's test command runs it first. Every test here
+carries the ``interop`` marker (``python3 -m pytest -m interop`` runs them)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-INTEROP = ROOT / ".interop"
-PATHS = [INTEROP / "site", INTEROP / "vllm", INTEROP / "stand-ins"]
+from tests.interop.engine_env import activate
 
-
-def _activate() -> None:
-    if not (INTEROP / "ready").is_file():
-        raise pytest.UsageError(
-            "the interop tests need the engines: run tests/interop/setup_engines.sh first "
-            "(the README's test command does)"
-        )
-    from transformers.utils import import_utils
-
-    import_utils.is_torchvision_available()
-    for path in map(str, PATHS):
-        if path not in sys.path:
-            sys.path.append(path)
-
-
-_activate()
+try:
+    activate()
+except RuntimeError as exc:
+    raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
     for item in items:
-        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+        if Path(str(item.fspath)).is_relative_to(here):
             item.add_marker(pytest.mark.interop)

@@ -226,3 +226,18 @@ def test_clear_is_refused_unless_allowed(tmp_path):
     assert backend.clear() is False and backend.batch_exists(hashes) == 1
     allowed = adapter(pool, path=str(tmp_path), clear_store=True)
     assert allowed.clear() is True and allowed.batch_exists(hashes) == 0
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_pages_in_slots_that_do_not_follow_one_another(tmp_path, layout):
+    pool = host_pool(layout=layout)
+    backend = adapter(pool, path=str(tmp_path))
+    slots = pool.alloc(64)
+    src = torch.cat([slots[i * 4 : i * 4 + 4] for i in (0, 1, 5, 2, 9)])  # runs of 2, 1, 1, 1
+    dst = torch.cat([slots[i * 4 : i * 4 + 4] for i in (15, 14, 12, 13, 3)])
+    fill_random(pool, src)
+    before = pages_of(pool, src)
+    hashes = sglang_hashes(TOKENS[:20], 4)
+    assert backend.batch_set_v1(hashes, src) == [True] * 5
+    assert backend.batch_get_v1(hashes, dst) == [True] * 5
+    assert all(torch.equal(a, b) for a, b in zip(before, pages_of(pool, dst), strict=True))

@@ -1,0 +1,270 @@
+"""Pages per second through kvfabric's engine adapters against each engine's own
+built-in file backend, on the same pages, in one run.
+
+- SGLang 0.5.20: its ``HiCacheController``'s own page functions, as its backup
+  and prefetch threads call them (batches of 128 pages), over one host pool:
+  kvfabric's backend (``interface_v1``: ``batch_set_v1`` / ``batch_get_v1``)
+  against SGLang's ``HiCacheFile`` (its generic path: a flat page each).
+- vLLM 0.33: the secondary tier's jobs (``submit_store`` / ``submit_load``,
+  ``drain_jobs``) over one primary tensor: kvfabric's tier against vLLM's file
+  system tier (``fs``, its default 16 + 16 threads). The fs tier reads and
+  writes with O_DIRECT where the file system takes it, so its loads come from
+  the device while kvfabric's come from the page cache when it holds them;
+  ``vllm_*_vs_builtin_buffered`` is the same against the fs tier made to use
+  buffered I/O, like for like.
+
+kvfabric checks every page it reads (key binding, CRC-32, provenance): the
+figures are with those checks on. Every store round writes to a fresh
+directory (all are deleted at the end: ~1.3 GB a round at the default size),
+after a ``sync`` (no earlier round's dirty pages are written back
+while it is timed); every load round reads what that round stored (from the
+page cache, where the kernel kept it). The sides alternate within each round; each side's
+best round counts. The last line is one JSON object with
+``sglang_store_vs_builtin``, ``sglang_load_vs_builtin``, ``vllm_store_vs_builtin``
+and ``vllm_load_vs_builtin`` (kvfabric's pages/s over the built-in's; > 1:
+kvfabric is faster).
+
+Needs the interop tier's engines (``bash tests/interop/setup_engines.sh``).
+
+    python3 bench/engines.py                  # ~1 min
+    python3 bench/engines.py --quick          # fewer, smaller pages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tests.interop.engine_env import activate
+
+try:
+    activate()
+except RuntimeError as exc:
+    print(f"bench/engines.py: {exc}", file=sys.stderr)
+    sys.exit(2)
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.runtime_context import get_parallel
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from tests.interop.support import offloading_spec, page_aligned
+
+STORAGE_BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
+
+
+def _controller(pool, backend: str, extra: dict) -> HiCacheController:
+    class Allocator:
+        def get_kvcache(self):
+            return pool.device_pool
+
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        return HiCacheController(
+            Allocator(),
+            pool,
+            pool.page_size,
+            dist.group.WORLD,
+            threading.Event(),
+            storage_backend=backend,
+            model_name="bench",
+            storage_backend_extra_config=extra,
+        )
+
+
+def sglang_round(pool, src, dst, hashes, backend: str, where: pathlib.Path) -> tuple[float, float]:
+    """One store and one load of every page through SGLang's own controller;
+    seconds for each. The load is checked against what was stored."""
+    if backend == "kvfabric":
+        extra = {
+            "backend_name": "kvfabric",
+            "module_path": "fabric.engines.sglang",
+            "class_name": "KvFabricStorage",
+            "interface_v1": 1,
+            "path": str(where),
+            "max_bytes": 0,
+        }
+        cc = _controller(pool, "dynamic", extra)
+    else:
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(where)
+        cc = _controller(pool, "file", {})
+    t = pool.page_size
+    try:
+        os.sync()  # no earlier round's dirty pages to write back while this one is timed
+        start = time.perf_counter()
+        for i in range(0, len(hashes), STORAGE_BATCH):
+            batch = hashes[i : i + STORAGE_BATCH]
+            assert cc.page_set_func(batch, src[i * t : (i + len(batch)) * t]), backend
+        stored = time.perf_counter() - start
+        op = PrefetchOperation("bench", [], None)
+        start = time.perf_counter()
+        for i in range(0, len(hashes), STORAGE_BATCH):
+            batch = hashes[i : i + STORAGE_BATCH]
+            got = cc.page_get_func(op, batch, dst[i * t : (i + len(batch)) * t])
+            assert got == len(batch), (backend, got)
+        loaded = time.perf_counter() - start
+    finally:
+        cc.detach_storage_backend()
+    assert torch.equal(pool.kv_buffer[:, :, dst], pool.kv_buffer[:, :, src]), backend
+    pool.kv_buffer[:, :, dst] = 0
+    return stored, loaded
+
+
+def vllm_round(
+    tensor, keys, backend: str, where: pathlib.Path, job_keys: int
+) -> tuple[float, float]:
+    """Every chunk stored, then loaded into the other half of the primary tensor,
+    in jobs of ``job_keys`` chunks; seconds for each. Checked."""
+    n = len(keys)
+    if backend == "kvfabric":
+        config = {
+            "type": "KvFabricTier",
+            "module_path": "fabric.engines.vllm",
+            "path": str(where),
+            "max_bytes": 0,
+        }
+    else:
+        config = {"type": "fs", "root_dir": str(where)}
+    if backend == "fs-buffered":
+        import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
+
+        probe, fs_manager.probe_o_direct = fs_manager.probe_o_direct, lambda _d: False
+    try:
+        tier = SecondaryTierFactory.create_secondary_tier(
+            config, memoryview(tensor.numpy()), offloading_spec()
+        )
+    finally:
+        if backend == "fs-buffered":
+            fs_manager.probe_o_direct = probe
+    try:
+        os.sync()
+        start = time.perf_counter()
+        for j, i in enumerate(range(0, n, job_keys)):
+            chunk = np.arange(i, min(i + job_keys, n))
+            tier.submit_store(TransferJob(j, keys[i : i + job_keys], chunk, False, None))
+        tier.drain_jobs()
+        stored = time.perf_counter() - start
+        assert all(r.success for r in tier.get_finished_jobs()), backend
+        start = time.perf_counter()
+        for j, i in enumerate(range(0, n, job_keys)):
+            chunk = np.arange(n + i, n + min(i + job_keys, n))
+            tier.submit_load(TransferJob(1000 + j, keys[i : i + job_keys], chunk, True, None))
+        tier.drain_jobs()
+        loaded = time.perf_counter() - start
+        assert all(r.success for r in tier.get_finished_jobs()), backend
+    finally:
+        tier.shutdown()
+    assert torch.equal(tensor[n:], tensor[:n]), backend
+    tensor[n:] = 0
+    return stored, loaded
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller pages and rounds")
+    ap.add_argument("--pages", type=int, default=512, help="pages (SGLang) and chunks (vLLM)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--dir", default="", help="where the stores go (default: a temporary directory)"
+    )
+    args = ap.parse_args()
+    pages, rounds = (128, 2) if args.quick else (args.pages, args.rounds)
+    if pages < 1 or rounds < 1:
+        ap.error("--pages and --rounds must be >= 1")
+    # SGLang: pages of 32 tokens x 8 layers x 4 KV heads x 128 dims, bf16: 512 KiB.
+    layers, heads, dim, t = (4, 4, 64, 16) if args.quick else (8, 4, 128, 32)
+    base = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="kvfabric-bench-engines-"))
+    base.mkdir(parents=True, exist_ok=True)
+    pg = base / "pg"
+    pg.mkdir(exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"file://{pg}/init", rank=0, world_size=1)
+    device = MHATokenToKVPool(
+        size=2 * pages * t,
+        page_size=t,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, t, "layer_first", pin_memory=False, device="cpu")
+    src, dst = pool.alloc(pages * t), pool.alloc(pages * t)
+    pool.kv_buffer[:, :, src] = torch.randn(2, layers, pages * t, heads, dim).to(torch.bfloat16)
+    hashes = [os.urandom(32).hex() for _ in range(pages)]
+    page_bytes = 2 * layers * t * heads * dim * 2
+    # vLLM: chunks of the same size, float32, page aligned as its primary tier's.
+    floats = page_bytes // 4
+    tensor = page_aligned(2 * pages, floats)
+    tensor[:pages] = torch.rand(pages, floats)
+    keys = [make_offload_key(os.urandom(32), 0) for _ in range(pages)]
+
+    times: dict[str, list[float]] = {}
+    progress = sys.stderr
+    # Nothing is deleted until the end: on a file system mounted with `discard`
+    # (as here), blocks freed a moment ago make the next large writes wait.
+    try:
+        for r in range(rounds):
+            order = 1 if r % 2 else -1  # who goes first alternates
+            for name in ("kvfabric", "file")[::order]:
+                stored, loaded = sglang_round(
+                    pool, src, dst, hashes, name, base / f"sglang-{name}-{r}"
+                )
+                times.setdefault(f"sglang_{name}_store", []).append(stored)
+                times.setdefault(f"sglang_{name}_load", []).append(loaded)
+            for name in ("kvfabric", "fs", "fs-buffered")[::order]:
+                where = base / f"vllm-{name}-{r}"
+                stored, loaded = vllm_round(tensor, keys, name, where, job_keys=16)
+                times.setdefault(f"vllm_{name}_store", []).append(stored)
+                times.setdefault(f"vllm_{name}_load", []).append(loaded)
+            print(f"round {r + 1}/{rounds} done", file=progress, flush=True)
+    finally:
+        dist.destroy_process_group()
+        for where in base.iterdir() if not args.dir else ():
+            shutil.rmtree(where, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+
+    rate = {k: pages / min(v) for k, v in times.items()}  # pages/s, best round
+    mb = page_bytes / 1e6
+    print(f"{pages} pages of {page_bytes >> 10} KiB, best of {rounds} rounds (pages/s, MB/s)")
+    for k in sorted(rate):
+        print(f"  {k:<28} {rate[k]:>9.0f} pages/s {rate[k] * mb:>8.0f} MB/s")
+    out = {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "rounds": rounds,
+        "pages_per_s": {k: round(v, 1) for k, v in sorted(rate.items())},
+        "sglang_store_vs_builtin": round(
+            rate["sglang_kvfabric_store"] / rate["sglang_file_store"], 2
+        ),
+        "sglang_load_vs_builtin": round(rate["sglang_kvfabric_load"] / rate["sglang_file_load"], 2),
+        "vllm_store_vs_builtin": round(rate["vllm_kvfabric_store"] / rate["vllm_fs_store"], 2),
+        "vllm_load_vs_builtin": round(rate["vllm_kvfabric_load"] / rate["vllm_fs_load"], 2),
+        "vllm_store_vs_builtin_buffered": round(
+            rate["vllm_kvfabric_store"] / rate["vllm_fs-buffered_store"], 2
+        ),
+        "vllm_load_vs_builtin_buffered": round(
+            rate["vllm_kvfabric_load"] / rate["vllm_fs-buffered_load"], 2
+        ),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
