@@ -249,8 +249,14 @@ class FileBackend(L3Backend):
             return {"pages": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
 
     def page_keys(self) -> list[str]:
-        with self._index_lock:
-            return list(self._index)
+        """Every key the directory holds now, other writers' pages included."""
+        keys = []
+        for entry in os.scandir(self._root_fd):
+            dir_fd = self._dir(entry.name, create=False) if len(entry.name) == 2 else None
+            for item in os.scandir(dir_fd) if dir_fd is not None else ():
+                if item.name.endswith(_SUFFIX) and item.is_file(follow_symlinks=False):
+                    keys.append(item.name[: -len(_SUFFIX)])
+        return keys
 
     def close(self) -> None:
         with self._index_lock:

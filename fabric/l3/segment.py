@@ -412,7 +412,9 @@ class SegmentBackend(L3Backend):
             }
 
     def page_keys(self) -> list[str]:
+        """Every key the directory holds now, other writers' pages included."""
         with self._lock:
+            self._rescan()
             return list(self._index)
 
     def close(self) -> None:

@@ -1,10 +1,16 @@
 """kvfabric as a vLLM 0.33 secondary offloading tier, loaded by vLLM's own
 ``SecondaryTierFactory`` over a memoryview of a CPU tensor (the primary tier),
 as vLLM's own ``tests/v1/kv_offload/tiering/test_fs_tier.py`` drives its file
-system tier; and side by side with that tier (``fs``) on the same chunks."""
+system tier; side by side with that tier (``fs``) on the same chunks; and under
+vLLM's scheduler-side ``TieringOffloadingManager`` (cascade from the CPU tier,
+promotion back in another worker).
+
+Not run: vLLM's scheduler and GPU workers (its wheel's compiled kernels need
+CUDA; only its Python modules are installed here)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -17,8 +23,13 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
 
 from fabric.engines.vllm import KvFabricTier
 from fabric.errors import ConfigError
@@ -206,3 +217,58 @@ def test_the_same_chunks_round_trip_through_vllms_own_fs_tier(tmp_path):
         assert finish(fs)[0].success and torch.equal(tensor[4:], expected)
     finally:
         fs.shutdown()
+
+
+def _worker(engine_id: str, path, chunks: int, chunk_bytes: int):
+    """One vLLM worker's scheduler-side offloading manager, built from vLLM's own
+    classes: its shared-memory CPU region, its CPU primary tier and its
+    TieringOffloadingManager, with the kvfabric tier (made by vLLM's factory
+    over the primary's memoryview) as its secondary tier."""
+    region = SharedOffloadRegion(engine_id, chunks, 0, chunk_bytes, 16)
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=chunks, mmap_region=region)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "KvFabricTier", "module_path": "fabric.engines.vllm", "path": str(path)},
+        primary.get_kv_memoryview(),
+        offloading_spec(),
+    )
+    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+    memory = np.asarray(primary.get_kv_memoryview()).view(np.uint8)
+    return manager, memory
+
+
+def _steps(manager, until, steps: int = 500):
+    for _ in range(steps):
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        if until():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_vllms_tiering_manager_cascades_to_kvfabric_and_another_worker_promotes_back(tmp_path):
+    chunks, chunk_bytes = 8, 4 * 4096
+    keys = [key(100 + i) for i in range(3)]
+    a, memory_a = _worker(f"kvf-a-{os.getpid()}", tmp_path, chunks, chunk_bytes)
+    try:
+        ctx = ReqContext(req_id="writer")
+        a.on_new_request(ctx)
+        out = a.prepare_store(keys, ctx)
+        slots = list(out.store_spec.block_ids)
+        data = np.random.default_rng(1).integers(0, 256, (3, chunk_bytes), dtype=np.uint8)
+        memory_a[slots] = data  # what the GPU -> CPU copy puts there
+        a.complete_store(keys, ctx, success=True)  # cascades to the kvfabric tier
+        a.on_request_finished(ctx)
+        assert _steps(a, lambda: not a.has_pending_work())
+    finally:
+        a.shutdown()
+    b, memory_b = _worker(f"kvf-b-{os.getpid()}", tmp_path, chunks, chunk_bytes)
+    try:
+        ctx = ReqContext(req_id="reader")
+        b.on_new_request(ctx)
+        assert _steps(b, lambda: [b.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3)
+        spec = b.prepare_load(keys, ctx)
+        assert np.array_equal(memory_b[list(spec.block_ids)], data), "promoted byte for byte"
+        b.complete_load(keys, ctx)
+        b.on_request_finished(ctx)
+    finally:
+        b.shutdown()
