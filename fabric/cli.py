@@ -863,20 +863,54 @@ def clear(address, name, ray_namespace, yes, as_json) -> None:
 
 @storage.command()
 @_cluster_options
+@click.option(
+    "--path",
+    "store_path",
+    default=None,
+    help="Read this L3 directory itself (no fabric, no Ray): its pages per model and engine.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["segment", "file"]),
+    default="segment",
+    show_default=True,
+    help="With --path: the directory's backend (storage.backend).",
+)
 @_json_option
-def usage(address, name, ray_namespace, as_json) -> None:
-    """Show L3 usage and traffic counters."""
-    fabric = _connect(address, name, ray_namespace)
-    l3 = fabric.status()["l3"]
+def usage(address, name, ray_namespace, store_path, backend, as_json) -> None:
+    """Show L3 usage, traffic counters, and which engine wrote which model's pages."""
+    if store_path is not None:
+        from fabric.engines.store import StoreOptions, open_store
+
+        store = open_store(StoreOptions(path=store_path, backend=backend, max_bytes=0), "kvfabric")
+        try:
+            l3 = {"attached": True, **store.backend.stats()}
+            writers = store.backend.usage_by_writer()
+        finally:
+            store.close()
+        where = store_path
+    else:
+        fabric = _connect(address, name, ray_namespace)
+        l3 = fabric.status()["l3"]
+        writers = fabric.storage_usage() if l3.get("attached") else []
+        where = f"kvfabric {name}"
     if not as_json:
         if not l3.get("attached"):
-            click.echo(f"kvfabric {name}: no L3 attached")
+            click.echo(f"{where}: no L3 attached")
         else:
-            click.echo(f"kvfabric {name}: L3 {l3.get('backend')}")
+            click.echo(f"{where}: L3 {l3.get('backend')}")
             for key, value in sorted(l3.items()):
                 if key not in ("attached", "backend"):
                     click.echo(f"  {key:<22} {value}")
-    _emit(result("storage", fabric=name, storage={"action": "usage", **l3}))
+            if writers:
+                click.echo("  pages by model and writer:")
+            for row in writers:
+                shape = "x".join(map(str, row["shard_shape"] or [])) or "?"
+                click.echo(
+                    f"  {row['pages']:>10,}  {','.join(row['writers']):<22} {row['model_id'] or '?'}"
+                    f"  {row['layout'] or '?'} {row['dtype'] or '?'} {shape} {row['component'] or '?'}"
+                )
+    _emit(result("storage", fabric=name, storage={"action": "usage", **l3, "writers": writers}))
 
 
 @cli.command()

@@ -87,8 +87,13 @@ def test_events_prints_router_shaped_events(fabric):
 
 
 def test_storage_usage_detach_attach_clear(fabric, tmp_path):
+    r = fabric.submit(prompt(31, pages=2), timeout=60)
+    fabric.release(r.lease)
+    assert fabric.settle(30)
     usage = last_json(kvfabric("storage", "usage", "--json"))["storage"]
     assert usage["attached"] and usage["backend"] == "file"
+    assert usage["writers"] and all(row["writers"] == ["kvfabric"] for row in usage["writers"])
+    assert sum(row["pages"] for row in usage["writers"]) == usage["pages"]
     assert last_json(kvfabric("storage", "detach", "--json"))["storage"]["done"] is True
     assert last_json(kvfabric("storage", "usage", "--json"))["storage"]["attached"] is False
     options = json.dumps({"path": str(tmp_path / "l3b")})
