@@ -291,21 +291,21 @@ class KvFabricStorage(HiCacheStorage):
             return cfg.tp_rank
         if cfg.tp_size % total:
             raise ConfigError(
-                f"kv_heads={total} is refused: with {cfg.tp_size} TP ranks allowed is a "
-                "multiple or a divisor of the TP size"
+                f"kv_heads={total} is refused: with {cfg.tp_size} TP ranks allowed is at "
+                "least the TP size, or a divisor of it"
             )
         return cfg.tp_rank // (cfg.tp_size // total)
 
     # -- keys ------------------------------------------------------------------------
 
-    def _keys(self, pages: PoolPages, keys: Sequence[str]) -> list[str] | None:
-        """Full L3 keys for SGLang's page keys; ``None`` past the first one that is
-        not a page key (those pages cannot be in the store)."""
-        out = []
+    def _keys(self, pages: PoolPages, keys: Sequence[str]) -> list[str]:
+        """Full L3 keys for SGLang's page keys, up to the first that is not a page
+        key (neither it nor a page after it can be in the store)."""
+        out: list[str] = []
         for key in keys:
             h = sglang_hash(key)
             if h is None:
-                return out if out else None
+                return out
             out.append(
                 pages.namer.key(
                     tenant_hash(self.options.namespace, h) if self.options.namespace else h
@@ -327,8 +327,7 @@ class KvFabricStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        full = self._keys(self._kv(), keys)
-        return self.store.exists(full) if full else 0
+        return self.store.exists(self._keys(self._kv(), keys))
 
     # -- the v1 interface (host indices) -----------------------------------------------
 
@@ -349,7 +348,7 @@ class KvFabricStorage(HiCacheStorage):
         return self._set(self._kv(), keys, host_indices)
 
     def _get(self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        full = self._keys(pages, keys) or []
+        full = self._keys(pages, keys)
         if len(host_indices) < len(full) * pages.page_size:
             log.error(
                 "kvfabric SGLang backend: %d host indices for %d pages",
@@ -365,7 +364,7 @@ class KvFabricStorage(HiCacheStorage):
         return [True] * n + [False] * (len(keys) - n)
 
     def _set(self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        full = self._keys(pages, keys) or []
+        full = self._keys(pages, keys)
         if len(host_indices) < len(full) * pages.page_size:
             log.error(
                 "kvfabric SGLang backend: %d host indices for %d pages",
@@ -403,7 +402,7 @@ class KvFabricStorage(HiCacheStorage):
         targets = list(target_locations or [])
         if len(targets) != len(keys):
             targets = [pages.pool.get_dummy_flat_data_page() for _ in keys]
-        full = self._keys(pages, keys) or []
+        full = self._keys(pages, keys)
         start = time.perf_counter()
         rows = pages.rows(len(full))
         n = self.store.load(full, rows, pages.provenance)
@@ -426,7 +425,7 @@ class KvFabricStorage(HiCacheStorage):
         pages = self._kv()
         values = list(values or [])
         full = self._keys(pages, keys)
-        if full is None or len(full) != len(keys) or len(values) != len(keys):
+        if len(full) != len(keys) or len(values) != len(keys):
             return False
         start = time.perf_counter()
         present = self.store.present(full)
@@ -457,8 +456,8 @@ class KvFabricStorage(HiCacheStorage):
             if final == 0:
                 break
             pages = self.pools.get(str(transfer.name))
-            full = self._keys(pages, keys[:kv_pages]) if pages is not None else None
-            present = self.store.present(full) if full else []
+            full = self._keys(pages, keys[:kv_pages]) if pages is not None else []
+            present = self.store.present(full)
             present += [False] * (kv_pages - len(present))
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages

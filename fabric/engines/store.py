@@ -120,6 +120,8 @@ class PageStore(ABC):
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether the store holds it (unverified: a read still checks)
         and no read of it here failed since it was last stored."""
+        if not keys:
+            return []
         found = self._present(keys)
         with self._lock:
             failed = self._failed
@@ -128,7 +130,7 @@ class PageStore(ABC):
     def load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
         """Read and verify the leading pages into ``out`` (one uint8 row a key);
         how many were read (the first missing or refused page ends it)."""
-        n = self._load(keys, out, provenance)
+        n = self._load(keys, out, provenance) if len(keys) else 0
         self.count("loaded_pages", n)
         if n < len(keys):
             with self._lock:
@@ -140,7 +142,7 @@ class PageStore(ABC):
     def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
         """Store ``pages`` (one uint8 row a key) of ``provenance``; per page, whether
         it was stored."""
-        ok = self._store(keys, pages, provenance)
+        ok = self._store(keys, pages, provenance) if len(keys) else []
         self.count("stored_pages", sum(ok))
         with self._lock:
             for key, good in zip(keys, ok, strict=True):

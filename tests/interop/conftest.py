@@ -1,11 +1,9 @@
 """The interop tier: kvfabric driven by the engines' own code (SGLang 0.5.20, vLLM
 0.33.0, Hugging Face transformers), installed by ``tests/interop/setup_engines.sh``
-into ``.interop/`` — the README's test command runs it first. Every test here
-carries the ``interop`` marker (``python3 -m pytest -m interop`` runs them)."""
+into ``.interop/`` — the README's test command runs it first. Every test module
+here is marked ``interop`` (``python3 -m pytest -m interop`` runs them)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +13,3 @@ try:
     activate()
 except RuntimeError as exc:
     raise pytest.UsageError(str(exc)) from None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(here):
-            item.add_marker(pytest.mark.interop)

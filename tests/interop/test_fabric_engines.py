@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 import torch
 
 from fabric.chat import TINY_LLAMA, generate
@@ -18,7 +19,7 @@ from fabric.engines.store import StoreOptions
 from fabric.rank.model import assemble, build_model
 from tests.interop.support import adapter, fill_random, host_pool, sglang_hashes
 
-ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.interop
 
 NS = "kvfabric-engines-tests"
 NAME = "engines"

@@ -19,6 +19,8 @@ from fabric.l3.service import StorageService
 from fabric.rank.model import build_model
 from tests.interop.support import corrupt_one_payload_byte
 
+pytestmark = pytest.mark.interop
+
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, 188]
 
 

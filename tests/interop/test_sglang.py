@@ -33,6 +33,8 @@ from tests.interop.support import (
     storage_config,
 )
 
+pytestmark = pytest.mark.interop
+
 TOKENS = list(range(1000, 1032))  # 8 pages of 4
 
 

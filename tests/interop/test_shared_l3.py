@@ -24,6 +24,8 @@ from fabric.rank.model import assemble, build_model
 from fabric.topology import Topology
 from tests.interop.support import DTYPES, adapter, host_pool, offloading_spec, sglang_hashes
 
+pytestmark = pytest.mark.interop
+
 LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 4
 TOKENS = list(range(500, 524))  # 6 pages
 BASE = {"model": "m", "dtype": "bfloat16", "layout": "layer_first", "tp": 1, "tenant": None}

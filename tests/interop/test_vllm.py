@@ -35,6 +35,8 @@ from fabric.engines.vllm import KvFabricTier
 from fabric.errors import ConfigError
 from tests.interop.support import corrupt_one_payload_byte, offloading_spec, page_aligned
 
+pytestmark = pytest.mark.interop
+
 CHUNKS, CHUNK_FLOATS = 8, 4096
 CTX = ReqContext(req_id="test")
 
