@@ -21,7 +21,9 @@ from tests.helpers import (
 )
 
 page_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6)
-namespaces = st.sampled_from(["a", "b"])
+# "sglang" seeds its chain with nothing (SGLang's unseeded chain), "sglang:x" with
+# SGLang's seed: every tree path must hold for those chains too.
+namespaces = st.sampled_from(["a", "b", "sglang", "sglang:x"])
 sessions = st.sampled_from(["s1", "s2"])
 loose_tokens = st.lists(st.integers(0, 3), max_size=5)
 

@@ -87,14 +87,16 @@ class FabricMachine(RuleBasedStateMachine):
         first=st.integers(0, 2),
         rest=st.lists(st.integers(0, 3), min_size=0, max_size=8),
         tail=st.lists(st.integers(0, 3), max_size=3),
+        # ``sglang`` chains start from no seed at all (SGLang's unseeded chain).
+        namespace=st.sampled_from(["default", "default", "sglang"]),
     )
-    def submit(self, first, rest, tail=()):
+    def submit(self, first, rest, tail=(), namespace="default"):
         pages = [first, *rest]
         tokens = pack_tokens(
             [p * 10 + i % 4 + 1000 * j for j, p in enumerate(pages) for i in range(4)] + list(tail)
         )
         self.n += 1
-        rid = self.fabric.core.submit(tokens, request_id=f"r{self.n}")
+        rid = self.fabric.core.submit(tokens, namespace, request_id=f"r{self.n}")
         self.tokens[rid] = tokens
 
     @rule(
