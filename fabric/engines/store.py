@@ -139,9 +139,12 @@ class PageStore(ABC):
                     self._failed.popitem(last=False)
         return n
 
-    def store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
-        """Store ``pages`` (one uint8 row a key) of ``provenance``; per page, whether
-        it was stored."""
+    def store(
+        self, keys: Sequence[str], pages: np.ndarray | Sequence[np.ndarray], provenance: Provenance
+    ) -> list[bool]:
+        """Store ``pages`` (one uint8 row a key: an array, or a list of rows, which
+        a direct store writes without gathering them first) of ``provenance``; per
+        page, whether it was stored."""
         ok = self._store(keys, pages, provenance) if len(keys) else []
         self.count("stored_pages", sum(ok))
         with self._lock:

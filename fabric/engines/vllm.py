@@ -201,7 +201,7 @@ class KvFabricTier(SecondaryTierManager):
         todo = [i for i, p in enumerate(present) if not p]
         stored = [True] * len(keys)
         if todo:
-            rows = self.primary[chunks[todo]]
+            rows = [self.primary[c] for c in chunks[todo]]  # views: no copy before the write
             for i, ok in zip(
                 todo, self.store.store([full[i] for i in todo], rows, self.provenance), strict=True
             ):
