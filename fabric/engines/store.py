@@ -23,6 +23,8 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import Any, Literal
 
 import numpy as np
@@ -56,6 +58,9 @@ class StoreOptions(BaseModel):
     address: str = Field("auto", min_length=1, description="the Ray cluster's address")
     ray_namespace: str = Field("kvfabric", min_length=1, description="the fabric's Ray namespace")
     timeout_s: float = Field(30.0, gt=0, description="a number > 0 (seconds per Ray call)")
+    write_threads: int = Field(
+        2, ge=1, le=16, description="an integer in 1..16 (threads a large store is split over)"
+    )
 
     @model_validator(mode="after")
     def _one_place(self) -> StoreOptions:
@@ -176,8 +181,14 @@ class PageStore(ABC):
         """Release files or connections."""
 
 
+# A store of at least this many bytes is split over ``write_threads`` threads.
+SPLIT_BYTES = 4 << 20
+
+
 class DirectStore(PageStore):
-    """A kvfabric L3 directory opened in this process."""
+    """A kvfabric L3 directory opened in this process. A large store is split over
+    ``write_threads`` threads, each appending to segments of its own: copying
+    pages into the page cache is most of a store's time, and it runs in parallel."""
 
     def __init__(self, options: StoreOptions, writer: str) -> None:
         super().__init__(writer)
@@ -186,6 +197,12 @@ class DirectStore(PageStore):
             _NO_PROVENANCE,
             1,
             {"path": options.path, "max_bytes": options.max_bytes, "fsync": options.fsync},
+        )
+        self.write_threads = options.write_threads
+        self._writers = (
+            ThreadPoolExecutor(self.write_threads, thread_name_prefix="kvfabric-l3-write")
+            if self.write_threads > 1
+            else None
         )
 
     def _present(self, keys: Sequence[str]) -> list[bool]:
@@ -206,8 +223,17 @@ class DirectStore(PageStore):
 
     def _store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
         self.backend.record_writer(provenance, self.writer)
+        n = len(keys)
+        parts = min(self.write_threads, n)
         try:
-            return self.backend.set(keys, pages, provenance)
+            if self._writers is None or parts < 2 or n * len(memoryview(pages[0])) < SPLIT_BYTES:
+                return self.backend.set(keys, pages, provenance)
+            cuts = [n * i // parts for i in range(parts + 1)]
+            futures = [
+                self._writers.submit(self.backend.set, keys[a:b], pages[a:b], provenance)
+                for a, b in pairwise(cuts)
+            ]
+            return [ok for f in futures for ok in f.result()]
         except OSError as exc:
             log.warning("L3 %s: storing %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")
@@ -221,6 +247,8 @@ class DirectStore(PageStore):
         return {**super().stats(), "l3": self.backend.stats()}
 
     def close(self) -> None:
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
         self.backend.close()
 
 

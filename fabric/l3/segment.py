@@ -70,6 +70,9 @@ _MAX_KEY = 128
 _READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _IOV = 1020  # iovecs per call, under IOV_MAX (1024 on Linux)
 _WRITE_CALL = 1 << 20  # bytes per write call (see _write_calls)
+# Bytes per read call: each read's pages are checked while the CPU cache still
+# holds them (a checksum over a larger read reads it back from memory).
+_READ_CALL = 1 << 20
 RESCAN_S = 1.0
 
 
@@ -363,11 +366,13 @@ class SegmentBackend(L3Backend):
                 yield self._odd_length(first, keys[i], out.shape[1], provenance)
                 return
             run = [first]
+            size = first.head + first.payload
             while i + len(run) < n and len(run) < _IOV // 3:
                 nxt = self._index.get(keys[i + len(run)])
                 prev = run[-1]
                 if (
                     nxt is None
+                    or size + nxt.head + nxt.payload > _READ_CALL
                     or nxt.segment is not first.segment
                     or nxt.payload != out.shape[1]
                     or nxt.page - (prev.page + prev.head + prev.payload) > _FRAME.size + _MAX_KEY
@@ -375,6 +380,7 @@ class SegmentBackend(L3Backend):
                 ):
                     break
                 run.append(nxt)
+                size += nxt.head + nxt.payload
             yield from self._read_run(
                 run, keys[i : i + len(run)], out[i : i + len(run)], provenance
             )
