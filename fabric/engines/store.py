@@ -136,6 +136,8 @@ class PageStore(ABC):
         """Read and verify the leading pages into ``out`` (one uint8 row a key);
         how many were read (the first missing or refused page ends it)."""
         n = self._load(keys, out, provenance) if len(keys) else 0
+        if n is None:  # the store could not be asked: nothing is learnt of its pages
+            return 0
         self.count("loaded_pages", n)
         if n < len(keys):
             with self._lock:
@@ -162,7 +164,9 @@ class PageStore(ABC):
     def _present(self, keys: Sequence[str]) -> list[bool]: ...
 
     @abstractmethod
-    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int: ...
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int | None:
+        """Pages read and verified into ``out``; ``None`` when the store could not
+        be asked (an I/O error, a storage actor away)."""
 
     @abstractmethod
     def _store(
@@ -213,13 +217,13 @@ class DirectStore(PageStore):
             self.count("errors")
             return [False] * len(keys)
 
-    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int | None:
         try:
             return self.backend.get(keys, out, provenance)
         except OSError as exc:
             log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")
-            return 0
+            return None
 
     def _store(self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance) -> list[bool]:
         self.backend.record_writer(provenance, self.writer)
@@ -292,10 +296,10 @@ class RayStore(PageStore):
     def _present(self, keys: Sequence[str]) -> list[bool]:
         return self._call(self.actor.engine_exists, list(keys), default=[False] * len(keys))
 
-    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+    def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int | None:
         rows = self._call(self.actor.engine_load, list(keys), provenance, default=None)
         if rows is None:
-            return 0
+            return None
         n = min(len(rows), len(keys))
         out[:n] = rows[:n]
         return n
