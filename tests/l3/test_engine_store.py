@@ -140,3 +140,17 @@ def test_a_manifest_record_that_lies_about_its_tag_is_ignored(tmp_path):
     assert [(r["writers"], r["pages"]) for r in rows_] == [(["sglang"], 1), (["unknown"], 1)]
     with pytest.raises(ValueError, match="writer 'nobody'"):
         manifest.record(PROV, "nobody")
+
+
+def test_a_read_the_store_could_not_answer_forgets_nothing(tmp_path, monkeypatch):
+    store = open_store(StoreOptions(path=str(tmp_path)), "vllm")
+    keys = PageNamer(PROV, "0-0-0").keys([b"\7" * 32])
+    store.store(keys, rows(1), PROV)
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(store.backend, "get", broken)
+    assert store.load(keys, np.empty((1, ROW), dtype=np.uint8), PROV) == 0
+    assert store.present(keys) == [True], "an error is no evidence the page is bad"
+    assert store.stats()["errors"] == 1
