@@ -52,7 +52,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -71,32 +70,13 @@ import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.runtime_context import get_parallel
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from tests.interop.support import offloading_spec, page_aligned
+from tests.interop.support import make_controller, offloading_spec, page_aligned
 
 STORAGE_BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
-
-
-def _controller(pool, backend: str, extra: dict) -> HiCacheController:
-    class Allocator:
-        def get_kvcache(self):
-            return pool.device_pool
-
-    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        return HiCacheController(
-            Allocator(),
-            pool,
-            pool.page_size,
-            dist.group.WORLD,
-            threading.Event(),
-            storage_backend=backend,
-            model_name="bench",
-            storage_backend_extra_config=extra,
-        )
 
 
 def sglang_backend(pool, backend: str, where: pathlib.Path) -> HiCacheController:
@@ -110,9 +90,9 @@ def sglang_backend(pool, backend: str, where: pathlib.Path) -> HiCacheController
             "path": str(where),
             "max_bytes": 0,
         }
-        return _controller(pool, "dynamic", extra)
+        return make_controller(pool, "dynamic", extra, "bench")
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(where)
-    return _controller(pool, "file", {})
+    return make_controller(pool, "file", {}, "bench")
 
 
 def sglang_round(cc: HiCacheController, pool, src, dst) -> tuple[float, float]:

@@ -347,7 +347,11 @@ class KvFabricStorage(HiCacheStorage):
     ) -> list[bool]:
         return self._set(self._kv(), keys, host_indices)
 
-    def _get(self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+    def _keys_for_slots(
+        self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor
+    ) -> list[str] | None:
+        """Full keys for ``keys``; ``None`` (logged) when ``host_indices`` is too short
+        to hold their pages."""
         full = self._keys(pages, keys)
         if len(host_indices) < len(full) * pages.page_size:
             log.error(
@@ -355,6 +359,12 @@ class KvFabricStorage(HiCacheStorage):
                 len(host_indices),
                 len(full),
             )
+            return None
+        return full
+
+    def _get(self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        full = self._keys_for_slots(pages, keys, host_indices)
+        if full is None:
             return [False] * len(keys)
         start = time.perf_counter()
         rows = pages.rows(len(full))
@@ -364,13 +374,8 @@ class KvFabricStorage(HiCacheStorage):
         return [True] * n + [False] * (len(keys) - n)
 
     def _set(self, pages: PoolPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        full = self._keys(pages, keys)
-        if len(host_indices) < len(full) * pages.page_size:
-            log.error(
-                "kvfabric SGLang backend: %d host indices for %d pages",
-                len(host_indices),
-                len(full),
-            )
+        full = self._keys_for_slots(pages, keys, host_indices)
+        if full is None:
             return [False] * len(keys)
         start = time.perf_counter()
         present = self.store.present(full)

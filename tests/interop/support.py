@@ -118,12 +118,12 @@ def sglang_hashes(tokens: list[int], page_size: int, extra_key: str | None = Non
     return get_hash_str(tokens, storage_namespace_seed(extra_key, None), page_size=page_size)
 
 
-@contextlib.contextmanager
-def controller(
+def make_controller(
     pool: MHATokenToKVPoolHost, backend: str, extra: dict[str, Any], model: str = "m"
-) -> Iterator[HiCacheController]:
+) -> HiCacheController:
     """SGLang's HiCacheController over ``pool`` with storage ``backend`` attached, on one
-    rank (TP=PP=1): the threads its backups and prefetches run on are SGLang's own."""
+    rank (TP=PP=1): the threads its backups and prefetches run on are SGLang's own.
+    Detach it (``detach_storage_backend``) when done."""
 
     class Allocator:  # what the controller asks of the device allocator
         def get_kvcache(self) -> MHATokenToKVPool:
@@ -132,7 +132,7 @@ def controller(
     import torch.distributed as dist
 
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        cc = HiCacheController(
+        return HiCacheController(
             Allocator(),
             pool,
             pool.page_size,
@@ -142,6 +142,14 @@ def controller(
             model_name=model,
             storage_backend_extra_config=extra,
         )
+
+
+@contextlib.contextmanager
+def controller(
+    pool: MHATokenToKVPoolHost, backend: str, extra: dict[str, Any], model: str = "m"
+) -> Iterator[HiCacheController]:
+    """``make_controller``, detached on leaving the block."""
+    cc = make_controller(pool, backend, extra, model)
     try:
         yield cc
     finally:
