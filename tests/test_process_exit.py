@@ -44,12 +44,12 @@ def test_exit_process_runs_atexit_flushes_output_and_keeps_the_status():
 def test_exit_process_waits_for_threads_and_queued_executor_work():
     done = run(
         """
-        import threading, time
+        import os, threading, time
         from concurrent.futures import ThreadPoolExecutor
         from fabric.process_exit import exit_process
         def late(what):
             time.sleep(0.3)
-            print(what, flush=True)
+            os.write(1, (what + "\\n").encode())  # one write: lines cannot interleave
         threading.Thread(target=late, args=("thread",)).start()
         pool = ThreadPoolExecutor(1)
         pool.submit(late, "job 1")
