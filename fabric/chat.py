@@ -145,12 +145,15 @@ def converse(
 
 def generate(hf: Any, ids: list[int], new_tokens: int, kv: torch.Tensor | None = None) -> list[int]:
     """Greedy tokens after ``ids``: from scratch, or continued from ``kv``, the KV
-    of all of ``ids`` but the last token."""
+    of all of ``ids`` but the last token. Every prompt token is attended to: the
+    mask is given, since ``generate`` would otherwise mask each token equal to the
+    pad id."""
     x = torch.tensor([ids])
     cache = None if kv is None else to_cache(kv, hf)
     with torch.no_grad():
         out = hf.generate(
             x,
+            attention_mask=torch.ones_like(x),
             cache=cache,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,

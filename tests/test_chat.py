@@ -71,3 +71,25 @@ def test_a_model_directory_sets_the_shape_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text('{"num_attention_heads": 8}')
     with pytest.raises(InvalidInput, match="lacks hidden_size, num_hidden_layers, vocab_size"):
         model_overrides(str(tmp_path))
+
+
+def test_the_check_attends_to_prompt_tokens_equal_to_the_pad_id():
+    """``generate`` masks tokens equal to ``pad_token_id`` (0) unless given a mask:
+    the uncached reference must see a prompt with 0s as the model does."""
+    import torch
+
+    from fabric.chat import generate
+    from fabric.rank.model import build_model, model_kv
+
+    config = small_config(*model_overrides("tiny-llama"), "model.layers=2", "model.head_dim=16")
+    hf = build_model(config.model)
+    ids = [0, 5, 0, 0, 17, 3, 0, 9]
+    want = []
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(6):  # plain greedy decoding, every token attended
+            nxt = int(hf(input_ids=x).logits[0, -1].argmax())
+            want.append(nxt)
+            x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    assert generate(hf, ids, 6) == want
+    assert generate(hf, ids, 6, model_kv(hf, ids[:-1])) == want

@@ -200,13 +200,17 @@ class FabricGenerator:
             kv, pages = self.load(key, self.cached_pages(key))
             hit = min(pages * self.page_size, len(ids) - 1)
             cache = to_cache(kv[:, :, :, :hit], self.model) if hit > 0 else None
+            x = torch.tensor([ids])
+            # One prompt, no padding: every token is attended (without a mask,
+            # generate would mask each token equal to the model's pad id).
+            kwargs = {"attention_mask": torch.ones_like(x), **generate_kwargs}
             result = self.model.generate(
-                torch.tensor([ids]),
+                x,
                 cache=cache,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 return_dict_in_generate=True,
-                **generate_kwargs,
+                **kwargs,
             )
             answer = result.sequences[0, len(ids) :].tolist()
             whole = TokenKey(ids + answer, self.page_size, namespace)

@@ -34,7 +34,13 @@ def generate(hf, ids: list[int], kv=None) -> tuple[list[int], torch.Tensor]:
         else:
             logits = hf(input_ids=x[:, -1:], cache=to_cache(kv, hf)).logits[0, -1]
             cache = to_cache(kv, hf)
-        out = hf.generate(x, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            cache=cache,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
     return out[0, len(ids) :].tolist(), logits
 
 
