@@ -1,0 +1,184 @@
+"""The ranks' collective groups: how the ranks of a TP x PP split talk while they
+compute, without Ray.
+
+A :class:`Mesh` is one generation of process groups over every rank: the world
+group (pipeline sends and receives between stages) and this rank's tensor-
+parallel group (all-reduces inside a stage). Gloo on CPU, NCCL on CUDA, both
+built directly on a ``TCPStore`` — not ``torch.distributed``'s process-wide
+default group — so a rank can drop a broken generation and form the next one in
+the same process.
+
+A generation is named by a key every rank derives from the same batch (its epoch
+and the incarnations it is addressed to), so the ranks of one batch meet in one
+generation and a restarted rank's new incarnation starts a new one. The world's
+first rank hosts the store and posts its address on a :class:`Board` (Ray's
+key-value store in a cluster, a dictionary in one process); the others read it
+there. Every collective has a timeout; a rank that failed anything in a
+generation never takes part in it again (see ``RankWorker``), so its peers
+time out or see the connection close rather than pair with the wrong data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from fabric.config import TopologyConfig
+from fabric.errors import FabricError
+from fabric.topology import Topology
+
+
+class MeshError(FabricError):
+    """A collective group could not be formed, or one of its operations failed."""
+
+
+class Board(Protocol):
+    """Where the first rank posts the address of a generation's store."""
+
+    def host(self) -> str:
+        """The address the other ranks reach this process at."""
+
+    def post(self, key: str, address: str) -> None: ...
+
+    def read(self, key: str, timeout_s: float) -> str:
+        """The address posted under ``key``; ``MeshError`` after ``timeout_s``."""
+
+    def drop(self, key: str) -> None: ...
+
+
+class LocalBoard:
+    """A board for ranks in one process (``LocalFabric``, tests)."""
+
+    def __init__(self) -> None:
+        self._posted: dict[str, str] = {}
+        self._changed = threading.Condition()
+
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def post(self, key: str, address: str) -> None:
+        with self._changed:
+            self._posted[key] = address
+            self._changed.notify_all()
+
+    def read(self, key: str, timeout_s: float) -> str:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self._posted, timeout_s):
+                raise MeshError(f"no rank posted the store of mesh {key} within {timeout_s} s")
+            return self._posted[key]
+
+    def drop(self, key: str) -> None:
+        with self._changed:
+            self._posted.pop(key, None)
+
+
+def poll(read, key: str, timeout_s: float, interval_s: float = 0.02) -> str:
+    """``read(key)`` until it gives an address (for boards without a wait)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        address = read(key)
+        if address:
+            return address
+        if time.monotonic() >= deadline:
+            raise MeshError(f"no rank posted the store of mesh {key} within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+class Mesh:
+    """One generation of this rank's collective groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        board: Board,
+        key: str,
+        topology: TopologyConfig,
+        index: int,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.key = key
+        self.board = board
+        self.device = device
+        self.timeout_s = timeout_s
+        self.ranks = Topology(topology).ranks
+        self.index = index
+        me = self.ranks[index]
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            if index == 0:
+                store = dist.TCPStore(
+                    board.host(), 0, is_master=True, wait_for_workers=False, timeout=timeout
+                )
+                board.post(key, f"{board.host()}:{store.port}")
+            else:
+                host, port = board.read(key, timeout_s).rsplit(":", 1)
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            self._store = store
+            self.world = self._group(f"{key}/world", index, len(self.ranks), timeout)
+            peers = [i for i, r in enumerate(self.ranks) if (r.pp, r.cp) == (me.pp, me.cp)]
+            self.tp_size = len(peers)
+            self.tp = (
+                self._group(f"{key}/tp{me.pp}.{me.cp}", me.tp, len(peers), timeout)
+                if len(peers) > 1
+                else None
+            )
+        except MeshError:
+            raise
+        except Exception as exc:  # the store or a peer never came
+            raise MeshError(f"mesh {key}: {type(exc).__name__}: {exc}") from None
+        # The same (cp, tp) rank one stage up and one stage down.
+        self.prev = self._stage_peer(me, -1)
+        self.next = self._stage_peer(me, +1)
+
+    def _stage_peer(self, me, step: int) -> int | None:
+        for i, r in enumerate(self.ranks):
+            if (r.pp, r.cp, r.tp) == (me.pp + step, me.cp, me.tp):
+                return i
+        return None
+
+    def _group(self, prefix: str, rank: int, size: int, timeout: datetime.timedelta):
+        store = dist.PrefixStore(prefix, self._store)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    # -- operations ------------------------------------------------------------------
+
+    def _wait(self, what: str, work) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise MeshError(f"mesh {self.key}: {what} failed: {str(exc)[:200]}") from None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over this rank's tensor-parallel group, in place."""
+        if self.tp is not None:
+            self._wait("all-reduce", self.tp.allreduce([t]))
+        return t
+
+    def send_next(self, t: torch.Tensor) -> None:
+        """Send ``t`` to the same rank of the next pipeline stage."""
+        assert self.next is not None, "the last stage has no next"
+        self._wait("send", self.world.send([t.contiguous()], self.next, 0))
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """What the same rank of the previous pipeline stage sent."""
+        assert self.prev is not None, "the first stage has no previous"
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        self._wait("receive", self.world.recv([out], self.prev, 0))
+        return out
+
+    def close(self) -> None:
+        """Drop this generation (its peers' operations in it fail)."""
+        if self.index == 0:
+            self.board.drop(self.key)
+        for name in ("tp", "world", "_store"):
+            if hasattr(self, name):
+                setattr(self, name, None)
