@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 
 from fabric.config import FabricConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -14,6 +15,7 @@ from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
 from fabric.messages import decode, encode
+from fabric.rank.mesh import LocalBoard
 from fabric.rank.worker import RankWorker
 from fabric.topology import Topology
 
@@ -28,10 +30,17 @@ class LocalFabric:
         self.config = config
         self.clock = clock
         self.storage = storage or StorageService(config)
+        board = LocalBoard()  # where a sharded model's ranks form their groups
         self.ranks = [
-            RankWorker(config, i, storage=self.storage)
+            RankWorker(config, i, storage=self.storage, board=board)
             for i in range(Topology(config.topology).world_size)
         ]
+        # The ranks of a sharded model compute together: each on its own thread.
+        self._threads = (
+            ThreadPoolExecutor(len(self.ranks), thread_name_prefix="kvfabric-rank")
+            if any(r.needs_mesh for r in self.ranks)
+            else None
+        )
         self.core = self._open()
         self.results: dict[str, RequestResult] = {}
         # KV events go to ZMQ after every step when events.endpoint is set.
@@ -67,11 +76,15 @@ class LocalFabric:
             op: self.storage.answer(prev, tokens, batch_pages)
             for op, prev, tokens in self.core.take_queries()
         }
-        for i, rank in enumerate(self.ranks):
+        running = [i for i in range(len(self.ranks)) if run_ranks and i not in lagging]
+        for rank in self.ranks:
             rank.accept(decode(wire))  # type: ignore[arg-type]
-            if run_ranks and i not in lagging:
-                rank.run_pending()
-                rank.run_storage_pending()
+        if self._threads is not None:
+            list(self._threads.map(lambda i: self.ranks[i].run_pending(), running))
+        for i in running:
+            if self._threads is None:
+                self.ranks[i].run_pending()
+            self.ranks[i].run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]
         done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
         self.results.update((r.request_id, r) for r in done)
@@ -80,9 +93,16 @@ class LocalFabric:
         return done
 
     def close(self) -> None:
-        """Stop the KV event publisher (if any), after sending what it has queued."""
+        """Stop the KV event publisher (if any), after sending what it has queued,
+        and the ranks' threads."""
         if self.publisher is not None:
             self.publisher.close()
+        if self._threads is not None:
+            self._threads.shutdown()
+
+    def computed_tokens_by_rank(self) -> dict[str, int]:
+        """Tokens each rank has run through its share of the model."""
+        return {str(r.shard.rank): r.computed_tokens for r in self.ranks}
 
     def serve(
         self, tokens: bytes, namespace: str = "default", max_steps: int = 100

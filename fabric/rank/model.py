@@ -138,7 +138,9 @@ class LlamaKV(ShardPositions):
         prefix_pages: list[int] | None = None,
     ) -> None:
         if not (self.whole and start_token and prefix_pages and tokens):
+            # The model runs over the prefix too (``expected``).
             super().fill(pool, namespace, prev_hash, tokens, start_token, pages, prefix)
+            self.computed_tokens += len(prefix) // TOKEN_BYTES if tokens else 0
             return
         positions = self.positions(0, start_token)
         page_idx, offsets = self.locate(positions, 0, prefix_pages)
@@ -148,6 +150,7 @@ class LlamaKV(ShardPositions):
         ids = torch.tensor([unpack_tokens(tokens)], dtype=torch.int64)
         with torch.no_grad():
             layers = self.model(input_ids=ids, cache=cache, use_cache=True).cache.layers
+        self.computed_tokens += len(tokens) // TOKEN_BYTES
         keys = torch.stack([layer.keys[0, :, start_token:] for layer in layers])
         values = torch.stack([layer.values[0, :, start_token:] for layer in layers])
         new = torch.stack((keys, values)).permute(0, 3, 1, 2, 4)  # (2, T, layers, heads, dim)

@@ -73,6 +73,8 @@ class ShardPositions:
     def __init__(self, shard: Shard, page_size: int) -> None:
         self.shard = shard
         self.page_size = page_size
+        # Tokens this filler has computed (``fill``), for the ranks' figures.
+        self.computed_tokens = 0
 
     def positions(self, start_token: int, end_token: int) -> torch.Tensor:
         """This shard's token positions in ``[start_token, end_token)``."""
@@ -112,6 +114,7 @@ class ShardPositions:
         prefix_pages: list[int] | None = None,
     ) -> None:
         positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype, prefix)
+        self.computed_tokens += len(tokens) // TOKEN_BYTES
         if positions.numel() == 0:
             return
         page_idx, offsets = self.locate(positions, start_token, pages)

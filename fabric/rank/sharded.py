@@ -262,7 +262,12 @@ class ShardedLlamaKV(LlamaKV):
         else:
             s = self.shard
             prefix_kv = torch.empty(
-                2, s.layers, s.heads, 0, self.sharded.head_dim, dtype=self.sharded.dtype,
+                2,
+                s.layers,
+                s.heads,
+                0,
+                self.sharded.head_dim,
+                dtype=self.sharded.dtype,
                 device=device,
             )
         ids = unpack_tokens(tokens)

@@ -11,6 +11,7 @@ meet only under ``self.lock``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from fabric.messages import (
     Write,
 )
 from fabric.rank.index import PageIndex
+from fabric.rank.mesh import Board, Mesh, MeshError
 from fabric.rank.pools import (
     KVPool,
     StatePool,
@@ -72,6 +74,12 @@ class Faults:
     fail_computes: bool = False
 
 
+def mesh_key(epoch: int, incarnations: tuple[str, ...]) -> str:
+    """The mesh generation of a batch: its epoch and the ranks it addresses."""
+    digest = hashlib.blake2b("/".join(incarnations).encode(), digest_size=6).hexdigest()
+    return f"e{epoch}-{digest}"
+
+
 class RankWorker:
     def __init__(
         self,
@@ -79,7 +87,10 @@ class RankWorker:
         index: int,
         filler: KVFiller | None = None,
         storage: StorageLink | None = None,
+        board: Board | None = None,
     ) -> None:
+        """``board``: where the ranks of a sharded model meet to form their
+        collective groups (``fabric.rank.mesh``); none: no groups can form."""
         self.config = config
         self.index = index
         self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
@@ -117,8 +128,17 @@ class RankWorker:
             self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
             self.states_host = StatePool(cache.host_mamba_slots, len(ids), elems, host)
             self.state_producer = SyntheticStates(self.shard, ids, elems)
+        if filler is None and model.filler == "llama" and config.topology.cp == 1:
+            # transformers: an optional extra
+            from fabric.rank.sharded import ShardedLlamaKV
+
+            filler = ShardedLlamaKV(
+                self.shard, model, cache.page_size, config.topology, self.device
+            )
         if filler is None and model.filler == "llama":
-            from fabric.rank.model import LlamaKV  # transformers: an optional extra
+            # A CP split recomputes (fabric.rank.model): context parallel attention
+            # is not computed across the ranks.
+            from fabric.rank.model import LlamaKV
 
             filler = LlamaKV(self.shard, model, cache.page_size)
         if filler is None and model.filler == "hybrid":
@@ -129,6 +149,13 @@ class RankWorker:
             )
 
         self.filler: KVFiller = filler or self.producer
+        # The collective groups of a sharded model's ranks, one generation at a time.
+        self.board = board
+        self.world = Topology(config.topology).world_size
+        self.needs_mesh = self.world > 1 and bool(getattr(self.filler, "needs_mesh", False))
+        self.mesh: Mesh | None = None
+        self.broken_meshes: set[str] = set()
+        self._mesh_key = ""
         # What every L1 and L2 page slot holds: a restarted coordinator adopts L2.
         self.names = PageIndex(cache.page_size)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -157,6 +184,8 @@ class RankWorker:
         self.prefetch: dict[int, list] = {}
         self.prefetch_ops: set[int] = set()
         self.stopping: set[int] = set()
+        # The mesh generation each queued compute runs in (from its batch).
+        self.mesh_keys: dict[int, str] = {}
 
     # -- message thread --------------------------------------------------------------
 
@@ -170,10 +199,14 @@ class RankWorker:
             addressed = self.index < len(batch.incarnations) and (
                 batch.incarnations[self.index] == self.incarnation
             )
+            if addressed and self.needs_mesh:
+                self._mesh_key = mesh_key(batch.epoch, batch.incarnations)
             for cmd in batch.commands if addressed else ():
                 if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
                     continue
                 self.last_cmd_id = cmd.cmd_id  # type: ignore[attr-defined]
+                if isinstance(cmd, Compute) and self.needs_mesh:
+                    self.mesh_keys[cmd.cmd_id] = self._mesh_key
                 if isinstance(cmd, Prefetch):
                     self.prefetch_ops.add(cmd.op_id)
                     self.storage_queue.append(cmd)
@@ -209,6 +242,7 @@ class RankWorker:
             while self.copying:
                 self.idle.wait()
             self._reset_counters()
+            self.broken_meshes.clear()  # keys name their epoch: none comes back
 
     def report(self) -> Report:
         with self.lock:
@@ -277,6 +311,8 @@ class RankWorker:
                 time.sleep(self.faults.delay_s)
             if isinstance(first, Compute):
                 self.names.forget_device(first.pages)
+                if self.needs_mesh:
+                    return self._sharded_compute(first)
                 if self.faults.fail_computes:
                     return False
                 self.filler.fill(
@@ -322,6 +358,72 @@ class RankWorker:
                 [c.cmd_id for c in group],  # type: ignore[attr-defined]
             )
             return False
+
+    def _sharded_compute(self, cmd: Compute) -> bool:
+        """A compute that the ranks of a sharded model run together, in the mesh
+        generation of its batch. Any failure breaks the generation for this rank:
+        it never takes part in it again, so its peers fail their operations
+        (connection closed, or timeout) rather than pair with another compute's
+        data; the failed compute resets the epoch, and the next one's batches
+        name a new generation."""
+        with self.lock:
+            key = self.mesh_keys.pop(cmd.cmd_id, self._mesh_key)
+        try:
+            if key in self.broken_meshes:
+                raise MeshError(f"mesh {key} broke earlier in this epoch")
+            if self.faults.fail_computes:
+                raise MeshError("injected compute failure")
+            if cmd.tokens:
+                self.filler.attach(self._mesh(key))  # type: ignore[attr-defined]
+            self.filler.fill(
+                self.l1,
+                cmd.namespace,
+                cmd.prev_hash,
+                cmd.tokens,
+                cmd.start_token,
+                list(cmd.pages),
+                cmd.prefix,
+                list(cmd.prefix_pages),
+            )
+        except Exception as exc:
+            self._break_mesh(key)
+            if isinstance(exc, MeshError):
+                log.warning("rank %s: compute %d failed: %s", self.shard.rank, cmd.cmd_id, exc)
+                return False
+            raise
+        if cmd.pages:
+            self.names.computed(cmd.namespace, cmd.prev_hash, cmd.tokens, list(cmd.pages))
+        return True
+
+    def _mesh(self, key: str) -> Mesh:
+        """The mesh generation ``key``, formed (with every other rank) on first use."""
+        if self.mesh is not None and self.mesh.key == key:
+            return self.mesh
+        if self.mesh is not None:
+            self.mesh.close()
+            self.mesh = None
+        if self.board is None:
+            raise MeshError("a sharded model's rank has no board to meet its peers on")
+        self.mesh = Mesh(
+            self.board,
+            key,
+            self.config.topology,
+            self.index,
+            self.device,
+            self.config.runtime.collective_timeout_s,
+        )
+        return self.mesh
+
+    def _break_mesh(self, key: str) -> None:
+        self.broken_meshes.add(key)
+        if self.mesh is not None and self.mesh.key == key:
+            self.mesh.close()
+            self.mesh = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens this rank has run through its share of the model (or made)."""
+        return int(getattr(self.filler, "computed_tokens", 0))
 
     # -- storage thread ---------------------------------------------------------------
 
@@ -486,7 +588,8 @@ class RankWorker:
         actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device)).cpu()
         if not self.filler.tolerance:
             return bool(torch.equal(actual, expected))
-        return bool(torch.allclose(actual, expected, rtol=0, atol=self.filler.tolerance))
+        rtol = getattr(self.filler, "rtol", 0.0)
+        return bool(torch.allclose(actual, expected, rtol=rtol, atol=self.filler.tolerance))
 
     def _copy_parts(self, group: list[Message], to_host: bool) -> None:
         """A hybrid model's sliding pages and mamba states of a group of writes

@@ -1,7 +1,8 @@
 """A real transformer behind the ranks: generation continued from KV the fabric
-serves (L1, L2 and L3 hits, TP=2 x PP=2 — each rank running the whole model —
-and one rank continuing from the KV it holds, through earlier turns' answers,
-after evictions and load-backs) matches generation without any cache.
+serves (L1, L2 and L3 hits, every TP x PP shape with the ranks computing their
+share of the new tokens only over the KV they hold, and CP with its ranks
+recomputing, through earlier turns' answers, after evictions and load-backs)
+matches generation without any cache.
 
 Float32 on CPU with eager attention. Greedy tokens must be equal; the logits of
 the first generated token may differ from the uncached run's by at most
@@ -44,10 +45,22 @@ def generate(hf, ids: list[int], kv=None) -> tuple[list[int], torch.Tensor]:
     return out[0, len(ids) :].tolist(), logits
 
 
-@pytest.mark.parametrize(
-    "topology", [("topology.tp=2", "topology.pp=2"), ("topology.tp=1", "topology.pp=1")]
-)
-def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, topology):
+def shape(tp: int, pp: int, cp: int = 1) -> tuple[str, ...]:
+    return (f"topology.tp={tp}", f"topology.pp={pp}", f"topology.cp={cp}")
+
+
+SHAPES = {
+    "tp1": shape(1, 1),
+    "tp2": shape(2, 1),
+    "pp2": shape(1, 2),
+    "tp2pp2": shape(2, 2),
+    "cp2": shape(1, 1, 2),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, shape):
+    topology = SHAPES[shape]
     cfg = small_config(
         *topology,
         "model.filler=llama",
@@ -60,7 +73,6 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, t
         *storage_options(tmp_path),
     )
     f = LocalFabric(cfg)
-    assert all(r.filler.whole == (len(f.ranks) == 1) for r in f.ranks)
     hf = build_model(cfg.model)
     rng = torch.Generator().manual_seed(3)
 
@@ -70,6 +82,7 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, t
     conversations = [message(13), message(18)]
     tiers = {"device": 0, "host": 0, "storage": 0}
     checked = 0
+    asked = requests = 0  # tokens the fabric computed, by its results: new tokens only
     for turn in range(3):
         if turn == 2:
             f.settle()
@@ -80,6 +93,8 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, t
             tiers["device"] += result.device_hit_tokens
             tiers["host"] += result.host_hit_tokens
             tiers["storage"] += result.storage_hit_tokens
+            asked += result.computed_tokens
+            requests += 1
             ranks = len(f.ranks)
             assert f.verify(result, pack_tokens(prompt)) == [True] * ranks
             wrong = pack_tokens([(t + 1) % cfg.model.vocab_size for t in prompt])
@@ -94,15 +109,30 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, t
             for token in fresh:  # decode: the answer's KV joins the cache
                 step = f.append(lease, pack_tokens([token]))
                 assert step.error is None
+                asked += step.computed_tokens
+                requests += 1
                 lease = step.lease
             f.core.release(lease, session="chat-0" if c == 0 else None)  # kept in L1
             conversations[c] = prompt + fresh + message(6)
         for _ in range(4):  # other traffic: L1 evicts to L2
             other = f.serve(pack_tokens(message(20)))
+            asked += other.computed_tokens
+            requests += 1
             f.core.release(other.lease)
     assert checked == 6
     assert all(tiers.values()), f"every tier served some of the KV: {tiers}"
     f.core.cache.check_integrity()
+    computed = f.computed_tokens_by_rank()
+    f.close()
+    assert len(set(computed.values())) == 1, f"every rank ran the same tokens: {computed}"
+    ran = next(iter(computed.values()))
+    # A rank runs the new tokens, and again those of a partial last page it
+    # completes (a decode step's page); a CP rank reruns the whole prefix.
+    partial = (cfg.cache.page_size - 1) * requests
+    if shape == "cp2":
+        assert ran > asked + partial
+    else:
+        assert asked <= ran <= asked + partial, (computed, asked)
 
 
 def test_weights_load_from_a_local_model_directory_of_the_configured_shape(tmp_path):
