@@ -203,6 +203,11 @@ class CoordinatorActor:
         pages = list(lease.device_pages)
         return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
 
+    async def computed_tokens_by_rank(self) -> dict[str, int]:
+        """Tokens each rank has run through its share of the model since it started."""
+        infos = await asyncio.gather(*(r.info.remote() for r in self.ranks))
+        return {info["rank"]: info["computed_tokens"] for info in infos}
+
     async def where(self) -> tuple[int, str]:
         """This actor's process id and Ray node id."""
         return os.getpid(), ray.get_runtime_context().get_node_id()

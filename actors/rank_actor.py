@@ -14,6 +14,7 @@ import ray
 from actors.ray_metrics import RankMetrics
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
+from fabric.rank.mesh import poll
 from fabric.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,38 @@ class StorageActorLink:
         )
 
 
+class RayBoard:
+    """Where a sharded model's ranks meet (``fabric.rank.mesh.Board``): Ray's
+    key-value store (the GCS), under the fabric's name, as Ray's own collective
+    library rendezvous."""
+
+    def __init__(self, fabric: str, namespace: str) -> None:
+        self.prefix = f"kvfabric/{fabric}/mesh/"
+        self.namespace = namespace
+
+    def host(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def post(self, key: str, address: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.prefix + key, address, namespace=self.namespace)
+
+    def read(self, key: str, timeout_s: float) -> str:
+        from ray.experimental import internal_kv
+
+        def get(k: str) -> str:
+            value = internal_kv._internal_kv_get(self.prefix + k, namespace=self.namespace)
+            return value.decode() if value else ""
+
+        return poll(get, key, timeout_s)
+
+    def drop(self, key: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.prefix + key, namespace=self.namespace)
+
+
 class RankActor:
     """One per (pp, cp, tp). ``step`` is the only message the coordinator sends per
     step: it queues the batch and answers with all counters at once. Copies run
@@ -58,7 +91,9 @@ class RankActor:
         if storage_name is not None:
             runtime = self.config.runtime
             link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
-        self.worker = RankWorker(self.config, index, storage=link)
+        runtime = self.config.runtime
+        board = RayBoard(runtime.name, runtime.ray_namespace)
+        self.worker = RankWorker(self.config, index, storage=link, board=board)
         self.metrics = RankMetrics(self.config.runtime.name, str(self.worker.shard.rank))
         self._bad_report: bytes | None = None
         self._duplicate = False
@@ -201,6 +236,7 @@ class RankActor:
             "l1_bytes": w.l1.nbytes,
             "l2_bytes": w.l2.nbytes,
             "pid": os.getpid(),
+            "computed_tokens": w.computed_tokens,
         }
 
     def shutdown(self) -> None:

@@ -75,6 +75,13 @@ def model_overrides(model: str) -> list[str]:
     ]
 
 
+# The check: the next token's logits from fabric-served KV against the uncached
+# model's, within this much (absolute plus relative to the logit). Sharded ranks
+# sum float32 products in another order than one process: a few ulps apart.
+LOGITS_ATOL = 1e-4
+LOGITS_RTOL = 1e-4
+
+
 @dataclass
 class ChatStats:
     turns: int = 0
@@ -82,6 +89,10 @@ class ChatStats:
     mismatches: int = 0
     tokens: TierTokens = field(default_factory=TierTokens)
     generated_tokens: int = 0
+    # The largest difference between the two runs' next-token logits (checked turns).
+    max_logits_diff: float = 0.0
+    # Tokens each rank ran through its share of the model, over the whole run.
+    computed_tokens_by_rank: dict[str, int] = field(default_factory=dict)
 
 
 def converse(
@@ -125,7 +136,11 @@ def converse(
             answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
             if check:
                 stats.checked += 1
-                stats.mismatches += answer != generate(hf, prompt, new_tokens)
+                served, fresh = next_logits(hf, prompt, kv[:, :, :, :-1]), next_logits(hf, prompt)
+                diff = float((served - fresh).abs().max())
+                stats.max_logits_diff = max(stats.max_logits_diff, diff)
+                close = torch.allclose(served, fresh, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                stats.mismatches += answer != generate(hf, prompt, new_tokens) or not close
             lease = result.lease
             for token in answer:  # the answer's KV joins the cache
                 step = fabric.append(lease, [token])
@@ -140,7 +155,18 @@ def converse(
                 progress(stats.turns)
     for c in range(conversations):
         fabric.end_session(f"chat-{seed}-{c}")
+    stats.computed_tokens_by_rank = fabric.computed_tokens_by_rank()
     return stats
+
+
+def next_logits(hf: Any, ids: list[int], kv: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of the token after ``ids``: from scratch, or from ``kv``, the KV
+    of all of ``ids`` but the last token."""
+    with torch.no_grad():
+        if kv is None:
+            return hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        last = torch.tensor([ids[-1:]])
+        return hf(input_ids=last, cache=to_cache(kv, hf)).logits[0, -1]
 
 
 def generate(hf: Any, ids: list[int], new_tokens: int, kv: torch.Tensor | None = None) -> list[int]:

@@ -331,8 +331,11 @@ def _chat(config_file, overrides, address, model, check, conversations, turns, n
             "turns": stats.turns,
             "checked_requests": stats.checked,
             "mismatches": stats.mismatches,
+            "max_logits_diff": stats.max_logits_diff,
             "generated_tokens": stats.generated_tokens,
         },
+        topology={"tp": config.topology.tp, "pp": config.topology.pp, "cp": config.topology.cp},
+        computed_tokens_by_rank=stats.computed_tokens_by_rank,
     )
     if not as_json:
         click.echo(
@@ -340,10 +343,13 @@ def _chat(config_file, overrides, address, model, check, conversations, turns, n
             f"with {config.model.model_id}"
         )
         click.echo(_tiers(out["tokens_by_tier"]))
+        by_rank = ", ".join(f"{r} {n}" for r, n in stats.computed_tokens_by_rank.items())
+        click.echo(f"  computed tokens by rank: {by_rank}")
         if check:
             click.echo(
                 f"  checked   {stats.checked} answers against generation without a cache: "
-                f"{stats.mismatches} mismatched"
+                f"{stats.mismatches} mismatched (next-token logits at most "
+                f"{stats.max_logits_diff:.2g} apart)"
             )
     _emit(out)
     if stats.mismatches:

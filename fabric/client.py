@@ -196,6 +196,11 @@ class Fabric:
         ``to_cache`` makes a ``transformers`` cache of it."""
         return self._call(self.coordinator.read_kv, lease)
 
+    def computed_tokens_by_rank(self) -> dict[str, int]:
+        """Tokens each rank has run through its share of the model (or made, with
+        the synthetic producer) since it started, by rank (``pp0-cp0-tp1``)."""
+        return self._call(self.coordinator.computed_tokens_by_rank)
+
     @property
     def dashboard_url(self) -> str | None:
         """The Ray dashboard's URL, or ``None`` when the cluster runs none."""

@@ -67,7 +67,10 @@ class Compute(_Message, frozen=True):
     ``start_token`` is page aligned and ``prev_hash`` is the page-hash chain up to
     it: a compute carries only its own tokens — and, for a model that needs them
     (``model.filler``), the ``prefix`` tokens before them and the L1 pages that
-    hold their KV (``prefix_pages``), which a rank holding the whole KV reuses."""
+    hold their KV (``prefix_pages``), which ranks that compute from the cache
+    reuse. ``keep``: the first page already holds the KV of its first ``keep``
+    tokens (a request's own partial page, grown by a decode step): such a rank
+    computes the tokens after them only."""
 
     cmd_id: Count
     namespace: Name
@@ -80,6 +83,7 @@ class Compute(_Message, frozen=True):
     # A hybrid model's other components this compute also stores.
     sliding: tuple[SlidingPart, ...] = ()
     mamba: tuple[MambaPart, ...] = ()
+    keep: Count = 0
 
 
 class Write(_Message, frozen=True):
@@ -204,7 +208,7 @@ def command_bound(cmd: Command) -> int:
         tokens = len(cmd.tokens) + len(cmd.prefix)
         pages = len(cmd.pages) + len(cmd.prefix_pages)
         parts = sum(_PART + 5 + len(p.tokens) for p in cmd.sliding) + _PART * len(cmd.mamba)
-        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * pages + parts
+        return _OVERHEAD + 4 * len(cmd.namespace) + tokens + _HASH + _INT * (pages + 1) + parts
     if isinstance(cmd, (Write, Load)):
         parts = (
             len(cmd.sliding_src) + len(cmd.sliding_dst) + len(cmd.mamba_src) + len(cmd.mamba_dst)

@@ -60,9 +60,16 @@ SCHEMA: dict[str, Any] = {
                 "turns": _count,
                 "checked_requests": _count,
                 "mismatches": _count,
+                "max_logits_diff": {"type": "number", "minimum": 0},
                 "generated_tokens": _count,
             },
         },
+        "topology": {
+            "type": "object",
+            "required": ["tp", "pp", "cp"],
+            "properties": {"tp": _count, "pp": _count, "cp": _count},
+        },
+        "computed_tokens_by_rank": {"type": "object", "additionalProperties": _count},
         # simulate
         "core": {"type": "object"},
         "policies": {

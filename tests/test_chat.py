@@ -31,6 +31,9 @@ class InProcess:
     def read_kv(self, lease):
         return self.f.read_kv(lease)
 
+    def computed_tokens_by_rank(self):
+        return self.f.computed_tokens_by_rank()
+
 
 def test_conversations_hit_through_earlier_answers_and_match_uncached_generation():
     config = small_config(

@@ -201,6 +201,7 @@ class FabricController(Controller):
         prefix_pages: Sequence[int] = (),
         sliding: Sequence[SlidingPart] = (),
         mamba: Sequence[MambaPart] = (),
+        keep: int = 0,
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -208,6 +209,7 @@ class FabricController(Controller):
         missing: it still orders the request after its loads). ``prev`` is the
         chain hash of the pages before ``start_token`` (the tree knows it): only
         the new pages are hashed, and only when a compute is cut in chunks.
+        ``keep``: the first page already holds the KV of its first ``keep`` tokens.
         ``prefix``: the tokens before ``start_token``, and ``prefix_pages`` the L1
         pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
         hybrid model's other components to store, in commands of their own after
@@ -228,7 +230,10 @@ class FabricController(Controller):
                 held = tuple(prefix_pages) + tuple(pages[:offset])
             first = start_token + offset * self.page_size
             cmd = self._cmd_id()
-            self._send(Compute(cmd, namespace, chain, tokens, first, chunk, before, held))
+            kept = keep if offset == 0 else 0
+            self._send(
+                Compute(cmd, namespace, chain, tokens, first, chunk, before, held, keep=kept)
+            )
             self.computes.append(cmd)
             cmds.append(cmd)
         # A model filler computes the parts from every token up to the fill's end.

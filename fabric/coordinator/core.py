@@ -438,6 +438,7 @@ class CoordinatorCore:
             held,
             sliding,
             mamba,
+            fill.first_new - fill.start,
         )
         self.running[req.rid] = req
         return True

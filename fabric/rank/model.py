@@ -136,6 +136,7 @@ class LlamaKV(ShardPositions):
         pages: list[int],
         prefix: bytes = b"",
         prefix_pages: list[int] | None = None,
+        keep: int = 0,
     ) -> None:
         if not (self.whole and start_token and prefix_pages and tokens):
             # The model runs over the prefix too (``expected``).

@@ -39,6 +39,7 @@ class KVFiller(Protocol):
         pages: list[int],
         prefix: bytes = b"",
         prefix_pages: list[int] | None = None,
+        keep: int = 0,
     ) -> None:
         """Compute KV for the packed ``tokens`` at positions ``[start_token,
         start_token + len(tokens) // 4)`` and store this rank's shard of it in
@@ -46,7 +47,8 @@ class KVFiller(Protocol):
         ``start_token`` is page aligned; ``prev_hash`` is the page-hash chain up
         to it (the namespace seed at 0), which stands for everything before it;
         ``prefix`` is the tokens before it, for a filler that needs them, and
-        ``prefix_pages`` the pool pages that hold their KV."""
+        ``prefix_pages`` the pool pages that hold their KV; the first of ``pages``
+        already holds the KV of its first ``keep`` tokens (a filler may skip them)."""
 
     def expected(
         self,
@@ -112,6 +114,7 @@ class ShardPositions:
         pages: list[int],
         prefix: bytes = b"",
         prefix_pages: list[int] | None = None,
+        keep: int = 0,
     ) -> None:
         positions, values = self.expected(prev_hash, tokens, start_token, pool.buffer.dtype, prefix)
         self.computed_tokens += len(tokens) // TOKEN_BYTES

@@ -243,9 +243,13 @@ class ShardedLlamaKV(LlamaKV):
         pages: list[int],
         prefix: bytes = b"",
         prefix_pages: list[int] | None = None,
+        keep: int = 0,
     ) -> None:
-        if not tokens:
+        total = len(tokens) // TOKEN_BYTES
+        if not total or keep == total:
             return
+        if not 0 <= keep < min(total, self.page_size) or (keep and not pages):
+            raise ValueError(f"keep={keep} is refused for a compute of {total} tokens")
         if self.world > 1 and self.mesh is None:
             raise MeshError("a sharded compute without a mesh")
         if start_token and len(prefix_pages or ()) * self.page_size < start_token:
@@ -254,9 +258,15 @@ class ShardedLlamaKV(LlamaKV):
                 f"{len(prefix_pages or ())}"
             )
         device = pool.buffer.device
-        if start_token:
-            positions = self.positions(0, start_token)
-            page_idx, offsets = self.locate(positions, 0, list(prefix_pages or ()))
+        # The KV before the new tokens: the prefix's pages, and the first ``keep``
+        # tokens of the first page.
+        held_pages = list(prefix_pages or ())[: start_token // self.page_size]
+        if keep:
+            held_pages.append(pages[0])
+        first = start_token + keep
+        if first:
+            positions = self.positions(0, first)
+            page_idx, offsets = self.locate(positions, 0, held_pages)
             held = pool.read_tokens(page_idx.to(device), offsets.to(device))
             prefix_kv = held.permute(0, 2, 3, 1, 4).to(self.sharded.dtype)
         else:
@@ -270,9 +280,9 @@ class ShardedLlamaKV(LlamaKV):
                 dtype=self.sharded.dtype,
                 device=device,
             )
-        ids = unpack_tokens(tokens)
-        kv = self.sharded.forward(self.mesh, ids, start_token, prefix_kv)
+        ids = unpack_tokens(tokens)[keep:]
+        kv = self.sharded.forward(self.mesh, ids, first, prefix_kv)
         self.computed_tokens += len(ids)
-        end = start_token + len(tokens) // TOKEN_BYTES
-        page_idx, offsets = self.locate(self.positions(start_token, end), start_token, pages)
+        end = start_token + total
+        page_idx, offsets = self.locate(self.positions(first, end), start_token, pages)
         pool.write_tokens(page_idx.to(device), offsets.to(device), kv.permute(0, 3, 1, 2, 4))

@@ -152,7 +152,10 @@ class RankWorker:
         # The collective groups of a sharded model's ranks, one generation at a time.
         self.board = board
         self.world = Topology(config.topology).world_size
-        self.needs_mesh = self.world > 1 and bool(getattr(self.filler, "needs_mesh", False))
+        # A filler that computes from the cache (``ShardedLlamaKV``); with more than
+        # one rank, it computes with the others over a mesh.
+        self.sharded = bool(getattr(self.filler, "needs_mesh", False))
+        self.needs_mesh = self.world > 1 and self.sharded
         self.mesh: Mesh | None = None
         self.broken_meshes: set[str] = set()
         self._mesh_key = ""
@@ -311,7 +314,7 @@ class RankWorker:
                 time.sleep(self.faults.delay_s)
             if isinstance(first, Compute):
                 self.names.forget_device(first.pages)
-                if self.needs_mesh:
+                if self.sharded:
                     return self._sharded_compute(first)
                 if self.faults.fail_computes:
                     return False
@@ -374,7 +377,8 @@ class RankWorker:
             if self.faults.fail_computes:
                 raise MeshError("injected compute failure")
             if cmd.tokens:
-                self.filler.attach(self._mesh(key))  # type: ignore[attr-defined]
+                mesh = self._mesh(key) if self.needs_mesh else None
+                self.filler.attach(mesh)  # type: ignore[attr-defined]
             self.filler.fill(
                 self.l1,
                 cmd.namespace,
@@ -384,6 +388,7 @@ class RankWorker:
                 list(cmd.pages),
                 cmd.prefix,
                 list(cmd.prefix_pages),
+                cmd.keep,
             )
         except Exception as exc:
             self._break_mesh(key)
@@ -415,6 +420,8 @@ class RankWorker:
         return self.mesh
 
     def _break_mesh(self, key: str) -> None:
+        if not self.needs_mesh:
+            return
         self.broken_meshes.add(key)
         if self.mesh is not None and self.mesh.key == key:
             self.mesh.close()
