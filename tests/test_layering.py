@@ -7,6 +7,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_core_packages_never_import_ray_or_torch_distributed():
+    """Only the ranks' collective groups (``fabric/rank/mesh.py``: a sharded model's
+    activations, SPEC 4) use ``torch.distributed``; consensus is actor messages."""
+    mesh = ROOT / "fabric" / "rank" / "mesh.py"
     offenders = []
     for package in ("fabric", "policies"):
         for path in (ROOT / package).rglob("*.py"):
@@ -22,7 +25,7 @@ def test_core_packages_never_import_ray_or_torch_distributed():
                     top = node.col_offset == 0
                     if (name == "ray" or name.startswith("ray.")) and top:
                         offenders.append(f"{path.relative_to(ROOT)}: {name}")
-                    if name.startswith("torch.distributed"):
+                    if name.startswith("torch.distributed") and path != mesh:
                         offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
 
