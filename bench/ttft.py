@@ -1,18 +1,24 @@
-"""Time to first token with the fabric vs without a cache, on multi-turn
-conversations through a real model (``model.filler=llama``), in one run.
+"""Time to first token with the fabric vs without a cache, per model-parallel
+shape, on multi-turn conversations through a real model (``model.filler=llama``),
+in one run.
 
 Each turn's prompt is the previous prompt, the model's answer and a new
-message. **With the fabric** (in one process, ``fabric.local``; one rank that
-holds the whole KV, so it continues from the cached prefix): serve the prompt
-(hits, the rest computed by the rank from the KV it holds), read the KV back,
-and run the last prompt token over it for the first token. **Without a cache**:
-one forward over the whole prompt. Both give the same first token (checked).
-The answer is then generated and decoded into the fabric (not timed). The
-ratio is uncached time over fabric time (> 1: the fabric is faster); turn 1 of
-each conversation has nothing cached and is reported apart.
+message. For each shape (``tp1``, ``tp2``, ``pp2``, ``tp2pp2``) a fabric runs in
+one process (``fabric.local``: one thread per rank, gloo groups between them).
+**With the fabric**: serve the prompt; its ranks load the cached prefix back and
+compute their share of the rest only, attending over the KV in their pools (the
+last prompt token's hidden state, whose logits give the first token, comes out
+of that pass). **Without a cache**: the same ranks — the same shards, groups and
+threads — run the whole prompt from nothing: the prefill of the same engine with
+no cache. ``hf_uncached_ms``: the single-process Hugging Face forward over the
+whole prompt, for scale (the sharded prefill at ``tp1`` is that computation).
+Outside the timing, every turn's first token from the fabric's KV is checked
+against the uncached model's, and the answer is generated and decoded into the
+fabric. Turn 1 of each conversation has nothing cached and is left out of the
+ratios.
 
-    python3 bench/ttft.py            # hidden 512, 8 layers: ~56M parameters
-    python3 bench/ttft.py --quick
+    python3 bench/ttft.py                               # ~56M parameters, 4 shapes
+    python3 bench/ttft.py --shape tp1,tp2 --quick
 """
 
 from __future__ import annotations
@@ -24,48 +30,59 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch
 
 from fabric.cache.keys import pack_tokens
-from fabric.chat import generate
+from fabric.chat import generate, next_logits
 from fabric.config import FabricConfig
 from fabric.local import LocalFabric
-from fabric.rank.model import assemble, build_model, to_cache
+from fabric.rank.mesh import LocalBoard, Mesh
+from fabric.rank.model import assemble, build_model
+
+SHAPES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 
 
-def first_token_cached(f: LocalFabric, hf, config: FabricConfig, prompt: list[int]):
-    result = f.serve(pack_tokens(prompt), max_steps=1000)
-    kv = assemble(f.read_kv(result.lease), config.model, config.cache.page_size, len(prompt))
-    cache = to_cache(kv[:, :, :, :-1], hf)
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([prompt[-1:]]), cache=cache).logits[0, -1]
-    return int(logits.argmax()), result
+class Uncached:
+    """The fabric's ranks' shards, run over a whole prompt from nothing: each on
+    its own thread, with groups of their own (formed once, outside the timing)."""
+
+    def __init__(self, f: LocalFabric) -> None:
+        self.models = [r.filler.sharded for r in f.ranks]
+        self.pool = ThreadPoolExecutor(len(self.models))
+        if len(self.models) == 1:
+            self.meshes = [None]
+        else:
+            board, topology = LocalBoard(), f.config.topology
+            self.meshes = list(
+                self.pool.map(
+                    lambda i: Mesh(board, "uncached", topology, i, torch.device("cpu"), 60),
+                    range(len(self.models)),
+                )
+            )
+
+    def prefill(self, prompt: list[int]) -> None:
+        def run(i: int) -> None:
+            m = self.models[i]
+            empty = torch.empty(2, len(m.layers), m.kv_heads, 0, m.head_dim)
+            m.forward(self.meshes[i], prompt, 0, empty)
+
+        list(self.pool.map(run, range(len(self.models))))
+
+    def close(self) -> None:
+        for mesh in self.meshes:
+            if mesh is not None:
+                mesh.close()
+        self.pool.shutdown()
 
 
-def first_token_uncached(hf, prompt: list[int]) -> int:
-    with torch.no_grad():
-        return int(hf(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--quick", action="store_true", help="a small model, 2 conversations")
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system", type=int, default=512, help="first prompt tokens (default 512)")
-    ap.add_argument("--message", type=int, default=64, help="new tokens per turn (default 64)")
-    ap.add_argument("--answer", type=int, default=32, help="answer tokens (default 32)")
-    args = ap.parse_args()
-    hidden, layers = 512, 8
-    if args.quick:
-        hidden, layers, args.conversations, args.turns, args.system = 128, 2, 2, 3, 128
+def config_for(shape: str, hidden: int, layers: int) -> FabricConfig:
+    tp, pp = SHAPES[shape]
     heads = hidden // 64
-    config = FabricConfig().with_overrides(
+    return FabricConfig().with_overrides(
         [
             "model.filler=llama",
             "model.dtype=float32",
@@ -73,16 +90,22 @@ def main() -> None:
             f"model.kv_heads={heads // 2}",
             "model.head_dim=64",
             f"model.attention_heads={heads}",
-            "topology.tp=1",
+            f"topology.tp={tp}",
+            f"topology.pp={pp}",
+            "topology.cp=1",
             "cache.page_size=16",
             "cache.device_tokens=16384",
             "cache.host_tokens=32768",
             "storage.backend=none",
         ]
     )
+
+
+def run_shape(shape: str, args, hidden: int, layers: int) -> tuple[dict, int]:
+    config = config_for(shape, hidden, layers)
     f = LocalFabric(config)
+    uncached = Uncached(f)
     hf = build_model(config.model)
-    params = sum(p.numel() for p in hf.parameters())
     rng = random.Random(0)
     vocab = config.model.vocab_size
 
@@ -95,56 +118,104 @@ def main() -> None:
         for c in range(args.conversations):
             prompt = prompts[c]
             t0 = time.perf_counter()
-            token, result = first_token_cached(f, hf, config, prompt)
+            result = f.serve(pack_tokens(prompt), max_steps=1000)
             t1 = time.perf_counter()
-            fresh = first_token_uncached(hf, prompt)
+            uncached.prefill(prompt)
             t2 = time.perf_counter()
-            if token != fresh:
-                raise SystemExit(f"turn {turn}, conversation {c}: first tokens differ")
+            with torch.no_grad():
+                hf(input_ids=torch.tensor([prompt]))
+            t3 = time.perf_counter()
+            if result.error is not None:
+                raise SystemExit(f"{shape}: turn {turn}, conversation {c}: {result.error}")
+            kv = assemble(f.read_kv(result.lease), config.model, 16, len(prompt))
+            kv = kv[:, :, :, :-1]
+            served = int(next_logits(hf, prompt, kv).argmax())
+            if served != int(next_logits(hf, prompt).argmax()):
+                raise SystemExit(f"{shape}: turn {turn}, conversation {c}: first tokens differ")
             rows.append(
                 {
                     "turn": turn + 1,
                     "prompt_tokens": len(prompt),
-                    "hit_tokens": result.device_hit_tokens + result.host_hit_tokens,
+                    "hit_tokens": len(prompt) - result.computed_tokens,
                     "fabric_ms": (t1 - t0) * 1e3,
                     "uncached_ms": (t2 - t1) * 1e3,
+                    "hf_uncached_ms": (t3 - t2) * 1e3,
                 }
             )
-            kv = assemble(f.read_kv(result.lease), config.model, 16, len(prompt))
-            answer = generate(hf, prompt, args.answer, kv[:, :, :, :-1])
+            answer = generate(hf, prompt, args.answer, kv)
             step = f.append(result.lease, pack_tokens(answer), max_steps=1000)
             f.core.release(step.lease, session=f"c{c}")
             prompts[c] = prompt + answer + message(args.message)
-        print(f"turn {turn + 1}/{args.turns} done", file=sys.stderr)
-
-    def summary(part: list[dict]) -> dict:
-        fabric = statistics.fmean(r["fabric_ms"] for r in part)
-        uncached = statistics.fmean(r["uncached_ms"] for r in part)
-        return {
-            "turns": len(part),
-            "prompt_tokens": round(statistics.fmean(r["prompt_tokens"] for r in part), 1),
-            "hit_tokens": round(statistics.fmean(r["hit_tokens"] for r in part), 1),
-            "fabric_ms": round(fabric, 1),
-            "uncached_ms": round(uncached, 1),
-            "ttft_ratio": round(uncached / fabric, 2),
-        }
-
+        print(f"{shape}: turn {turn + 1}/{args.turns} done", file=sys.stderr)
+    computed = f.computed_tokens_by_rank()
+    uncached.close()
+    f.close()
     later = [r for r in rows if r["turn"] > 1]
+    out = {
+        "first_turns": summary([r for r in rows if r["turn"] == 1]),
+        "later_turns": summary(later) if later else None,
+        "computed_tokens_by_rank": computed,
+    }
+    if later:
+        out["fabric_over_uncached"] = out["later_turns"]["fabric_over_uncached"]
+        out["hit_share"] = out["later_turns"]["hit_share"]
+    return out, sum(p.numel() for p in hf.parameters())
+
+
+def summary(part: list[dict]) -> dict:
+    mean = {k: statistics.fmean(r[k] for r in part) for k in part[0] if k != "turn"}
+    return {
+        "turns": len(part),
+        "prompt_tokens": round(mean["prompt_tokens"], 1),
+        "hit_share": round(mean["hit_tokens"] / mean["prompt_tokens"], 3),
+        "fabric_ms": round(mean["fabric_ms"], 1),
+        "uncached_ms": round(mean["uncached_ms"], 1),
+        "hf_uncached_ms": round(mean["hf_uncached_ms"], 1),
+        "fabric_over_uncached": round(mean["fabric_ms"] / mean["uncached_ms"], 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="a small model, 2 conversations")
+    ap.add_argument(
+        "--shape",
+        default=",".join(SHAPES),
+        help=f"comma-separated shapes among {', '.join(SHAPES)} (default: all)",
+    )
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system", type=int, default=512, help="first prompt tokens (default 512)")
+    ap.add_argument("--message", type=int, default=64, help="new tokens per turn (default 64)")
+    ap.add_argument("--answer", type=int, default=32, help="answer tokens (default 32)")
+    args = ap.parse_args()
+    shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad or not shapes:
+        ap.error(f"--shape {args.shape!r} is refused: allowed is a list of {', '.join(SHAPES)}")
+    hidden, layers = 512, 8
+    if args.quick:
+        hidden, layers, args.conversations, args.turns, args.system = 256, 2, 2, 3, 128
+    by_shape, params = {}, 0
+    for shape in shapes:
+        by_shape[shape], params = run_shape(shape, args, hidden, layers)
+        figures = by_shape[shape].get("later_turns")
+        if figures:
+            print(
+                f"{shape}: later turns {figures['uncached_ms']} ms uncached vs "
+                f"{figures['fabric_ms']} ms with the fabric ({figures['hit_share']:.0%} hit) "
+                f"-> {figures['fabric_over_uncached']}",
+                file=sys.stderr,
+            )
     out = {
         "model_parameters": params,
         "hidden": hidden,
         "layers": layers,
         "threads": torch.get_num_threads(),
-        "first_turns": summary([r for r in rows if r["turn"] == 1]),
-        "later_turns": summary(later) if later else None,
+        "by_shape": by_shape,
     }
-    if later:
-        print(
-            f"later turns: {out['later_turns']['uncached_ms']} ms uncached vs "
-            f"{out['later_turns']['fabric_ms']} ms with the fabric -> "
-            f"{out['later_turns']['ttft_ratio']}x",
-            file=sys.stderr,
-        )
     print(json.dumps(out))
 
 
