@@ -14,6 +14,10 @@ time, at random moments drawn from the seed, from ``FAULTS``:
 - ``rank_sigkill``: a rank's worker process SIGKILLed (Ray restarts it);
 - ``rank_sigstop``: a rank's process stopped for longer than the rank timeout,
   then continued;
+- ``rank_kill_in_collective``: a rank stalls before its next command, so that
+  with a sharded model (``model.filler=llama``) its peers wait for it inside a
+  collective of the next compute, then it is killed (Ray restarts it): the
+  compute fails, the epoch resets and the ranks form a new group;
 - ``storage_kill``: the storage actor killed while it holds a backup or a
   prefetch batch (the batches are held until one arrives, then it is killed);
 - ``coordinator_kill``: the coordinator killed; its successor adopts the L2
@@ -64,6 +68,7 @@ FAULTS = (
     "rank_kill_no_restart",
     "rank_sigkill",
     "rank_sigstop",
+    "rank_kill_in_collective",
     "storage_kill",
     "coordinator_kill",
     "node_loss",
@@ -355,6 +360,12 @@ class Chaos:
                 self.stop.wait(hold + self.config.runtime.rank_timeout_s)
                 os.kill(pid, signal.SIGCONT)
                 self.stopped_pids.discard(pid)
+        elif kind == "rank_kill_in_collective":
+            ray.get(rank.set_faults.remote(delay_s=3600.0), timeout=10)
+            # Its peers reach the next compute and wait for it in a collective.
+            self.stop.wait(min(hold, 1.5))
+            ray.kill(rank, no_restart=False)  # the restarted actor has no faults
+            fault.ended = self.now()
         elif kind == "storage_kill":
             storage = deployment.storage
             ray.get(storage.set_faults.remote(hold=True), timeout=10)

@@ -130,6 +130,21 @@ def unpack_tokens(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+def check_vocab(data: bytes, vocab_size: int) -> None:
+    """``InvalidInput`` naming the first token of packed ``data`` outside a model's
+    vocabulary ``[0, vocab_size)``."""
+    packed = array(_TOKEN_TYPECODE)
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    if packed and max(packed) >= vocab_size:
+        at = next(i for i, t in enumerate(packed) if t >= vocab_size)
+        raise InvalidInput(
+            f"token {packed[at]} at position {at} is refused: the model's vocabulary is "
+            f"[0, {vocab_size}) (model.vocab_size)"
+        )
+
+
 def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> list[bytes]:
     """Continue a page-hash chain from ``prev`` over the pages packed in ``data``."""
     sha256 = hashlib.sha256  # one comprehension: the hot loop of the whole core

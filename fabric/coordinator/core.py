@@ -29,6 +29,7 @@ from fabric.cache.hicache import HiCache
 from fabric.cache.keys import (
     MAX_NAMESPACE_CHARS,
     TOKEN_BYTES,
+    check_vocab,
     TokenKey,
     check_namespace,
     namespace_seed,
@@ -110,6 +111,7 @@ class CoordinatorCore:
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
         if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 64):
             raise InvalidInput(f"owner {owner!r} is refused: allowed is a Ray job id")
+        self._check_vocab(tokens)
         prompt = len(tokens) // TOKEN_BYTES
         if prompt > self.config.cache.device_tokens:
             raise InvalidInput(
@@ -144,6 +146,7 @@ class CoordinatorCore:
             raise InvalidInput(f"lease of {lease.request_id!r} is no longer held")
         if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
             raise InvalidInput("append takes a non-empty sequence of non-negative ints")
+        self._check_vocab(tokens)
         total = held.kv.num_tokens + len(tokens) // TOKEN_BYTES
         if total > self.config.cache.device_tokens:
             raise InvalidInput(
@@ -173,6 +176,12 @@ class CoordinatorCore:
         self._blocked = False
         self.stats.submitted += 1
         return req.rid
+
+    def _check_vocab(self, tokens: bytes) -> None:
+        """A model behind the ranks embeds every token: one outside its vocabulary
+        would fail every rank's compute (and reset the epoch), so it is refused here."""
+        if self.config.model.filler != "synthetic":
+            check_vocab(tokens, self.config.model.vocab_size)
 
     def end_session(self, session: str) -> bool:
         """Drop what ``session`` keeps between turns; ``False`` if it kept nothing."""

@@ -148,3 +148,19 @@ def test_weights_load_from_a_local_model_directory_of_the_configured_shape(tmp_p
     missing = cfg.model.model_copy(update={"path": str(tmp_path / "nothing-here")})
     with pytest.raises(ConfigError, match="cannot be loaded.*leave it empty"):
         build_model(missing)
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_any_rank_computes():
+    from fabric.errors import InvalidInput
+
+    cfg = small_config("model.filler=llama", "model.dtype=float32", "model.head_dim=16")
+    f = LocalFabric(cfg)
+    epoch = f.core.epoch
+    with pytest.raises(InvalidInput, match="token 1000 at position 2 is refused"):
+        f.core.submit(pack_tokens([1, 2, 1000, 3]))
+    ok = f.serve(pack_tokens([1, 2, 999, 3]))
+    with pytest.raises(InvalidInput, match="token 4096 at position 0"):
+        f.core.append(ok.lease, pack_tokens([4096]))
+    f.core.release(ok.lease)  # the lease was kept
+    assert f.core.epoch == epoch and f.core.stats.resets == 0
+    f.close()
