@@ -29,9 +29,9 @@ from fabric.cache.hicache import HiCache
 from fabric.cache.keys import (
     MAX_NAMESPACE_CHARS,
     TOKEN_BYTES,
-    check_vocab,
     TokenKey,
     check_namespace,
+    check_vocab,
     namespace_seed,
 )
 from fabric.cache.results import PinResult

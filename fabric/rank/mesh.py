@@ -2,8 +2,10 @@
 compute, without Ray.
 
 A :class:`Mesh` is one generation of process groups over every rank: the world
-group (pipeline sends and receives between stages) and this rank's tensor-
-parallel group (all-reduces inside a stage). Gloo on CPU, NCCL on CUDA, both
+group (pipeline sends and receives between stages), this rank's tensor-parallel
+group (all-reduces inside a stage) and its context-parallel group (all-gathers
+of attention's queries and partial results between the ranks that hold the
+other positions). Gloo on CPU, NCCL on CUDA, both
 built directly on a ``TCPStore`` — not ``torch.distributed``'s process-wide
 default group — so a rank can drop a broken generation and form the next one in
 the same process.
@@ -121,10 +123,17 @@ class Mesh:
             self._store = store
             self.world = self._group(f"{key}/world", index, len(self.ranks), timeout)
             peers = [i for i, r in enumerate(self.ranks) if (r.pp, r.cp) == (me.pp, me.cp)]
-            self.tp_size = len(peers)
             self.tp = (
                 self._group(f"{key}/tp{me.pp}.{me.cp}", me.tp, len(peers), timeout)
                 if len(peers) > 1
+                else None
+            )
+            # The ranks holding the other positions of this rank's layers and heads.
+            cp_peers = [i for i, r in enumerate(self.ranks) if (r.pp, r.tp) == (me.pp, me.tp)]
+            self.cp_rank, self.cp_size = me.cp, len(cp_peers)
+            self.cp = (
+                self._group(f"{key}/cp{me.pp}.{me.tp}", me.cp, len(cp_peers), timeout)
+                if len(cp_peers) > 1
                 else None
             )
         except MeshError:
@@ -163,6 +172,16 @@ class Mesh:
             self._wait("all-reduce", self.tp.allreduce([t]))
         return t
 
+    def all_gather_cp(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` from every rank of this rank's context-parallel group, in CP order
+        (every rank's ``t`` has the same shape)."""
+        if self.cp is None:
+            return [t]
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.cp_size)]
+        self._wait("all-gather", self.cp.allgather([out], [t]))
+        return out
+
     def send_next(self, t: torch.Tensor) -> None:
         """Send ``t`` to the same rank of the next pipeline stage."""
         assert self.next is not None, "the last stage has no next"
@@ -179,6 +198,6 @@ class Mesh:
         """Drop this generation (its peers' operations in it fail)."""
         if self.index == 0:
             self.board.drop(self.key)
-        for name in ("tp", "world", "_store"):
+        for name in ("tp", "cp", "world", "_store"):
             if hasattr(self, name):
                 setattr(self, name, None)

@@ -12,8 +12,12 @@ states of the new tokens to the same rank of the next (``Mesh.send_next``).
 
 Attention runs over the prefix's KV, read from the rank's L1 pages, and the new
 tokens' own; the new KV (post-rotary keys, as Hugging Face caches them) goes into
-the new pages. Context parallelism is not computed this way (the ranks of a CP
-split recompute, see ``LlamaKV``).
+the new pages. Under context parallelism a rank holds the KV of its token
+offsets of every page (``ShardPositions``) and computes those positions of the
+new tokens only: attention all-gathers the CP group's queries, each rank attends
+them over the keys it holds, and the partial results are combined by their
+log-sum-exp (``ShardedLlama._attend_cp``) — ring attention's algebra, with
+all-gathers for the ring.
 
 Float32 sums in another order than the single-process model: the KV matches a
 single-process recomputation within ``ShardedLlamaKV.tolerance``, not bit for bit.
@@ -22,7 +26,7 @@ single-process recomputation within ``ShardedLlamaKV.tolerance``, not bit for bi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from fabric.errors import ConfigError
 from fabric.rank.mesh import Mesh, MeshError
 from fabric.rank.model import LlamaKV
 from fabric.rank.pools import KVPool
+from fabric.rank.producer import ShardPositions
 from fabric.topology import Shard
 
 
@@ -143,31 +148,41 @@ class ShardedLlama:
 
     @torch.no_grad()
     def forward(
-        self, mesh: Mesh | None, ids: list[int], start: int, prefix_kv: torch.Tensor
+        self,
+        mesh: Mesh | None,
+        ids: list[int],
+        positions: torch.Tensor,
+        prefix_kv: torch.Tensor,
+        prefix_positions: torch.Tensor,
+        cp_positions: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The KV ``(2, layers, kv_heads, T, head_dim)`` of this rank's share of the
-        ``T`` new tokens ``ids`` at positions ``[start, start + T)``, attending to
-        ``prefix_kv`` ``(2, layers, kv_heads, start, head_dim)`` (this rank's shard
-        of the KV before them). Hidden states come from the previous stage and go
-        to the next one through ``mesh``."""
+        new tokens ``ids`` at ``positions`` (``T`` of them, ascending), attending to
+        ``prefix_kv`` ``(2, layers, kv_heads, P, head_dim)``: this rank's shard of
+        the KV before them, at ``prefix_positions``. Hidden states come from the
+        previous stage and go to the next one through ``mesh``. With context
+        parallelism, ``cp_positions`` lists every CP rank's new positions (this
+        rank's among them): attention then combines every CP rank's part."""
         n = len(ids)
         device = prefix_kv.device
+        positions = positions.to(device)
         if self.first:
             h = self.embed(torch.tensor(ids, dtype=torch.int64, device=device))
-        else:
+        elif n:
             assert mesh is not None, "a later pipeline stage needs the mesh"
             h = mesh.recv_prev((n, self.hidden), self.dtype)
-        positions = torch.arange(start, start + n, device=device).unsqueeze(0)
-        cos, sin = self.rotary(h.unsqueeze(0), positions)
+        else:
+            h = torch.empty(0, self.hidden, dtype=self.dtype, device=device)
+        cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(0), sin[0].unsqueeze(0)  # (1, T, d): over heads
-        # A new token attends to the whole prefix and to the new tokens up to itself.
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-        mask = torch.zeros(n, start + n, dtype=h.dtype, device=device)
-        mask[:, start:].masked_fill_(causal, float("-inf"))
+        key_positions = torch.cat((prefix_positions.to(device), positions))
         out = torch.empty(
             2, len(self.layers), self.kv_heads, n, self.head_dim, dtype=h.dtype, device=device
         )
         d = self.head_dim
+        # Peers of a TP group or of a pipeline hand-over have the same positions:
+        # they skip their collectives together when they have no new token.
+        talk = mesh is not None and n > 0
         for i, w in enumerate(self.layers):
             x = w.norm_in(h)
             q = self._linear(x, w.q, w.bias.get("q")).view(n, self.q_heads, d).transpose(0, 1)
@@ -179,12 +194,17 @@ class ShardedLlama:
             values = torch.cat((prefix_kv[1, i].to(v.dtype), v), dim=1)
             keys = keys.repeat_interleave(self.group, dim=0)
             values = values.repeat_interleave(self.group, dim=0)
-            scores = torch.matmul(q, keys.transpose(1, 2)) * w.scaling + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attn = torch.matmul(probs, values).transpose(0, 1).reshape(n, self.q_heads * d)
+            if cp_positions is None:
+                attn = self._attend(q, positions, keys, values, key_positions, w.scaling)
+            else:
+                assert mesh is not None, "context parallelism needs the mesh"
+                attn = self._attend_cp(
+                    mesh, q, keys, values, key_positions, cp_positions, w.scaling
+                )
+            attn = attn.transpose(0, 1).reshape(n, self.q_heads * d)
             o = self._linear(attn, w.o, None)
-            if mesh is not None:
-                mesh.all_reduce(o)
+            if talk:
+                mesh.all_reduce(o)  # type: ignore[union-attr]
             if "o" in w.bias:
                 o = o + w.bias["o"]
             h = h + o
@@ -192,22 +212,66 @@ class ShardedLlama:
             gate = self._linear(x, w.gate, w.bias.get("gate"))
             up = self._linear(x, w.up, w.bias.get("up"))
             m = self._linear(w.act(gate) * up, w.down, None)
-            if mesh is not None:
-                mesh.all_reduce(m)
+            if talk:
+                mesh.all_reduce(m)  # type: ignore[union-attr]
             if "down" in w.bias:
                 m = m + w.bias["down"]
             h = h + m
-        if not self.last:
+        if not self.last and n:
             assert mesh is not None, "an earlier pipeline stage needs the mesh"
             mesh.send_next(h)
         return out
 
+    @staticmethod
+    def _attend(q, positions, keys, values, key_positions, scaling) -> torch.Tensor:
+        """Causal attention of queries at ``positions`` over every key at or before them."""
+        later = key_positions.unsqueeze(0) > positions.unsqueeze(1)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * scaling
+        scores = scores.masked_fill(later, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
+
+    @staticmethod
+    def _attend_cp(mesh, q, keys, values, key_positions, cp_positions, scaling) -> torch.Tensor:
+        """Context-parallel attention: every CP rank holds the keys of its own
+        positions only. The CP ranks all-gather their queries; each attends all of
+        them over its own keys, giving a partial output and its log-sum-exp per
+        query; they all-gather those and each combines the parts of its queries."""
+        heads, n, d = q.shape
+        counts = [int(p.numel()) for p in cp_positions]
+        width = max(counts)
+        me = mesh.cp_rank
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            # Equal shapes on the wire: padded to the longest share of queries.
+            padded = t.new_zeros(t.shape[0], width, t.shape[2])
+            padded[:, : t.shape[1]] = t
+            return [g[:, :c] for g, c in zip(mesh.all_gather_cp(padded), counts, strict=True)]
+
+        queries = torch.cat(gather(q), dim=1)  # (heads, T_all, d), in CP rank order
+        query_positions = torch.cat([p.to(q.device) for p in cp_positions])
+        later = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
+        scores = (torch.matmul(queries, keys.transpose(1, 2)) * scaling).float()
+        scores = scores.masked_fill(later, float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        weights = torch.exp(scores - top)
+        total = weights.sum(dim=-1, keepdim=True)
+        part = torch.matmul(weights, values.float()) / total.clamp_min(1e-30)
+        lse = torch.log(total) + top  # -inf where this rank holds no visible key
+        parts = torch.stack(mesh.all_gather_cp(part))  # (C, heads, T_all, d)
+        lses = torch.stack(mesh.all_gather_cp(lse))  # (C, heads, T_all, 1)
+        scale = torch.softmax(lses, dim=0)  # each rank's share of each query's mass
+        combined = (parts * scale).sum(dim=0)
+        first = sum(counts[:me])
+        return combined[:, first : first + n].to(q.dtype)
+
 
 class ShardedLlamaKV(LlamaKV):
-    """A ``KVFiller`` for a rank of a TP x PP split (no CP): it computes its share
-    of the new tokens only, over the prefix KV in its pool, with its stage's and
-    tensor-parallel group's ranks (``attach`` gives it the mesh of the batch
-    being run). Checks recompute with the whole model, as ``LlamaKV`` does."""
+    """A ``KVFiller`` for a rank of a TP x CP x PP split: it computes its share of
+    the new tokens only, over the prefix KV in its pool, with its peers (``attach``
+    gives it the mesh of the batch being run). Checks recompute with the whole
+    model, as ``LlamaKV`` does."""
 
     # Sharded float32 sums reorder: KV within this of a single-process recompute,
     # absolute plus relative to the value (KV values reach tens).
@@ -227,6 +291,7 @@ class ShardedLlamaKV(LlamaKV):
         self.sharded = ShardedLlama(self.model, shard, topology, device)
         self.mesh: Mesh | None = None
         self.world = topology.tp * topology.pp * topology.cp
+        self.cp = topology.cp
         # Tokens this rank ran through its layers (new tokens only).
         self.computed_tokens = 0
 
@@ -259,14 +324,14 @@ class ShardedLlamaKV(LlamaKV):
             )
         device = pool.buffer.device
         # The KV before the new tokens: the prefix's pages, and the first ``keep``
-        # tokens of the first page.
+        # tokens of the first page (this rank's positions of them).
         held_pages = list(prefix_pages or ())[: start_token // self.page_size]
         if keep:
             held_pages.append(pages[0])
-        first = start_token + keep
-        if first:
-            positions = self.positions(0, first)
-            page_idx, offsets = self.locate(positions, 0, held_pages)
+        first, end = start_token + keep, start_token + total
+        held_positions = self.positions(0, first)
+        if held_positions.numel():
+            page_idx, offsets = self.locate(held_positions, 0, held_pages)
             held = pool.read_tokens(page_idx.to(device), offsets.to(device))
             prefix_kv = held.permute(0, 2, 3, 1, 4).to(self.sharded.dtype)
         else:
@@ -280,9 +345,18 @@ class ShardedLlamaKV(LlamaKV):
                 dtype=self.sharded.dtype,
                 device=device,
             )
-        ids = unpack_tokens(tokens)[keep:]
-        kv = self.sharded.forward(self.mesh, ids, first, prefix_kv)
+        positions = self.positions(first, end)
+        every = unpack_tokens(tokens)
+        ids = [every[p - start_token] for p in positions.tolist()]
+        cp_positions = None
+        if self.cp > 1:
+            cp_positions = [
+                ShardPositions(replace(self.shard, cp_rank=c), self.page_size).positions(first, end)
+                for c in range(self.cp)
+            ]
+        kv = self.sharded.forward(
+            self.mesh, ids, positions, prefix_kv, held_positions, cp_positions
+        )
         self.computed_tokens += len(ids)
-        end = start_token + total
-        page_idx, offsets = self.locate(self.positions(first, end), start_token, pages)
+        page_idx, offsets = self.locate(positions, start_token, pages)
         pool.write_tokens(page_idx.to(device), offsets.to(device), kv.permute(0, 3, 1, 2, 4))

@@ -128,19 +128,13 @@ class RankWorker:
             self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
             self.states_host = StatePool(cache.host_mamba_slots, len(ids), elems, host)
             self.state_producer = SyntheticStates(self.shard, ids, elems)
-        if filler is None and model.filler == "llama" and config.topology.cp == 1:
+        if filler is None and model.filler == "llama":
             # transformers: an optional extra
             from fabric.rank.sharded import ShardedLlamaKV
 
             filler = ShardedLlamaKV(
                 self.shard, model, cache.page_size, config.topology, self.device
             )
-        if filler is None and model.filler == "llama":
-            # A CP split recomputes (fabric.rank.model): context parallel attention
-            # is not computed across the ranks.
-            from fabric.rank.model import LlamaKV
-
-            filler = LlamaKV(self.shard, model, cache.page_size)
         if filler is None and model.filler == "hybrid":
             from fabric.rank.hybrid import HybridKV  # transformers: an optional extra
 
