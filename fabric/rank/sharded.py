@@ -237,7 +237,7 @@ class ShardedLlama:
         positions only. The CP ranks all-gather their queries; each attends all of
         them over its own keys, giving a partial output and its log-sum-exp per
         query; they all-gather those and each combines the parts of its queries."""
-        heads, n, d = q.shape
+        n = q.shape[1]
         counts = [int(p.numel()) for p in cp_positions]
         width = max(counts)
         me = mesh.cp_rank

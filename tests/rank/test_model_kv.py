@@ -130,7 +130,7 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, s
     # (stage, TP rank) together ran exactly the new tokens.
     by_group: dict[tuple[str, str], int] = {}
     for rank, ran in computed.items():
-        pp, cp, tp = rank.split("-")
+        pp, _, tp = rank.split("-")
         by_group[pp, tp] = by_group.get((pp, tp), 0) + ran
     assert set(by_group.values()) == {asked}, (computed, asked)
     assert requests > 20
