@@ -3,7 +3,7 @@ shape, on multi-turn conversations through a real model (``model.filler=llama``)
 in one run.
 
 Each turn's prompt is the previous prompt, the model's answer and a new
-message. For each shape (``tp1``, ``tp2``, ``pp2``, ``tp2pp2``) a fabric runs in
+message. For each shape (``tp1``, ``tp2``, ``pp2``, ``tp2pp2``, ``cp2``) a fabric runs in
 one process (``fabric.local``: one thread per rank, gloo groups between them).
 **With the fabric**: serve the prompt; its ranks load the cached prefix back and
 compute their share of the rest only, attending over the KV in their pools (the
@@ -42,35 +42,57 @@ from fabric.config import FabricConfig
 from fabric.local import LocalFabric
 from fabric.rank.mesh import LocalBoard, Mesh
 from fabric.rank.model import assemble, build_model
+from fabric.rank.producer import ShardPositions
 
-SHAPES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+SHAPES = {
+    "tp1": (1, 1, 1),
+    "tp2": (2, 1, 1),
+    "pp2": (1, 2, 1),
+    "tp2pp2": (2, 2, 1),
+    "cp2": (1, 1, 2),
+}
 
 
 class Uncached:
     """The fabric's ranks' shards, run over a whole prompt from nothing: each on
-    its own thread, with groups of their own (formed once, outside the timing)."""
+    its own thread, with groups of their own (formed once, outside the timing).
+    Under CP each runs its positions of every page, as the fabric's ranks do."""
 
     def __init__(self, f: LocalFabric) -> None:
-        self.models = [r.filler.sharded for r in f.ranks]
-        self.pool = ThreadPoolExecutor(len(self.models))
-        if len(self.models) == 1:
+        self.ranks = f.ranks
+        self.page_size = f.config.cache.page_size
+        self.pool = ThreadPoolExecutor(len(self.ranks))
+        if len(self.ranks) == 1:
             self.meshes = [None]
         else:
             board, topology = LocalBoard(), f.config.topology
             self.meshes = list(
                 self.pool.map(
                     lambda i: Mesh(board, "uncached", topology, i, torch.device("cpu"), 60),
-                    range(len(self.models)),
+                    range(len(self.ranks)),
                 )
             )
 
     def prefill(self, prompt: list[int]) -> None:
-        def run(i: int) -> None:
-            m = self.models[i]
-            empty = torch.empty(2, len(m.layers), m.kv_heads, 0, m.head_dim)
-            m.forward(self.meshes[i], prompt, 0, empty)
+        n = len(prompt)
 
-        list(self.pool.map(run, range(len(self.models))))
+        def run(i: int) -> None:
+            rank = self.ranks[i]
+            m = rank.filler.sharded
+            empty = torch.empty(2, len(m.layers), m.kv_heads, 0, m.head_dim)
+            mine = rank.filler.positions(0, n)
+            peers = [
+                r.shard
+                for r in self.ranks
+                if (r.shard.rank.pp, r.shard.rank.tp) == (rank.shard.rank.pp, rank.shard.rank.tp)
+            ]
+            every = None
+            if len(peers) > 1:  # context parallel
+                every = [ShardPositions(s, self.page_size).positions(0, n) for s in peers]
+            ids = [prompt[p] for p in mine.tolist()]
+            m.forward(self.meshes[i], ids, mine, empty, mine[:0], every)
+
+        list(self.pool.map(run, range(len(self.ranks))))
 
     def close(self) -> None:
         for mesh in self.meshes:
@@ -80,7 +102,7 @@ class Uncached:
 
 
 def config_for(shape: str, hidden: int, layers: int) -> FabricConfig:
-    tp, pp = SHAPES[shape]
+    tp, pp, cp = SHAPES[shape]
     heads = hidden // 64
     return FabricConfig().with_overrides(
         [
@@ -92,7 +114,7 @@ def config_for(shape: str, hidden: int, layers: int) -> FabricConfig:
             f"model.attention_heads={heads}",
             f"topology.tp={tp}",
             f"topology.pp={pp}",
-            "topology.cp=1",
+            f"topology.cp={cp}",
             "cache.page_size=16",
             "cache.device_tokens=16384",
             "cache.host_tokens=32768",
@@ -148,6 +170,7 @@ def run_shape(shape: str, args, hidden: int, layers: int) -> tuple[dict, int]:
             prompts[c] = prompt + answer + message(args.message)
         print(f"{shape}: turn {turn + 1}/{args.turns} done", file=sys.stderr)
     computed = f.computed_tokens_by_rank()
+    collectives = collective_costs(f)
     uncached.close()
     f.close()
     later = [r for r in rows if r["turn"] > 1]
@@ -155,11 +178,34 @@ def run_shape(shape: str, args, hidden: int, layers: int) -> tuple[dict, int]:
         "first_turns": summary([r for r in rows if r["turn"] == 1]),
         "later_turns": summary(later) if later else None,
         "computed_tokens_by_rank": computed,
+        "collectives": collectives,
     }
     if later:
         out["fabric_over_uncached"] = out["later_turns"]["fabric_over_uncached"]
         out["hit_share"] = out["later_turns"]["hit_share"]
     return out, sum(p.numel() for p in hf.parameters())
+
+
+def collective_costs(f: LocalFabric) -> dict:
+    """What the fabric's ranks spent in collectives over the run (waiting for their
+    peers included), per layer of a compute pass, averaged over the ranks."""
+    meshes = [(r.mesh, r.filler) for r in f.ranks if r.mesh is not None]
+    if not meshes:
+        return {}
+    out: dict = {}
+    layer_passes = sum(filler.passes * len(filler.sharded.layers) for _, filler in meshes)
+    total = 0.0
+    for kind in ("all-reduce", "all-gather", "send", "receive"):
+        calls = sum(m.calls[kind] for m, _ in meshes)
+        seconds = sum(m.seconds[kind] for m, _ in meshes)
+        total += seconds
+        if calls:
+            out[kind] = {
+                "calls_per_layer": round(calls / layer_passes, 2),
+                "us_per_call": round(seconds / calls * 1e6, 1),
+            }
+    out["ms_per_layer"] = round(total / layer_passes * 1e3, 3)
+    return out
 
 
 def summary(part: list[dict]) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections import Counter, defaultdict
 from typing import Protocol
 
 import torch
@@ -105,6 +106,10 @@ class Mesh:
     ) -> None:
         self.key = key
         self.board = board
+        # Finished operations and the seconds spent in them (waiting for the
+        # peers included), by kind: all-reduce, all-gather, send, receive.
+        self.calls: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.device = device
         self.timeout_s = timeout_s
         self.ranks = Topology(topology).ranks
@@ -160,16 +165,19 @@ class Mesh:
 
     # -- operations ------------------------------------------------------------------
 
-    def _wait(self, what: str, work) -> None:
+    def _wait(self, what: str, work, started: float) -> None:
         try:
             work.wait()
         except Exception as exc:
             raise MeshError(f"mesh {self.key}: {what} failed: {str(exc)[:200]}") from None
+        self.calls[what] += 1
+        self.seconds[what] += time.perf_counter() - started
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over this rank's tensor-parallel group, in place."""
         if self.tp is not None:
-            self._wait("all-reduce", self.tp.allreduce([t]))
+            started = time.perf_counter()
+            self._wait("all-reduce", self.tp.allreduce([t]), started)
         return t
 
     def all_gather_cp(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -177,21 +185,24 @@ class Mesh:
         (every rank's ``t`` has the same shape)."""
         if self.cp is None:
             return [t]
+        started = time.perf_counter()
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.cp_size)]
-        self._wait("all-gather", self.cp.allgather([out], [t]))
+        self._wait("all-gather", self.cp.allgather([out], [t]), started)
         return out
 
     def send_next(self, t: torch.Tensor) -> None:
         """Send ``t`` to the same rank of the next pipeline stage."""
         assert self.next is not None, "the last stage has no next"
-        self._wait("send", self.world.send([t.contiguous()], self.next, 0))
+        started = time.perf_counter()
+        self._wait("send", self.world.send([t.contiguous()], self.next, 0), started)
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """What the same rank of the previous pipeline stage sent."""
         assert self.prev is not None, "the first stage has no previous"
+        started = time.perf_counter()
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait("receive", self.world.recv([out], self.prev, 0))
+        self._wait("receive", self.world.recv([out], self.prev, 0), started)
         return out
 
     def close(self) -> None:

@@ -292,8 +292,9 @@ class ShardedLlamaKV(LlamaKV):
         self.mesh: Mesh | None = None
         self.world = topology.tp * topology.pp * topology.cp
         self.cp = topology.cp
-        # Tokens this rank ran through its layers (new tokens only).
+        # Tokens this rank ran through its layers (new tokens only), in how many passes.
         self.computed_tokens = 0
+        self.passes = 0
 
     def attach(self, mesh: Mesh | None) -> None:
         self.mesh = mesh
@@ -358,5 +359,6 @@ class ShardedLlamaKV(LlamaKV):
             self.mesh, ids, positions, prefix_kv, held_positions, cp_positions
         )
         self.computed_tokens += len(ids)
+        self.passes += 1
         page_idx, offsets = self.locate(positions, start_token, pages)
         pool.write_tokens(page_idx.to(device), offsets.to(device), kv.permute(0, 3, 1, 2, 4))
