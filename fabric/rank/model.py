@@ -1,12 +1,11 @@
 """A real transformer behind the ranks, and KV read back for a driver.
 
-``LlamaKV`` fills L1 with the KV a Llama-architecture model computes: seeded
-random weights of ``model.*``'s shape (nothing downloaded), or the weights in
-``model.path``. Each rank runs the whole model over the prefix and the new
-tokens and keeps its shard (its layers, its KV heads, its positions of each
-page): on CPU that is simpler than splitting the model's compute across ranks,
-and it is exact — a rank's shard of the KV is what the full model computes.
-Eager attention: its KV does not depend on how a prompt is cut into chunks.
+``LlamaKV`` is a Llama-architecture model behind a rank: seeded random weights
+of ``model.*``'s shape (nothing downloaded), or the weights in ``model.path``.
+It recomputes a rank's shard of the KV (its layers, its KV heads, its positions
+of each page) with the whole model over the whole sequence: what checks compare
+against. The ranks themselves compute from the cache, each its share of the new
+tokens only (``fabric.rank.sharded``). Eager attention.
 
 ``assemble`` puts every rank's shard of a lease back together per layer, and
 ``to_cache`` makes a ``transformers`` cache of it, so a driver continues
@@ -24,7 +23,6 @@ import torch
 from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
 from fabric.config import ModelConfig
 from fabric.errors import ConfigError
-from fabric.rank.pools import KVPool
 from fabric.rank.producer import ShardPositions
 from fabric.topology import Shard
 
@@ -107,9 +105,10 @@ def model_kv(hf: Any, ids: Sequence[int]) -> torch.Tensor:
 
 
 class LlamaKV(ShardPositions):
-    """A ``KVFiller`` backed by a Llama model (see the module docstring). A rank
-    that holds the whole KV (no TP, PP or CP split) continues from the prefix's
-    KV in its pool and runs the model over the new tokens only.
+    """A ``KVFiller`` backed by a Llama model that recomputes (see the module
+    docstring): ``expected`` runs the whole model over the prefix and the new
+    tokens and gives this shard's KV of the new ones — the check's reference, and
+    what the inherited ``fill`` stores.
 
     Float32 KV depends on how a sequence is cut into runs in its last bits
     (matrix kernels round differently for other shapes): a recomputation
@@ -120,44 +119,6 @@ class LlamaKV(ShardPositions):
     def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
         super().__init__(shard, page_size)
         self.model = build_model(model)
-        self.whole = (
-            shard.layers == model.layers
-            and shard.heads == model.kv_heads
-            and shard.page_tokens == page_size
-        )
-
-    def fill(
-        self,
-        pool: KVPool,
-        namespace: str,
-        prev_hash: bytes,
-        tokens: bytes,
-        start_token: int,
-        pages: list[int],
-        prefix: bytes = b"",
-        prefix_pages: list[int] | None = None,
-        keep: int = 0,
-    ) -> None:
-        if not (self.whole and start_token and prefix_pages and tokens):
-            # The model runs over the prefix too (``expected``).
-            super().fill(pool, namespace, prev_hash, tokens, start_token, pages, prefix)
-            self.computed_tokens += len(prefix) // TOKEN_BYTES if tokens else 0
-            return
-        positions = self.positions(0, start_token)
-        page_idx, offsets = self.locate(positions, 0, prefix_pages)
-        held = pool.read_tokens(page_idx.to(pool.buffer.device), offsets.to(pool.buffer.device))
-        kv = held.permute(0, 2, 3, 1, 4).float().cpu()  # (2, layers, heads, T, dim)
-        cache = to_cache(kv, self.model)
-        ids = torch.tensor([unpack_tokens(tokens)], dtype=torch.int64)
-        with torch.no_grad():
-            layers = self.model(input_ids=ids, cache=cache, use_cache=True).cache.layers
-        self.computed_tokens += len(tokens) // TOKEN_BYTES
-        keys = torch.stack([layer.keys[0, :, start_token:] for layer in layers])
-        values = torch.stack([layer.values[0, :, start_token:] for layer in layers])
-        new = torch.stack((keys, values)).permute(0, 3, 1, 2, 4)  # (2, T, layers, heads, dim)
-        end = start_token + len(tokens) // TOKEN_BYTES
-        page_idx, offsets = self.locate(self.positions(start_token, end), start_token, pages)
-        pool.write_tokens(page_idx, offsets, new)
 
     def expected(
         self,
