@@ -88,6 +88,19 @@ def build_model(model: ModelConfig) -> Any:
         torch.random.set_rng_state(state)
 
 
+def within(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Whether ``actual`` is ``expected`` up to float32 noise: every element within
+    ``atol + rtol * max|expected|``. The bound scales with the tensor's largest
+    value, not each element's own: rounding in a long sum is relative to the
+    terms summed, so a small result of large terms carries their absolute noise."""
+    if actual.shape != expected.shape:
+        return False
+    if not expected.numel():
+        return True
+    scale = float(expected.abs().max())
+    return float((actual.float() - expected.float()).abs().max()) <= atol + rtol * scale
+
+
 def hf_head_dim(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 

@@ -273,8 +273,8 @@ class ShardedLlamaKV(LlamaKV):
     gives it the mesh of the batch being run). Checks recompute with the whole
     model, as ``LlamaKV`` does."""
 
-    # Sharded float32 sums reorder: KV within this of a single-process recompute,
-    # absolute plus relative to the value (KV values reach tens).
+    # Sharded float32 sums reorder: KV within ``tolerance + rtol x`` its largest
+    # value of a single-process recompute (KV values reach tens).
     tolerance = 1e-4
     rtol = 1e-4
     needs_mesh = True

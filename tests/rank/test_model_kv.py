@@ -6,7 +6,7 @@ cache.
 
 Float32 on CPU with eager attention. Greedy tokens must be equal; the logits of
 the first generated token may differ from the uncached run's by at most
-``LOGITS_ATOL`` (they come from KV computed over other chunkings of the
+``fabric.chat``'s tolerance (they come from KV computed over other chunkings of the
 sequence; in practice the difference is 0 or a few float32 ulps).
 """
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from fabric.cache.keys import pack_tokens
+from fabric.chat import LOGITS_ATOL, LOGITS_RTOL
 from fabric.errors import ConfigError
 from fabric.local import LocalFabric
-from fabric.rank.model import assemble, build_model, to_cache
+from fabric.rank.model import assemble, build_model, to_cache, within
 from tests.helpers import small_config, storage_options
 
-LOGITS_ATOL = 1e-4
 NEW_TOKENS = 5
 
 
@@ -104,7 +104,7 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, s
             served, served_logits = generate(hf, prompt, kv[:, :, :, :-1])
             fresh, fresh_logits = generate(hf, prompt)
             assert served == fresh, f"turn {turn}, conversation {c}"
-            assert torch.allclose(served_logits, fresh_logits, rtol=0, atol=LOGITS_ATOL)
+            assert within(served_logits, fresh_logits, LOGITS_ATOL, LOGITS_RTOL)
             checked += 1
             lease = result.lease
             for token in fresh:  # decode: the answer's KV joins the cache
@@ -166,3 +166,15 @@ def test_a_token_outside_the_vocabulary_is_refused_before_any_rank_computes():
     f.core.release(ok.lease)  # the lease was kept
     assert f.core.epoch == epoch and f.core.stats.resets == 0
     f.close()
+
+
+def test_within_scales_the_bound_by_the_largest_value_and_catches_a_wrong_one():
+    expected = torch.tensor([12.0, -9.5, 0.001, 3.0])
+    noisy = expected + torch.tensor([1e-4, -2e-4, 3e-4, 0.0])  # float32-sized noise
+    assert within(noisy, expected, 1e-4, 1e-4)  # bound 1e-4 + 12e-4
+    assert not torch.allclose(noisy, expected, rtol=1e-4, atol=1e-4)  # elementwise fails
+    wrong = expected.clone()
+    wrong[2] = 0.5  # one misplaced value
+    assert not within(wrong, expected, 1e-4, 1e-4)
+    assert not within(expected[:3], expected, 1e-4, 1e-4)
+    assert within(torch.empty(0), torch.empty(0), 0.0, 0.0)
