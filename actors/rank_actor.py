@@ -60,8 +60,11 @@ class RayBoard:
         return ray.util.get_node_ip_address()
 
     def post(self, key: str, address: str) -> None:
+        """Post a new generation's address; older generations' go (a rank 0 that
+        died never dropped its own)."""
         from ray.experimental import internal_kv
 
+        internal_kv._internal_kv_del(self.prefix, del_by_prefix=True, namespace=self.namespace)
         internal_kv._internal_kv_put(self.prefix + key, address, namespace=self.namespace)
 
     def read(self, key: str, timeout_s: float) -> str:
