@@ -30,9 +30,9 @@ class LocalFabric:
         self.config = config
         self.clock = clock
         self.storage = storage or StorageService(config)
-        board = LocalBoard()  # where a sharded model's ranks form their groups
+        self.board = LocalBoard()  # where a sharded model's ranks form their groups
         self.ranks = [
-            RankWorker(config, i, storage=self.storage, board=board)
+            RankWorker(config, i, storage=self.storage, board=self.board)
             for i in range(Topology(config.topology).world_size)
         ]
         # The ranks of a sharded model compute together: each on its own thread.

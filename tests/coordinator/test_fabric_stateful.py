@@ -42,6 +42,12 @@ class FabricMachine(RuleBasedStateMachine):
         session_tier="device",
         hybrid=None,
     ):
+        self._setup(write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid)
+
+    # Options a subclass adds to every config (``ShardedFabricMachine``).
+    extra_options: tuple[str, ...] = ()
+
+    def _setup(self, write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
             f"cache.write_policy={write_policy}",
@@ -62,7 +68,7 @@ class FabricMachine(RuleBasedStateMachine):
                 "cache.sliding_tokens=24",
                 "cache.mamba_states=5",
             ]
-        self.config = small_config(*options)
+        self.config = small_config(*options, *self.extra_options)
         self.clock = FakeClock()
         self.fabric = LocalFabric(self.config, clock=self.clock)
         if chunk is not None:
@@ -92,8 +98,9 @@ class FabricMachine(RuleBasedStateMachine):
     )
     def submit(self, first, rest, tail=(), namespace="default"):
         pages = [first, *rest]
+        # Tokens below 400: within a real model's vocabulary (ShardedFabricMachine).
         tokens = pack_tokens(
-            [p * 10 + i % 4 + 1000 * j for j, p in enumerate(pages) for i in range(4)] + list(tail)
+            [p * 10 + i % 4 + 40 * j for j, p in enumerate(pages) for i in range(4)] + list(tail)
         )
         self.n += 1
         rid = self.fabric.core.submit(tokens, namespace, request_id=f"r{self.n}")
@@ -179,7 +186,8 @@ class FabricMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 3))
     def restart_rank(self, index):
-        self.fabric.ranks[index] = RankWorker(self.config, index, storage=self.fabric.storage)
+        f = self.fabric
+        f.ranks[index] = RankWorker(self.config, index, storage=f.storage, board=f.board)
         # Until the next round shows the new incarnation, leases point at pages
         # this rank lost; that round resets the fabric and ends them.
         self.restart_unseen = True
@@ -201,6 +209,7 @@ class FabricMachine(RuleBasedStateMachine):
         """A new coordinator and ranks on the same L3, L1 and L2 empty (a hybrid
         model's components included): what they serve next comes from L3 or is
         computed, and is verified like any lease."""
+        self.fabric.close()
         self.fabric = LocalFabric(self.config, storage=self.fabric.storage, clock=self.clock)
         self.tokens, self.appended, self.held = {}, set(), {}
         self.router = RouterView()
@@ -250,5 +259,70 @@ def test_the_invariant_verifies_a_lease_that_came_back_from_a_decode_append():
         assert VERIFIED["decoded"] > before["decoded"]
         assert VERIFIED["leases"] > before["leases"], "the decoded lease was verified"
         assert rid in machine.held
+    finally:
+        machine.teardown()
+
+
+class ShardedFabricMachine(FabricMachine):
+    """The same random sequences with a real model behind TP=2 x PP=2 ranks that
+    compute from the cache (``fabric.rank.sharded``): each computes its share of
+    the new tokens only over the KV it holds — after load-backs, prefetches from
+    L3, decode appends into a partial page, rank and coordinator restarts, and
+    fresh fabrics — and every held lease still verifies against the whole
+    model's recomputation. No rank lags (a lagging rank's peers would wait in a
+    collective; the consensus machine above covers lagging ranks)."""
+
+    extra_options = (
+        "model.filler=llama",
+        "model.dtype=float32",
+        "model.attention_heads=4",
+        "model.vocab_size=400",
+        "runtime.collective_timeout_s=5",
+    )
+
+    @initialize(
+        write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+        storage=st.sampled_from([None, "file", "segment"]),
+        chunk=st.sampled_from([None, 1, 2, 3]),
+        chunk_tokens=st.sampled_from([0, 4, 8]),
+        session_tier=st.sampled_from(["device", "host"]),
+    )
+    def setup(
+        self, write_policy, stop_policy, storage, chunk, chunk_tokens=0, session_tier="device"
+    ):
+        self._setup(write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, None)
+        assert all(r.needs_mesh for r in self.fabric.ranks)
+
+    @rule()
+    def step(self, lagging=frozenset()):
+        super().step(set())
+
+    def teardown(self):
+        if hasattr(self, "fabric"):
+            self.fabric.close()
+        super().teardown()
+
+
+ShardedFabricMachine.TestCase.settings = machine_settings(examples=8, steps=25)
+TestShardedFabricMachine = ShardedFabricMachine.TestCase
+
+
+def test_the_sharded_machine_verifies_a_decode_its_ranks_computed_from_the_cache():
+    machine = ShardedFabricMachine()
+    try:
+        machine.setup("write_through", "best_effort", storage="segment", chunk=None)
+        machine.submit(1, [2, 3], tail=[5])
+        for _ in range(4):
+            machine.step()
+            machine.consistent()
+        (rid,) = machine.held
+        before = dict(machine.fabric.computed_tokens_by_rank())
+        verified = VERIFIED["leases"]
+        machine.append_to(rid, [1, 2], steps=4)  # into the partial page: 2 new tokens
+        machine.consistent()
+        after = machine.fabric.computed_tokens_by_rank()
+        assert {r: after[r] - before[r] for r in after} == dict.fromkeys(after, 2)
+        assert rid in machine.held and VERIFIED["leases"] > verified
     finally:
         machine.teardown()
