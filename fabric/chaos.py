@@ -164,11 +164,15 @@ def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
     )
 
 
-def prompt(rng: random.Random, page_size: int) -> list[int]:
-    """A prompt from a few shared prefixes and a unique tail (whole pages)."""
+def prompt(rng: random.Random, page_size: int, vocab: int | None = None) -> list[int]:
+    """A prompt from a few shared prefixes and a unique tail (whole pages); with
+    ``vocab`` (a model behind the ranks), every token within ``[0, vocab)``."""
     family = rng.randrange(6)
     shared = [family * 1000 + t for t in range(page_size * rng.randint(1, 6))]
     own = [rng.randrange(100_000, 200_000) for _ in range(page_size * rng.randint(0, 4))]
+    if vocab is not None:  # spread over the vocabulary; the families stay apart
+        shared = [(family * 7919 + i * 104_729 + i * i) % vocab for i in range(len(shared))]
+        own = [rng.randrange(vocab) for _ in own]
     return shared + own
 
 
@@ -243,8 +247,10 @@ class Chaos:
         fabric, tally = self.fabric, self.tally
         assert self.config is not None
         ps = self.config.cache.page_size
+        model = self.config.model
+        vocab = None if model.filler == "synthetic" else model.vocab_size
         while not self.stop.is_set():
-            tokens = prompt(rng, ps)
+            tokens = prompt(rng, ps, vocab)
             started, submitted = time.monotonic(), self.now()
             try:
                 r = fabric.submit(tokens, timeout=self.opts.request_timeout_s)

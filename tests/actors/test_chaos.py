@@ -66,3 +66,15 @@ def test_chaos_refuses_unknown_fault_kinds_and_bad_sizes(capsys):
     assert main(["chaos", "--faults", "rank_kill,nope"]) == 2
     assert "nope" in capsys.readouterr().err
     assert set(FAULTS) >= {"node_loss", "coordinator_kill", "l3_read_only"}
+
+
+def test_chaos_prompts_fit_a_models_vocabulary_and_keep_their_families():
+    import random
+
+    from fabric.chaos import prompt
+
+    rng = random.Random(3)
+    prompts = [prompt(rng, 4, vocab=400) for _ in range(200)]
+    assert max(max(p) for p in prompts) < 400
+    assert len({tuple(p[:4]) for p in prompts}) == 6  # the shared prefixes, apart
+    assert max(max(prompt(rng, 4)) for _ in range(50)) >= 100_000  # synthetic: as before
