@@ -327,9 +327,10 @@ class RuntimeConfig(_Section):
     )
     step_interval_s: NonNegativeFloat = 0.001
     rank_timeout_s: PositiveFloat = 30.0
-    # How long the ranks of a sharded model (model.filler=llama, TP/PP) wait in one
-    # collective (forming their groups, an all-reduce, a stage's send or receive)
-    # before the compute fails and the epoch resets.
+    # How long the ranks of a sharded model (model.filler=llama) wait in one
+    # collective (forming their groups, an all-reduce or all-gather, a stage's send
+    # or receive) before the compute fails and the epoch resets; at most half of
+    # rank_timeout_s (a rank stuck longer would miss its round).
     collective_timeout_s: PositiveFloat = 10.0
     # Consensus rounds on a Ray Compiled Graph (shared-memory channels instead of
     # one RPC per rank): faster rounds, but every rank actor and the coordinator

@@ -74,6 +74,13 @@ class Faults:
     fail_computes: bool = False
 
 
+def collective_timeout(configured_s: float, rank_timeout_s: float) -> float:
+    """How long a rank waits in one collective: as configured, but at most half the
+    rank timeout. A new epoch's batch waits for the compute in flight, so a rank
+    stuck longer in a collective would miss its round and look absent."""
+    return min(configured_s, rank_timeout_s / 2)
+
+
 def mesh_key(epoch: int, incarnations: tuple[str, ...]) -> str:
     """The mesh generation of a batch: its epoch and the ranks it addresses."""
     digest = hashlib.blake2b("/".join(incarnations).encode(), digest_size=6).hexdigest()
@@ -403,13 +410,14 @@ class RankWorker:
             self.mesh = None
         if self.board is None:
             raise MeshError("a sharded model's rank has no board to meet its peers on")
+        runtime = self.config.runtime
         self.mesh = Mesh(
             self.board,
             key,
             self.config.topology,
             self.index,
             self.device,
-            self.config.runtime.collective_timeout_s,
+            collective_timeout(runtime.collective_timeout_s, runtime.rank_timeout_s),
         )
         return self.mesh
 

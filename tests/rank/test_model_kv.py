@@ -178,3 +178,10 @@ def test_within_scales_the_bound_by_the_largest_value_and_catches_a_wrong_one():
     assert not within(wrong, expected, 1e-4, 1e-4)
     assert not within(expected[:3], expected, 1e-4, 1e-4)
     assert within(torch.empty(0), torch.empty(0), 0.0, 0.0)
+
+
+def test_a_collective_waits_at_most_half_the_rank_timeout():
+    from fabric.rank.worker import collective_timeout
+
+    assert collective_timeout(10.0, 30.0) == 10.0
+    assert collective_timeout(10.0, 2.0) == 1.0
