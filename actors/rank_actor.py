@@ -244,3 +244,4 @@ class RankActor:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.worker.close()

@@ -29,6 +29,7 @@ class LocalFabric:
     ) -> None:
         self.config = config
         self.clock = clock
+        self._owns_storage = storage is None  # closed with the fabric
         self.storage = storage or StorageService(config)
         self.board = LocalBoard()  # where a sharded model's ranks form their groups
         self.ranks = [
@@ -94,11 +95,16 @@ class LocalFabric:
 
     def close(self) -> None:
         """Stop the KV event publisher (if any), after sending what it has queued,
-        and the ranks' threads."""
+        and the ranks' threads; close their collective groups, and the L3 backend
+        when this fabric made its storage service."""
         if self.publisher is not None:
             self.publisher.close()
         if self._threads is not None:
             self._threads.shutdown()
+        for rank in self.ranks:
+            rank.close()
+        if self._owns_storage:
+            self.storage.detach()
 
     def computed_tokens_by_rank(self) -> dict[str, int]:
         """Tokens each rank has run through its share of the model."""

@@ -22,11 +22,13 @@ time out or see the connection close rather than pair with the wrong data.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,7 @@ class Mesh:
     ) -> None:
         self.key = key
         self.board = board
+        self.closed = False
         # Finished operations and the seconds spent in them (waiting for the
         # peers included), by kind: all-reduce, all-gather, send, receive.
         self.calls: Counter[str] = Counter()
@@ -165,9 +168,14 @@ class Mesh:
 
     # -- operations ------------------------------------------------------------------
 
-    def _wait(self, what: str, work, started: float) -> None:
+    def _run(self, what: str, start: Callable[[], Any]) -> None:
+        """Start an operation and wait for it; any failure (at the start or while
+        waiting: a peer gone, a timeout) is a ``MeshError``."""
+        if self.closed:
+            raise MeshError(f"mesh {self.key}: {what} on a closed mesh")
+        started = time.perf_counter()
         try:
-            work.wait()
+            start().wait()
         except Exception as exc:
             raise MeshError(f"mesh {self.key}: {what} failed: {str(exc)[:200]}") from None
         self.calls[what] += 1
@@ -175,40 +183,46 @@ class Mesh:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over this rank's tensor-parallel group, in place."""
-        if self.tp is not None:
-            started = time.perf_counter()
-            self._wait("all-reduce", self.tp.allreduce([t]), started)
+        tp = self.tp
+        if tp is not None or self.closed:
+            self._run("all-reduce", lambda: tp.allreduce([t]))  # type: ignore[union-attr]
         return t
 
     def all_gather_cp(self, t: torch.Tensor) -> list[torch.Tensor]:
         """``t`` from every rank of this rank's context-parallel group, in CP order
         (every rank's ``t`` has the same shape)."""
-        if self.cp is None:
+        cp = self.cp
+        if cp is None and not self.closed:
             return [t]
-        started = time.perf_counter()
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.cp_size)]
-        self._wait("all-gather", self.cp.allgather([out], [t]), started)
+        self._run("all-gather", lambda: cp.allgather([out], [t]))  # type: ignore[union-attr]
         return out
 
     def send_next(self, t: torch.Tensor) -> None:
         """Send ``t`` to the same rank of the next pipeline stage."""
         assert self.next is not None, "the last stage has no next"
-        started = time.perf_counter()
-        self._wait("send", self.world.send([t.contiguous()], self.next, 0), started)
+        world, peer, t = self.world, self.next, t.contiguous()
+        self._run("send", lambda: world.send([t], peer, 0))
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """What the same rank of the previous pipeline stage sent."""
         assert self.prev is not None, "the first stage has no previous"
-        started = time.perf_counter()
+        world, peer = self.world, self.prev
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait("receive", self.world.recv([out], self.prev, 0), started)
+        self._run("receive", lambda: world.recv([out], peer, 0))
         return out
 
     def close(self) -> None:
-        """Drop this generation (its peers' operations in it fail)."""
+        """Drop this generation now, its sockets with it (its peers' operations in
+        it fail); an operation on it afterwards is a ``MeshError``."""
+        self.closed = True
         if self.index == 0:
             self.board.drop(self.key)
-        for name in ("tp", "cp", "world", "_store"):
-            if hasattr(self, name):
-                setattr(self, name, None)
+        for name in ("tp", "cp", "world"):
+            group = getattr(self, name, None)
+            if group is not None:
+                with contextlib.suppress(Exception):  # a group already broken
+                    group.shutdown()
+        self.tp = self.cp = self.world = None
+        self._store = None

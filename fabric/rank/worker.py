@@ -429,6 +429,13 @@ class RankWorker:
             self.mesh.close()
             self.mesh = None
 
+    def close(self) -> None:
+        """Release what this rank holds outside its pools: its collective groups
+        (their sockets; its peers' operations in them fail)."""
+        if self.mesh is not None:
+            self.mesh.close()
+            self.mesh = None
+
     @property
     def computed_tokens(self) -> int:
         """Tokens this rank has run through its share of the model (or made)."""

@@ -86,6 +86,9 @@ class FabricMachine(RuleBasedStateMachine):
         self.router = RouterView()
 
     def teardown(self):
+        if hasattr(self, "fabric"):
+            self.fabric.close()
+            self.fabric.storage.detach()  # shared by every fabric of the run
         if hasattr(self, "tmp"):
             self.tmp.cleanup()
 
@@ -187,6 +190,7 @@ class FabricMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 3))
     def restart_rank(self, index):
         f = self.fabric
+        f.ranks[index].close()  # its process is gone: so are its sockets
         f.ranks[index] = RankWorker(self.config, index, storage=f.storage, board=f.board)
         # Until the next round shows the new incarnation, leases point at pages
         # this rank lost; that round resets the fabric and ends them.
@@ -297,11 +301,6 @@ class ShardedFabricMachine(FabricMachine):
     @rule()
     def step(self, lagging=frozenset()):
         super().step(set())
-
-    def teardown(self):
-        if hasattr(self, "fabric"):
-            self.fabric.close()
-        super().teardown()
 
 
 ShardedFabricMachine.TestCase.settings = machine_settings(examples=8, steps=25)
