@@ -42,7 +42,6 @@ from fabric.config import FabricConfig
 from fabric.local import LocalFabric
 from fabric.rank.mesh import LocalBoard, Mesh
 from fabric.rank.model import assemble, build_model
-from fabric.rank.producer import ShardPositions
 
 SHAPES = {
     "tp1": (1, 1, 1),
@@ -60,7 +59,6 @@ class Uncached:
 
     def __init__(self, f: LocalFabric) -> None:
         self.ranks = f.ranks
-        self.page_size = f.config.cache.page_size
         self.pool = ThreadPoolExecutor(len(self.ranks))
         if len(self.ranks) == 1:
             self.meshes = [None]
@@ -81,16 +79,8 @@ class Uncached:
             m = rank.filler.sharded
             empty = torch.empty(2, len(m.layers), m.kv_heads, 0, m.head_dim)
             mine = rank.filler.positions(0, n)
-            peers = [
-                r.shard
-                for r in self.ranks
-                if (r.shard.rank.pp, r.shard.rank.tp) == (rank.shard.rank.pp, rank.shard.rank.tp)
-            ]
-            every = None
-            if len(peers) > 1:  # context parallel
-                every = [ShardPositions(s, self.page_size).positions(0, n) for s in peers]
             ids = [prompt[p] for p in mine.tolist()]
-            m.forward(self.meshes[i], ids, mine, empty, mine[:0], every)
+            m.forward(self.meshes[i], ids, mine, empty, mine[:0], rank.filler.cp_positions(0, n))
 
         list(self.pool.map(run, range(len(self.ranks))))
 

@@ -114,7 +114,6 @@ class Mesh:
         self.calls: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.device = device
-        self.timeout_s = timeout_s
         self.ranks = Topology(topology).ranks
         self.index = index
         me = self.ranks[index]

@@ -296,6 +296,16 @@ class ShardedLlamaKV(LlamaKV):
         self.computed_tokens = 0
         self.passes = 0
 
+    def cp_positions(self, start: int, end: int) -> list[torch.Tensor] | None:
+        """Under context parallelism, every CP rank's positions in ``[start, end)``
+        (this rank's among them, in CP order); else ``None``."""
+        if self.cp == 1:
+            return None
+        return [
+            ShardPositions(replace(self.shard, cp_rank=c), self.page_size).positions(start, end)
+            for c in range(self.cp)
+        ]
+
     def attach(self, mesh: Mesh | None) -> None:
         self.mesh = mesh
 
@@ -349,14 +359,8 @@ class ShardedLlamaKV(LlamaKV):
         positions = self.positions(first, end)
         every = unpack_tokens(tokens)
         ids = [every[p - start_token] for p in positions.tolist()]
-        cp_positions = None
-        if self.cp > 1:
-            cp_positions = [
-                ShardPositions(replace(self.shard, cp_rank=c), self.page_size).positions(first, end)
-                for c in range(self.cp)
-            ]
         kv = self.sharded.forward(
-            self.mesh, ids, positions, prefix_kv, held_positions, cp_positions
+            self.mesh, ids, positions, prefix_kv, held_positions, self.cp_positions(first, end)
         )
         self.computed_tokens += len(ids)
         self.passes += 1

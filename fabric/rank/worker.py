@@ -37,6 +37,7 @@ from fabric.messages import (
 )
 from fabric.rank.index import PageIndex
 from fabric.rank.mesh import Board, Mesh, MeshError
+from fabric.rank.model import within
 from fabric.rank.pools import (
     KVPool,
     StatePool,
@@ -160,6 +161,7 @@ class RankWorker:
         self.mesh: Mesh | None = None
         self.broken_meshes: set[str] = set()
         self._mesh_key = ""
+        self._mesh_of: tuple[int, tuple[str, ...]] | None = None  # what the key names
         # What every L1 and L2 page slot holds: a restarted coordinator adopts L2.
         self.names = PageIndex(cache.page_size)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -203,7 +205,8 @@ class RankWorker:
             addressed = self.index < len(batch.incarnations) and (
                 batch.incarnations[self.index] == self.incarnation
             )
-            if addressed and self.needs_mesh:
+            if addressed and self.needs_mesh and self._mesh_of != (batch.epoch, batch.incarnations):
+                self._mesh_of = (batch.epoch, batch.incarnations)
                 self._mesh_key = mesh_key(batch.epoch, batch.incarnations)
             for cmd in batch.commands if addressed else ():
                 if cmd.cmd_id <= self.last_cmd_id:  # type: ignore[attr-defined]
@@ -604,9 +607,7 @@ class RankWorker:
         actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device)).cpu()
         if not self.filler.tolerance:
             return bool(torch.equal(actual, expected))
-        rtol = getattr(self.filler, "rtol", 0.0)
-        scale = float(expected.abs().max())
-        return float((actual - expected).abs().max()) <= self.filler.tolerance + rtol * scale
+        return within(actual, expected, self.filler.tolerance, getattr(self.filler, "rtol", 0.0))
 
     def _copy_parts(self, group: list[Message], to_host: bool) -> None:
         """A hybrid model's sliding pages and mamba states of a group of writes

@@ -22,16 +22,19 @@ from tests.helpers import FakeClock, RouterView, machine_settings, small_config
 VERIFIED: Counter[str] = Counter()
 
 
+# What a machine's setup draws (the sharded machine: all but ``hybrid``).
+SETUP = {
+    "write_policy": st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    "stop_policy": st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+    "storage": st.sampled_from([None, "file", "segment"]),
+    "chunk": st.sampled_from([None, 1, 2, 3]),
+    "chunk_tokens": st.sampled_from([0, 4, 8]),
+    "session_tier": st.sampled_from(["device", "host"]),
+}
+
+
 class FabricMachine(RuleBasedStateMachine):
-    @initialize(
-        write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-        storage=st.sampled_from([None, "file", "segment"]),
-        chunk=st.sampled_from([None, 1, 2, 3]),
-        chunk_tokens=st.sampled_from([0, 4, 8]),
-        session_tier=st.sampled_from(["device", "host"]),
-        hybrid=st.sampled_from([None, "[full, sliding]", "[full, mamba]"]),
-    )
+    @initialize(**SETUP, hybrid=st.sampled_from([None, "[full, sliding]", "[full, mamba]"]))
     def setup(
         self,
         write_policy,
@@ -284,14 +287,7 @@ class ShardedFabricMachine(FabricMachine):
         "runtime.collective_timeout_s=5",
     )
 
-    @initialize(
-        write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        stop_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-        storage=st.sampled_from([None, "file", "segment"]),
-        chunk=st.sampled_from([None, 1, 2, 3]),
-        chunk_tokens=st.sampled_from([0, 4, 8]),
-        session_tier=st.sampled_from(["device", "host"]),
-    )
+    @initialize(**SETUP)
     def setup(
         self, write_policy, stop_policy, storage, chunk, chunk_tokens=0, session_tier="device"
     ):
