@@ -122,10 +122,28 @@ def recreate_rank(deployment: Deployment, config: FabricConfig, index: int) -> A
     return handle
 
 
+def _refuse_taken_name(config: FabricConfig, world_size: int) -> None:
+    rt = config.runtime
+    names = [coordinator_name(config), storage_name(config)]
+    names += [rank_name(config, i) for i in range(world_size)]
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=rt.ray_namespace)
+        except ValueError:
+            continue
+        raise FabricError(
+            f"a fabric named {rt.name!r} already runs in Ray namespace {rt.ray_namespace!r} "
+            f"on this cluster (actor {name}): launch this one under another --name "
+            f"(runtime.name), or use that one (kvfabric status --name {rt.name})"
+        )
+
+
 def deploy(config: FabricConfig) -> Deployment:
     """Create the storage actor, the rank actors (one placement group per pipeline
-    stage) and the coordinator, and start its step loop."""
+    stage) and the coordinator, and start its step loop. A fabric of the same
+    name in the same Ray namespace is refused before anything is made."""
     topo = Topology(config.topology)
+    _refuse_taken_name(config, topo.world_size)
     storage = remote(
         StorageActor,
         name=storage_name(config),
@@ -145,8 +163,23 @@ def deploy(config: FabricConfig) -> Deployment:
     for pp in range(config.topology.pp):
         stage = topo.stage(pp)
         pg = placement_group([bundle] * len(stage), strategy="STRICT_PACK")
-        ray.get(pg.ready(), timeout=120)
         groups.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            for made in groups:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(made)
+            with contextlib.suppress(Exception):
+                ray.kill(storage, no_restart=True)
+            for _, handle in ranks:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+            raise FabricError(
+                f"pipeline stage {pp} needs {len(stage)} x {bundle} on one node and no node "
+                "of this cluster could offer it within 120 s: lower topology.tp / "
+                "topology.cp, or add a node that has them"
+            ) from None
         for rank in stage:
             index = topo.ranks.index(rank)
             ranks.append((index, _rank_actor(config, index, pg, gpu)))

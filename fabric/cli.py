@@ -91,7 +91,9 @@ def _cluster_options(f: Callable) -> Callable:
         "--address",
         default="auto",
         show_default=True,
-        help="The Ray cluster the fabric runs on (auto: the one this machine is part of).",
+        help="The Ray cluster the fabric runs on: HOST:PORT, ray://..., or auto (RAY_ADDRESS, "
+        "else the local cluster where --name was launched, else the `ray start` cluster, else "
+        "the only one).",
     )(f)
 
 
@@ -129,9 +131,14 @@ def _tiers(tokens: dict[str, int]) -> str:
 
 
 def _connect(address: str, name: str, ray_namespace: str):
+    """The running fabric ``name``; says on stderr which cluster it was found on."""
     from fabric.client import connect
 
-    return connect(name, address, ray_namespace)
+    fabric = connect(name, address, ray_namespace)
+    click.echo(
+        f"kvfabric: fabric {name!r} on the Ray cluster at {fabric.cluster_address}", err=True
+    )
+    return fabric
 
 
 # -- the group -------------------------------------------------------------------------
@@ -168,7 +175,14 @@ def cli(log_level: str) -> None:
 @_config_options
 @click.option(
     "--address",
-    help="An existing Ray cluster to launch on (default: runtime.address, else a local Ray).",
+    help="The Ray cluster to launch on: HOST:PORT, ray://..., auto, or local for a new "
+    "private Ray (default: runtime.address, else RAY_ADDRESS, else the cluster `ray start` "
+    "started on this machine, else a private Ray).",
+)
+@click.option(
+    "--name",
+    help="The fabric's name (runtime.name; default kvfabric): two fabrics on one cluster "
+    "need two names.",
 )
 @click.option("--inflight", type=int, default=8, show_default=True, help="Requests in flight.")
 @click.option(
@@ -192,7 +206,7 @@ def cli(log_level: str) -> None:
 )
 @_json_option
 def run(
-    trace, requests, config_file, overrides, address, inflight, keep, model, check,
+    trace, requests, config_file, overrides, address, name, inflight, keep, model, check,
     conversations, turns, new_tokens, as_json,
 ) -> None:  # fmt: skip
     """Launch a fabric and serve a workload through it.
@@ -205,6 +219,8 @@ def run(
     from fabric.client import launch
     from fabric.workload import drive, iter_packed
 
+    if name is not None:
+        overrides = (*overrides, f"runtime.name={name}")
     if model is not None:
         _chat(
             config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json
@@ -655,7 +671,7 @@ def status(address, name, ray_namespace, watch, count, as_json) -> None:
     fabric = _connect(address, name, ray_namespace)
     shown = 0
     while True:
-        st = fabric.status()
+        st = {**fabric.status(), "cluster": fabric.cluster_address}
         if not as_json:
             if watch and sys.stdout.isatty():
                 click.clear()
@@ -669,7 +685,8 @@ def status(address, name, ray_namespace, watch, count, as_json) -> None:
 
 def _status_text(st: dict[str, Any], dashboard: str) -> str:
     lines = [
-        f"kvfabric {st['fabric']}: epoch {st['epoch']}, {st['rounds']} rounds, {st['resets']} resets"
+        f"kvfabric {st['fabric']} on the Ray cluster at {st['cluster']}: epoch {st['epoch']}, "
+        f"{st['rounds']} rounds, {st['resets']} resets"
     ]
     for a in st["actors"]:
         mark = "up  " if a["alive"] else "DOWN"

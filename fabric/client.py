@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fabric import cluster
 from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
 from fabric.coordinator.requests import Lease, RequestResult
@@ -52,6 +53,20 @@ class Fabric:
         self.config = config
         self._deployment = deployment
         self._owns_ray = owns_ray
+        self._recorded = ""
+
+    @property
+    def cluster_address(self) -> str:
+        """The GCS address (HOST:PORT) of the Ray cluster this fabric runs on."""
+        return cluster.gcs_address() or self.config.runtime.address or "?"
+
+    def _record(self) -> None:
+        """Leave a note (machine-local) that this fabric runs on this cluster, so
+        ``--address auto`` finds it among several local clusters."""
+        address = cluster.gcs_address()
+        rt = self.config.runtime
+        if address and cluster.record_fabric(rt.name, rt.ray_namespace, address):
+            self._recorded = address
 
     def _call(self, method: Any, *args: Any, timeout: float | None = None) -> Any:
         return self.result(method.remote(*args), timeout=timeout)
@@ -209,6 +224,8 @@ class Fabric:
     def dashboard_hint(self) -> str:
         """Where the dashboard is and how to sign in to it, in one line."""
         url = self.dashboard_url
+        if url is None and _through_ray_client():
+            return "Ray dashboard: on the cluster's head node (port 8265 unless changed; Ray Client does not say)"
         if url is None:
             return "Ray dashboard: off (runtime.dashboard=false, or the cluster runs none)"
         if not _token_auth():
@@ -271,29 +288,12 @@ class Fabric:
                 ray.get(self.coordinator.stop.remote(), timeout=10)
             self._deployment.kill()
             self._deployment = None
+        if self._recorded:
+            rt = self.config.runtime
+            cluster.forget_fabric(rt.name, rt.ray_namespace, self._recorded)
+            self._recorded = ""
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def _check_reachable(address: str | None, setting: str) -> None:
-    """Fail at once, in one line, when ``address`` (host:port of a Ray head) does
-    not accept connections: Ray itself would retry for minutes."""
-    import socket
-
-    if not address or address == "auto" or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise FabricError(
-            f"{setting}={address!r} is refused: allowed is HOST:PORT, auto or ray://..."
-        )
-    try:
-        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=3).close()
-    except OSError as exc:
-        raise FabricError(
-            f"no Ray cluster at {setting}={address!r} ({exc.strerror or exc}): start one "
-            "(ray start --head) or fix the address"
-        ) from None
 
 
 def _dashboard_url() -> str | None:
@@ -308,6 +308,15 @@ def _dashboard_url() -> str | None:
     return f"http://{url}" if url else None
 
 
+def _through_ray_client() -> bool:
+    try:
+        from ray.util.client import ray as client
+
+        return bool(client.is_connected())
+    except Exception:
+        return False
+
+
 def _token_auth() -> bool:
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
@@ -320,9 +329,11 @@ def _token_auth() -> bool:
 def launch(
     config: FabricConfig | None = None, address: str | None = None, announce: bool = True
 ) -> Fabric:
-    """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``), or
-    start a local Ray when neither is given; then create its actors. With
-    ``announce``, print where the Ray dashboard is and how to sign in (stderr)."""
+    """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``; see
+    ``fabric.cluster.resolve`` for empty, ``auto`` and ``local``), or start a
+    private local Ray; then create its actors. A fabric of the same name already
+    on that cluster is refused in one line. With ``announce``, print which
+    cluster it is, where the Ray dashboard is and how to sign in (stderr)."""
     import ray
 
     from actors.factory import deploy
@@ -331,33 +342,35 @@ def launch(
     # Actors run in other working directories: pin a relative L3 path to this one.
     path = str(Path(config.storage.path).expanduser().resolve())
     config = config.replace(storage={**config.storage.model_dump(), "path": path})
-    address = address or config.runtime.address or None
+    runtime = config.runtime
     owns = False
+    reason = "this process's Ray"
     if not ray.is_initialized():
         from actors.factory import HEAD_RESOURCE
 
-        _check_reachable(address, "--address / runtime.address")
-        runtime = config.runtime
+        target = cluster.resolve(
+            address if address is not None else runtime.address,
+            runtime.name,
+            runtime.ray_namespace,
+            "--address / runtime.address",
+        )
+        reason = target.reason
         local = {
-            # A local Ray is its own head node (a cluster's comes from cluster.yaml).
+            # A private Ray is its own head node (a cluster's comes from cluster.yaml).
             "resources": {HEAD_RESOURCE: 1000},
             "include_dashboard": runtime.dashboard,
             "dashboard_host": runtime.dashboard_host,
-            "dashboard_port": runtime.dashboard_port,
+            # Another local Ray (a second kvfabric run) may hold the port: take a free one.
+            "dashboard_port": cluster.free_port(runtime.dashboard_host, runtime.dashboard_port),
         }
-        try:
-            ray.init(
-                address=address,
-                namespace=runtime.ray_namespace,
-                log_to_driver=runtime.log_to_driver,
-                **({} if address else local),
-            )
-        except ConnectionError as exc:
-            raise FabricError(
-                f"no Ray cluster at runtime.address={address!r} ({exc.__class__.__name__}): "
-                "start one (ray start --head) or leave runtime.address empty for a local Ray"
-            ) from None
-        owns = address is None
+        _init_ray(
+            target.address if target.address is not None else "local",
+            runtime.ray_namespace,
+            runtime.log_to_driver,
+            f"--address / runtime.address ({target.reason})",
+            **({} if target.address else local),
+        )
+        owns = target.address is None
     try:
         deployment = deploy(config)
     except FabricError:
@@ -365,35 +378,70 @@ def launch(
             ray.shutdown()  # the local Ray this call started goes with it
         raise
     fabric = Fabric(deployment.coordinator, config, deployment, owns_ray=owns)
-    if announce:  # next to Ray's own "View the dashboard at" line: how to get in
-        print(f"kvfabric: {fabric.dashboard_hint()}", file=sys.stderr, flush=True)
+    fabric._record()
+    if announce:
+        print(
+            f"kvfabric: fabric {runtime.name!r} on the Ray cluster at {fabric.cluster_address} "
+            f"({reason})\nkvfabric: {fabric.dashboard_hint()}",
+            file=sys.stderr,
+            flush=True,
+        )
     return fabric
+
+
+def _init_ray(address: str, namespace: str, log_to_driver: bool, what: str, **local: Any) -> None:
+    """``ray.init`` with Ray's own lines kept quiet (see ``fabric.cluster``) and a
+    failure to connect as one line naming ``what`` was asked for."""
+    import ray
+
+    cluster.quiet_ray()
+    if address != "local":
+        cluster.use_token_if_any()
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=log_to_driver,
+            logging_level=cluster.ray_log_level(),
+            **local,
+        )
+    except ConnectionError as exc:
+        raise FabricError(
+            f"no Ray cluster at {what} ({exc.__class__.__name__}): start one "
+            "(ray start --head) or pass another address"
+        ) from None
+    except ray.exceptions.AuthenticationError:
+        raise FabricError(
+            f"the Ray cluster at {what} refused this process's token: use the cluster's "
+            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        ) from None
 
 
 def connect(
     name: str = "kvfabric", address: str = "auto", ray_namespace: str = "kvfabric"
 ) -> Fabric:
     """Attach to a running fabric by its ``runtime.name`` (from another driver);
-    the handle's ``config`` is the running fabric's own."""
+    the handle's ``config`` is the running fabric's own. ``address`` as
+    ``fabric.cluster.resolve`` reads it (``auto``: the local cluster that runs
+    ``name``)."""
     import ray
 
     if not ray.is_initialized():
-        _check_reachable(address, "--address")
-        try:
-            ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
-        except ConnectionError as exc:
+        target = cluster.resolve(address or "auto", name, ray_namespace, "--address")
+        if target.address is None:
             raise FabricError(
-                f"no Ray cluster at --address={address!r} ({exc.__class__.__name__}): "
-                "start the fabric first (kvfabric run --keep, or launch() from a driver), "
-                "or pass the cluster's address"
-            ) from None
+                f"--address={address!r} names no running cluster: a fabric is reached on "
+                "the cluster it was launched on (HOST:PORT, auto or ray://...)"
+            )
+        _init_ray(target.address, ray_namespace, False, f"--address={target.address!r}")
+    where = cluster.gcs_address() or address
     try:
         coordinator = ray.get_actor(f"{name}-coordinator", namespace=ray_namespace)
     except ValueError:
         raise FabricError(
             f"no fabric named {name!r} in Ray namespace {ray_namespace!r} on the cluster "
-            f"at {address!r}: check --name (runtime.name) and --ray-namespace "
-            "(runtime.ray_namespace)"
+            f"at {where}: check --name (runtime.name), --ray-namespace "
+            "(runtime.ray_namespace) and --address"
         ) from None
     config = FabricConfig.from_dict(ray.get(coordinator.running_config.remote(), timeout=60))
     return Fabric(coordinator, config)
