@@ -333,14 +333,18 @@ class CoordinatorActor:
             self._deliver(self.core.reset("storage detach timed out"))
             self.core.storage_force_detach()
         self._storage_spec = None
-        return await self.storage.detach.remote()
+        detached = await self.storage.detach.remote()
+        self.core.l3_cleared()
+        return detached
 
     async def storage_spec(self) -> tuple[str, dict[str, Any]] | None:
         """The L3 backend that should be attached (a restarted storage actor asks)."""
         return self._storage_spec
 
     async def clear_storage(self) -> bool:
-        return await self.storage.clear.remote()
+        cleared = await self.storage.clear.remote()
+        self.core.l3_cleared()
+        return cleared
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -417,6 +421,11 @@ class CoordinatorActor:
         if outcome == "restored":
             self.core.stats.storage_restores += 1
             log.warning("storage actor had lost its L3 backend: restored")
+        if self.config.cache.kv_events:
+            with contextlib.suppress(Exception):
+                removed = await asyncio.wait_for(self.storage.take_removed.remote(), 10)
+                if removed:
+                    self.core.l3_removed(removed)
 
     async def _step(self) -> None:
         runtime = self.config.runtime

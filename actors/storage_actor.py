@@ -125,6 +125,10 @@ class StorageActor:
     def clear(self) -> bool:
         return self.service.clear()
 
+    def take_removed(self) -> list[bytes]:
+        """Pages that left L3 on their own since the last call (for KV events)."""
+        return self.service.take_removed()
+
     def stats(self) -> dict[str, Any]:
         return self.service.stats()
 

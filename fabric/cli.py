@@ -1,7 +1,8 @@
 """The ``kvfabric`` command line (click).
 
 Every command prints one JSON object last (``fabric.report.SCHEMA``); with
-``--json`` nothing else goes to stdout. Progress goes to stderr (a bar with
+``--json`` nothing else goes to stdout but ``kvfabric events``' own lines (one
+JSON object per event; the last object counts them). Progress goes to stderr (a bar with
 rate and ETA on a terminal, plain lines otherwise), logs to stderr at
 ``--log-level``. Errors are one line naming the value or setting to change,
 exit status 2.
@@ -743,14 +744,14 @@ def events(address, name, ray_namespace, limit, namespace, follow, interval, as_
     """
     fabric = _connect(address, name, ray_namespace)
     published = fabric.stats().get("kv_events")
-    taken: list[dict[str, Any]] = []
+    shown = 0
 
     def show(batch: list[dict[str, Any]]) -> None:
-        batch = [e for e in batch if namespace is None or e.get("namespace") == namespace]
-        taken.extend(batch)
-        if not as_json:
-            for e in batch:
-                click.echo(json.dumps(e))
+        nonlocal shown
+        for e in batch:
+            if namespace is None or e.get("namespace") == namespace:
+                click.echo(json.dumps(e))  # one JSON line per event, with --json too
+                shown += 1
 
     try:
         if published:
@@ -766,7 +767,7 @@ def events(address, name, ray_namespace, limit, namespace, follow, interval, as_
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
-    _emit(result("events", fabric=name, events=taken))
+    _emit(result("events", fabric=name, events=shown))
 
 
 def _zmq_events(
@@ -796,7 +797,8 @@ def _zmq_events(
             dealer.connect(replay)
             dealer.send((0).to_bytes(8, "big"))
             while dealer.poll(5000):
-                _, seq, payload = dealer.recv_multipart()
+                # [topic, seq, payload] (vllm dialect) or [seq, payload] (sglang)
+                *_, seq, payload = dealer.recv_multipart()
                 if not payload:
                     break  # the end-of-replay marker
                 seen = int.from_bytes(seq, "big")

@@ -416,6 +416,11 @@ class EventsConfig(_Section):
         description="uint64 (the low 64 bits of each SHA-256 page hash) or bytes (all 32)",
     )
     data_parallel_rank: NonNegativeInt = 0
+    dialect: Literal["vllm", "sglang"] = Field(
+        "vllm",
+        description="vllm (media GPU/CPU/STORAGE, replay replies [topic, seq, payload]) or "
+        "sglang (media GPU/CPU_PINNED/DISK, replay replies [seq, payload])",
+    )
 
     @model_validator(mode="after")
     def _replay_needs_pub(self) -> EventsConfig:

@@ -88,10 +88,39 @@ class LocalFabric:
             self.ranks[i].run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]
         done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
+        if self.config.cache.kv_events:
+            removed = self.storage.take_removed()
+            if removed:
+                self.core.l3_removed(removed)
         self.results.update((r.request_id, r) for r in done)
         if self.publisher is not None:
             self.publisher.publish(self.core.drain_events())
         return done
+
+    def clear_storage(self) -> bool:
+        """Delete every page in L3 (as ``kvfabric storage clear``)."""
+        cleared = self.storage.clear()
+        self.core.l3_cleared()
+        return cleared
+
+    def detach_storage(self, max_steps: int = 100) -> bool:
+        """Stop L3 work, let what is in flight end, close the backend."""
+        self.core.storage_begin_detach()
+        for _ in range(max_steps):
+            if self.core.storage_drained():
+                break
+            self.step()
+        if not self.core.storage_drained():
+            self.results.update((r.request_id, r) for r in self.core.reset("storage detach"))
+            self.core.storage_force_detach()
+        detached = self.storage.detach()
+        self.core.l3_cleared()
+        return detached
+
+    def attach_storage(self, backend: str, options: dict) -> str:
+        outcome = self.storage.attach(backend, options)
+        self.core.storage_attached()
+        return outcome
 
     def close(self) -> None:
         """Stop the KV event publisher (if any), after sending what it has queued,

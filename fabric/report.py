@@ -92,7 +92,7 @@ SCHEMA: dict[str, Any] = {
         # status, events, storage, pin, config
         "fabric": {"type": "string"},
         "status": {"type": "object"},
-        "events": {"type": "array"},
+        "events": _count,  # kvfabric events: the event lines printed before it
         "storage": {"type": "object"},
         "pin": {"type": "object"},
         "keys": {"type": "array"},

@@ -158,37 +158,39 @@ def storage_options(tmp_path, *more: str) -> list[str]:
 
 
 class RouterView:
-    """What a KV-aware router indexing the events believes L1 and L2 hold; ``check``
-    compares it with the tree (hashes computed here, none stored on the nodes)."""
+    """What a KV-aware router indexing the events believes each medium holds;
+    ``check`` compares L1 and L2 with the tree (hashes computed here, none stored
+    on the nodes) and L3 with the pages the fabric knows its store holds."""
 
     def __init__(self) -> None:
         from fabric.cache.events import Medium
 
-        self.held: dict = {Medium.DEVICE: set(), Medium.HOST: set()}
+        self.held: dict = {Medium.DEVICE: set(), Medium.HOST: set(), Medium.STORAGE: set()}
 
     def apply(self, events) -> None:
-        from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
+        from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 
         for e in events:
             if isinstance(e, AllBlocksCleared):
                 for held in self.held.values():
-                    held -= {x for x in held if x[0] == e.namespace}
-            elif e.medium is not Medium.STORAGE:
-                pages = {(e.namespace, h) for h in e.page_hashes}
-                held = self.held[e.medium]
-                if isinstance(e, BlockStored):
-                    assert not pages & held, f"{e.medium} pages stored twice"
-                    held |= pages
-                else:
-                    assert isinstance(e, BlockRemoved)
-                    assert pages <= held, f"{e.medium} pages removed before being stored"
-                    held -= pages
+                    held -= {x for x in held if e.namespace in ("", x[0])}
+                continue
+            pages = {(e.namespace, h) for h in e.page_hashes}
+            held = self.held[e.medium]
+            if isinstance(e, BlockStored):
+                assert not pages & held, f"{e.medium} pages stored twice"
+                held |= pages
+            else:
+                assert isinstance(e, BlockRemoved)
+                assert pages <= held, f"{e.medium} pages removed before being stored"
+                held -= pages
 
-    def check(self, tree) -> None:
+    def check(self, tree, l3: dict | None = None) -> None:
+        """``l3``: the cache's ``events.l3`` (hash -> namespace), when it has one."""
         from fabric.cache.events import Medium
         from fabric.cache.keys import chain_hashes, namespace_seed
 
-        truth: dict = {Medium.DEVICE: set(), Medium.HOST: set()}
+        truth: dict = {Medium.DEVICE: set(), Medium.HOST: set(), Medium.STORAGE: set()}
         stack = [(child, namespace_seed(child.namespace)) for child in tree.root.children.values()]
         while stack:
             node, prev = stack.pop()
@@ -199,4 +201,8 @@ class RouterView:
             if node.host_value is not None and node.write_op is None:
                 truth[Medium.HOST] |= pages
             stack.extend((child, hashes[-1]) for child in node.children.values())
+        if l3 is None:
+            truth[Medium.STORAGE] = self.held[Medium.STORAGE]
+        else:
+            truth[Medium.STORAGE] = {(ns, h) for h, ns in l3.items()}
         assert self.held == truth

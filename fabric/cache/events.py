@@ -3,15 +3,23 @@
 The cache appends events as tiers change; ``take_events`` on the cache drains
 them. A page moving down a tier is a ``BlockRemoved`` for the upper medium and
 (once the copy is confirmed) a ``BlockStored`` for the lower one. Every event
-names its namespace (tenant), so a consumer can take only its own; a reset of
-L1/L2 is one ``AllBlocksCleared`` per namespace that had pages there.
+names its namespace (tenant), so a consumer can take only its own.
+
+What a subscriber that applies every event in order ends with is exactly the
+fabric's inventory: the L1 and L2 pages of the tree, and the L3 pages the fabric
+knows its store holds (``EventLog.l3``: pages it backed up, or that a hit query
+found there, less what the store reports evicted or deleted). So a reset is a
+``BlockRemoved`` per node and tier it dropped (L3 keeps its pages), ``storage
+clear`` or ``detach`` a ``BlockRemoved`` of every L3 page it knew, and only a
+new event log — a coordinator that starts, knowing nothing — is an
+``AllBlocksCleared`` (namespace ``""``: every namespace, every medium).
 Events are ``msgspec`` structs: ``msgspec.msgpack.encode(events)`` is a compact
 feed for a router, and ``decode(data, type=list[KVEvent])`` reads it back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 
 import msgspec
@@ -46,7 +54,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
-    """Every page of ``namespace`` left L1 and L2 (L3 keeps its pages)."""
+    """Every page of ``namespace`` (``""``: of every namespace) left every medium."""
 
     namespace: str
 
@@ -57,12 +65,22 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class EventLog:
     """The queue of KV events one cache appends to (nothing when disabled). Tier
     moves report the node; ``page_hashes`` gives a node's hashes on demand, so
-    nothing is hashed while events are off."""
+    nothing is hashed while events are off. ``l3`` is the fabric's view of its
+    store (chain hash -> namespace), kept only while events are on."""
 
-    def __init__(self, page_hashes: Callable[[TreeNode], list[bytes]], enabled: bool) -> None:
+    def __init__(
+        self,
+        page_hashes: Callable[[TreeNode], list[bytes]],
+        enabled: bool,
+        page_bytes: int = 0,
+    ) -> None:
         self.page_hashes = page_hashes
         self.enabled = enabled
+        self.page_bytes = page_bytes  # one page of packed tokens
+        self.l3: dict[bytes, str] = {}
         self._events: list[KVEvent] = []
+        if enabled:  # whatever a subscriber heard from an earlier log is gone
+            self._events.append(AllBlocksCleared(""))
 
     def stored(self, node: TreeNode, medium: Medium) -> None:
         if self.enabled:
@@ -77,18 +95,51 @@ class EventLog:
 
     def stored_hashes(
         self,
-        hashes: tuple[bytes, ...],
+        hashes: Sequence[bytes],
         medium: Medium,
         namespace: str,
         parent_hash: bytes | None,
         tokens: bytes,
     ) -> None:
-        if self.enabled:
-            self._events.append(BlockStored(hashes, medium, namespace, parent_hash, tokens))
+        """Pages known by their hashes (an L3 backup or hit). In L3 only the pages
+        not already known there are announced, one event per run of them, each
+        after the page before it."""
+        if not self.enabled:
+            return
+        if medium is not Medium.STORAGE:
+            self._events.append(BlockStored(tuple(hashes), medium, namespace, parent_hash, tokens))
+            return
+        pb, run = self.page_bytes, -1
+        for i in range(len(hashes) + 1):
+            new = i < len(hashes) and hashes[i] not in self.l3
+            if new and run < 0:
+                run = i
+            elif not new and run >= 0:
+                parent = parent_hash if run == 0 else hashes[run - 1]
+                self._events.append(
+                    BlockStored(
+                        tuple(hashes[run:i]), medium, namespace, parent, tokens[run * pb : i * pb]
+                    )
+                )
+                for h in hashes[run:i]:
+                    self.l3[h] = namespace
+                run = -1
 
-    def cleared(self, namespaces: Iterable[str]) -> None:
-        if self.enabled:
-            self._events.extend(AllBlocksCleared(ns) for ns in namespaces)
+    def l3_removed(self, hashes: Iterable[bytes]) -> None:
+        """The store no longer holds these pages (those the fabric knew of go)."""
+        if not self.enabled:
+            return
+        by_ns: dict[str, list[bytes]] = {}
+        for h in hashes:
+            ns = self.l3.pop(h, None)
+            if ns is not None:
+                by_ns.setdefault(ns, []).append(h)
+        for ns, gone in by_ns.items():
+            self._events.append(BlockRemoved(tuple(gone), Medium.STORAGE, ns))
+
+    def l3_cleared(self) -> None:
+        """The store was emptied or let go: every L3 page the fabric knew is gone."""
+        self.l3_removed(list(self.l3))
 
     def take(self) -> list[KVEvent]:
         """Drain the queued events, oldest first."""

@@ -17,10 +17,10 @@ from collections.abc import Callable, Collection, Sequence
 from fabric.cache.allocator import Pages
 from fabric.cache.components import Components, PartFill
 from fabric.cache.controller import Completions, Controller
-from fabric.cache.events import EventLog, KVEvent
+from fabric.cache.events import EventLog, KVEvent, Medium
 from fabric.cache.evictions import Evictions
 from fabric.cache.integrity import check_integrity
-from fabric.cache.keys import TokenKey
+from fabric.cache.keys import TOKEN_BYTES, TokenKey
 from fabric.cache.l3_queues import L3Queues
 from fabric.cache.loads import LoadBacks
 from fabric.cache.node import TreeNode, WriteOp
@@ -75,7 +75,9 @@ class HiCache:
                 config.host_mamba_slots,
             )
         self.tree = RadixTree(self.page_size, self.eviction, self.parts)
-        self.events = EventLog(self.tree.page_hashes, config.kv_events)
+        self.events = EventLog(
+            self.tree.page_hashes, config.kv_events, self.page_size * TOKEN_BYTES
+        )
         self.next_op_id = itertools.count(1).__next__
         self.stats = CacheStats()  # counters survive resets
         self.storage = L3Queues(
@@ -304,11 +306,15 @@ class HiCache:
 
     def reset(self) -> None:
         """Forget everything in L1 and L2 (L3 stays) and reset the controller."""
-        namespaces = sorted({ns for ns, _ in self.tree.root.children})
+        if self.events.enabled:  # a router drops exactly what L1 and L2 held
+            for node in self.tree.walk():
+                if node.device_value is not None:
+                    self.events.removed(node, Medium.DEVICE)
+                if node.host_value is not None and node.write_op is None:
+                    self.events.removed(node, Medium.HOST)
         self.ctl.reset()
         self.storage.reset()
         self._init_state()
-        self.events.cleared(namespaces)
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` listing every violated invariant (see ``fabric.cache.integrity``)."""

@@ -318,6 +318,14 @@ class L3Queues:
             key.keep_hashes(op.start_page, hashes)
         size = self.page_size
         pages = max(0, min(int(hit_pages), op.num_pages))
+        if hashes and pages > 0:  # the store holds these: a router may learn of them
+            self.events.stored_hashes(
+                tuple(hashes[:pages]),
+                Medium.STORAGE,
+                key.namespace,
+                op.prev_hash if op.start_page else None,
+                op.asked[: pages * self.tree.page_bytes],
+            )
         # A hybrid prefix serves only at the end the query found: all or nothing.
         whole = self.tree.parts is not None
         cap = self.ctl.max_prefetch_pages

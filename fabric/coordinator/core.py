@@ -863,6 +863,17 @@ class CoordinatorCore:
             del self.prefetching[rid]
             self.waiting.appendleft(req)
 
+    def l3_removed(self, page_hashes: Sequence[bytes]) -> None:
+        """The store reports these pages gone (evicted, deleted by another process):
+        ``BlockRemoved`` from L3 for those the fabric had announced."""
+        self.cache.events.l3_removed(page_hashes)
+        self.events.extend(self.cache.take_events())
+
+    def l3_cleared(self) -> None:
+        """The store was cleared or detached: every L3 page announced is gone."""
+        self.cache.events.l3_cleared()
+        self.events.extend(self.cache.take_events())
+
     def storage_drained(self) -> bool:
         return self.l3.idle
 

@@ -11,14 +11,18 @@ The wire:
   ``lora_id``, ``medium``, ``lora_name``), ``BlockRemoved`` (``block_hashes``,
   ``medium``) or ``AllBlocksCleared``; every event also carries ``namespace``
   (decoders that do not know the field skip it);
-- a ROUTER socket answers a replay request ``[seq]`` (an empty delimiter frame
-  first is accepted too) with every buffered batch from ``seq`` on as
-  ``[topic, seq, payload]`` and then ``[b"", 0xFF x 8, b""]``.
+- a ROUTER socket answers a replay request ``[seq]`` (after an empty delimiter
+  frame, as a REQ socket sends it, or without one, from a DEALER) with every
+  buffered batch from ``seq`` on and then an end marker, behind the same
+  envelope: in the ``vllm`` dialect ``[topic, seq, payload]`` and
+  ``[b"", 0xFF x 8, b""]``; in the ``sglang`` dialect ``[seq, payload]`` and
+  ``[0xFF x 8, b""]`` (``events.dialect``).
 
 Hashes are the low 64 bits (the last 8 bytes, big-endian) of the SHA-256 page
-hashes by default, or the 32 bytes. Media: L1 is ``GPU``, L2 ``CPU`` and L3
-``STORAGE`` (L1 keeps the name on a CPU-only fabric: it is the tier the model
-reads). The publisher's thread owns both sockets; ``publish`` only queues.
+hashes by default, or the 32 bytes. Media: L1 is ``GPU``; L2 and L3 are ``CPU``
+and ``STORAGE`` (vLLM's names) or ``CPU_PINNED`` and ``DISK`` (SGLang's). L1
+keeps its name on a CPU-only fabric: it is the tier the model reads. The
+publisher's thread owns both sockets; ``publish`` only queues.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
 MEDIA = {Medium.DEVICE: "GPU", Medium.HOST: "CPU", Medium.STORAGE: "STORAGE"}
+# Each engine's names for the media (events.dialect).
+DIALECT_MEDIA = {
+    "vllm": MEDIA,
+    "sglang": {Medium.DEVICE: "GPU", Medium.HOST: "CPU_PINNED", Medium.STORAGE: "DISK"},
+}
 
 Hash = int | bytes
 
@@ -82,9 +91,12 @@ def low64(page_hash: bytes) -> int:
     return int.from_bytes(page_hash[-8:], "big")
 
 
-def to_wire(events: Sequence[KVEvent], page_size: int, uint64: bool = True) -> list[WireEvent]:
-    """The core's events in the routers' layout."""
+def to_wire(
+    events: Sequence[KVEvent], page_size: int, uint64: bool = True, dialect: str = "vllm"
+) -> list[WireEvent]:
+    """The core's events in the routers' layout, media named as ``dialect`` names them."""
     h = low64 if uint64 else bytes
+    media = DIALECT_MEDIA[dialect]
     out: list[WireEvent] = []
     for e in events:
         if isinstance(e, BlockStored):
@@ -96,14 +108,14 @@ def to_wire(events: Sequence[KVEvent], page_size: int, uint64: bool = True) -> l
                     unpack_tokens(e.tokens),
                     page_size,
                     None,
-                    MEDIA[e.medium],
+                    media[e.medium],
                     None,
                     e.namespace,
                 )
             )
         elif isinstance(e, BlockRemoved):
             out.append(
-                WireBlockRemoved([h(x) for x in e.page_hashes], MEDIA[e.medium], e.namespace)
+                WireBlockRemoved([h(x) for x in e.page_hashes], media[e.medium], e.namespace)
             )
         else:
             assert isinstance(e, AllBlocksCleared)
@@ -224,7 +236,8 @@ class KVEventPublisher:
                 return
             ts, events = item
             try:
-                payload = encode(WireBatch(ts, to_wire(events, self.page_size, uint64), rank))
+                wire = to_wire(events, self.page_size, uint64, self.config.dialect)
+                payload = encode(WireBatch(ts, wire, rank))
                 seq = self._seq
                 self._seq += 1
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
@@ -239,17 +252,21 @@ class KVEventPublisher:
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) == 3 and frames[1] == b"":
-            frames = [frames[0], frames[2]]
+        envelope = frames[:1]
+        if len(frames) == 3 and frames[1] == b"":  # a REQ socket's delimiter: echoed
+            envelope, frames = frames[:2], [frames[0], frames[2]]
         if len(frames) != 2 or len(frames[1]) != 8:
             log.warning("KV event replay request refused: %d frames %r", len(frames), frames[1:])
             return
-        client, start = frames[0], int.from_bytes(frames[1], "big")
+        start = int.from_bytes(frames[1], "big")
         self.replays += 1
+        sglang = self.config.dialect == "sglang"
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                body = [seq.to_bytes(8, "big"), payload]
+                self._replay.send_multipart([*envelope, *([] if sglang else [self._topic]), *body])
+        end = [END_SEQ, b""] if sglang else [b"", END_SEQ, b""]
+        self._replay.send_multipart([*envelope, *end])
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):

@@ -12,7 +12,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,10 @@ class L3Backend(ABC):
         self.extra = dict(extra)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # Keys this backend dropped on its own (evictions, files gone), for the KV
+        # events of a router; kept only once ``track_removals`` is set.
+        self.track_removals = False
+        self._removed: dict[str, None] = {}
 
     def record_writer(self, provenance: Provenance, writer: str) -> None:
         """Note that ``writer`` (an engine: ``kvfabric``, ``sglang``, ``vllm``, ``hf``)
@@ -54,6 +58,25 @@ class L3Backend(ABC):
         except NotImplementedError:
             return []
         return usage_by_tag(keys, self.manifest.entries() if self.manifest else {})
+
+    def note_removed(self, keys: Iterable[str]) -> None:
+        """Keys that left the store other than by ``clear`` (an eviction, a file
+        another process deleted)."""
+        if self.track_removals:
+            with self._lock:
+                self._removed.update(dict.fromkeys(keys))
+
+    def note_stored(self, key: str) -> None:
+        """``key`` is in the store again: a removal not yet taken no longer holds."""
+        if self._removed:
+            with self._lock:
+                self._removed.pop(key, None)
+
+    def take_removed(self) -> list[str]:
+        """Drain the keys noted by ``note_removed``, oldest first."""
+        with self._lock:
+            out, self._removed = list(self._removed), {}
+        return out
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -145,6 +168,7 @@ class L3Backend(ABC):
 
     def clear(self) -> None:
         self._clear()
+        self.take_removed()  # the caller knows: everything went
         if self.manifest is not None:
             self.manifest.clear()
         self.count("clears")

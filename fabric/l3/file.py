@@ -221,6 +221,7 @@ class FileBackend(L3Backend):
 
     def _account(self, key: str, size: int) -> None:
         victims = []
+        self.note_stored(key)
         with self._index_lock:
             self._bytes += size - self._index.pop(key, 0)
             self._index[key] = size
@@ -228,6 +229,7 @@ class FileBackend(L3Backend):
                 old, old_size = self._index.popitem(last=False)
                 self._bytes -= old_size
                 victims.append(old)
+        self.note_removed(victims)
         for old in victims:
             dir_fd = self._dir(old[:2], create=False)
             if dir_fd is not None:

@@ -209,6 +209,7 @@ class SegmentBackend(L3Backend):
         seg.size = max(seg.size, at)
 
     def _put(self, key: str, entry: _Entry) -> None:
+        self.note_stored(key)
         old = self._index.get(key)
         if old is not None:
             old.segment.keys.discard(key)
@@ -216,9 +217,12 @@ class SegmentBackend(L3Backend):
         entry.segment.keys.add(key)
 
     def _forget(self, seg: Segment) -> None:
+        gone = []
         for key in seg.keys:
             if self._index.get(key, None) is not None and self._index[key].segment is seg:
                 del self._index[key]
+                gone.append(key)
+        self.note_removed(gone)
         self._bytes -= seg.file_size
         with contextlib.suppress(OSError):
             os.close(seg.fd)

@@ -14,6 +14,8 @@ another and no index is needed to find them.
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -154,6 +156,7 @@ class StorageService:
                 name, self.provenance, self.page_bytes, extra, self.allowed_modules
             )
             self.spec = spec
+        self.backend.track_removals = self.config.cache.kv_events
         for prov in self.shapes.values():
             self.backend.record_writer(prov, "kvfabric")
         return "attached"
@@ -165,6 +168,23 @@ class StorageService:
             return False
         backend.close()
         return True
+
+    def take_removed(self) -> list[bytes]:
+        """Chain hashes of this model's pages that left the store since the last
+        call (evicted, or deleted by another process) — a page is gone once any
+        shard's key is: for the KV events a router indexes L3 by."""
+        backend = self.backend
+        if backend is None:
+            return []
+        tags = {self.shapes["full", suffix].tag for suffix in self.suffixes}
+        out: dict[bytes, None] = {}
+        for key in backend.take_removed():
+            page, _, rest = key.partition(".")
+            tag = rest.rpartition(".")[0]
+            if tag in tags:
+                with contextlib.suppress(ValueError):
+                    out[bytes.fromhex(page)] = None
+        return list(out)
 
     def clear(self) -> bool:
         backend = self.backend

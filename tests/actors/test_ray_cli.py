@@ -80,8 +80,11 @@ def test_events_prints_router_shaped_events(fabric):
     p = prompt(9, pages=3)
     r = fabric.submit(p, timeout=60)
     assert r.error is None and fabric.release(r.lease)
-    out = last_json(kvfabric("events", "--json"))
-    stored = [e for e in out["events"] if e["type"] == "BlockStored" and e["medium"] == "GPU"]
+    done = kvfabric("events", "--json")
+    out = last_json(done)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()[:-1]]
+    assert out["events"] == len(lines) > 0, "one line per event, then their count"
+    stored = [e for e in lines if e["type"] == "BlockStored" and e["medium"] == "GPU"]
     assert any(e["token_ids"] == p for e in stored)
     assert all(isinstance(h, int) for e in stored for h in e["block_hashes"])
 

@@ -118,7 +118,9 @@ def test_kvfabric_events_reads_a_publishing_fabric_s_replay_buffer(fabric):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    events = json.loads(done.stdout.strip().splitlines()[-1])["events"]
+    *lines, last = done.stdout.strip().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert json.loads(last)["events"] == len(events)
     stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "GPU"]
     assert any(e["token_ids"] == p for e in stored), "the replay buffer holds every batch sent"
 

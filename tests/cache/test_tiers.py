@@ -3,7 +3,7 @@
 import pytest
 
 from fabric.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
-from tests.helpers import P, make_cache, put, toks
+from tests.helpers import P, RouterView, make_cache, put, toks
 
 
 def leaf(c, *pages):
@@ -266,12 +266,21 @@ def test_write_through_completion_emits_host_events():
     assert isinstance(ev, BlockStored) and ev.medium is Medium.HOST
 
 
-def test_reset_clears_everything_and_emits_all_cleared():
+def test_reset_removes_exactly_what_l1_and_l2_held_per_medium():
     c = make_cache()
+    assert c.take_events() == [AllBlocksCleared("")]  # a new log: subscribers start over
+    view = RouterView()
     put(c, toks(1, 2))
     put(c, toks(3), namespace="tenant-b")
-    c.take_events()
+    c.complete_writes(1)  # one node's L2 copy is confirmed, the other still in flight
+    view.apply(c.take_events())
+    view.check(c.tree)
+    assert view.held[Medium.DEVICE] and view.held[Medium.HOST]
     c.reset()
     assert c.tree.walk() == [] and c.ctl.device.available_pages == 8
-    assert c.take_events() == [AllBlocksCleared("default"), AllBlocksCleared("tenant-b")]
+    events = c.take_events()
+    assert events and all(isinstance(e, BlockRemoved) for e in events)
+    assert {e.namespace for e in events} == {"default", "tenant-b"}
+    view.apply(events)
+    assert view.held == {Medium.DEVICE: set(), Medium.HOST: set(), Medium.STORAGE: set()}
     c.check_integrity()

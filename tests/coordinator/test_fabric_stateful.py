@@ -12,6 +12,7 @@ from collections import Counter
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from fabric.cache.events import Medium
 from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
 from fabric.rank.worker import RankWorker
@@ -64,6 +65,8 @@ class FabricMachine(RuleBasedStateMachine):
         ]
         if storage:
             options += [f"storage.backend={storage}", f"storage.path={self.tmp.name}"]
+        if storage == "file":  # a small L3: pages evicted, and a router told so
+            options += ["storage.max_bytes=24000"]
         if hybrid is not None:  # small component pools: components evicted apart
             options += [
                 f"model.layer_kinds={hybrid}",
@@ -206,8 +209,7 @@ class FabricMachine(RuleBasedStateMachine):
         verified like any other (an adopted page that any rank lacks would fail)."""
         self.fabric.restart_coordinator()
         self.tokens, self.appended, self.held = {}, set(), {}
-        self.router = RouterView()
-        self.router.apply(self.fabric.core.cache.take_events())  # the adopted pages
+        # The router follows on: the new coordinator's first event clears its view.
         VERIFIED["adopted"] += self.fabric.core.stats.adopted_tokens > 0
 
     @precondition(lambda self: self.fabric.storage.backend is not None)
@@ -219,7 +221,21 @@ class FabricMachine(RuleBasedStateMachine):
         self.fabric.close()
         self.fabric = LocalFabric(self.config, storage=self.fabric.storage, clock=self.clock)
         self.tokens, self.appended, self.held = {}, set(), {}
-        self.router = RouterView()
+
+    @precondition(lambda self: self.fabric.storage.backend is not None)
+    @rule(detach=st.booleans())
+    def clear_or_detach_l3(self, detach):
+        """``kvfabric storage clear`` or ``detach`` then ``attach`` of the same store:
+        a router's view of L3 empties, then fills again from backups and hits."""
+        f = self.fabric
+        if detach:
+            spec = f.storage.spec
+            f.detach_storage()
+            self.router.apply([*f.core.take_events(1 << 30), *f.core.cache.take_events()])
+            assert not self.router.held[Medium.STORAGE]
+            f.attach_storage(*spec)
+        else:
+            f.clear_storage()
 
     @invariant()
     def consistent(self):
@@ -229,7 +245,13 @@ class FabricMachine(RuleBasedStateMachine):
         f.core.cache.check_integrity()
         # The events so far, the coordinator's queue first: a router's view is the truth.
         self.router.apply([*f.core.take_events(1 << 30), *f.core.cache.take_events()])
-        self.router.check(f.core.cache.tree)
+        l3 = f.core.cache.events.l3
+        self.router.check(f.core.cache.tree, l3)
+        backend = f.storage.backend
+        if l3 and backend is not None:  # what the router is told L3 holds, it holds
+            VERIFIED["L3 pages a router knows"] += len(l3)
+            keys = [f.storage.key(h, suffix) for h in l3 for suffix in f.storage.suffixes]
+            assert backend.exists(keys) == len(keys)
         live = {rid for rid, r in self.held.items() if r.lease.token in f.core.leases}
         for rid in set(self.held) - live:
             del self.held[rid]  # a reset or its TTL ended it

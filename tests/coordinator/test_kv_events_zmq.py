@@ -180,13 +180,15 @@ def test_evictions_and_a_reset_reach_the_subscriber(fabric):
             r = fabric.serve(pack_tokens(prompt(seed, pages=6)))
             assert r.error is None and fabric.core.release(r.lease)
         fabric.settle()
-        fabric.core.reset("test")
-        fabric.step()
-        events = [e for _, p in heard + receive(sub) for e in decode_batch(p).events]
-        removed = [e for e in events if isinstance(e, BlockRemoved)]
+        before = [e for _, p in heard + receive(sub) for e in decode_batch(p).events]
+        removed = [e for e in before if isinstance(e, BlockRemoved)]
         assert removed and {e.medium for e in removed} <= {"GPU", "CPU"}
         assert any(e.medium == "GPU" for e in removed)
-        assert isinstance(events[-1], AllBlocksCleared)
+        fabric.core.reset("test")
+        fabric.step()
+        after = [e for _, p in receive(sub) for e in decode_batch(p).events]
+        assert after and all(isinstance(e, BlockRemoved) for e in after)
+        assert {e.medium for e in after} == {"GPU", "CPU"}, "a reset: L1 and L2 gone, L3 kept"
     finally:
         sub.close(linger=0)
         ctx.term()
@@ -202,3 +204,191 @@ def test_events_config_is_checked_and_a_busy_address_is_one_line(fabric):
     taken = fabric.publisher.endpoint
     with pytest.raises(ConfigError, match=f"events.endpoint='{taken}' cannot be bound"):
         LocalFabric(small_config(f"events.endpoint={taken}"))
+
+
+class Router:
+    """A router's index built only from the feed: it subscribes, replays whatever
+    it missed (the start included) and applies batches in sequence order."""
+
+    def __init__(self, ctx: zmq.Context, publisher, topic: bytes = b"") -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.connect(publisher.endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.dealer.connect(publisher.replay_endpoint)
+        self.next_seq = 0
+        self.view: dict[str, set[int]] = {}
+
+    def sync(self) -> None:
+        while self.sub.poll(300):
+            _, seq, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq, "big")
+            if seq > self.next_seq:
+                self._replay(seq)
+            if seq == self.next_seq:
+                self._apply(payload)
+
+    def _replay(self, until: int) -> None:
+        self.dealer.send(self.next_seq.to_bytes(8, "big"))
+        while self.dealer.poll(2000):
+            frames = self.dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                return
+            seq = int.from_bytes(frames[-2], "big")
+            if seq == self.next_seq and seq < until:
+                self._apply(frames[-1])
+        pytest.fail("no end of replay")
+
+    def _apply(self, payload: bytes) -> None:
+        self.next_seq += 1
+        for e in decode_batch(payload).events:
+            if isinstance(e, AllBlocksCleared):
+                self.view.clear()
+            elif isinstance(e, BlockStored):
+                self.view.setdefault(e.medium, set()).update(e.block_hashes)
+            else:
+                self.view.setdefault(e.medium, set()).difference_update(e.block_hashes)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.dealer.close(linger=0)
+
+
+def inventory(f: LocalFabric, media: dict[str, str]) -> dict[str, set[int]]:
+    """What the fabric holds, by medium name: L1 and L2 from its tree, L3 the pages
+    it knows its store holds (each checked there on every shard)."""
+    from fabric.cache.keys import chain_hashes, namespace_seed
+
+    tree = f.core.cache.tree
+    out: dict[str, set[int]] = {name: set() for name in media.values()}
+    stack = [(c, namespace_seed(c.namespace)) for c in tree.root.children.values()]
+    while stack:
+        node, prev = stack.pop()
+        hashes = chain_hashes(prev, node.key, tree.page_bytes)
+        if node.device_value is not None:
+            out[media["device"]] |= {low64(h) for h in hashes}
+        if node.host_value is not None and node.write_op is None:
+            out[media["host"]] |= {low64(h) for h in hashes}
+        stack.extend((child, hashes[-1]) for child in node.children.values())
+    known = f.core.cache.events.l3
+    keys = [f.storage.key(h, sfx) for h in known for sfx in f.storage.suffixes]
+    assert not keys or f.storage.backend.exists(keys) == len(keys)
+    out[media["storage"]] = {low64(h) for h in known}
+    return out
+
+
+def low64(page_hash: bytes) -> int:
+    return int.from_bytes(page_hash[-8:], "big")
+
+
+MEDIA = {
+    "vllm": {"device": "GPU", "host": "CPU", "storage": "STORAGE"},
+    "sglang": {"device": "GPU", "host": "CPU_PINNED", "storage": "DISK"},
+}
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_a_router_that_replays_and_follows_holds_the_inventory_after_every_change(
+    tmp_path, dialect
+):
+    """Evictions in every tier (L1 and L2 small, a small L3 file store), a reset,
+    ``storage clear``, ``detach`` and ``attach``, and a coordinator restart: after
+    each, a router built only from the feed (replay, then follow) holds exactly
+    what the fabric holds, in the medium names of the dialect asked for."""
+    media = MEDIA[dialect]
+    f = LocalFabric(
+        small_config(
+            *storage_options(tmp_path, "storage.max_bytes=30000"),
+            "events.endpoint=tcp://127.0.0.1:*",
+            "events.replay_endpoint=tcp://127.0.0.1:*",
+            f"events.dialect={dialect}",
+        )
+    )
+    ctx = zmq.Context()
+    router = Router(ctx, f.publisher)
+
+    def serve(seeds) -> None:
+        for seed in seeds:
+            r = f.serve(pack_tokens(prompt(seed, pages=6)))
+            assert r.error is None and f.core.release(r.lease)
+            f.settle()
+
+    def agrees() -> None:
+        f.step()
+        assert f.publisher.flush()
+        router.sync()
+        truth = inventory(f, media)
+        assert {m: router.view.get(m, set()) for m in truth} == truth
+
+    try:
+        serve(range(12))  # 72 pages through L1 (24) and L2 (48): evictions in both
+        agrees()
+        assert f.storage.backend.counters["evicted_pages"] > 0, "the store was meant to evict"
+        assert router.view[media["storage"]] and router.view[media["host"]]
+        serve(range(3))  # hits from L3 re-enter L2 and L1
+        agrees()
+        f.core.reset("test")
+        agrees()
+        assert not router.view[media["device"]] and router.view[media["storage"]]
+        f.clear_storage()
+        agrees()
+        assert not router.view[media["storage"]]
+        serve([40, 41])
+        agrees()
+        spec = f.storage.spec
+        assert f.detach_storage()
+        agrees()
+        assert not router.view[media["storage"]]
+        f.attach_storage(*spec)
+        serve([40, 41, 42])  # the store's pages found again by hit queries
+        agrees()
+        assert router.view[media["storage"]]
+        f.restart_coordinator()
+        agrees()
+    finally:
+        router.close()
+        ctx.term()
+        f.close()
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_replay_replies_keep_a_req_socket_s_delimiter_and_the_dialect_s_frames(tmp_path, dialect):
+    f = LocalFabric(
+        small_config(
+            "events.endpoint=tcp://127.0.0.1:*",
+            "events.replay_endpoint=tcp://127.0.0.1:*",
+            "events.topic=kv",
+            f"events.dialect={dialect}",
+        )
+    )
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.DEALER)
+    try:
+        r = f.serve(pack_tokens(prompt(1, pages=3)))
+        assert r.error is None and f.core.release(r.lease)
+        f.settle()
+        assert f.publisher.flush()
+        req.connect(f.publisher.replay_endpoint)
+        req.send_multipart([b"", (0).to_bytes(8, "big")])  # as a REQ socket frames it
+        got = []
+        while req.poll(2000):
+            frames = req.recv_multipart()
+            assert frames[0] == b"", "the delimiter comes back first"
+            got.append(frames[1:])
+            if END_SEQ in frames:
+                break
+        *batches, end = got
+        if dialect == "sglang":
+            assert end == [END_SEQ, b""]
+            assert all(len(b) == 2 for b in batches)
+            seqs = [int.from_bytes(b[0], "big") for b in batches]
+        else:
+            assert end == [b"", END_SEQ, b""]
+            assert all(len(b) == 3 and b[0] == b"kv" for b in batches)
+            seqs = [int.from_bytes(b[1], "big") for b in batches]
+        assert batches and seqs == list(range(len(batches)))
+        decode_batch(batches[0][-1])
+    finally:
+        req.close(linger=0)
+        ctx.term()
+        f.close()
