@@ -32,7 +32,8 @@ def test_every_node_has_a_named_image_and_python_3_11_with_the_project_s_ray():
         assert node["node_config"].get("ImageId"), f"{name}: Ray would pick an old DLAMI"
     docker = PREPARED["docker"]
     (pin,) = [
-        d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
         if d.startswith("ray[")
     ]
     version = pin.split("==")[1]

@@ -15,7 +15,6 @@ another and no index is needed to find them.
 from __future__ import annotations
 
 import contextlib
-
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
