@@ -247,7 +247,7 @@ class CoordinatorActor:
                 "role": "coordinator",
                 "name": str(self.config.runtime.name),
                 "alive": True,
-                "describe": repr(self),
+                "describe": self.describe(),
             }
         ]
         actors += await asyncio.gather(
@@ -547,22 +547,26 @@ class CoordinatorActor:
             await asyncio.sleep(1.0)
 
     async def _feed_ray_metrics(self) -> None:
-        """Ray's metrics (``ray.util.metrics``) from the core's figures, each second."""
+        """Ray's metrics (``ray.util.metrics``) from the core's figures each second,
+        and L3's size from the storage actor every few seconds."""
+        l3: dict[str, Any] = {}
+        next_l3 = 0.0
         while True:
+            if time.monotonic() >= next_l3:
+                next_l3 = time.monotonic() + 5.0
+                try:
+                    l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
+                except Exception:
+                    l3 = {}
             try:
                 if self.ray_metrics is not None:
-                    self.ray_metrics.update(self.core.figures())
+                    self.ray_metrics.update(self.core.figures(), l3)
             except Exception:
                 log.warning("Ray metrics not updated", exc_info=True)
             await asyncio.sleep(1.0)
 
     def describe(self) -> str:
-        """This actor's role and live figures, in one line (its repr)."""
-        return repr(self)
-
-    def __repr__(self) -> str:
-        """What the Ray dashboard shows for this actor (Ray records it as the actor
-        starts, and in its logs' prefix): its role and live figures."""
+        """This actor's role and live figures, in one line (`kvfabric status`)."""
         core = getattr(self, "core", None)
         if core is None:
             return "kvfabric coordinator (starting)"
@@ -577,6 +581,14 @@ class CoordinatorActor:
             f"L2>L3 {moved['host_to_storage']} L3>L2 {moved['storage_to_host']}"
         )
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor: Ray reads the repr once, as
+        the actor starts, so it holds only what does not change (role, shard,
+        node). The moving figures are in Ray's metrics and `kvfabric status`."""
+        config = getattr(self, "config", None)
+        name = config.runtime.name if config is not None else "?"
+        return f"kvfabric coordinator of {name}, node {_node_ip()}"
+
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
@@ -589,3 +601,10 @@ class CoordinatorActor:
             future = self.futures.pop(result.request_id, None)
             if future is not None and not future.done():
                 future.set_result(result)
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "?"

@@ -118,7 +118,9 @@ class RankActor:
         """Ray's metrics from this rank's transfer counters, each second."""
         while not self._stop.wait(1.0):
             try:
-                self.metrics.update(dict(self.worker.moved_bytes))
+                times = self.worker.transfer_seconds
+                taken = [times.popleft() for _ in range(len(times))]
+                self.metrics.update(dict(self.worker.moved_bytes), taken)
             except Exception:  # metrics never cost the rank anything else
                 log.warning("Ray metrics not updated", exc_info=True)
 
@@ -139,12 +141,7 @@ class RankActor:
         return encode(self.worker.report())
 
     def describe(self) -> str:
-        """This actor's role and live figures, in one line (its repr)."""
-        return repr(self)
-
-    def __repr__(self) -> str:
-        """What the Ray dashboard shows for this actor (Ray records it as the actor
-        starts, and in its logs' prefix): its role and live figures."""
+        """This actor's role and live figures, in one line (`kvfabric status`)."""
         worker = getattr(self, "worker", None)
         if worker is None:
             return "kvfabric rank (starting)"
@@ -154,6 +151,18 @@ class RankActor:
             f"{worker.device}: epoch {worker.epoch}, moved MiB L1>L2 {moved['device_to_host']} "
             f"L2>L1 {moved['host_to_device']} L2>L3 {moved['host_to_storage']} "
             f"L3>L2 {moved['storage_to_host']}"
+        )
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor: Ray reads the repr once, as
+        the actor starts, so it holds only what does not change (role, shard,
+        node). The moving figures are in Ray's metrics and `kvfabric status`."""
+        worker = getattr(self, "worker", None)
+        if worker is None:
+            return "kvfabric rank (starting)"
+        return (
+            f"kvfabric rank {worker.shard.rank} of {self.config.runtime.name} on "
+            f"{worker.device}, node {_node_ip()}"
         )
 
     def ping(self) -> None:
@@ -245,3 +254,10 @@ class RankActor:
     def shutdown(self) -> None:
         self._stop.set()
         self.worker.close()
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "?"

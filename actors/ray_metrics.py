@@ -6,7 +6,7 @@ start)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -57,6 +57,17 @@ class CoordinatorMetrics:
             tag_keys=("fabric", "tier", "state"),
         )
         self.pool.set_default_tags(base)
+        # Gauges, so the series exist from the start (a counter appears only once
+        # it grows, and a fabric may never reset).
+        self.resets = Gauge(
+            "kvfabric_resets", "L1/L2 resets since the coordinator started.", tag_keys=("fabric",)
+        )
+        self.resets.set_default_tags(base)
+        self.l3 = Gauge(
+            "kvfabric_l3", "L3 usage: bytes and pages held, 0 with none attached.",
+            tag_keys=("fabric", "unit"),
+        )  # fmt: skip
+        self.l3.set_default_tags(base)
         self.request_seconds = Histogram(
             "kvfabric_request_duration_seconds",
             "Seconds from a request's submission to its result.",
@@ -72,8 +83,13 @@ class CoordinatorMetrics:
         )
         self.round_seconds.set_default_tags(base)
 
-    def update(self, f: Mapping[str, Any]) -> None:
+    def update(self, f: Mapping[str, Any], l3: Mapping[str, Any] | None = None) -> None:
         per_token = f["kv_bytes_per_token"]
+        self.resets.set(f["resets"])
+        attached = bool(l3 and l3.get("attached"))
+        for unit in ("bytes", "pages"):
+            value = l3.get(unit) if attached and l3 else 0
+            self.l3.set(value if isinstance(value, int | float) else 0, tags={"unit": unit})
         self.prompt.update({(t,): f["prompt_tokens"].get(t, 0) for t in TIERS})
         self.requests.update({(o,): f["requests"][o] for o in OUTCOMES})
         self.transfer.update({(d,): f["transfer_tokens"][d] * per_token for d in DIRECTIONS})
@@ -95,6 +111,18 @@ class RankMetrics:
         )
         c.set_default_tags({"fabric": fabric, "rank": rank})
         self.transfer = _Deltas(c, "direction")
+        self.seconds = Histogram(
+            "kvfabric_rank_transfer_duration_seconds",
+            "Seconds one copy took on this rank (a merged L1<->L2 copy, a backup to L3, "
+            "a prefetch batch from L3), by direction.",
+            boundaries=list(SECONDS),
+            tag_keys=("fabric", "rank", "direction"),
+        )
+        self.seconds.set_default_tags({"fabric": fabric, "rank": rank})
 
-    def update(self, moved_bytes: Mapping[str, int]) -> None:
+    def update(
+        self, moved_bytes: Mapping[str, int], seconds: Iterable[tuple[str, float]] = ()
+    ) -> None:
         self.transfer.update({(d,): moved_bytes[d] for d in DIRECTIONS})
+        for direction, took in seconds:
+            self.seconds.observe(took, tags={"direction": direction})

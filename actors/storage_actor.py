@@ -133,12 +133,7 @@ class StorageActor:
         return self.service.stats()
 
     def describe(self) -> str:
-        """This actor's role and live figures, in one line (its repr)."""
-        return repr(self)
-
-    def __repr__(self) -> str:
-        """What the Ray dashboard shows for this actor (Ray records it as the actor
-        starts, and in its logs' prefix): its role and live figures."""
+        """This actor's role and live figures, in one line (`kvfabric status`)."""
         service = getattr(self, "service", None)
         if service is None:
             return "kvfabric storage (starting)"
@@ -150,6 +145,14 @@ class StorageActor:
             f"{st.get('pages', '?')} pages, {st.get('bytes', 0) >> 20} MiB, "
             f"read {st.get('get_pages', 0)} written {st.get('set_pages', 0)} pages"
         )
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor: Ray reads the repr once, as
+        the actor starts, so it holds only what does not change (role, shard,
+        node). The moving figures are in Ray's metrics and `kvfabric status`."""
+        config = getattr(self, "config", None)
+        name = config.runtime.name if config is not None else "?"
+        return f"kvfabric storage of {name}, node {_node_ip()}"
 
     def set_faults(self, delay_s: float = 0.0, hold: bool = False, l3: str | None = None) -> None:
         """Chaos hook: delay every page batch, hold every one until released (or
@@ -183,3 +186,10 @@ class StorageActor:
 
     def ping(self) -> None:
         """A no-op, for liveness checks."""
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "?"

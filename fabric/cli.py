@@ -684,6 +684,27 @@ def status(address, name, ray_namespace, watch, count, as_json) -> None:
         time.sleep(watch)
 
 
+@cli.command()
+@_cluster_options
+@click.option(
+    "--interval", type=float, default=1.0, show_default=True, help="Seconds between frames."
+)
+@click.option("--count", type=int, default=0, help="Stop after this many frames (0: never).")
+def top(address, name, ray_namespace, interval, count) -> None:
+    """A live view of a running fabric: tokens moved per direction per second,
+    hit rate per tier, requests in flight, pool use (Ctrl-C stops)."""
+    from fabric.top import watch
+
+    if interval <= 0 or count < 0:
+        raise FabricError(
+            f"--interval {interval} / --count {count} are refused: allowed are "
+            "--interval > 0 and --count >= 0"
+        )
+    fabric = _connect(address, name, ray_namespace)
+    shown = watch(fabric.status, interval, count)
+    _emit(result("top", fabric=name, frames=shown))
+
+
 def _status_text(st: dict[str, Any], dashboard: str) -> str:
     lines = [
         f"kvfabric {st['fabric']} on the Ray cluster at {st['cluster']}: epoch {st['epoch']}, "

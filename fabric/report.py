@@ -15,7 +15,7 @@ from typing import Any
 from fabric import __version__
 
 TIERS = ("device", "host", "storage", "computed")
-COMMANDS = ("run", "demo", "simulate", "status", "events", "storage", "pin", "config")
+COMMANDS = ("run", "demo", "simulate", "status", "top", "events", "storage", "pin", "config")
 
 _count = {"type": "integer", "minimum": 0}
 _ms = {"type": ["number", "null"], "minimum": 0}
@@ -93,6 +93,7 @@ SCHEMA: dict[str, Any] = {
         "fabric": {"type": "string"},
         "status": {"type": "object"},
         "events": _count,  # kvfabric events: the event lines printed before it
+        "frames": _count,  # kvfabric top: frames drawn
         "storage": {"type": "object"},
         "pin": {"type": "object"},
         "keys": {"type": "array"},

@@ -179,6 +179,9 @@ class RankWorker:
         self.moved_bytes = dict.fromkeys(
             ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"), 0
         )
+        # (direction, seconds) of each finished copy (a merged L1<->L2 group, a
+        # backup, a prefetch batch), for a latency histogram; the oldest go first.
+        self.transfer_seconds: deque[tuple[str, float]] = deque(maxlen=4096)
 
     def _reset_counters(self) -> None:
         self.queue: deque[Message] = deque()
@@ -287,6 +290,7 @@ class RankWorker:
                 while self.queue and type(self.queue[0]) is type(group[0]):
                     group.append(self.queue.popleft())
             self.copying = True
+        started = time.perf_counter()
         try:
             ok = self._apply(group)
         finally:
@@ -309,6 +313,9 @@ class RankWorker:
                     self.loads_done += 1
                     if ok:
                         self.moved_bytes["host_to_device"] += len(cmd.host_pages) * self.page_bytes  # type: ignore[union-attr]
+            if ok and not isinstance(group[0], Compute):
+                direction = "device_to_host" if isinstance(group[0], Write) else "host_to_device"
+                self.transfer_seconds.append((direction, time.perf_counter() - started))
         return True
 
     def _apply(self, group: list[Message]) -> bool:
@@ -463,10 +470,12 @@ class RankWorker:
                 return False
             cmd, epoch = self.storage_queue.popleft(), self.epoch
         if isinstance(cmd, Backup):
+            started = time.perf_counter()
             ok = self._backup(cmd, epoch)
             with self.lock:
                 if ok:
                     self.moved_bytes["host_to_storage"] += len(cmd.host_pages) * self.page_bytes
+                    self.transfer_seconds.append(("host_to_storage", time.perf_counter() - started))
                 if epoch == self.epoch:
                     self.backups_done += 1
                     if not ok:
@@ -551,6 +560,7 @@ class RankWorker:
                     raise RuntimeError("no storage link")
                 if self.faults.delay_s:
                     time.sleep(self.faults.delay_s)
+                started = time.perf_counter()
                 rows = self.storage.load(self.suffix, want)
                 got = len(rows)
                 with self.lock:  # write the pages only while they are still this op's
@@ -563,6 +573,9 @@ class RankWorker:
                         if cmd.tokens:
                             self.names.prefetched(cmd, done, got)
                         self.moved_bytes["storage_to_host"] += got * self.page_bytes
+                        self.transfer_seconds.append(
+                            ("storage_to_host", time.perf_counter() - started)
+                        )
             except Exception:
                 log.exception(
                     "rank %s: prefetch %d failed after %d pages", self.shard.rank, cmd.op_id, done

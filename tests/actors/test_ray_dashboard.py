@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -89,17 +90,22 @@ def test_kvfabric_series_reach_ray_s_metrics_export_with_labels(fabric):
     assert re.search(r'ray_kvfabric_pool_tokens\{[^}]*tier="device"', text)
 
 
-def test_each_actor_s_repr_names_its_role_and_live_figures(fabric):
+def test_each_actor_s_repr_names_what_does_not_change_and_describe_the_rest(fabric):
+    """Ray reads an actor's repr once, at start: it names role, shard and node
+    (figures there would stay frozen at 0); the live figures are ``describe``."""
     from ray.util.state import list_actors
 
-    def reprs() -> list[str]:
-        actors = list_actors(detail=True, filters=[("state", "=", "ALIVE")])
-        return [a.repr_name or "" for a in actors]
-
-    names = reprs()
-    assert any(n.startswith(f"kvfabric coordinator {NAME}") for n in names), names
-    assert sum(n.startswith("kvfabric rank ") for n in names) == 4, names
-    assert any(n.startswith("kvfabric storage") for n in names), names
+    actors = list_actors(detail=True, filters=[("state", "=", "ALIVE")])
+    names = [a.repr_name or "" for a in actors]
+    node = ray.util.get_node_ip_address()
+    assert f"kvfabric coordinator of {NAME}, node {node}" in names, names
+    assert f"kvfabric storage of {NAME}, node {node}" in names, names
+    ranks = sorted(n for n in names if n.startswith("kvfabric rank "))
+    assert ranks == [
+        f"kvfabric rank {r} of {NAME} on cpu, node {node}"
+        for r in ("pp0-cp0-tp0", "pp0-cp0-tp1", "pp1-cp0-tp0", "pp1-cp0-tp1")
+    ], names
+    assert not any(re.search(r"\d+ (served|rounds)|moved", n) for n in names), names
     live = ray.get(fabric.coordinator.describe.remote(), timeout=30)
     assert re.search(r"[1-9]\d* served", live) and "L1>L2" in live, live
 
@@ -156,17 +162,25 @@ def test_the_dashboard_in_headless_chromium_lists_the_kvfabric_actors(fabric, tm
                 ws_url = line.split("on", 1)[1].strip()
                 break
         assert ws_url, "Chromium did not start its DevTools endpoint"
-        text = asyncio.run(_page_text(ws_url, url, token))
+        shots = Path(os.environ.get("KVFABRIC_SCREENSHOTS", tmp_path))
+        shots.mkdir(parents=True, exist_ok=True)
+        text = asyncio.run(_page_text(ws_url, url, token, shots / "ray-dashboard-actors.png"))
     finally:
         browser.kill()
         browser.wait(10)
     assert "CoordinatorActor" in text and "RankActor" in text, text[:2000]
     assert NAME in text
+    # The Repr column: what does not change, not figures frozen at the actor's start.
+    assert f"kvfabric coordinator of {NAME}" in text and " served" not in text, text[:3000]
+    assert (shots / "ray-dashboard-actors.png").stat().st_size > 10_000
 
 
-async def _page_text(ws_url: str, dashboard: str, token: str) -> str:
+async def _page_text(ws_url: str, dashboard: str, token: str, screenshot: Path) -> str:
     """Open the dashboard's actors page with the token cookie set (what signing in
-    sets) and return the page's text once the kvfabric actors are listed."""
+    sets) and return the page's text once the kvfabric actors are listed; save a
+    screenshot of it (``KVFABRIC_SCREENSHOTS=dir`` keeps it)."""
+    import base64
+
     import aiohttp
 
     async with aiohttp.ClientSession() as http, http.ws_connect(ws_url, max_msg_size=0) as ws:
@@ -207,6 +221,14 @@ async def _page_text(ws_url: str, dashboard: str, token: str) -> str:
             text = result["result"].get("value", "")
             if "RankActor" in text and "CoordinatorActor" in text:
                 break
+        await call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1600, "height": 1000, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
+        await asyncio.sleep(1.0)
+        shot = await call("Page.captureScreenshot", {"format": "png"}, session=session)
+        screenshot.write_bytes(base64.b64decode(shot["data"]))
         return text
 
 
@@ -225,3 +247,165 @@ def test_the_dashboard_refuses_requests_without_the_token(fabric):
     with urllib.request.urlopen(request, timeout=10) as r:
         body = r.read().decode()
     assert "RankActor" in body and os.environ.get("RAY_AUTH_MODE", "token") == "token"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAFANA = ROOT / "docs" / "grafana" / "kvfabric.json"
+
+
+def _prometheus() -> str | None:
+    return shutil.which("prometheus")
+
+
+def _promql(base: str, query: str) -> list:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def prometheus(fabric, tmp_path_factory):
+    """A real Prometheus on loopback, with the documented scrape config (Ray's
+    service-discovery file of metrics endpoints), scraping every second; its
+    data in a temporary directory, its life bounded by the module."""
+    if _prometheus() is None:
+        pytest.skip("no prometheus here (.ci/run installs Debian's prometheus package)")
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((ROOT / "docs" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            _prometheus(),
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            "--storage.tsdb.retention.time=1h",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "prometheus.log", "w"),  # noqa: SIM115 - the process keeps it
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return bool(_promql(base, "up"))
+            except OSError:
+                return False
+
+        assert wait_for(up, 60), (tmp / "prometheus.log").read_text()[-2000:]
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_real_prometheus_scrapes_kvfabric_series_and_transfers_are_non_zero(fabric, prometheus):
+    for seed in range(6, 12):  # more traffic while Prometheus watches
+        r = fabric.submit(prompt(seed, pages=6), timeout=60)
+        assert r.error is None and fabric.release(r.lease)
+    assert fabric.settle()
+
+    def moved() -> list:
+        return _promql(
+            prometheus, "sum by (direction) (increase(ray_kvfabric_transfer_bytes_total[5m]))"
+        )
+
+    assert wait_for(lambda: any(float(s["value"][1]) > 0 for s in moved()), 90)
+    directions = {s["metric"]["direction"] for s in moved() if float(s["value"][1]) > 0}
+    assert "device_to_host" in directions, directions
+    ranks = _promql(prometheus, "count by (rank) (ray_kvfabric_rank_transfer_bytes_total)")
+    assert len(ranks) == 4, ranks
+
+
+def test_the_grafana_dashboard_is_well_formed_and_each_of_its_queries_runs(fabric, prometheus):
+    """Grafana's dashboard model, checked by its schema (below), and every panel's
+    PromQL accepted by the real Prometheus, naming only series that exist."""
+    import jsonschema
+
+    dashboard = json.loads(GRAFANA.read_text())
+    jsonschema.validate(dashboard, GRAFANA_DASHBOARD_SCHEMA)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    wanted = {
+        "tier", "hit", "moved", "latency", "l3", "round", "reset",
+    }  # fmt: skip
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for word in wanted:
+        assert word in titles, (word, titles)
+    names = set()
+    with urllib.request.urlopen(f"{prometheus}/api/v1/label/__name__/values", timeout=10) as r:
+        names = set(json.loads(r.read())["data"])
+
+    def present() -> bool:  # every series the panels name has been scraped
+        with urllib.request.urlopen(f"{prometheus}/api/v1/label/__name__/values", timeout=10) as r:
+            names.update(json.loads(r.read())["data"])
+        return all(set(re.findall(r"ray_kvfabric_\w+", t["expr"])) <= names for t in targets)
+
+    targets = [t for p in dashboard["panels"] for t in p["targets"]]
+    assert targets
+    assert wait_for(present, 60), sorted(
+        {m for t in targets for m in re.findall(r"ray_kvfabric_\w+", t["expr"])} - names
+    )
+    for t in targets:
+        expr = t["expr"].replace("$fabric", NAME).replace("$__rate_interval", "1m")
+        _promql(prometheus, expr)  # a query Prometheus refuses fails here
+
+
+# Grafana's dashboard JSON model (the parts a provisioned dashboard must have).
+_TARGET = {
+    "type": "object",
+    "required": ["expr", "refId", "datasource"],
+    "properties": {"expr": {"type": "string", "minLength": 1}, "refId": {"type": "string"}},
+}
+GRAFANA_DASHBOARD_SCHEMA = {
+    "type": "object",
+    "required": ["title", "uid", "schemaVersion", "panels", "templating", "time", "refresh"],
+    "properties": {
+        "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"},
+        "schemaVersion": {"type": "integer", "minimum": 30},
+        "time": {"type": "object", "required": ["from", "to"]},
+        "templating": {
+            "type": "object",
+            "required": ["list"],
+            "properties": {
+                "list": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["name", "type"]},
+                }
+            },
+        },
+        "panels": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["id", "type", "title", "gridPos", "targets", "datasource"],
+                "properties": {
+                    "id": {"type": "integer"},
+                    "type": {"enum": ["timeseries", "stat", "gauge", "bargauge"]},
+                    "gridPos": {
+                        "type": "object",
+                        "required": ["h", "w", "x", "y"],
+                        "properties": {
+                            k: {
+                                "type": "integer",
+                                "minimum": 0,
+                                "maximum": 24 if k in "wx" else 999,
+                            }
+                            for k in "hwxy"
+                        },
+                    },
+                    "targets": {"type": "array", "minItems": 1, "items": _TARGET},
+                },
+            },
+        },
+    },
+}
