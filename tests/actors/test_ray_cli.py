@@ -195,3 +195,48 @@ def test_config_lists_every_key_without_ray():
     assert "events.endpoint" in keys and "runtime.dashboard" in keys
     bad = kvfabric("config", "--set", "cache.nope=1", cluster=False, check=False)
     assert bad.returncode == 2 and "known in 'cache'" in bad.stderr
+
+
+def test_top_draws_live_frames_on_a_terminal(fabric):
+    """``kvfabric top`` through a pseudo-terminal (as an operator's shell runs
+    it): rich's live view, frames with transfers per direction, hit rate per
+    tier and requests in flight, then the JSON result."""
+    import os
+    import pty
+    import select
+
+    for seed in range(40, 44):
+        r = fabric.submit(prompt(seed, pages=6), timeout=60)
+        assert r.error is None and fabric.release(r.lease)
+    address = ray.get_runtime_context().gcs_address
+    argv = [
+        sys.executable, "-m", "fabric.cli", "top", "--address", address, "--name", NAME,
+        "--ray-namespace", NS, "--interval", "0.5", "--count", "3",
+    ]  # fmt: skip
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"}
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], 120)
+            if not ready:
+                break
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        proc.wait(60)
+        os.close(leader)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "\x1b[" in text, "drawn as a live view (escape sequences), not plain lines"
+    for needed in ("L1 > L2", "L2 > L1", "tokens/s", "prompt tokens by source", "computed"):
+        assert needed in text, (needed, text[-3000:])
+    assert f"kvfabric {NAME}" in text and "in flight" in text
+    assert '"command": "top"' in text and '"frames": 3' in text
