@@ -24,9 +24,28 @@ def test_an_unusable_l3_path_fails_the_launch_in_one_line_and_stops_its_ray():
 
 
 def test_no_cluster_at_the_address_is_one_line_naming_the_setting(monkeypatch):
+    import socket
+
+    from fabric import cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "_live_local_clusters", lambda: [])
+    monkeypatch.setattr(cluster, "_ray_start_cluster", lambda: None)
+    with pytest.raises(
+        FabricError, match=r"no Ray cluster runs on this machine for .*runtime.address=auto"
+    ):
+        launch(small_config("runtime.address=auto"))
+
     def no_cluster(**_kwargs):
         raise ConnectionError("Could not find any running Ray instance.")
 
     monkeypatch.setattr(ray, "init", no_cluster)
-    with pytest.raises(FabricError, match=r"no Ray cluster at runtime.address='auto'.*ray start"):
-        launch(small_config("runtime.address=auto"))
+    with socket.socket() as s:  # something listens there, but it is no Ray
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(
+            FabricError, match=rf"no Ray cluster at .*runtime.address={address}.*ray start"
+        ):
+            launch(small_config(f"runtime.address={address}"))
+    assert not ray.is_initialized()
