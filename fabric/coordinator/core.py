@@ -621,7 +621,8 @@ class CoordinatorCore:
     def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list[KVEvent]:
         """Drain up to ``limit`` of the oldest KV events (``BlockStored``,
         ``BlockRemoved``, ``AllBlocksCleared``) — of one ``namespace`` only when
-        given (the others stay queued for their consumers)."""
+        given (the others stay queued for their consumers; a clear of every
+        namespace goes to whoever takes first)."""
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise InvalidInput(f"limit {limit!r} is refused: allowed is an int >= 0")
         if namespace is None:
@@ -629,7 +630,8 @@ class CoordinatorCore:
         check_namespace(namespace)
         taken, kept = [], deque(maxlen=self.events.maxlen)
         for event in self.events:
-            if len(taken) < limit and event.namespace == namespace:
+            # A clear of every namespace (a new coordinator's first event) is theirs too.
+            if len(taken) < limit and event.namespace in (namespace, ""):
                 taken.append(event)
             else:
                 kept.append(event)
