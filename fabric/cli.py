@@ -754,7 +754,12 @@ def _status_text(st: dict[str, Any], dashboard: str) -> str:
     show_default=True,
     help="With --follow: seconds between polls.",
 )
-@_json_option
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Accepted for uniformity: the output is JSON already (a line per event, then the count).",
+)
 def events(address, name, ray_namespace, limit, namespace, follow, interval, as_json) -> None:
     """Print a running fabric's KV events, one JSON line each (the routers' maps).
 
@@ -770,7 +775,8 @@ def events(address, name, ray_namespace, limit, namespace, follow, interval, as_
     def show(batch: list[dict[str, Any]]) -> None:
         nonlocal shown
         for e in batch:
-            if namespace is None or e.get("namespace") == namespace:
+            # A clear of every namespace (namespace "") concerns each of them.
+            if namespace is None or e.get("namespace") in (namespace, ""):
                 click.echo(json.dumps(e))  # one JSON line per event, with --json too
                 shown += 1
 
