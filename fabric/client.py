@@ -363,7 +363,7 @@ def launch(
             # Another local Ray (a second kvfabric run) may hold the port: take a free one.
             "dashboard_port": cluster.free_port(runtime.dashboard_host, runtime.dashboard_port),
         }
-        _init_ray(
+        cluster.init_ray(
             target.address if target.address is not None else "local",
             runtime.ray_namespace,
             runtime.log_to_driver,
@@ -389,34 +389,6 @@ def launch(
     return fabric
 
 
-def _init_ray(address: str, namespace: str, log_to_driver: bool, what: str, **local: Any) -> None:
-    """``ray.init`` with Ray's own lines kept quiet (see ``fabric.cluster``) and a
-    failure to connect as one line naming ``what`` was asked for."""
-    import ray
-
-    cluster.quiet_ray()
-    if address != "local":
-        cluster.use_token_if_any()
-    try:
-        ray.init(
-            address=address,
-            namespace=namespace,
-            log_to_driver=log_to_driver,
-            logging_level=cluster.ray_log_level(),
-            **local,
-        )
-    except ConnectionError as exc:
-        raise FabricError(
-            f"no Ray cluster at {what} ({exc.__class__.__name__}): start one "
-            "(ray start --head) or pass another address"
-        ) from None
-    except ray.exceptions.AuthenticationError:
-        raise FabricError(
-            f"the Ray cluster at {what} refused this process's token: use the cluster's "
-            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
-        ) from None
-
-
 def connect(
     name: str = "kvfabric", address: str = "auto", ray_namespace: str = "kvfabric"
 ) -> Fabric:
@@ -433,7 +405,7 @@ def connect(
                 f"--address={address!r} names no running cluster: a fabric is reached on "
                 "the cluster it was launched on (HOST:PORT, auto or ray://...)"
             )
-        _init_ray(target.address, ray_namespace, False, f"--address={target.address!r}")
+        cluster.init_ray(target.address, ray_namespace, False, f"--address={target.address!r}")
     where = cluster.gcs_address() or address
     try:
         coordinator = ray.get_actor(f"{name}-coordinator", namespace=ray_namespace)

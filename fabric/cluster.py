@@ -27,6 +27,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fabric.errors import FabricError
 
@@ -213,6 +214,34 @@ def use_token_if_any() -> None:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     finally:
         logging.getLogger("ray").setLevel(level)
+
+
+def init_ray(address: str, namespace: str, log_to_driver: bool, what: str, **local: Any) -> None:
+    """``ray.init`` with Ray's own lines kept quiet and this machine's token used;
+    a failure to connect is one line naming ``what`` was asked for."""
+    import ray
+
+    quiet_ray()
+    if address != LOCAL:
+        use_token_if_any()
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=log_to_driver,
+            logging_level=ray_log_level(),
+            **local,
+        )
+    except ConnectionError as exc:
+        raise FabricError(
+            f"no Ray cluster at {what} ({exc.__class__.__name__}): start one "
+            "(ray start --head) or pass another address"
+        ) from None
+    except ray.exceptions.AuthenticationError:
+        raise FabricError(
+            f"the Ray cluster at {what} refused this process's token: use the cluster's "
+            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        ) from None
 
 
 def gcs_address() -> str:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, FabricError
 from fabric.l3 import make_backend
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance
@@ -264,17 +264,19 @@ class RayStore(PageStore):
         import ray
 
         if not ray.is_initialized():
-            try:
-                ray.init(
-                    address=options.address,
-                    namespace=options.ray_namespace,
-                    log_to_driver=False,
+            from fabric import cluster
+
+            try:  # the cluster decided as kvfabric's commands decide it (fabric.cluster)
+                target = cluster.resolve(
+                    options.address, options.fabric, options.ray_namespace, "address"
                 )
-            except ConnectionError as exc:
-                raise ConfigError(
-                    f"fabric={options.fabric!r}: no Ray cluster at address={options.address!r} "
-                    f"({exc.__class__.__name__})"
-                ) from None
+                if target.address is None:
+                    raise FabricError(f"address={options.address!r} names no running cluster")
+                cluster.init_ray(
+                    target.address, options.ray_namespace, False, f"address={target.address!r}"
+                )
+            except FabricError as exc:
+                raise ConfigError(f"fabric={options.fabric!r}: {exc}") from None
         try:
             self.actor = ray.get_actor(f"{options.fabric}-storage", namespace=options.ray_namespace)
         except ValueError:

@@ -49,3 +49,23 @@ def test_no_cluster_at_the_address_is_one_line_naming_the_setting(monkeypatch):
         ):
             launch(small_config(f"runtime.address={address}"))
     assert not ray.is_initialized()
+
+
+def test_an_engine_s_store_finds_its_cluster_as_the_commands_do(monkeypatch):
+    """An engine reaching a running fabric's L3 (``fabric.engines.store.RayStore``)
+    resolves ``auto`` like kvfabric's commands: never by chance, one line when
+    there is nothing to reach."""
+    from fabric import cluster
+    from fabric.engines.store import RayStore, StoreOptions
+    from fabric.errors import ConfigError
+
+    assert not ray.is_initialized()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "_live_local_clusters", lambda: ["10.0.0.1:1", "10.0.0.1:2"])
+    monkeypatch.setattr(cluster, "_ray_start_cluster", lambda: None)
+    with pytest.raises(ConfigError, match=r"fabric='prod': 2 Ray clusters run on this machine"):
+        RayStore(StoreOptions(fabric="prod"), "sglang")
+    monkeypatch.setattr(cluster, "_live_local_clusters", lambda: [])
+    with pytest.raises(ConfigError, match=r"fabric='prod': no Ray cluster runs on this machine"):
+        RayStore(StoreOptions(fabric="prod"), "sglang")
+    assert not ray.is_initialized()
