@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -308,17 +309,22 @@ def prometheus(fabric, tmp_path_factory):
 
 
 def test_a_real_prometheus_scrapes_kvfabric_series_and_transfers_are_non_zero(fabric, prometheus):
-    for seed in range(6, 12):  # more traffic while Prometheus watches
-        r = fabric.submit(prompt(seed, pages=6), timeout=60)
-        assert r.error is None and fabric.release(r.lease)
-    assert fabric.settle()
+    seeds = iter(range(100, 10_000))
 
     def moved() -> list:
         return _promql(
             prometheus, "sum by (direction) (increase(ray_kvfabric_transfer_bytes_total[5m]))"
         )
 
-    assert wait_for(lambda: any(float(s["value"][1]) > 0 for s in moved()), 90)
+    def traffic_seen() -> bool:
+        # Traffic while Prometheus watches: a counter's first sample is not an
+        # increase, so the bytes must grow after the first scrape of the series.
+        r = fabric.submit(prompt(next(seeds), pages=6), timeout=60)
+        assert r.error is None and fabric.release(r.lease)
+        time.sleep(0.5)
+        return any(float(s["value"][1]) > 0 for s in moved())
+
+    assert wait_for(traffic_seen, 120)
     directions = {s["metric"]["direction"] for s in moved() if float(s["value"][1]) > 0}
     assert "device_to_host" in directions, directions
     ranks = _promql(prometheus, "count by (rank) (ray_kvfabric_rank_transfer_bytes_total)")
