@@ -36,6 +36,7 @@ from fabric.l3.backend import L3Backend
 from fabric.l3.format import PREAMBLE, Provenance, check_header, checksum, header_length
 from fabric.l3.manifest import Manifest
 from fabric.l3.options import FileOptions
+from fabric.l3.safe_open import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ _SUFFIX = ".kv"
 _TMP = ".tmp"
 # A temporary file this old is a crashed writer's, not one in progress elsewhere.
 STALE_TMP_S = 60.0
-_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_DIR = _READ | os.O_DIRECTORY
+_DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_store_dir(root: Path, dir_mode: int) -> int:
@@ -139,6 +139,8 @@ class FileBackend(L3Backend):
     def _read(self, key: str) -> bytes | None:
         fd = self._open(key)
         if not isinstance(fd, int):
+            if fd != "miss":
+                self.count(f"refused_{fd}")
             return None
         with open(fd, "rb") as f:
             data = f.read()
@@ -146,14 +148,12 @@ class FileBackend(L3Backend):
         return data
 
     def _open(self, key: str) -> int | str:
-        """A read descriptor of ``key``'s file, or why not: ``miss``, ``symlink``."""
+        """A read descriptor of ``key``'s file, or why not: ``miss``, ``symlink``,
+        ``not_regular`` (never blocks: ``fabric.l3.safe_open``)."""
         dir_fd = self._dir(key[:2], create=False)
         if dir_fd is None:
             return "miss"
-        try:
-            return os.open(f"{key}{_SUFFIX}", _READ, dir_fd=dir_fd)
-        except OSError as exc:
-            return "symlink" if exc.errno == errno.ELOOP else "miss"
+        return open_regular(f"{key}{_SUFFIX}", dir_fd)
 
     def _read_into(self, key: str, row: np.ndarray, provenance: Provenance) -> str | None:
         # The payload goes from the file straight into the caller's row: no copy.
@@ -161,8 +161,6 @@ class FileBackend(L3Backend):
         if not isinstance(fd, int):
             return fd
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return "format"
             n = header_length(f.read(PREAMBLE))
             if isinstance(n, str):
                 return n

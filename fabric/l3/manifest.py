@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 import uuid
 from collections import Counter
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric.l3.format import Provenance
+from fabric.l3.safe_open import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ WRITERS = ("kvfabric", "sglang", "vllm", "hf")
 _DIR = "provenance"
 _NAME = re.compile(r"([0-9a-f]{16})\.([a-z0-9_-]{1,32})\.json")
 _MAX_RECORD = 4096
-_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 def provenance_of(wire: Any) -> Provenance | None:
@@ -126,13 +125,10 @@ class Manifest:
 
     @staticmethod
     def _read(dir_fd: int, name: str) -> dict | None:
-        try:
-            fd = os.open(name, _READ, dir_fd=dir_fd)
-        except OSError:
+        fd = open_regular(name, dir_fd)  # never blocks (a FIFO), never a link
+        if not isinstance(fd, int):
             return None
         with open(fd, "rb", closefd=True) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None
             data = f.read(_MAX_RECORD + 1)
         if len(data) > _MAX_RECORD:
             return None

@@ -35,7 +35,6 @@ import contextlib
 import errno
 import logging
 import os
-import stat
 import struct
 import threading
 import time
@@ -60,6 +59,7 @@ from fabric.l3.format import (
 )
 from fabric.l3.manifest import Manifest
 from fabric.l3.options import SegmentOptions
+from fabric.l3.safe_open import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,6 @@ _FRAME = struct.Struct("<4sHI")  # magic, key length, page length
 _MAGIC = b"KVR1"
 _SUFFIX = ".kvs"
 _MAX_KEY = 128
-_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _IOV = 1020  # iovecs per call, under IOV_MAX (1024 on Linux)
 _WRITE_CALL = 1 << 20  # bytes per write call (see _write_calls)
 # Bytes per read call: each read's pages are checked while the CPU cache still
@@ -142,6 +141,7 @@ class SegmentBackend(L3Backend):
         self._busy: set[Segment] = set()  # being written: never evicted or closed
         self._idle = threading.Condition(self._lock)
         self._bytes = 0
+        self._refused: set[str] = set()  # names that are no regular file, said once
         self._scanned = 0.0
         self._root_fd = open_store_dir(self.root, self.dir_mode)
         self.manifest = Manifest(self.root, self.file_mode, self.dir_mode)
@@ -161,17 +161,15 @@ class SegmentBackend(L3Backend):
             names.add(entry.name)
             seg = self._segments.get(entry.name)
             if seg is None:
-                try:
-                    fd = os.open(entry.name, _READ, dir_fd=self._root_fd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        self.count("refused_symlink")
-                        log.warning("L3: %s/%s is a link; ignored", self.root, entry.name)
+                fd = open_regular(entry.name, self._root_fd)  # never blocks (a FIFO)
+                if not isinstance(fd, int):
+                    if fd != "miss" and entry.name not in self._refused:  # said once
+                        self._refused.add(entry.name)
+                        self.count(f"refused_{fd}")
+                        log.warning("L3: %s/%s is not a regular file (%s); ignored",
+                                    self.root, entry.name[:80], fd)  # fmt: skip
                     continue
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    os.close(fd)
-                    continue
                 seg = Segment(entry.name, fd, used=st.st_mtime)
                 self._segments[entry.name] = seg
             if seg not in self._appending.values():

@@ -188,3 +188,60 @@ def test_the_dynamic_backend_imports_only_modules_the_launch_config_allows(tmp_p
         assert allowed.attach("dynamic", spec) == "attached"
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def _finishes(fn, seconds: float = 20.0):
+    """Run ``fn`` on a thread: its result, or a failure if it is still blocked
+    after ``seconds`` (what a FIFO opened without O_NONBLOCK does: for ever)."""
+    import threading
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "blocked on something in the store"
+    return out.get("v")
+
+
+def test_a_page_file_replaced_by_a_fifo_is_a_refused_miss_and_never_blocks(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    victim = page_file(tmp_path, TOKENS, 2, "0-0-1")
+    victim.unlink()
+    os.mkfifo(victim, 0o600)
+    r, _ = _finishes(lambda: serve_checked(cfg))
+    assert r.storage_hit_tokens == 8, "pages 0-1 only"
+    # The hit query already skips it (not a regular file); a read that races the
+    # swap is refused too:
+    backend = FileBackend(PROV, PAGE_BYTES, {"path": str(tmp_path / "fifo-store")})
+    backend.set(keys(1), pages(1))
+    (key,) = keys(1)
+    path = tmp_path / "fifo-store" / key[:2] / f"{key}.kv"
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    out = np.zeros((1, PAGE_BYTES), np.uint8)
+    assert _finishes(lambda: backend.get(keys(1), out)) == 0
+    assert _finishes(lambda: backend._read(key)) is None
+    assert backend.stats()["refused_not_regular"] >= 1
+
+
+@pytest.mark.parametrize("when", ["at open", "while open"])
+def test_a_fifo_named_like_a_segment_never_stalls_the_segment_store(tmp_path, when):
+    from fabric.l3.segment import SegmentBackend
+
+    root = tmp_path / "seg"
+    root.mkdir()
+    if when == "at open":
+        os.mkfifo(root / "seg-planted.kvs", 0o600)
+    store = _finishes(lambda: SegmentBackend(PROV, PAGE_BYTES, {"path": str(root)}))
+    store.set(keys(3), pages(3))
+    if when == "while open":
+        os.mkfifo(root / "seg-planted.kvs", 0o600)
+        time.sleep(1.1)  # past the rescan interval: a miss rescans the directory
+    other = keys(4)[3:]
+    assert _finishes(lambda: store.exists(other)) == 0  # a miss: rescans, skips the FIFO
+    assert _finishes(lambda: store.exists(keys(3))) == 3
+    out = np.zeros((3, PAGE_BYTES), np.uint8)
+    assert _finishes(lambda: store.get(keys(3), out)) == 3
+    assert store.stats()["refused_not_regular"] == 1, "counted (and logged) once"
+    store.close()
