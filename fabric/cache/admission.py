@@ -230,7 +230,9 @@ class Admission:
         return self.cache.sessions.end(check_session_id(session))
 
     def expire(self) -> int:
-        """End the sessions whose TTL passed; returns how many."""
+        """End the sessions whose TTL passed and unpin the pins whose TTL passed
+        (their budgets come back); returns how many sessions ended."""
+        self.cache.pins.expire()
         return self.cache.sessions.expire()
 
     def pin(self, key: TokenKey, ttl_s: float) -> PinResult:

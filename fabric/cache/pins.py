@@ -1,9 +1,12 @@
 """Pins: prefixes kept in L2 until a TTL passes (refreshed by hits), within a
 budget — a share of L2. A pinned node holds one host protection; nodes not yet in
-L2 are written through when pinned."""
+L2 are written through when pinned. A pin whose TTL passed gives its budget back
+at the next ``expire`` (each coordinator step, and before any new pin), without
+waiting for an eviction to reach its node."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from fabric.cache.keys import TokenKey
@@ -29,6 +32,31 @@ class Pins:
 
     def reset(self) -> None:
         self.pinned_size = 0
+        # Nodes pinned here (a split's upper half inherits its child's pin: found
+        # from the child), and the earliest expiry among them: ``expire`` does
+        # nothing before it.
+        self.nodes: set[TreeNode] = set()
+        self._next_expiry = math.inf
+
+    def expire(self, now: float | None = None) -> int:
+        """Unpin every node whose TTL passed; returns the tokens given back."""
+        now = self.clock() if now is None else now
+        if now <= self._next_expiry:
+            return 0
+        candidates: set[TreeNode] = set()
+        for node in self.nodes:
+            up: TreeNode | None = node
+            while up is not None and up.pinned and up not in candidates:
+                candidates.add(up)
+                up = up.parent
+        freed = 0
+        for node in candidates:
+            if node.pin_expiry < now:
+                freed += self.tree.tokens(node)
+                self.clear(node)
+        self.nodes = {n for n in candidates if n.pinned}
+        self._next_expiry = min((n.pin_expiry for n in self.nodes), default=math.inf)
+        return freed
 
     def pin(self, key: TokenKey, ttl_s: float) -> PinResult:
         """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds, within the budget;
@@ -36,6 +64,7 @@ class Pins:
         if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
             raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a number > 0")
         now = self.clock()
+        self.expire(now)  # budgets whose holders' time is up come back first
         tree = self.tree
         path = tree.descend(tree.root, key.namespace, key.data, 0, len(key.data), now)
         pinned = 0
@@ -54,6 +83,8 @@ class Pins:
                     self.write_backup(node)
             node.pin_expiry = max(node.pin_expiry, now + ttl_s)
             node.pin_ttl = max(node.pin_ttl, float(ttl_s))
+            self.nodes.add(node)
+            self._next_expiry = min(self._next_expiry, node.pin_expiry)
             pinned += tokens
         if reason is None and pinned < key.num_tokens:
             reason = f"only {pinned} of {key.num_tokens} tokens are cached"
@@ -77,3 +108,4 @@ class Pins:
         self.pinned_size -= self.tree.tokens(node)
         node.host_ref -= 1
         node.pin_expiry = node.pin_ttl = 0.0
+        self.nodes.discard(node)

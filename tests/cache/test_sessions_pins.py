@@ -100,6 +100,35 @@ def test_pins_from_a_client_are_refused_past_the_budget_and_unpinned(clock):
         a.unpin(toks(4))
 
 
+def test_an_expired_pin_gives_its_budget_back_without_an_eviction(clock):
+    """Tenant A pins the whole budget; once its TTL passes, tenant B's pin fits
+    — no eviction has touched A's nodes, nothing is under pressure."""
+    c, a = lifecycle(clock, pin_budget_fraction=0.25)  # 4 pages of L2
+    turn(a, toks(1, 2, 3, 4))
+    theirs = pack_tokens(toks(7, 8))
+    other = a.begin(theirs, namespace="tenant-b")
+    assert a.prefill(other, 2 * P) is not None
+    a.finish(other)
+    assert a.pin(c.key(toks(1, 2, 3, 4)), 5).pinned_tokens == 4 * P
+    b_key = c.key(toks(7, 8), "tenant-b")
+    assert "pin budget exhausted" in a.pin(b_key, 5).reason
+    a.pin(c.key(toks(1, 2)), 1)  # splits the pinned node: its upper half is pinned too
+    assert c.pinned_size == 4 * P
+    clock.advance(6)
+
+    def evicted() -> int:
+        return c.stats.device_evicted_tokens + c.stats.host_evicted_tokens
+
+    before = evicted()
+    assert a.pin(b_key, 5).pinned_tokens == 2 * P, "A's budget came back at its TTL"
+    assert c.pinned_size == 2 * P and evicted() == before, "no eviction was needed"
+    c.check_integrity()
+    clock.advance(6)
+    a.expire()  # each step: expired pins go even when nobody pins again
+    assert c.pinned_size == 0
+    c.check_integrity()
+
+
 def test_bad_session_ids_are_refused_and_nothing_is_held(clock):
     c, a = lifecycle(clock)
     req = a.begin(pack_tokens(toks(1)))
