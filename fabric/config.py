@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fabric.errors import ConfigError
 from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
@@ -31,11 +31,21 @@ def _allowed(description: str, **constraints: Any) -> Any:
 
 PositiveInt = Annotated[int, _allowed("an integer >= 1", ge=1)]
 NonNegativeInt = Annotated[int, _allowed("an integer >= 0", ge=0)]
-NonNegativeFloat = Annotated[float, _allowed("a number >= 0", ge=0)]
-PositiveFloat = Annotated[float, _allowed("a number > 0", gt=0)]
+# Seconds and sizes are finite: an infinite TTL would hold a budget for ever.
+NonNegativeFloat = Annotated[float, _allowed("a finite number >= 0", ge=0, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, _allowed("a finite number > 0", gt=0, allow_inf_nan=False)]
 Fraction = Annotated[float, _allowed("a number in [0, 1]", ge=0, le=1)]
 Text = Annotated[str, _allowed("a non-empty str", min_length=1)]
-Mode = Annotated[str, _allowed("an octal mode such as 0600", pattern=r"^0?[0-7]{3}$", min_length=3)]
+# L3 files and directories: the owner's, at most readable by the group (a shared
+# store for one group of users); never writable by the group, nothing for others.
+Mode = Annotated[
+    str,
+    _allowed(
+        "an octal mode such as 0600 or 0640: no write bit for the group, no bit for others",
+        pattern=r"^0?[0-7][0145]0$",
+        min_length=3,
+    ),
+]
 
 
 def _one_of(names: Iterable[str], default: str) -> Any:
@@ -82,7 +92,10 @@ def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
     loc = [str(part) for part in err["loc"]]
     if err["type"] == "value_error":  # our own checks say everything themselves
         cause = err["ctx"]["error"]
-        return cause if isinstance(cause, ConfigError) else ConfigError(f"config {cause}")
+        if isinstance(cause, ConfigError):
+            return cause
+        if not loc:
+            return ConfigError(f"config {cause}")
     dotted = ".".join([prefix, *loc] if prefix else loc)
     owner = _model_at(exc.title, loc[:-1])
     if err["type"] == "extra_forbidden":
@@ -388,13 +401,24 @@ class StorageConfig(_Section):
         return frozenset(self.dynamic_modules)
 
 
+def _tcp_port(address: str) -> str:
+    """A ``tcp://`` address names a port in 1..65535 or ``*`` (ZMQ would bind a
+    random port for 99999 and 65535 for -1)."""
+    if address.startswith("tcp://"):
+        port = address.rpartition(":")[2]
+        if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"port {port!r} is not 1..65535 or *")
+    return address
+
+
 ZmqAddress = Annotated[
     str,
     _allowed(
-        "a ZMQ address to bind (tcp://HOST:PORT, tcp://HOST:* for any free port, "
-        "ipc://PATH or inproc://NAME), or empty for none",
+        "a ZMQ address to bind (tcp://HOST:PORT with PORT 1..65535, tcp://HOST:* for any "
+        "free port, ipc://PATH or inproc://NAME), or empty for none",
         pattern=r"^((tcp|ipc|inproc)://\S+)?$",
     ),
+    AfterValidator(_tcp_port),
 ]
 
 
@@ -559,6 +583,7 @@ _MODELS: dict[str, type[BaseModel]] = {
         TopologyConfig,
         RuntimeConfig,
         StorageConfig,
+        EventsConfig,
         FabricConfig,
     )
 }

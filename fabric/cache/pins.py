@@ -61,8 +61,12 @@ class Pins:
     def pin(self, key: TokenKey, ttl_s: float) -> PinResult:
         """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds, within the budget;
         says how much was pinned and why not more."""
-        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
-            raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a number > 0")
+        if (
+            not isinstance(ttl_s, (int, float))
+            or isinstance(ttl_s, bool)
+            or not 0 < ttl_s < math.inf
+        ):
+            raise InvalidInput(f"pin ttl_s={ttl_s!r} is refused: allowed is a finite number > 0")
         now = self.clock()
         self.expire(now)  # budgets whose holders' time is up come back first
         tree = self.tree

@@ -9,7 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fabric.errors import ConfigError
 
-Mode = Annotated[str, Field(pattern=r"^0?[0-7]{3}$", description="an octal mode such as 0600")]
+# L3 files and directories: the owner's, at most readable by the group (a shared
+# store for one group of users); never writable by the group, nothing for others.
+Mode = Annotated[
+    str,
+    Field(
+        pattern=r"^0?[0-7][0145]0$",
+        description="an octal mode such as 0600 or 0640: no write bit for the group, no bit for others",
+    ),
+]
 
 
 class BackendOptions(BaseModel):

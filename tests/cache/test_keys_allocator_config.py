@@ -145,3 +145,42 @@ def test_unknown_policy_names_list_the_known_ones():
             get("nope")
     assert get_write_policy("write_through_selective").hit_threshold == 2
     assert get_write_policy("write_back").write_back
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("events.endpoint=tcp://127.0.0.1:99999", "events.endpoint"),  # ZMQ: a random port
+        ("events.endpoint=tcp://127.0.0.1:-1", "events.endpoint"),  # ZMQ: port 65535
+        ("events.replay_endpoint=tcp://127.0.0.1:0", "events.replay_endpoint"),
+        ("runtime.lease_ttl_s=.inf", "runtime.lease_ttl_s"),
+        ("cache.session_ttl_s=.inf", "cache.session_ttl_s"),
+        ("runtime.rank_timeout_s=.nan", "runtime.rank_timeout_s"),
+        ("storage.file_mode=0777", "storage.file_mode"),  # nothing for others
+        ("storage.file_mode=0660", "storage.file_mode"),  # the group never writes
+        ("storage.dir_mode=0705", "storage.dir_mode"),
+    ],
+)
+def test_values_that_would_be_taken_wrongly_are_refused_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as caught:
+        FabricConfig().with_overrides([override])
+    message = str(caught.value)
+    assert message.startswith(f"config {named}=") and "\n" not in message, message
+
+
+def test_ports_in_range_and_owner_only_modes_pass():
+    cfg = FabricConfig().with_overrides(
+        ["events.endpoint=tcp://127.0.0.1:5557", "storage.file_mode=0640", "storage.dir_mode=750"]
+    )
+    assert cfg.events.endpoint.endswith(":5557")
+    FabricConfig().with_overrides(["events.endpoint=tcp://127.0.0.1:*"])
+
+
+def test_an_infinite_pin_is_refused():
+    from fabric.errors import InvalidInput
+    from tests.helpers import make_cache
+
+    c = make_cache()
+    for ttl in (float("inf"), float("nan"), 0, -1):
+        with pytest.raises(InvalidInput, match="finite number > 0"):
+            c.pin_prefix(c.key([1, 2, 3, 4]), ttl)
