@@ -207,6 +207,7 @@ class Chaos:
         from fabric.client import launch
 
         opts = self.opts
+        self.config = chaos_config(opts, l3_path)  # a bad --set is refused before any Ray
         if opts.address is None:
             from ray.cluster_utils import Cluster
 
@@ -219,7 +220,6 @@ class Chaos:
             for _ in range(opts.nodes - 1):
                 self.cluster.add_node(num_cpus=2)
             ray.init(address=self.cluster.address, namespace="kvfabric-chaos", log_to_driver=False)
-        self.config = chaos_config(opts, l3_path)
         self.fabric = launch(self.config, address=opts.address, announce=False)
 
     def close(self) -> None:

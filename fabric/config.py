@@ -554,7 +554,7 @@ class FabricConfig(BaseModel):
                 value = yaml.safe_load(raw)
             except yaml.YAMLError as exc:
                 raise ConfigError(
-                    f"override {item!r}: value {raw!r} does not parse: {exc}"
+                    f"override {item!r}: value {raw!r} does not parse: {one_line(exc)}"
                 ) from None
             if isinstance(data[section].get(key), tuple) and isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
@@ -589,15 +589,27 @@ _MODELS: dict[str, type[BaseModel]] = {
 }
 
 
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """A parser's message on one line, at most ``limit`` characters (YAML's span
+    several, with a caret drawing)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_structured_file(path: str | Path, what: str) -> Any:
     """The data in a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file; ``ConfigError``
     naming ``what`` is being read and the problem otherwise."""
     path = Path(path)
     suffix = path.suffix.lower()
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); allowed: "
+            ".json, .toml, .yaml or .yml text"
+        ) from None
     try:
         if suffix == ".json":
             return json.loads(text)
@@ -606,7 +618,7 @@ def read_structured_file(path: str | Path, what: str) -> Any:
         if suffix in (".yaml", ".yml"):
             return yaml.safe_load(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{what}: {str(path)!r} does not parse: {exc}") from None
+        raise ConfigError(f"{what}: {str(path)!r} does not parse: {one_line(exc)}") from None
     raise ConfigError(
         f"{what}: {str(path)!r} has suffix {suffix!r}; allowed: .json, .toml, .yaml, .yml"
     )

@@ -12,13 +12,14 @@ share leading ids share that prefix.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from fabric.cache.keys import TOKEN_BYTES
 from fabric.cache.results import TierTokens
@@ -35,29 +36,57 @@ class Request:
     hash_ids: tuple[int, ...]
 
 
+# Ids and lengths fit a signed 64-bit integer (they become numpy int64 and token
+# ids); a trace line is a JSON object with these fields (others are ignored).
+_MAX = 2**63 - 1
+
+
+class TraceRow(msgspec.Struct, forbid_unknown_fields=False):
+    """One line of a Mooncake-format trace, as a schema: whole numbers only (no
+    ``true``, no ``1.5``, no ``"12"``), none negative or past int64."""
+
+    input_length: Annotated[int, msgspec.Meta(ge=0, le=_MAX)]
+    hash_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_MAX)]]
+    timestamp: Annotated[int, msgspec.Meta(ge=0, le=_MAX)] = 0
+    output_length: Annotated[int, msgspec.Meta(ge=0, le=_MAX)] = 0
+
+
+_decode_row = msgspec.json.Decoder(TraceRow).decode
+
+
 def read_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Requests of a Mooncake-format JSONL trace; ``InvalidInput`` naming the line."""
+    """Requests of a Mooncake-format JSONL trace (``TraceRow`` per line);
+    ``InvalidInput`` naming the file, the line and the field at fault."""
     out = []
-    with open(path) as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; bytes: decoded per line
+    except OSError as exc:
+        raise InvalidInput(f"trace {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                req = Request(
-                    int(row.get("timestamp", 0)),
-                    int(row["input_length"]),
-                    int(row.get("output_length", 0)),
-                    tuple(int(h) for h in row["hash_ids"]),
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidInput(f"{path}:{lineno}: not a trace request ({exc!r})") from None
-            if req.input_length < 0 or any(h < 0 for h in req.hash_ids):
-                raise InvalidInput(f"{path}:{lineno}: negative input_length or hash id")
-            out.append(req)
+                row = _decode_row(line)
+            except msgspec.ValidationError as exc:
+                raise InvalidInput(f"{path}:{lineno}: not a trace request: {exc}") from None
+            except msgspec.DecodeError as exc:
+                why = str(exc) if line.isascii() or _utf8(line) else "not UTF-8 text"
+                raise InvalidInput(f"{path}:{lineno}: not a JSON object: {why[:120]}") from None
+            out.append(
+                Request(row.timestamp, row.input_length, row.output_length, tuple(row.hash_ids))
+            )
     return out
+
+
+def _utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def synthetic_trace(num_requests: int, seed: int = 0) -> list[Request]:
