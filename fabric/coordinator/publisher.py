@@ -16,7 +16,12 @@ The wire:
   buffered batch from ``seq`` on and then an end marker, behind the same
   envelope: in the ``vllm`` dialect ``[topic, seq, payload]`` and
   ``[b"", 0xFF x 8, b""]``; in the ``sglang`` dialect ``[seq, payload]`` and
-  ``[0xFF x 8, b""]`` (``events.dialect``).
+  ``[0xFF x 8, b""]`` (``events.dialect``). Replay never holds up the live
+  feed: queued batches are published first every loop, replays are served in
+  slices round robin (at most ``REPLAY_CLIENTS`` at once); a malformed request,
+  or one past that cap, gets one short answer — ``0xFF x 7 + 0xFE`` in the
+  sequence's place and the reason as the payload — and a request over
+  ``REPLAY_MAX_MESSAGE`` bytes is dropped by ZMQ.
 
 Hashes are the low 64 bits (the last 8 bytes, big-endian) of the SHA-256 page
 hashes by default, or the 32 bytes. Media: L1 is ``GPU``; L2 and L3 are ``CPU``
@@ -33,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -46,6 +52,24 @@ from fabric.errors import ConfigError
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+# A refused replay request's answer: this seq, then the reason (UTF-8 text).
+ERROR_SEQ = b"\xff" * 7 + b"\xfe"
+# Replay is served beside the live feed, never before it: requests taken per loop,
+# replays in progress at most, batches sent per loop, and per client in turn.
+REPLAY_ACCEPT = 16
+REPLAY_CLIENTS = 32
+REPLAY_SLICE = 256
+REPLAY_TURN = 32
+# Larger replay requests are dropped by ZMQ (the peer is disconnected).
+REPLAY_MAX_MESSAGE = 1024
+
+
+@dataclass
+class _Replay:
+    envelope: list[bytes]
+    next: int
+
+
 MEDIA = {Medium.DEVICE: "GPU", Medium.HOST: "CPU", Medium.STORAGE: "STORAGE"}
 # Each engine's names for the media (events.dialect).
 DIALECT_MEDIA = {
@@ -152,6 +176,7 @@ class KVEventPublisher:
             self.replay_endpoint = ""
             if config.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE)
                 self.replay_endpoint = _bind(
                     self._replay, config.replay_endpoint, "events.replay_endpoint"
                 )
@@ -162,6 +187,8 @@ class KVEventPublisher:
         self.published_events = 0
         self.dropped_batches = 0
         self.replays = 0
+        self.replay_refused = 0
+        self._replaying: deque[_Replay] = deque()
         self._seq = 0
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -192,6 +219,7 @@ class KVEventPublisher:
             "published_events": self.published_events,
             "dropped_batches": self.dropped_batches,
             "replays": self.replays,
+            "replay_refused": self.replay_refused,
         }
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -217,56 +245,130 @@ class KVEventPublisher:
     # -- the thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        """Live batches first, every loop: whatever is queued is published before
+        any replay frame is sent. Replay requests are taken a few at a time and
+        served in slices, round robin, so no number of replaying clients can hold
+        up the live feed (or one another)."""
         encode = msgspec.msgpack.Encoder().encode
         uint64 = self.config.hash_format == "uint64"
         rank = self.config.data_parallel_rank
         while True:
+            busy = False
+            while True:  # the live feed: everything queued now
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.task_done()
+                    return
+                busy = True
+                self._publish(item, encode, uint64, rank)
             if self._replay is not None:
                 try:
-                    while self._replay.poll(0):
-                        self._serve_replay()
+                    busy |= self._take_replay_requests()
+                    busy |= self._send_replay_slice()
                 except zmq.ZMQError:
                     log.exception("KV event replay failed")
-            try:
-                item = self._queue.get(timeout=0.02)
-            except queue.Empty:
-                continue
-            if item is None:
-                self._queue.task_done()
-                return
-            ts, events = item
-            try:
-                wire = to_wire(events, self.page_size, uint64, self.config.dialect)
-                payload = encode(WireBatch(ts, wire, rank))
-                seq = self._seq
-                self._seq += 1
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
-                self.published_batches += 1
-                self.published_events += len(events)
-            except Exception:
-                log.exception("KV event batch of %d events not published", len(events))
-            finally:
-                self._queue.task_done()
+            if not busy:  # idle: wait for a batch (or a replay request) a moment
+                try:
+                    item = self._queue.get(timeout=0.005 if self._replaying else 0.02)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    self._queue.task_done()
+                    return
+                self._publish(item, encode, uint64, rank)
 
-    def _serve_replay(self) -> None:
+    def _publish(
+        self, item: tuple[float, Sequence[KVEvent]], encode: Any, uint64: bool, rank: Any
+    ) -> None:
+        ts, events = item
+        try:
+            wire = to_wire(events, self.page_size, uint64, self.config.dialect)
+            payload = encode(WireBatch(ts, wire, rank))
+            seq = self._seq
+            self._seq += 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            self.published_batches += 1
+            self.published_events += len(events)
+        except Exception:
+            log.exception("KV event batch of %d events not published", len(events))
+        finally:
+            self._queue.task_done()
+
+    # -- replay ---------------------------------------------------------------------
+
+    def _take_replay_requests(self) -> bool:
+        """Accept up to ``REPLAY_ACCEPT`` requests: each becomes a cursor over the
+        buffer, or — malformed, or past ``REPLAY_CLIENTS`` replays at once — a
+        short error reply."""
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        envelope = frames[:1]
-        if len(frames) == 3 and frames[1] == b"":  # a REQ socket's delimiter: echoed
-            envelope, frames = frames[:2], [frames[0], frames[2]]
-        if len(frames) != 2 or len(frames[1]) != 8:
-            log.warning("KV event replay request refused: %d frames %r", len(frames), frames[1:])
-            return
-        start = int.from_bytes(frames[1], "big")
-        self.replays += 1
+        took = False
+        for _ in range(REPLAY_ACCEPT):
+            if not self._replay.poll(0):
+                break
+            took = True
+            frames = self._replay.recv_multipart()
+            envelope = frames[:1]
+            if len(frames) == 3 and frames[1] == b"":  # a REQ socket's delimiter: echoed
+                envelope, frames = frames[:2], [frames[0], frames[2]]
+            if len(frames) != 2 or len(frames[1]) != 8:
+                self.replay_refused += 1
+                log.warning(
+                    "KV event replay request refused: %d frames, %d bytes (starts %r)",
+                    len(frames),
+                    sum(map(len, frames[1:])),
+                    b"".join(frames[1:])[:16],
+                )
+                self._refuse(envelope, "a replay request is one frame: the start seq, 8 bytes")
+                continue
+            if len(self._replaying) >= REPLAY_CLIENTS:
+                self.replay_refused += 1
+                self._refuse(envelope, f"busy: {REPLAY_CLIENTS} replays in progress; retry")
+                continue
+            self.replays += 1
+            start = int.from_bytes(frames[1], "big")
+            self._replaying.append(_Replay(envelope, start))
+        return took
+
+    def _send_replay_slice(self) -> bool:
+        """Send up to ``REPLAY_SLICE`` batches of the pending replays, a few per
+        client in turn; a finished replay gets its end marker."""
+        if not self._replaying:
+            return False
+        assert self._replay is not None
         sglang = self.config.dialect == "sglang"
-        for seq, payload in list(self._buffer):
-            if seq >= start:
+        budget = REPLAY_SLICE
+        buffer = self._buffer
+        oldest = buffer[0][0] if buffer else self._seq
+        while budget > 0 and self._replaying:
+            cursor = self._replaying.popleft()
+            cursor.next = max(cursor.next, oldest)
+            for _ in range(min(REPLAY_TURN, budget)):
+                if cursor.next >= self._seq:
+                    break
+                seq, payload = buffer[cursor.next - oldest]
                 body = [seq.to_bytes(8, "big"), payload]
-                self._replay.send_multipart([*envelope, *([] if sglang else [self._topic]), *body])
-        end = [END_SEQ, b""] if sglang else [b"", END_SEQ, b""]
-        self._replay.send_multipart([*envelope, *end])
+                self._replay.send_multipart(
+                    [*cursor.envelope, *([] if sglang else [self._topic]), *body]
+                )
+                cursor.next += 1
+                budget -= 1
+            if cursor.next >= self._seq:
+                end = [END_SEQ, b""] if sglang else [b"", END_SEQ, b""]
+                self._replay.send_multipart([*cursor.envelope, *end])
+            else:
+                self._replaying.append(cursor)
+        return True
+
+    def _refuse(self, envelope: list[bytes], why: str) -> None:
+        """A short error reply: the end marker with the reason as its payload."""
+        assert self._replay is not None
+        sglang = self.config.dialect == "sglang"
+        frames = [ERROR_SEQ, why.encode()] if sglang else [b"", ERROR_SEQ, why.encode()]
+        self._replay.send_multipart([*envelope, *frames])
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):

@@ -11,7 +11,7 @@ import zmq
 from fabric.cache.keys import pack_tokens
 from fabric.errors import ConfigError
 from fabric.local import LocalFabric
-from tests.helpers import prompt, small_config, storage_options
+from tests.helpers import prompt, small_config, storage_options, wait_for
 
 END_SEQ = b"\xff" * 8
 
@@ -390,5 +390,77 @@ def test_replay_replies_keep_a_req_socket_s_delimiter_and_the_dialect_s_frames(t
         decode_batch(batches[0][-1])
     finally:
         req.close(linger=0)
+        ctx.term()
+        f.close()
+
+
+def test_a_replay_flood_never_holds_up_the_live_feed_and_bad_requests_get_a_short_answer(
+    tmp_path, caplog
+):
+    """Many clients replaying the whole buffer over and over: every live batch
+    still goes out as it is published (the publisher's queue drains), replays
+    still finish, a malformed request is answered in one short frame, a huge one
+    is dropped by ZMQ, and nothing untrusted reaches the log beyond a prefix."""
+    import threading
+
+    from fabric.coordinator.publisher import ERROR_SEQ
+
+    f = LocalFabric(
+        small_config(
+            "events.endpoint=tcp://127.0.0.1:*",
+            "events.replay_endpoint=tcp://127.0.0.1:*",
+            "events.buffer_batches=2000",
+        )
+    )
+    ctx = zmq.Context()
+    stop = threading.Event()
+    finished = []
+
+    def flood() -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(f.publisher.replay_endpoint)
+        try:
+            while not stop.is_set():
+                sock.send((0).to_bytes(8, "big"))
+                while not stop.is_set() and sock.poll(5000):
+                    frames = sock.recv_multipart()
+                    if frames[-2] in (END_SEQ, ERROR_SEQ):
+                        finished.append(frames[-2] == END_SEQ)
+                        break
+        finally:
+            sock.close(linger=0)
+
+    try:
+        for seed in range(150):  # a deep buffer for every replay to walk
+            r = f.serve(pack_tokens(prompt(seed, pages=2)))
+            assert r.error is None and f.core.release(r.lease)
+        assert f.publisher.flush()
+        threads = [threading.Thread(target=flood, daemon=True) for _ in range(20)]
+        for t in threads:
+            t.start()
+        before = f.publisher.published_batches
+        for seed in range(150, 200):
+            r = f.serve(pack_tokens(prompt(seed, pages=2)))
+            assert r.error is None and f.core.release(r.lease)
+        assert f.publisher.flush(30), "the live feed drained while 20 clients replayed"
+        assert f.publisher.published_batches > before
+        assert wait_for(lambda: sum(finished) >= 20, 60), "replays finish too"
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+        bad = ctx.socket(zmq.DEALER)
+        bad.connect(f.publisher.replay_endpoint)
+        bad.send_multipart([b"\x00" * 3, b"more"])
+        assert bad.poll(5000)
+        *_, seq, why = bad.recv_multipart()
+        assert seq == ERROR_SEQ and b"8 bytes" in why and len(why) < 200
+        bad.send(b"x" * (1 << 20))  # past the socket's message limit: dropped
+        assert not bad.poll(1000)
+        bad.close(linger=0)
+        assert f.publisher.stats()["replay_refused"] >= 1
+        assert all(len(r.getMessage()) < 500 for r in caplog.records)
+    finally:
+        stop.set()
         ctx.term()
         f.close()
