@@ -19,7 +19,9 @@ index file to lose or to trust: a frame only says where to look; what is served
 is checked against its header exactly as a single page file is (key binding,
 checksum, provenance). A writer that dies mid-append leaves a torn last record:
 the scan stops there, and nothing ever appends to a segment it did not create
-in this process, so a torn tail stays the end. Several processes may share the
+in this process, so a torn tail stays the end. A damaged frame in the middle (a
+flipped byte) costs that record only: the scan goes on at the next whole frame
+and counts ``segment_corrupt_records``. Several processes may share the
 directory: each appends to its own segments and picks up the others' on a miss
 (at most once a second).
 
@@ -82,6 +84,7 @@ class Segment:
     size: int = 0  # bytes of whole records (the scan's or the appends' end)
     file_size: int = 0  # bytes counted in the store's total
     torn_at: int = -1  # where a scan last found a record it could not index
+    skipped_at: int = -1  # where a scan last skipped a damaged record
     used: float = 0.0  # last write or read, for eviction
     keys: set[str] = field(default_factory=set)
 
@@ -185,26 +188,61 @@ class SegmentBackend(L3Backend):
         seg.file_size = end
         at = seg.size
         while at + _FRAME.size <= end:
-            head = os.pread(seg.fd, _FRAME.size + _MAX_KEY + PREAMBLE, at)
-            if len(head) < _FRAME.size:
-                break
-            magic, key_len, page_len = _FRAME.unpack_from(head)
-            page = at + _FRAME.size + key_len
-            if magic != _MAGIC or key_len > _MAX_KEY or page + page_len > end:
-                break  # a torn or foreign tail: what follows is not indexed
-            try:
-                key = check_key(head[_FRAME.size : _FRAME.size + key_len].decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
-                break
-            n = header_length(head[_FRAME.size + key_len :])
-            if isinstance(n, str) or PREAMBLE + n > page_len:
-                break
-            self._put(key, _Entry(seg, page, PREAMBLE + n, page_len - PREAMBLE - n))
-            at = page + page_len
+            frame = self._frame_at(seg, at, end)
+            if frame is None:
+                # A damaged frame mid-segment costs that record, not the tail: go on
+                # at the next whole frame. None after it: a torn (or growing) tail.
+                nxt = self._next_frame(seg, at + 1, end)
+                if nxt is None:
+                    break
+                if seg.skipped_at != at:
+                    seg.skipped_at = at
+                    self.count("segment_corrupt_records")
+                    log.warning(
+                        "L3: %s: a damaged record at byte %d skipped (%d bytes)",
+                        seg.name, at, nxt - at,
+                    )  # fmt: skip
+                at = nxt
+                continue
+            key, entry, at = frame
+            self._put(key, entry)
         if at < end and seg.torn_at != at:
             seg.torn_at = at  # counted once (it may be a record another writer is appending)
             self.count("segment_torn_tails")
         seg.size = max(seg.size, at)
+
+    def _frame_at(self, seg: Segment, at: int, end: int) -> tuple[str, _Entry, int] | None:
+        """The whole, well-formed record at ``at``: its key, index entry and where
+        the next record starts; ``None`` if there is none there."""
+        head = os.pread(seg.fd, _FRAME.size + _MAX_KEY + PREAMBLE, at)
+        if len(head) < _FRAME.size:
+            return None
+        magic, key_len, page_len = _FRAME.unpack_from(head)
+        page = at + _FRAME.size + key_len
+        if magic != _MAGIC or key_len > _MAX_KEY or page + page_len > end:
+            return None
+        try:
+            key = check_key(head[_FRAME.size : _FRAME.size + key_len].decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        n = header_length(head[_FRAME.size + key_len :])
+        if isinstance(n, str) or PREAMBLE + n > page_len:
+            return None
+        return key, _Entry(seg, page, PREAMBLE + n, page_len - PREAMBLE - n), page + page_len
+
+    def _next_frame(self, seg: Segment, start: int, end: int) -> int | None:
+        """The offset of the first whole record at or after ``start``, if any."""
+        chunk = 1 << 20
+        at = start
+        while at + _FRAME.size <= end:
+            data = os.pread(seg.fd, min(chunk, end - at) + len(_MAGIC) - 1, at)
+            i = data.find(_MAGIC)
+            while i >= 0:
+                if self._frame_at(seg, at + i, end) is not None:
+                    return at + i
+                i = data.find(_MAGIC, i + 1)
+            at += chunk
+        return None
 
     def _put(self, key: str, entry: _Entry) -> None:
         self.note_stored(key)

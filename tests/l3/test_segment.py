@@ -92,6 +92,30 @@ def test_a_segment_torn_in_its_first_record_serves_nothing_and_is_counted(tmp_pa
     assert read(b, keys(1))[0] == 0 and b.stats()["segment_torn_tails"] == 1
 
 
+@pytest.mark.parametrize("where", ["magic", "key length", "page length", "key"])
+def test_one_damaged_frame_costs_one_record_not_the_segment_s_tail(tmp_path, where):
+    """A flipped byte in one record's frame (magic, lengths or key) drops
+    that record only: the scan goes on at the next whole frame, and counts the
+    damage as a corrupt record, not a torn tail."""
+    root = tmp_path / "l3"
+    backend(root).set(keys(64), pages(64))
+    (seg,) = segments(root)
+    data = bytearray(seg.read_bytes())
+    starts = [i for i in range(len(data)) if data[i : i + 4] == segment_module._MAGIC]
+    assert len(starts) == 64
+    # The frame: magic (4 bytes), key length (2), page length (4), then the key.
+    at = starts[10] + {"magic": 0, "key length": 4, "page length": 9, "key": 12}[where]
+    data[at] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    b = backend(root)
+    st = b.stats()
+    assert st["pages"] == 63, st
+    assert st["segment_corrupt_records"] == 1 and "segment_torn_tails" not in st
+    n, out = read(b, keys(64)[11:])
+    assert n == 53 and np.array_equal(out, pages(64)[11:])
+    assert b.exists(keys(10)) == 10 and b.exists(keys(64)[10:11]) == 0
+
+
 def _flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
