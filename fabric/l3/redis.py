@@ -8,12 +8,19 @@ deletes only keys of this prefix's exact page-key form, so two prefixes never
 touch each other's pages. Requires the ``redis`` package (``pip install
 'kvfabric[redis]'``). A size cap is Redis's own business (``maxmemory`` with an
 LRU policy); ``stats`` counts this process's traffic and never scans the server.
+
+A Redis that is down or hangs costs one ``timeout_s`` (the client does not
+retry), then nothing: the backend fails fast — reads are misses, writes fail,
+``redis_fast_failed`` counts them — until ``OUTAGE_RETRY_S`` later one call tries
+the server again (``redis_errors`` counts the calls that failed on it).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +35,35 @@ log = logging.getLogger(__name__)
 
 _GLOB = re.compile(r"([*?\[\]\\^])")
 _PAGE_KEY = r"[0-9a-f]{64}\.[0-9a-f]{16}\.[0-9]{1,4}-[0-9]{1,4}-[0-9]{1,4}"
+# After a failed call, the server is left alone this long (then one call tries it).
+OUTAGE_RETRY_S = 5.0
+
+
+class _Breaker:
+    """Open after a call fails on the server; one trial call per ``retry_s``."""
+
+    def __init__(self, retry_s: float, clock=time.monotonic) -> None:
+        self.retry_s = retry_s
+        self.clock = clock
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = self.clock()
+            if now < self._open_until:
+                return False
+            if self._open_until:  # half-open: this call is the trial; the rest wait
+                self._open_until = now + self.retry_s
+            return True
+
+    def failed(self) -> None:
+        with self._lock:
+            self._open_until = self.clock() + self.retry_s
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._open_until = 0.0
 
 
 class RedisBackend(L3Backend):
@@ -37,6 +73,8 @@ class RedisBackend(L3Backend):
         super().__init__(provenance, page_bytes, extra)
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:  # pragma: no cover - depends on the install
             raise ValueError(
                 "the redis backend needs the 'redis' package: pip install 'kvfabric[redis]'"
@@ -53,6 +91,8 @@ class RedisBackend(L3Backend):
             "password": opts.password,
             "socket_timeout": opts.timeout_s,
             "socket_connect_timeout": opts.timeout_s,
+            # One attempt: a server that is down costs one timeout, not a retry loop.
+            "retry": Retry(NoBackoff(), 0),
         }
         if opts.ssl:
             options.update(
@@ -79,6 +119,30 @@ class RedisBackend(L3Backend):
         except redis.RedisError as exc:
             raise ConfigError(f"storage redis at {self.where}: {exc}") from None
         self._errors = redis.RedisError
+        self._down = (redis.ConnectionError, redis.TimeoutError)  # these open the breaker
+        self.breaker = _Breaker(OUTAGE_RETRY_S)
+
+    def _call(self, what: str, fn, down):
+        """``fn()`` unless Redis is known to be down (then ``down`` at once); a
+        failure on the server opens the breaker and returns ``down``."""
+        if not self.breaker.allow():
+            self.count("redis_fast_failed")
+            return down
+        try:
+            out = fn()
+        except self._errors as exc:
+            self.count("redis_errors")
+            if not isinstance(exc, self._down):  # the server answered: a refusal
+                log.warning("L3 redis at %s: %s refused: %s", self.where, what, str(exc)[:120])
+                return down
+            self.breaker.failed()
+            log.warning(
+                "L3 redis at %s: %s failed (%s); failing fast for %.0f s",
+                self.where, what, str(exc)[:120], OUTAGE_RETRY_S,
+            )  # fmt: skip
+            return down
+        self.breaker.succeeded()
+        return out
 
     # Batches: one round trip each.
 
@@ -89,7 +153,7 @@ class RedisBackend(L3Backend):
         for key in keys:
             pipe.exists(self.prefix + check_key(key))
         n = 0
-        for found in pipe.execute():
+        for found in self._call("exists", pipe.execute, []):
             if not found:
                 break
             n += 1
@@ -100,7 +164,10 @@ class RedisBackend(L3Backend):
     ) -> Iterator[str | None]:
         if not keys:
             return
-        blobs = self.client.mget([self.prefix + key for key in keys])
+        blobs = self._call("mget", lambda: self.client.mget([self.prefix + k for k in keys]), None)
+        if blobs is None:
+            yield "unavailable"
+            return
         for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
             yield self.verify_into(key, blob, out[i], provenance)
 
@@ -114,11 +181,8 @@ class RedisBackend(L3Backend):
         for i, key in enumerate(keys):
             payload = memoryview(pages[i]).cast("B")
             pipe.set(self.prefix + check_key(key), encode_header(payload, prov, key) + payload)
-        try:
-            ok = [bool(r) for r in pipe.execute(raise_on_error=False)]
-        except self._errors as exc:
-            log.warning("L3 redis at %s: storing %d pages failed: %s", self.where, len(keys), exc)
-            ok = [False] * len(keys)
+        done = self._call("set", lambda: pipe.execute(raise_on_error=False), None)
+        ok = [False] * len(keys) if done is None else [r is True for r in done]
         self.count("set_pages", sum(ok))
         self.count("set_failed", len(ok) - sum(ok))
         return ok
@@ -126,16 +190,16 @@ class RedisBackend(L3Backend):
     # One key at a time (the base class's fallbacks, and tests).
 
     def _read(self, key: str) -> bytes | None:
-        return self.client.get(self.prefix + key)
+        return self._call("get", lambda: self.client.get(self.prefix + key), None)
 
     def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
-        try:
-            self.client.set(self.prefix + key, b"".join(parts))
-        except self._errors as exc:
-            raise OSError(str(exc)) from None
+        if not self._call(
+            "set", lambda: self.client.set(self.prefix + key, b"".join(parts)), False
+        ):
+            raise OSError(f"redis at {self.where} did not store {key}")
 
     def _exists(self, key: str) -> bool:
-        return bool(self.client.exists(self.prefix + key))
+        return bool(self._call("exists", lambda: self.client.exists(self.prefix + key), 0))
 
     def _clear(self) -> None:
         pattern = _GLOB.sub(r"\\\1", self.prefix) + "*"

@@ -29,8 +29,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _redis_server(*args: str):
-    port = _free_port()
+def _redis_server(*args: str, port: int | None = None):
+    port = port or _free_port()
     proc = subprocess.Popen(
         [
             "redis-server",
@@ -168,3 +168,43 @@ def test_wrong_password_and_down_server_are_config_errors_naming_host_and_port()
     down = _free_port()
     with pytest.raises(ConfigError, match=f"127.0.0.1:{down} is unreachable"):
         make_backend("redis", PROV, PAGE_BYTES, {"port": down, "timeout_s": 1})
+
+
+def test_an_outage_costs_one_attempt_then_fails_fast_until_redis_is_back(monkeypatch):
+    """Redis stops: the next call tries once (no client retries), fails, and
+    every call after it fails at once without touching the network — counted —
+    until the retry interval passes; then one call tries again, and once Redis
+    is back the store serves again."""
+    from fabric.l3 import redis as redis_backend
+
+    now = [100.0]
+    with _redis_server() as port:
+        b = make_backend("redis", PROV, PAGE_BYTES, {"port": port, "timeout_s": 2, "prefix": "cb:"})
+        b.breaker.clock = lambda: now[0]
+        b.set(keys(2), pages(2))
+        attempts = []
+        pool = b.client.connection_pool
+        real = pool.get_connection
+        monkeypatch.setattr(
+            pool, "get_connection", lambda *a, **k: attempts.append(1) or real(*a, **k)
+        )
+        out = np.zeros((2, PAGE_BYTES), np.uint8)
+        assert b.get(keys(2), out) == 2 and len(attempts) == 1
+    # The server is gone (its port closed).
+    pool.disconnect()
+    attempts.clear()
+    assert b.exists(keys(2)) == 0
+    assert len(attempts) == 1, "one attempt: the client does not retry"
+    assert b.get(keys(2), out) == 0 and b.set(keys(1), pages(1)) == [False]
+    assert b.exists(keys(2)) == 0 and len(attempts) == 1, "the rest fail fast"
+    st = b.stats()
+    assert st["redis_errors"] == 1 and st["redis_fast_failed"] == 3
+    assert st["refused_unavailable"] == 1
+    now[0] += redis_backend.OUTAGE_RETRY_S + 1  # one call tries the server again
+    assert b.exists(keys(2)) == 0 and len(attempts) == 2
+    assert b.exists(keys(2)) == 0 and len(attempts) == 2, "still down: fast again"
+    with _redis_server(port=port):  # back, on the same port
+        now[0] += redis_backend.OUTAGE_RETRY_S + 1
+        assert b.set(keys(1), pages(1)) == [True], "the trial call reaches it"
+        assert b.exists(keys(1)) == 1, "served again once Redis is back"
+    b.close()
