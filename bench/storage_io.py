@@ -14,7 +14,10 @@ time / actor time, ``prefetch_vs_raw_read_one_file`` against the one-file
 read. ``files_per_GB`` counts the backend's files. By default reads come from
 the page cache (just written), which measures memory copies more than storage;
 ``--cold`` drops the cache before each read (root) so both sides read from the
-device. Each backend named in ``--backends`` is measured in the same run.
+device. Each backend named in ``--backends`` is measured in the same run, with
+plain pages and with authenticated ones (``storage.auth_key_file``: a tag per
+page written and checked): ``prefetch_auth_vs_plain`` and
+``backup_auth_vs_plain`` are the authenticated throughput over the plain one.
 
     python3 bench/storage_io.py --quick
     python3 bench/storage_io.py --backends file,segment [--cold]
@@ -62,22 +65,35 @@ def count_files(path: pathlib.Path) -> int:
 
 
 def io_throughput(
-    root: pathlib.Path, pages: int, batch: int, repeats: int, cold: bool, backend: str = "file"
+    root: pathlib.Path,
+    pages: int,
+    batch: int,
+    repeats: int,
+    cold: bool,
+    backend: str = "file",
+    auth: bool = False,
 ) -> dict:
+    where = f"{backend}-auth" if auth else backend
+    extra = []
+    if auth:  # authenticated pages: every page tagged on write, checked on read
+        secret = root / "secret"
+        secret.write_bytes(os.urandom(32))
+        extra = [f"storage.auth_key_file={secret}"]
     config = FabricConfig().with_overrides(
         [
-            f"storage.path={root / backend}",
+            f"storage.path={root / where}",
             f"storage.backend={backend}",
             "storage.max_bytes=0",
             "model.layers=8",
             "model.head_dim=64",
+            *extra,
         ]
     )
     _, page_bytes = page_geometry(config)
     data = np.random.default_rng(0).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
     actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
     ray.get(actor.ping.remote())
-    raw_dir = root / f"raw-{backend}"
+    raw_dir = root / f"raw-{where}"
     raw_dir.mkdir()
     buffer = np.zeros_like(data)  # touched before any timing: the read only fills it
 
@@ -134,7 +150,8 @@ def io_throughput(
     stored = (repeats + 1) * pages * page_bytes
     return {
         "backend": backend,
-        "files_per_GB": round(count_files(root / backend) / (stored / 1e9), 1),
+        "authenticated": auth,
+        "files_per_GB": round(count_files(root / where) / (stored / 1e9), 1),
         "raw_read_one_file_MBps": round(mb / read1_s, 1),
         "prefetch_vs_raw_read_one_file": round(read1_s / prefetch_s, 3),
         "pages": pages,
@@ -198,8 +215,21 @@ def main() -> None:
             print("cannot drop the page cache here (not root?): reads are warm", file=sys.stderr)
         batch = FabricConfig().storage.transfer_batch_pages
         io = {}
+        repeats = 3 if args.quick else 7
         for name in args.backends.split(","):
-            one = io[name] = io_throughput(root, pages, batch, 3 if args.quick else 7, cold, name)
+            one = io[name] = io_throughput(root, pages, batch, repeats, cold, name)
+            signed = io[f"{name}+auth"] = io_throughput(
+                root, pages, batch, repeats, cold, name, auth=True
+            )
+            # Authenticated pages (storage.auth_key_file) against plain ones, same run.
+            one["prefetch_auth_vs_plain"] = round(signed["prefetch_MBps"] / one["prefetch_MBps"], 3)
+            one["backup_auth_vs_plain"] = round(signed["backup_MBps"] / one["backup_MBps"], 3)
+            print(
+                f"{name} with authenticated pages: prefetch {signed['prefetch_MBps']} MB/s "
+                f"({one['prefetch_auth_vs_plain']} of plain), backup {signed['backup_MBps']} "
+                f"MB/s ({one['backup_auth_vs_plain']} of plain)",
+                file=sys.stderr,
+            )
             print(
                 f"{name}: backup {one['backup_MBps']} MB/s vs raw write {one['raw_write_MBps']} "
                 f"MB/s ({one['backup_vs_raw_write']}); prefetch {one['prefetch_MBps']} MB/s vs "

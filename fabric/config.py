@@ -392,6 +392,12 @@ class StorageConfig(_Section):
         description="the backend's options, a mapping (see fabric.l3.options)",
     )
     transfer_batch_pages: PositiveInt = 64
+    auth_key_file: str = Field(
+        "",
+        description="a file holding a secret of 16+ bytes (Ray's ~/.ray/auth_token will do): "
+        "L3 pages are written with a keyed tag and only pages with a valid one are served; "
+        "empty: no authentication",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -42,6 +42,9 @@ class L3Backend(ABC):
         # events of a router; kept only once ``track_removals`` is set.
         self.track_removals = False
         self._removed: dict[str, None] = {}
+        # Authenticated pages (``fabric.l3.auth.PageAuth``): written with a tag, and
+        # read only with a valid one; None: CRC and key binding only.
+        self.auth: Any = None
 
     def record_writer(self, provenance: Provenance, writer: str) -> None:
         """Note that ``writer`` (an engine: ``kvfabric``, ``sglang``, ``vllm``, ``hf``)
@@ -77,6 +80,10 @@ class L3Backend(ABC):
         with self._lock:
             out, self._removed = list(self._removed), {}
         return out
+
+    def authentic(self, header: dict, key: str, provenance: Provenance, payload: Any) -> bool:
+        """Whether a page read under ``key`` passes authentication (always, with none)."""
+        return self.auth is None or self.auth.verify(header, key, provenance, payload)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -140,7 +147,7 @@ class L3Backend(ABC):
         backend's) and copy its payload into ``row``; ``None`` when served, else why not."""
         if blob is None:
             return "miss"
-        payload = decode_page(blob, provenance or self.provenance, row.nbytes, key)
+        payload = decode_page(blob, provenance or self.provenance, row.nbytes, key, self.auth)
         if isinstance(payload, str):
             return payload
         row[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -157,7 +164,7 @@ class L3Backend(ABC):
             try:
                 payload = memoryview(pages[i]).cast("B")
                 check_key(key)
-                self._write(key, (encode_header(payload, prov, key), payload))
+                self._write(key, (encode_header(payload, prov, key, self.auth), payload))
                 ok.append(True)
             except OSError as exc:
                 log.warning("L3 %s: storing %s failed: %s", self.name, key, exc)

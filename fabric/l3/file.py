@@ -174,6 +174,8 @@ class FileBackend(L3Backend):
                 return "truncated"
         if header.get("sum") != checksum(row):
             return "checksum"
+        if not self.authentic(header, key, provenance, row):
+            return "auth"
         self._touch(key)
         return None
 

@@ -19,6 +19,7 @@ import hashlib
 import re
 import zlib
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import msgpack
 
@@ -87,19 +88,22 @@ def checksum(payload: bytes | memoryview) -> int:
     return _crc32(payload)
 
 
-def encode_header(payload: bytes | memoryview, provenance: Provenance, key: str) -> bytes:
+def encode_header(
+    payload: bytes | memoryview, provenance: Provenance, key: str, auth: Any = None
+) -> bytes:
     """Everything stored before ``payload`` under ``key``: ``encode_header(p) + p`` is
-    the page."""
-    header = msgpack.packb(
-        {
-            "v": FORMAT_VERSION,
-            "key": key,
-            "len": len(payload),
-            "sum": checksum(payload),
-            "prov": provenance.as_wire(),
-        },
-        use_bin_type=True,
-    )
+    the page. With ``auth`` (``fabric.l3.auth.PageAuth``), the header also
+    carries the page's tag (``nonce``, ``mac``)."""
+    fields = {
+        "v": FORMAT_VERSION,
+        "key": key,
+        "len": len(payload),
+        "sum": checksum(payload),
+        "prov": provenance.as_wire(),
+    }
+    if auth is not None:
+        fields.update(auth.sign(payload, provenance, key))
+    header = msgpack.packb(fields, use_bin_type=True)
     return MAGIC + len(header).to_bytes(4, "little") + header
 
 
@@ -139,10 +143,10 @@ def check_header(
 
 
 def decode_page(
-    blob: bytes, provenance: Provenance, payload_len: int, key: str
+    blob: bytes, provenance: Provenance, payload_len: int, key: str, auth: Any = None
 ) -> memoryview | str:
     """The payload, or the reason it is refused: ``format``, ``truncated``,
-    ``checksum``, ``provenance`` or ``key``."""
+    ``checksum``, ``provenance``, ``key`` or (with ``auth``) ``auth``."""
     view = memoryview(blob)
     n = header_length(view)
     if isinstance(n, str):
@@ -157,4 +161,6 @@ def decode_page(
         return "truncated"
     if header.get("sum") != checksum(payload):
         return "checksum"
+    if auth is not None and not auth.verify(header, key, provenance, payload):
+        return "auth"
     return payload

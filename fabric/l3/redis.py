@@ -180,7 +180,8 @@ class RedisBackend(L3Backend):
         pipe = self.client.pipeline(transaction=False)
         for i, key in enumerate(keys):
             payload = memoryview(pages[i]).cast("B")
-            pipe.set(self.prefix + check_key(key), encode_header(payload, prov, key) + payload)
+            header = encode_header(payload, prov, key, self.auth)
+            pipe.set(self.prefix + check_key(key), header + payload)
         done = self._call("set", lambda: pipe.execute(raise_on_error=False), None)
         ok = [False] * len(keys) if done is None else [r is True for r in done]
         self.count("set_pages", sum(ok))

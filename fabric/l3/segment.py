@@ -298,7 +298,7 @@ class SegmentBackend(L3Backend):
         for i, key in enumerate(keys):
             check_key(key)
             payload = memoryview(pages[i]).cast("B")
-            header = encode_header(payload, prov, key)
+            header = encode_header(payload, prov, key, self.auth)
             kb = key.encode("ascii")
             frame = _FRAME.pack(_MAGIC, len(kb), len(header) + len(payload)) + kb
             records.append((key, [frame, header, payload], len(header), len(payload)))
@@ -457,6 +457,9 @@ class SegmentBackend(L3Backend):
                 return
             if header.get("sum") != checksum(row):
                 yield "checksum"
+                return
+            if not self.authentic(header, key, provenance, row):
+                yield "auth"
                 return
             yield None
 

@@ -26,6 +26,7 @@ from fabric.cache.keys import TOKEN_BYTES, chain_hashes
 from fabric.config import FabricConfig, StorageConfig
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
+from fabric.l3.auth import PageAuth
 from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance, page_key
 from fabric.topology import Shard, Topology, kind_layers
@@ -132,6 +133,12 @@ class StorageService:
         self.window_pages = model.window_pages(config.cache.page_size)
         self.backend: L3Backend | None = None
         self.spec: tuple[str, dict[str, Any]] | None = None
+        # Authenticated pages when a secret is configured (fabric.l3.auth).
+        self.auth = (
+            PageAuth.from_file(config.storage.auth_key_file)
+            if config.storage.auth_key_file
+            else None
+        )
         self._lock = threading.Lock()
         if config.storage.enabled:
             self.attach(*backend_spec(config.storage))
@@ -156,6 +163,7 @@ class StorageService:
             )
             self.spec = spec
         self.backend.track_removals = self.config.cache.kv_events
+        self.backend.auth = self.auth
         for prov in self.shapes.values():
             self.backend.record_writer(prov, "kvfabric")
         return "attached"

@@ -245,3 +245,84 @@ def test_a_fifo_named_like_a_segment_never_stalls_the_segment_store(tmp_path, wh
     assert _finishes(lambda: store.get(keys(3), out)) == 3
     assert store.stats()["refused_not_regular"] == 1, "counted (and logged) once"
     store.close()
+
+
+def _forge_key(path, new_key: str) -> None:
+    """Rewrite a page file's header to claim ``new_key``, CRC recomputed: what
+    anyone who can write the store can do without a secret."""
+    import msgpack
+
+    from fabric.l3.format import MAGIC, PREAMBLE, header_length
+
+    blob = path.read_bytes()
+    n = header_length(blob[:PREAMBLE])
+    header = msgpack.unpackb(blob[PREAMBLE : PREAMBLE + n], raw=False)
+    header["key"] = new_key
+    packed = msgpack.packb(header, use_bin_type=True)
+    path.write_bytes(MAGIC + len(packed).to_bytes(4, "little") + packed + blob[PREAMBLE + n :])
+
+
+@pytest.mark.parametrize("backend_name", ["file", "segment"])
+def test_with_a_secret_a_forged_or_untagged_page_is_refused(tmp_path, backend_name):
+    """Without a secret, a header rewritten to claim another key (CRC recomputed)
+    is served: the store's writers are trusted. With ``storage.auth_key_file``,
+    pages carry a keyed tag: a forged page, an untagged one and one tagged with
+    another secret are all ``refused_auth`` misses; the genuine ones are served."""
+    from fabric.l3.auth import PageAuth
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    auth = PageAuth.from_file(str(secret))
+    root = tmp_path / backend_name
+    plain = make_backend(backend_name, PROV, PAGE_BYTES, {"path": str(root / "plain")})
+    signed = make_backend(backend_name, PROV, PAGE_BYTES, {"path": str(root / "signed")})
+    signed.auth = auth
+    data = pages(3)
+    out = np.zeros((3, PAGE_BYTES), np.uint8)
+    assert signed.set(keys(3), data) == [True] * 3
+    assert signed.get(keys(3), out) == 3 and np.array_equal(out, data)
+    # Untagged pages (written without the secret) are refused by a reader with it.
+    plain.set(keys(3), data)
+    plain.auth = auth
+    assert plain.get(keys(3), out) == 0 and plain.stats()["refused_auth"] == 1
+    # Another secret's tags are refused too.
+    other = PageAuth(os.urandom(32))
+    stranger = make_backend(backend_name, PROV, PAGE_BYTES, {"path": str(root / "signed")})
+    stranger.auth = other
+    assert stranger.get(keys(3), out) == 0 and stranger.stats()["refused_auth"] == 1
+    if backend_name == "file":  # the forgery: page 0's bytes claiming page 1's key
+        victim = root / "signed" / keys(2)[1][:2] / f"{keys(2)[1]}.kv"
+        source = root / "signed" / keys(1)[0][:2] / f"{keys(1)[0]}.kv"
+        victim.write_bytes(source.read_bytes())
+        _forge_key(victim, keys(2)[1])
+        reader = make_backend("file", PROV, PAGE_BYTES, {"path": str(root / "signed")})
+        assert reader.get(keys(2)[1:], out[:1]) == 1, "without a secret the forgery is served"
+        reader.auth = auth
+        assert reader.get(keys(2)[1:], out[:1]) == 0 and reader.stats()["refused_auth"] == 1
+
+
+def test_a_secret_that_cannot_be_used_is_one_line_naming_the_setting(tmp_path):
+    from fabric.l3.auth import PageAuth
+
+    with pytest.raises(ConfigError, match=r"storage.auth_key_file='.*nope' cannot be read"):
+        PageAuth.from_file(str(tmp_path / "nope"))
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="3 bytes is refused: allowed is 16 bytes or more"):
+        PageAuth.from_file(str(short))
+    cfg = config(tmp_path, f"storage.auth_key_file={short}")
+    with pytest.raises(ConfigError, match="storage.auth_key_file"):
+        StorageService(cfg)
+
+
+def test_an_authenticated_fabric_serves_its_own_l3_pages_verified(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    cfg = config(tmp_path, f"storage.auth_key_file={secret}")
+    fill_l3(cfg, TOKENS)
+    r, stats = serve_checked(cfg)
+    assert r.storage_hit_tokens == 32 and "refused_auth" not in stats
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(32))
+    r, stats = serve_checked(config(tmp_path, f"storage.auth_key_file={other}"))
+    assert r.storage_hit_tokens == 0 and stats["refused_auth"] >= 1
