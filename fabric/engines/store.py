@@ -54,6 +54,11 @@ class StoreOptions(BaseModel):
     )
     max_bytes: int = Field(1 << 30, ge=0, description="an integer >= 0 (0: no cap)")
     fsync: bool = Field(False, description="true or false")
+    auth_key_file: str = Field(
+        "",
+        description="the fabric's storage.auth_key_file when it authenticates its L3 pages "
+        "(pages are then written with its tag and read only with a valid one)",
+    )
     fabric: str = Field("", description="a running fabric's runtime.name (pages over Ray)")
     address: str = Field("auto", min_length=1, description="the Ray cluster's address")
     ray_namespace: str = Field("kvfabric", min_length=1, description="the fabric's Ray namespace")
@@ -202,6 +207,10 @@ class DirectStore(PageStore):
             1,
             {"path": options.path, "max_bytes": options.max_bytes, "fsync": options.fsync},
         )
+        if options.auth_key_file:
+            from fabric.l3.auth import PageAuth
+
+            self.backend.auth = PageAuth.from_file(options.auth_key_file, "auth_key_file")
         self.write_threads = options.write_threads
         self._writers = (
             ThreadPoolExecutor(self.write_threads, thread_name_prefix="kvfabric-l3-write")

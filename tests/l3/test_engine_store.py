@@ -154,3 +154,34 @@ def test_a_read_the_store_could_not_answer_forgets_nothing(tmp_path, monkeypatch
     assert store.load(keys, np.empty((1, ROW), dtype=np.uint8), PROV) == 0
     assert store.present(keys) == [True], "an error is no evidence the page is bad"
     assert store.stats()["errors"] == 1
+
+
+def test_an_engine_writing_to_an_authenticated_store_tags_its_pages(tmp_path):
+    """With the fabric's secret (``auth_key_file``), an engine's direct store writes
+    pages the authenticating fabric serves; without it, they are refused there."""
+    import os
+
+    import numpy as np
+
+    from fabric.engines.store import DirectStore, StoreOptions
+    from fabric.errors import ConfigError
+    from fabric.l3 import make_backend
+    from fabric.l3.auth import PageAuth
+    from tests.helpers import PAGE_BYTES, PROV, keys, pages
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    path = str(tmp_path / "l3")
+    tagged = DirectStore(StoreOptions(path=path, auth_key_file=str(secret)), "sglang")
+    untagged = DirectStore(StoreOptions(path=str(tmp_path / "l3b")), "sglang")
+    tagged.backend.set(keys(2), pages(2), PROV)
+    untagged.backend.set(keys(2), pages(2), PROV)
+    for where, served in ((path, 2), (str(tmp_path / "l3b"), 0)):
+        fabric_side = make_backend("segment", PROV, PAGE_BYTES, {"path": where})
+        fabric_side.auth = PageAuth.from_file(str(secret))
+        out = np.zeros((2, PAGE_BYTES), np.uint8)
+        assert fabric_side.get(keys(2), out) == served
+    tagged.close()
+    untagged.close()
+    with pytest.raises(ConfigError, match=r"auth_key_file=.* cannot be read"):
+        DirectStore(StoreOptions(path=path, auth_key_file=str(tmp_path / "none")), "sglang")
