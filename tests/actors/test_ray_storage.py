@@ -163,3 +163,47 @@ def test_a_restarted_storage_actor_keeps_a_backend_attached_at_runtime(ray_sessi
         assert len(list(l3.rglob("*.kv"))) == 16, "the runtime backend, not the launch config's"
     finally:
         f.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["segment", "file"])
+def test_fifos_and_device_links_in_a_live_fabric_s_l3_stall_nothing(ray_session, tmp_path, backend):
+    """Things planted in a running fabric's L3 directory — a FIFO named like a
+    segment, a page file replaced by a FIFO, a link to a device — are refused
+    misses: every request finishes, and what L3 still holds is served from it."""
+    import os
+
+    from fabric.cache.keys import TokenKey
+    from fabric.l3.format import page_key
+    from fabric.l3.service import storage_provenance
+
+    name = f"fifo-{backend}"
+    tokens = prompt(3, pages=8)
+    first = make(tmp_path, name + "-a", f"storage.backend={backend}")
+    try:
+        r = first.submit(tokens, timeout=60)
+        first.release(r.lease)
+        assert first.settle(30)
+    finally:
+        first.shutdown()
+    l3 = tmp_path / "l3"
+    os.mkfifo(l3 / "seg-planted-fifo.kvs", 0o600)
+    os.symlink("/dev/zero", l3 / "seg-planted-link.kvs")
+    if backend == "file":  # the third page's shard on rank 0-0-0 becomes a FIFO
+        cfg = small_config("storage.backend=file")
+        h = TokenKey(tokens, cfg.cache.page_size).page_hashes()[2]
+        key = page_key(h, storage_provenance(cfg).tag, "0-0-0")
+        page = l3 / key[:2] / f"{key}.kv"
+        page.unlink()
+        os.mkfifo(page, 0o600)
+    second = make(tmp_path, name + "-b", f"storage.backend={backend}")
+    try:
+        r = second.submit(tokens, timeout=60)  # would wait for ever on a FIFO
+        assert r.error is None
+        assert r.storage_hit_tokens == (8 if backend == "file" else 32), r
+        assert second.verify(r, tokens) == [True] * 4
+        second.release(r.lease)
+        other = second.submit(prompt(4, pages=4), timeout=60)
+        assert other.error is None
+        second.release(other.lease)
+    finally:
+        second.shutdown()
