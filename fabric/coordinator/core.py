@@ -379,6 +379,14 @@ class CoordinatorCore:
         self.waiting.extendleft(reversed(blocked))
         self._blocked = bool(blocked)
         if self.waiting and not self.running and not self.leases and not self.ctl.busy():
+            sessions = self.cache.sessions
+            if sessions.tier == "device" and sessions.held:
+                # Sessions are a preference, not a lock against other requests:
+                # the least recently kept lets go, and the next step tries again.
+                sessions.end(next(iter(sessions.held)))
+                self.stats.sessions_dropped_for_room += 1
+                self._blocked = False  # not idle: the next step admits again
+                return
             req = self.waiting.popleft()  # nothing will ever free room for it
             self._release_kv(req)
             self._fail(req, "no room in L1")

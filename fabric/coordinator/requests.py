@@ -116,6 +116,8 @@ class FabricStats:
     # L2 tokens a restarted coordinator took back from the ranks (``adopt``).
     adopted_tokens: int = 0
     sessions_refused: int = 0
+    # Device sessions let go because a waiting request had no other way into L1.
+    sessions_dropped_for_room: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     # Submit to result, and batch sent to reports reduced (one consensus round).
     request_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS))

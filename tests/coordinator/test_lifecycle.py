@@ -164,3 +164,28 @@ def test_a_request_may_name_its_session_when_submitted():
         f.core.submit(pack_tokens([1, 2]), session="")
     assert f.core.end_session("chat-2")
     held_nothing(f)
+
+
+def test_a_legal_prompt_is_not_refused_while_another_tenant_s_sessions_hold_l1():
+    """Sessions are a preference, not a lock against other tenants: tenant A's
+    sessions hold 24 of 96 L1 tokens; tenant B's legal 96-token prompt is served
+    once nothing else can free room, the least recently kept sessions let go."""
+    f = LocalFabric(small_config("cache.session_budget_fraction=0.25"))
+    for seed in range(3):  # three sessions of 8 tokens each
+        r = f.serve(pack_tokens(prompt(seed, pages=2)), namespace="tenant-a")
+        assert r.error is None
+        f.core.release(r.lease, f"s{seed}")
+    assert f.core.cache.sessions.held_tokens == 24
+    rid = f.core.submit(pack_tokens(prompt(9, pages=24)), "tenant-b", request_id="probe")
+    f.step()
+    assert f.core.cache.sessions.held_tokens == 16 and not f.core.idle, (
+        "one session let go, and the coordinator does not go idle on a request it can serve"
+    )
+    f.core.abort(rid)
+    f.step()
+    big = f.serve(pack_tokens(prompt(9, pages=24)), namespace="tenant-b")
+    assert big.error is None, big.error
+    assert f.verify(big, pack_tokens(prompt(9, pages=24))) == [True] * 4
+    assert f.core.cache.sessions.held_tokens < 24, "sessions let go for it"
+    f.core.release(big.lease)
+    f.core.cache.check_integrity()
