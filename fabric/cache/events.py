@@ -78,6 +78,9 @@ class EventLog:
         self.enabled = enabled
         self.page_bytes = page_bytes  # one page of packed tokens
         self.l3: dict[bytes, str] = {}
+        # Bumped by every clear or detach: what was asked of, or written to, the
+        # store before it is not announced after it.
+        self.l3_generation = 0
         self._events: list[KVEvent] = []
         if enabled:  # whatever a subscriber heard from an earlier log is gone
             self._events.append(AllBlocksCleared(""))
@@ -139,6 +142,7 @@ class EventLog:
 
     def l3_cleared(self) -> None:
         """The store was emptied or let go: every L3 page the fabric knew is gone."""
+        self.l3_generation += 1
         self.l3_removed(list(self.l3))
 
     def take(self) -> list[KVEvent]:

@@ -66,6 +66,8 @@ class PrefetchOp:
     parts: StorageParts | None = None
     # The chain hashes of the pages asked about, from the query's answer.
     page_hashes: list[bytes] = field(default_factory=list)
+    # The store's generation when asked (``EventLog.l3_generation``).
+    generation: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -90,6 +92,9 @@ class BackupOp:
     # node) and the hash of the page before it (None: the chain's start).
     tokens: bytes
     parent_hash: bytes | None
+    # The store's generation when queued (``EventLog.l3_generation``): a backup
+    # that a clear overtook is not announced (its write may have been erased).
+    generation: int = 0
 
 
 @dataclass
@@ -220,7 +225,7 @@ class L3Queues:
         parent = node.parent
         prev = parent.page_hashes[-1] if parent is not None and parent.page_hashes else None
         stored = () if parts_only else hashes
-        op = BackupOp(self.next_op_id(), node, stored, node.key, prev)
+        op = BackupOp(self.next_op_id(), node, stored, node.key, prev, self.events.l3_generation)
         node.host_ref += 1
         self.backups.append(op)
         pages = () if parts_only else node.host_value
@@ -243,6 +248,8 @@ class L3Queues:
             return  # a hybrid node's components alone
         self.stats.backed_up_tokens += tokens
         self.to_storage.observe(tokens)
+        if op.generation != self.events.l3_generation:
+            return  # a clear overtook it: the store may not hold these pages
         self.events.stored_hashes(
             op.page_hashes, Medium.STORAGE, op.node.namespace, op.parent_hash, op.tokens
         )
@@ -277,6 +284,7 @@ class L3Queues:
             asked=asked,
             started_at=self.clock(),
             reserved_tokens=requested,
+            generation=self.events.l3_generation,
         )
         if anchor is not tree.root:
             anchor.host_ref += 1
@@ -318,7 +326,8 @@ class L3Queues:
             key.keep_hashes(op.start_page, hashes)
         size = self.page_size
         pages = max(0, min(int(hit_pages), op.num_pages))
-        if hashes and pages > 0:  # the store holds these: a router may learn of them
+        if hashes and pages > 0 and op.generation == self.events.l3_generation:
+            # The store holds these (no clear since it was asked): a router may learn of them.
             self.events.stored_hashes(
                 tuple(hashes[:pages]),
                 Medium.STORAGE,

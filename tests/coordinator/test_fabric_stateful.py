@@ -343,3 +343,23 @@ def test_the_sharded_machine_verifies_a_decode_its_ranks_computed_from_the_cache
         assert rid in machine.held and VERIFIED["leases"] > verified
     finally:
         machine.teardown()
+
+
+def test_a_clear_that_overtakes_a_backup_in_flight_is_not_undone_by_its_announcement():
+    """Found by the deep machine: with copies spanning steps, a backup queued
+    before ``storage clear`` and finished after it was announced in L3 although
+    the clear may have erased its write. Backups and hit answers from before a
+    clear are not announced after it."""
+    machine = FabricMachine()
+    try:
+        machine.setup("write_through", "best_effort", storage="file", chunk=1)
+        machine.clear_or_detach_l3(detach=False)
+        machine.burst([(0, 5)])
+        machine.burst([(0, 0), (0, 0), (0, 0), (0, 3)])
+        machine.burst([(0, 0)])
+        machine.consistent()
+        machine.clear_or_detach_l3(detach=False)
+        machine.burst([(0, 0)])
+        machine.consistent()
+    finally:
+        machine.teardown()
