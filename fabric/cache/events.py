@@ -81,6 +81,11 @@ class EventLog:
         # Bumped by every clear or detach: what was asked of, or written to, the
         # store before it is not announced after it.
         self.l3_generation = 0
+        # When each page not announced was last reported gone (a tick of removals):
+        # an operation begun before that must not announce it. Pruned when no
+        # L3 operation is in flight (``forget_removals``).
+        self.removal_tick = 0
+        self._gone_at: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
         if enabled:  # whatever a subscriber heard from an earlier log is gone
             self._events.append(AllBlocksCleared(""))
@@ -103,18 +108,25 @@ class EventLog:
         namespace: str,
         parent_hash: bytes | None,
         tokens: bytes,
+        since: int = 1 << 62,
     ) -> None:
         """Pages known by their hashes (an L3 backup or hit). In L3 only the pages
         not already known there are announced, one event per run of them, each
-        after the page before it."""
+        after the page before it — and none that the store reported gone after
+        the operation began (``since``: its ``removal_tick`` then)."""
         if not self.enabled:
             return
         if medium is not Medium.STORAGE:
             self._events.append(BlockStored(tuple(hashes), medium, namespace, parent_hash, tokens))
             return
         pb, run = self.page_bytes, -1
+        gone = self._gone_at
         for i in range(len(hashes) + 1):
-            new = i < len(hashes) and hashes[i] not in self.l3
+            new = (
+                i < len(hashes)
+                and hashes[i] not in self.l3
+                and gone.get(hashes[i], -1) < since  # not reported gone since it began
+            )
             if new and run < 0:
                 run = i
             elif not new and run >= 0:
@@ -133,12 +145,19 @@ class EventLog:
         if not self.enabled:
             return
         by_ns: dict[str, list[bytes]] = {}
+        self.removal_tick += 1
         for h in hashes:
             ns = self.l3.pop(h, None)
             if ns is not None:
                 by_ns.setdefault(ns, []).append(h)
+            else:  # gone before anything announced it: an operation in flight may
+                self._gone_at[h] = self.removal_tick
         for ns, gone in by_ns.items():
             self._events.append(BlockRemoved(tuple(gone), Medium.STORAGE, ns))
+
+    def forget_removals(self) -> None:
+        """No L3 operation is in flight: no announcement can race a removal."""
+        self._gone_at.clear()
 
     def l3_cleared(self) -> None:
         """The store was emptied or let go: every L3 page the fabric knew is gone."""

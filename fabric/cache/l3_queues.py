@@ -66,8 +66,9 @@ class PrefetchOp:
     parts: StorageParts | None = None
     # The chain hashes of the pages asked about, from the query's answer.
     page_hashes: list[bytes] = field(default_factory=list)
-    # The store's generation when asked (``EventLog.l3_generation``).
+    # The store's generation and removal tick when asked (``EventLog``).
     generation: int = 0
+    removal_tick: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -95,6 +96,7 @@ class BackupOp:
     # The store's generation when queued (``EventLog.l3_generation``): a backup
     # that a clear overtook is not announced (its write may have been erased).
     generation: int = 0
+    removal_tick: int = 0  # ``EventLog.removal_tick`` when queued
 
 
 @dataclass
@@ -251,7 +253,12 @@ class L3Queues:
         if op.generation != self.events.l3_generation:
             return  # a clear overtook it: the store may not hold these pages
         self.events.stored_hashes(
-            op.page_hashes, Medium.STORAGE, op.node.namespace, op.parent_hash, op.tokens
+            op.page_hashes,
+            Medium.STORAGE,
+            op.node.namespace,
+            op.parent_hash,
+            op.tokens,
+            op.removal_tick,
         )
 
     # -- prefetch --------------------------------------------------------------------
@@ -285,6 +292,7 @@ class L3Queues:
             started_at=self.clock(),
             reserved_tokens=requested,
             generation=self.events.l3_generation,
+            removal_tick=self.events.removal_tick,
         )
         if anchor is not tree.root:
             anchor.host_ref += 1
@@ -334,6 +342,7 @@ class L3Queues:
                 key.namespace,
                 op.prev_hash if op.start_page else None,
                 op.asked[: pages * self.tree.page_bytes],
+                op.removal_tick,
             )
         # A hybrid prefix serves only at the end the query found: all or nothing.
         whole = self.tree.parts is not None

@@ -877,6 +877,8 @@ class CoordinatorCore:
         """The store reports these pages gone (evicted, deleted by another process):
         ``BlockRemoved`` from L3 for those the fabric had announced."""
         self.cache.events.l3_removed(page_hashes)
+        if self.l3.idle:  # nothing in flight can announce a page reported gone
+            self.cache.events.forget_removals()
         self.events.extend(self.cache.take_events())
 
     def l3_cleared(self) -> None:

@@ -363,3 +363,22 @@ def test_a_clear_that_overtakes_a_backup_in_flight_is_not_undone_by_its_announce
         machine.consistent()
     finally:
         machine.teardown()
+
+
+def test_a_page_the_store_evicted_before_its_backup_was_acknowledged_is_not_announced():
+    """Found by the deep machine: a small L3 evicted a page between its write and
+    the backup's acknowledgement; the removal came first, so the announcement that
+    followed put a page the store no longer held into a router's view."""
+    machine = FabricMachine()
+    try:
+        machine.setup(
+            "write_through", "best_effort", storage="file", chunk=2, hybrid="[full, mamba]"
+        )
+        machine.burst([(1, 0), (0, 26), (1, 0)])
+        machine.consistent()
+        machine.burst([(0, 2)])
+        machine.consistent()
+        machine.burst([(0, 0)])
+        machine.consistent()
+    finally:
+        machine.teardown()
