@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from actors.compiled_rounds import CompiledRounds
-from actors.ray_metrics import CoordinatorMetrics
+from actors.ray_metrics import CoordinatorMetrics, node_ip
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -587,7 +587,7 @@ class CoordinatorActor:
         node). The moving figures are in Ray's metrics and `kvfabric status`."""
         config = getattr(self, "config", None)
         name = config.runtime.name if config is not None else "?"
-        return f"kvfabric coordinator of {name}, node {_node_ip()}"
+        return f"kvfabric coordinator of {name}, node {node_ip()}"
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -601,10 +601,3 @@ class CoordinatorActor:
             future = self.futures.pop(result.request_id, None)
             if future is not None and not future.done():
                 future.set_result(result)
-
-
-def _node_ip() -> str:
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return "?"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import ray
 
-from actors.ray_metrics import RankMetrics
+from actors.ray_metrics import RankMetrics, node_ip
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.mesh import poll
@@ -162,7 +162,7 @@ class RankActor:
             return "kvfabric rank (starting)"
         return (
             f"kvfabric rank {worker.shard.rank} of {self.config.runtime.name} on "
-            f"{worker.device}, node {_node_ip()}"
+            f"{worker.device}, node {node_ip()}"
         )
 
     def ping(self) -> None:
@@ -254,10 +254,3 @@ class RankActor:
     def shutdown(self) -> None:
         self._stop.set()
         self.worker.close()
-
-
-def _node_ip() -> str:
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return "?"

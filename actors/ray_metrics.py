@@ -126,3 +126,13 @@ class RankMetrics:
         self.transfer.update({(d,): moved_bytes[d] for d in DIRECTIONS})
         for direction, took in seconds:
             self.seconds.observe(took, tags={"direction": direction})
+
+
+def node_ip() -> str:
+    """This actor's node address, for its repr ("?" outside a Ray worker)."""
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "?"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from actors.ray_metrics import node_ip
 from fabric.config import FabricConfig
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService
@@ -152,7 +153,7 @@ class StorageActor:
         node). The moving figures are in Ray's metrics and `kvfabric status`."""
         config = getattr(self, "config", None)
         name = config.runtime.name if config is not None else "?"
-        return f"kvfabric storage of {name}, node {_node_ip()}"
+        return f"kvfabric storage of {name}, node {node_ip()}"
 
     def set_faults(self, delay_s: float = 0.0, hold: bool = False, l3: str | None = None) -> None:
         """Chaos hook: delay every page batch, hold every one until released (or
@@ -186,10 +187,3 @@ class StorageActor:
 
     def ping(self) -> None:
         """A no-op, for liveness checks."""
-
-
-def _node_ip() -> str:
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return "?"
