@@ -138,6 +138,9 @@ class CacheConfig(_Section):
     session_tier: str = _one_of(SESSION_TIERS, "device")
     session_budget_fraction: Fraction = 0.25
     session_ttl_s: PositiveFloat = 300.0
+    # One tenant (namespace) holds at most this share of the pin budget and of the
+    # session budget, so one tenant cannot take either whole.
+    tenant_share: Fraction = 0.5
     # Hybrid models (``model.layer_kinds``): L1 pools of the non-base components.
     sliding_tokens: NonNegativeInt = Field(
         0,

@@ -91,11 +91,13 @@ class HiCache:
             self.next_op_id,
             self.stats.transfer_sizes,
         )
+        pin_budget = int(config.pin_budget_fraction * config.host_tokens)
         self.pins = Pins(
             self.tree,
-            int(config.pin_budget_fraction * config.host_tokens),
+            pin_budget,
             clock,
             self.write_backup,
+            int(config.tenant_share * pin_budget),
         )
         self.sessions = Sessions.from_config(
             config, self.tree, clock, self.write_backup, self.dec_lock_ref

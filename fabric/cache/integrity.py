@@ -48,6 +48,7 @@ def check_integrity(cache: CacheState) -> None:
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
     pinned = 0
+    pinned_by: Counter[str] = Counter()
     write_through = not cache.write_policy.write_back
 
     for node in [root, *nodes]:
@@ -98,6 +99,7 @@ def check_integrity(cache: CacheState) -> None:
                 v.append(f"{node}: in L2 but its parent is not (L2 not prefix-closed)")
         if node.pinned:
             pinned += tree.tokens(node)
+            pinned_by[node.namespace] += tree.tokens(node)
         if node.device_value is not None and not node.lock_ref and not node.device_children:
             device_leaves.add(node)
         if node.device_value is None and not node.children:
@@ -118,6 +120,10 @@ def check_integrity(cache: CacheState) -> None:
             v.append(f"{name} leaves without a heap entry: {queue.members - queue.queued()}")
     if cache.pinned_size != pinned:
         v.append(f"pinned_size={cache.pinned_size}, recomputed {pinned}")
+    if cache.pins.by_tenant != dict(pinned_by):
+        v.append(f"pinned per tenant {cache.pins.by_tenant}, recomputed {dict(pinned_by)}")
+    if any(n > cache.pins.tenant_budget for n in pinned_by.values()):
+        v.append(f"a tenant pins more than {cache.pins.tenant_budget}: {dict(pinned_by)}")
 
     device_owner.update(cache.leased)
     for op in cache.pending_writes:
@@ -136,6 +142,21 @@ def check_integrity(cache: CacheState) -> None:
         if pop.anchor is not root and (pop.anchor not in live or pop.anchor.host_ref <= 0):
             v.append(f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected")
 
+    session_tokens: Counter[str] = Counter()
+    for held in cache.sessions.held.values():
+        session_tokens[held.node.namespace] += held.tokens
+    if cache.sessions.by_tenant != dict(session_tokens):
+        v.append(
+            f"session tokens per tenant {cache.sessions.by_tenant}, recomputed {dict(session_tokens)}"
+        )
+    if sum(session_tokens.values()) != cache.sessions.held_tokens:
+        v.append(
+            f"session tokens {cache.sessions.held_tokens}, recomputed {sum(session_tokens.values())}"
+        )
+    if any(n > cache.sessions.tenant_budget for n in session_tokens.values()):
+        v.append(
+            f"a tenant's sessions hold more than {cache.sessions.tenant_budget}: {dict(session_tokens)}"
+        )
     for sid, held in cache.sessions.held.items():
         device_tier = cache.sessions.tier == "device"
         if held.node not in live or (device_tier and held.node.lock_ref <= 0):

@@ -1,8 +1,9 @@
 """Pins: prefixes kept in L2 until a TTL passes (refreshed by hits), within a
-budget — a share of L2. A pinned node holds one host protection; nodes not yet in
-L2 are written through when pinned. A pin whose TTL passed gives its budget back
-at the next ``expire`` (each coordinator step, and before any new pin), without
-waiting for an eviction to reach its node."""
+budget — a share of L2 — of which one tenant (namespace) holds at most
+``tenant_budget``, so one tenant cannot take it all. A pinned node holds one host
+protection; nodes not yet in L2 are written through when pinned. A pin whose TTL
+passed gives its budget back at the next ``expire`` (each coordinator step, and
+before any new pin), without waiting for an eviction to reach its node."""
 
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ class Pins:
         budget: int,
         clock: Callable[[], float],
         write_backup: Callable[[TreeNode], int],
+        tenant_budget: int | None = None,
     ) -> None:
         self.tree = tree
         self.budget = budget
+        self.tenant_budget = budget if tenant_budget is None else min(tenant_budget, budget)
         self.clock = clock
         self.write_backup = write_backup
         self.reset()
 
     def reset(self) -> None:
         self.pinned_size = 0
+        self.by_tenant: dict[str, int] = {}  # pinned tokens per namespace
         # Nodes pinned here (a split's upper half inherits its child's pin: found
         # from the child), and the earliest expiry among them: ``expire`` does
         # nothing before it.
@@ -81,8 +85,16 @@ class Pins:
                         f"pin budget exhausted ({self.pinned_size}/{self.budget} tokens pinned)"
                     )
                     break
+                held = self.by_tenant.get(node.namespace, 0)
+                if held + tokens > self.tenant_budget:
+                    reason = (
+                        f"tenant {node.namespace!r} pin budget exhausted ({held}/"
+                        f"{self.tenant_budget} tokens pinned; cache.tenant_share)"
+                    )
+                    break
                 node.host_ref += 1
                 self.pinned_size += tokens
+                self.by_tenant[node.namespace] = held + tokens
                 if node.host_value is None:
                     self.write_backup(node)
             node.pin_expiry = max(node.pin_expiry, now + ttl_s)
@@ -109,7 +121,13 @@ class Pins:
 
     def clear(self, node: TreeNode) -> None:
         """Unpin ``node`` (its TTL passed, or it is being deleted)."""
-        self.pinned_size -= self.tree.tokens(node)
+        tokens = self.tree.tokens(node)
+        self.pinned_size -= tokens
+        left = self.by_tenant[node.namespace] - tokens
+        if left:
+            self.by_tenant[node.namespace] = left
+        else:
+            del self.by_tenant[node.namespace]
         node.host_ref -= 1
         node.pin_expiry = node.pin_ttl = 0.0
         self.nodes.discard(node)

@@ -6,9 +6,10 @@ finds it in place. ``tier="device"`` keeps the lock: the prefix stays in L1.
 ``tier="host"`` trades it for a host protection on that node (written to L2
 first if it is not there), so the prefix may leave L1 but stays in L2: an L2
 node with a child is never an L2 eviction candidate, so protecting the last node
-keeps the path. All sessions together hold at most ``budget`` tokens (the least
-recently kept go first); each is dropped when its TTL passes without a new turn
-or when it ends.
+keeps the path. All sessions together hold at most ``budget`` tokens, one
+tenant's (namespace's) at most ``tenant_budget`` (the least recently kept go
+first: the tenant's own when its share is full); each is dropped when its TTL
+passes without a new turn or when it ends.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Sessions:
         clock: Callable[[], float],
         write_backup: Callable[[TreeNode], int],
         unlock: Callable[[TreeNode], None] | None = None,
+        tenant_budget: int | None = None,
     ) -> None:
         if tier not in SESSION_TIERS:
             raise InvalidInput(
@@ -49,6 +51,7 @@ class Sessions:
             )
         self.tree = tree
         self.budget = budget
+        self.tenant_budget = budget if tenant_budget is None else min(tenant_budget, budget)
         self.ttl_s = ttl_s
         self.tier = tier
         self.clock = clock
@@ -71,13 +74,21 @@ class Sessions:
         tier_tokens = config.device_tokens if device else config.host_tokens
         budget = int(config.session_budget_fraction * tier_tokens)
         return cls(
-            tree, budget, config.session_ttl_s, config.session_tier, clock, write_backup, unlock
+            tree,
+            budget,
+            config.session_ttl_s,
+            config.session_tier,
+            clock,
+            write_backup,
+            unlock,
+            int(config.tenant_share * budget),
         )
 
     def reset(self) -> None:
         """Forget every session (the tree they pointed into is gone)."""
         self.held: OrderedDict[str, Held] = OrderedDict()
         self.held_tokens = 0
+        self.by_tenant: dict[str, int] = {}  # tokens held per namespace
 
     def keep(self, session_id: str, node: TreeNode) -> str | None:
         """The session now holds ``node``, taking over one lock on it that the caller
@@ -88,9 +99,18 @@ class Sessions:
         self.end(session_id)
         if node is self.tree.root:
             return "no whole page to keep"
-        if tokens > self.budget:
+        tenant = node.namespace
+        if tokens > self.tenant_budget:
             self.unlock(node)
-            return f"a session of {tokens} tokens exceeds the session budget of {self.budget}"
+            if tokens > self.budget:
+                return f"a session of {tokens} tokens exceeds the session budget of {self.budget}"
+            return (
+                f"a session of {tokens} tokens exceeds tenant {tenant!r}'s session budget of "
+                f"{self.tenant_budget} (cache.tenant_share)"
+            )
+        while self.by_tenant.get(tenant, 0) + tokens > self.tenant_budget:
+            # The tenant's own least recently kept, not another tenant's.
+            self.end(next(s for s, h in self.held.items() if h.node.namespace == tenant))
         while self.held_tokens + tokens > self.budget:
             self.end(next(iter(self.held)))  # the least recently kept
         if self.tier == "host":
@@ -100,6 +120,7 @@ class Sessions:
             self.unlock(node)
         self.held[session_id] = Held(node, tokens, self.clock() + self.ttl_s)
         self.held_tokens += tokens
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + tokens
         return None
 
     def end(self, session_id: str) -> bool:
@@ -108,6 +129,11 @@ class Sessions:
         if held is None:
             return False
         self.held_tokens -= held.tokens
+        left = self.by_tenant[held.node.namespace] - held.tokens
+        if left:
+            self.by_tenant[held.node.namespace] = left
+        else:
+            del self.by_tenant[held.node.namespace]
         if self.tier == "host":
             held.node.host_ref -= 1
         else:

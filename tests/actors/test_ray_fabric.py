@@ -42,6 +42,7 @@ def fabric():
             "events.endpoint=tcp://127.0.0.1:*",
             "events.replay_endpoint=tcp://127.0.0.1:*",
             f"runtime.metrics_port={METRICS_PORT}",
+            "cache.tenant_share=1",  # one tenant: it may hold the whole pin and session budgets
         )
     )
     try:

@@ -10,6 +10,7 @@ from tests.helpers import P, make_cache, toks
 
 
 def lifecycle(clock, tier="device", fraction=0.5, ttl=10.0, **options):
+    options.setdefault("tenant_share", 1.0)  # one tenant may take a whole budget here
     cache = make_cache(
         device_pages=8,
         host_pages=16,
@@ -126,6 +127,51 @@ def test_an_expired_pin_gives_its_budget_back_without_an_eviction(clock):
     clock.advance(6)
     a.expire()  # each step: expired pins go even when nobody pins again
     assert c.pinned_size == 0
+    c.check_integrity()
+
+
+def test_one_tenant_pins_at_most_its_share_and_the_others_still_pin(clock):
+    """Tenant A asks to pin more than ``cache.tenant_share`` of the pin budget:
+    it gets its share, and tenant B's pin fits in what is left."""
+    c, a = lifecycle(clock, pin_budget_fraction=0.5, tenant_share=0.5)  # 8 pages, 4 a tenant
+    turn(a, toks(1, 2, 3, 4, 5))
+    theirs = a.begin(pack_tokens(toks(7, 8)), namespace="tenant-b")
+    assert a.prefill(theirs, 2 * P) is not None
+    a.finish(theirs)
+    a.pin(c.key(toks(1, 2)), 60)
+    mine = a.pin(c.key(toks(1, 2, 3, 4, 5)), 60)
+    assert mine.pinned_tokens == 2 * P, "the rest of the path would pass A's share"
+    assert "tenant 'default' pin budget exhausted (8/16" in mine.reason
+    assert c.pins.by_tenant == {"default": 2 * P}
+    a.pin(c.key(toks(1, 2, 3, 4)), 60)
+    assert c.pins.by_tenant == {"default": 4 * P} and c.pinned_size == 4 * P
+    b = a.pin(c.key(toks(7, 8), "tenant-b"), 60)
+    assert b.pinned_tokens == 2 * P and b.reason is None, "B is not refused for A's pins"
+    assert c.pins.by_tenant == {"default": 4 * P, "tenant-b": 2 * P}
+    c.check_integrity()
+    assert a.unpin(c.key(toks(1, 2, 3, 4))) == 4 * P
+    assert c.pins.by_tenant == {"tenant-b": 2 * P}
+    c.check_integrity()
+
+
+def test_one_tenant_s_sessions_push_out_its_own_not_another_tenant_s(clock):
+    """Sessions of one tenant past its share end its own least recently kept
+    session; another tenant's session stays."""
+    c, a = lifecycle(clock, tier="host", fraction=0.5, tenant_share=0.5)  # 8 pages, 4 a tenant
+    first = a.begin(pack_tokens(toks(7, 8)), namespace="tenant-b")
+    assert a.prefill(first, 2 * P) is not None
+    assert a.finish(first, "b1") is None
+    assert turn(a, toks(1, 2), session="a1")[1] is None
+    assert turn(a, toks(3, 4), session="a2")[1] is None
+    assert c.sessions.by_tenant == {"tenant-b": 2 * P, "default": 4 * P}
+    assert turn(a, toks(5), session="a3")[1] is None
+    assert list(c.sessions.held) == ["b1", "a2", "a3"], "A's own oldest went, not B's"
+    assert c.sessions.by_tenant == {"tenant-b": 2 * P, "default": 3 * P}
+    c.check_integrity()
+    c.complete_writes(len(c.pending_writes))
+    req, why = turn(a, toks(1, 2, 3, 4, 5), session="a4")
+    assert "exceeds tenant 'default''s session budget of 16" in why
+    assert list(c.sessions.held) == ["b1", "a2", "a3"] and not req.node.lock_ref
     c.check_integrity()
 
 

@@ -170,7 +170,7 @@ def test_a_legal_prompt_is_not_refused_while_another_tenant_s_sessions_hold_l1()
     """Sessions are a preference, not a lock against other tenants: tenant A's
     sessions hold 24 of 96 L1 tokens; tenant B's legal 96-token prompt is served
     once nothing else can free room, the least recently kept sessions let go."""
-    f = LocalFabric(small_config("cache.session_budget_fraction=0.25"))
+    f = LocalFabric(small_config("cache.session_budget_fraction=0.25", "cache.tenant_share=1"))
     for seed in range(3):  # three sessions of 8 tokens each
         r = f.serve(pack_tokens(prompt(seed, pages=2)), namespace="tenant-a")
         assert r.error is None
