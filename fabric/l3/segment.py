@@ -27,8 +27,9 @@ directory: each appends to its own segments and picks up the others' on a miss
 
 Files and directories are owner-only (``file_mode``/``dir_mode``) and opened
 without following links. With ``max_bytes``, whole segments go, least recently
-used first (a read refreshes its segment), and segments are cut at most an
-eighth of ``max_bytes`` so that an eviction frees a small share.
+used first (a read refreshes its segment), and segments are cut at an eighth of
+``max_bytes`` (or ``segment_bytes`` if smaller) so that an eviction frees a small
+share and what is on disk stays within the cap.
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ class SegmentBackend(L3Backend):
         self.dir_mode = int(options.dir_mode, 8)
         limit = options.segment_bytes
         if self.max_bytes:
-            limit = min(limit, max(self.max_bytes // 8, 1 << 20))
+            # An eviction frees an eighth of the cap, never more: a cap smaller
+            # than a segment would otherwise empty the store at each eviction,
+            # or (a segment in use) be passed.
+            limit = min(limit, max(self.max_bytes // 8, 1))
         self.segment_bytes = limit
         self.writer = uuid.uuid4().hex[:16]
         self._seq = 0

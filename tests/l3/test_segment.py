@@ -195,7 +195,7 @@ def test_a_failed_append_stores_nothing_and_leaves_whole_records(tmp_path, monke
 
 def test_the_size_cap_drops_whole_segments_least_recently_used_first(tmp_path):
     root = tmp_path / "l3"
-    b = backend(root, max_bytes=4 << 20)  # segments of 1 MiB: an eighth, but at least 1 MiB
+    b = backend(root, max_bytes=8 << 20)  # segments of 1 MiB: an eighth of the cap
     assert b.segment_bytes == 1 << 20
     batch, i = 100, 0
     while i * batch < 60_000 and b.stats().get("evicted_segments", 0) < 4:
@@ -204,11 +204,30 @@ def test_the_size_cap_drops_whole_segments_least_recently_used_first(tmp_path):
         i += 1
     usage = b.stats()
     assert usage["evicted_segments"] == 4, "what it takes to write twice the cap"
-    assert usage["bytes"] <= 4 << 20 and usage["files"] == len(segments(root)) <= 5
+    assert usage["bytes"] <= 8 << 20 and usage["files"] == len(segments(root)) <= 9
     assert usage["evicted_pages"] > 0 and usage["pages"] < i * batch
     assert b.exists(keys(1)) == 1, "read all along: kept"
     second = next(k for k in range(i * batch) if b.exists(keys(1, start=k)) == 0)
     assert second > 0, "the segment after page 0's, never read: gone"
+
+
+def test_a_cap_smaller_than_a_segment_holds_on_disk_and_keeps_the_newest_pages(tmp_path):
+    """``max_bytes`` of 20,000 bytes: what is on disk never passes it, and an
+    eviction drops the oldest eighth, not the whole store."""
+    root = tmp_path / "l3"
+    b = backend(root, max_bytes=20_000)
+    assert b.segment_bytes == 2_500
+    for i in range(40):
+        assert b.set(keys(2, start=2 * i), pages(2, seed=i)) == [True, True]
+        on_disk = sum(f.stat().st_size for f in segments(root))
+        assert on_disk <= 20_000 and b.stats()["bytes"] == on_disk
+        n, out = read(b, keys(2, start=2 * i))
+        assert n == 2 and np.array_equal(out, pages(2, seed=i)), "the newest pages stay"
+    usage = b.stats()
+    assert usage["evicted_segments"] > 0
+    assert usage["bytes"] > 20_000 * 5 // 8, "an eviction took a segment, not the store"
+    again = backend(root, max_bytes=20_000)
+    assert again.stats()["pages"] == usage["pages"], "what is left rebuilds"
 
 
 def test_segments_are_owner_only_and_a_linked_segment_is_not_followed(tmp_path):
