@@ -17,7 +17,10 @@ the page cache (just written), which measures memory copies more than storage;
 device. Each backend named in ``--backends`` is measured in the same run, with
 plain pages and with authenticated ones (``storage.auth_key_file``: a tag per
 page written and checked): ``prefetch_auth_vs_plain`` and
-``backup_auth_vs_plain`` are the authenticated throughput over the plain one.
+``backup_auth_vs_plain`` are the authenticated throughput over the plain one
+(rounds of the two alternate, each ratio the median over pairs of rounds);
+``store_prefetch_auth_vs_plain`` and ``store_backup_auth_vs_plain`` the same for
+the backend alone, without Ray's round trips and their noise.
 
     python3 bench/storage_io.py --quick
     python3 bench/storage_io.py --backends file,segment [--cold]
@@ -44,6 +47,9 @@ from actors.factory import remote
 from actors.storage_actor import StorageActor
 from fabric.client import launch
 from fabric.config import FabricConfig
+from fabric.l3 import make_backend
+from fabric.l3.auth import PageAuth
+from fabric.l3.format import Provenance
 from fabric.l3.service import page_geometry
 from fabric.process_exit import finish
 from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
@@ -64,42 +70,48 @@ def count_files(path: pathlib.Path) -> int:
     return sum(1 for p in path.rglob("*") if p.is_file())
 
 
-def io_throughput(
-    root: pathlib.Path,
-    pages: int,
-    batch: int,
-    repeats: int,
-    cold: bool,
-    backend: str = "file",
-    auth: bool = False,
-) -> dict:
-    where = f"{backend}-auth" if auth else backend
-    extra = []
-    if auth:  # authenticated pages: every page tagged on write, checked on read
-        secret = root / "secret"
-        secret.write_bytes(os.urandom(32))
-        extra = [f"storage.auth_key_file={secret}"]
-    config = FabricConfig().with_overrides(
-        [
-            f"storage.path={root / where}",
-            f"storage.backend={backend}",
-            "storage.max_bytes=0",
-            "model.layers=8",
-            "model.head_dim=64",
-            *extra,
-        ]
-    )
-    _, page_bytes = page_geometry(config)
-    data = np.random.default_rng(0).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
-    actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
-    ray.get(actor.ping.remote())
-    raw_dir = root / f"raw-{where}"
-    raw_dir.mkdir()
-    buffer = np.zeros_like(data)  # touched before any timing: the read only fills it
+class Side:
+    """One storage actor over one backend, plain or authenticated, and the raw
+    baselines in the same directory."""
 
-    # Every round stores new pages under new names, as a backup does (a page's key
-    # is new until it is stored), and reads back what it just wrote.
-    def one_round(r: int) -> dict[str, float]:
+    def __init__(
+        self, root: pathlib.Path, pages: int, batch: int, cold: bool, backend: str, auth: bool
+    ) -> None:
+        self.where = f"{backend}-auth" if auth else backend
+        self.root, self.pages, self.batch, self.cold = root, pages, batch, cold
+        self.backend, self.auth = backend, auth
+        extra = []
+        if auth:  # authenticated pages: every page tagged on write, checked on read
+            secret = root / "secret"
+            secret.write_bytes(os.urandom(32))
+            extra = [f"storage.auth_key_file={secret}"]
+        config = FabricConfig().with_overrides(
+            [
+                f"storage.path={root / self.where}",
+                f"storage.backend={backend}",
+                "storage.max_bytes=0",
+                "model.layers=8",
+                "model.head_dim=64",
+                *extra,
+            ]
+        )
+        _, self.page_bytes = page_geometry(config)
+        self.data = np.random.default_rng(0).integers(
+            0, 256, size=(pages, self.page_bytes), dtype=np.uint8
+        )
+        self.actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
+        ray.get(self.actor.ping.remote())
+        self.raw_dir = root / f"raw-{self.where}"
+        self.raw_dir.mkdir()
+        self.buffer = np.zeros_like(self.data)  # touched before any timing: reads only fill it
+        self.rounds: list[dict[str, float]] = []
+        self.stored = 0
+
+    def one_round(self, r: int, raw: bool) -> dict[str, float]:
+        """Store new pages under new names, as a backup does (a page's key is new
+        until it is stored), and read back what was just written; with ``raw``, the
+        same bytes through plain files too."""
+        pages, batch, data, actor = self.pages, self.batch, self.data, self.actor
         hashes = [os.urandom(32) for _ in range(pages)]
         took = {}
         t0 = time.perf_counter()
@@ -109,18 +121,26 @@ def io_throughput(
         ]
         assert all(ray.get(calls))
         took["backup"] = time.perf_counter() - t0
-        if cold:
+        self.stored += pages * self.page_bytes
+        if self.cold:
             drop_page_cache()
         t0 = time.perf_counter()
         calls = [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
         assert sum(len(g) for g in ray.get(calls)) == pages
         took["prefetch"] = time.perf_counter() - t0
+        if raw:
+            took.update(self.raw_round(r))
+        return took
+
+    def raw_round(self, r: int) -> dict[str, float]:
+        took = {}
+        raw_dir, data, pages = self.raw_dir, self.data, self.pages
         t0 = time.perf_counter()
         for i in range(pages):
             with open(raw_dir / f"{r}-{i}.bin", "wb") as f:
                 f.write(data[i].tobytes())
         took["write"] = time.perf_counter() - t0
-        if cold:
+        if self.cold:
             drop_page_cache()
         t0 = time.perf_counter()
         for i in range(pages):
@@ -131,38 +151,111 @@ def io_throughput(
         with open(raw_dir / f"{r}.all", "wb") as f:
             f.write(memoryview(data).cast("B"))
         took["write_one_file"] = time.perf_counter() - t0
-        if cold:
+        if self.cold:
             drop_page_cache()
         t0 = time.perf_counter()
         with open(raw_dir / f"{r}.all", "rb", buffering=0) as f:
-            f.readinto(memoryview(buffer).cast("B"))
+            f.readinto(memoryview(self.buffer).cast("B"))
         took["read_one_file"] = time.perf_counter() - t0
         return took
 
-    one_round(-1)  # warm-up
-    rounds = [one_round(r) for r in range(repeats)]
-    backup_s, write_s, prefetch_s, read_s, read1_s = (
-        statistics.median(t[k] for t in rounds)
-        for k in ("backup", "write", "prefetch", "read", "read_one_file")
-    )
-    ray.kill(actor)
-    mb = pages * page_bytes / 1e6
-    stored = (repeats + 1) * pages * page_bytes
+    def report(self) -> dict:
+        ray.kill(self.actor)
+        rounds = self.rounds
+        backup_s, prefetch_s = (
+            statistics.median(t[k] for t in rounds) for k in ("backup", "prefetch")
+        )
+        mb = self.pages * self.page_bytes / 1e6
+        out = {
+            "backend": self.backend,
+            "authenticated": self.auth,
+            "files_per_GB": round(count_files(self.root / self.where) / (self.stored / 1e9), 1),
+            "pages": self.pages,
+            "page_bytes": self.page_bytes,
+            "backup_MBps": round(mb / backup_s, 1),
+            "prefetch_MBps": round(mb / prefetch_s, 1),
+            "reads_from": "device (page cache dropped)" if self.cold else "page cache",
+        }
+        raw = [t for t in rounds if "read" in t]
+        if raw:
+            write_s, read_s, read1_s = (
+                statistics.median(t[k] for t in raw) for k in ("write", "read", "read_one_file")
+            )
+            out |= {
+                "raw_read_one_file_MBps": round(mb / read1_s, 1),
+                "prefetch_vs_raw_read_one_file": round(read1_s / prefetch_s, 3),
+                "raw_write_MBps": round(mb / write_s, 1),
+                "raw_read_MBps": round(mb / read_s, 1),
+                "backup_vs_raw_write": round(write_s / backup_s, 3),
+                "prefetch_vs_raw_read": round(read_s / prefetch_s, 3),
+            }
+        return out
+
+
+def io_throughput(
+    root: pathlib.Path, pages: int, batch: int, repeats: int, cold: bool, backend: str
+) -> tuple[dict, dict]:
+    """The backend with plain pages (and the raw baselines) and with authenticated
+    ones, their rounds alternating so that both see the same machine; the auth
+    ratios are the median of each pair's ratio."""
+    plain = Side(root, pages, batch, cold, backend, auth=False)
+    signed = Side(root, pages, batch, cold, backend, auth=True)
+    plain.one_round(-1, raw=True)  # warm-up
+    signed.one_round(-1, raw=False)
+    # Twice the rounds for the pairs: two identical plain actors differ by up to
+    # ±30% a round here; the raw baselines run in the first ``repeats`` only.
+    for r in range(2 * repeats + 1):
+        first, second = (plain, signed) if r % 2 == 0 else (signed, plain)
+        for side in (first, second):
+            side.rounds.append(side.one_round(r, raw=side is plain and r < repeats))
+    ratios = {
+        f"{kind}_auth_vs_plain": round(
+            statistics.median(
+                p[kind] / s[kind] for p, s in zip(plain.rounds, signed.rounds, strict=True)
+            ),
+            3,
+        )
+        for kind in ("prefetch", "backup")
+    }
+    return plain.report() | ratios, signed.report()
+
+
+def store_auth_cost(
+    root: pathlib.Path, backend: str, pages: int, page_bytes: int, repeats: int
+) -> dict[str, float]:
+    """What authentication costs the store itself: the backend (as the storage
+    actor builds it) writing and reading the same pages plain and authenticated,
+    rounds alternating, no Ray in between — on 2 cores the actor round trips
+    vary by ±30% between two identical plain actors, which hides a cost this size.
+    Ratios are authenticated throughput over plain, the median over pairs."""
+    provenance = Provenance("bench", "layer_first", "float16", (1,), 16)
+    data = np.random.default_rng(1).integers(0, 256, size=(pages, page_bytes), dtype=np.uint8)
+    out = np.zeros_like(data)
+    stores = {}
+    for auth in (False, True):
+        where = root / f"store-{backend}-{'auth' if auth else 'plain'}"
+        stores[auth] = make_backend(backend, provenance, page_bytes, {"path": str(where)})
+        if auth:
+            stores[auth].auth = PageAuth(os.urandom(32))
+    took: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for r in range(repeats + 1):
+        for auth in (False, True) if r % 2 == 0 else (True, False):
+            b = stores[auth]
+            keys = [f"{os.urandom(32).hex()}.{provenance.tag}.0-0-0" for _ in range(pages)]
+            t0 = time.perf_counter()
+            for i in range(0, pages, 64):
+                assert all(b.set(keys[i : i + 64], data[i : i + 64]))
+            t1 = time.perf_counter()
+            for i in range(0, pages, 64):
+                assert b.get(keys[i : i + 64], out[i : i + 64]) == len(keys[i : i + 64])
+            if r:  # the first round warms up
+                took[auth].append((t1 - t0, time.perf_counter() - t1))
+    for b in stores.values():
+        b.close()
+    pairs = list(zip(took[False], took[True], strict=True))
     return {
-        "backend": backend,
-        "authenticated": auth,
-        "files_per_GB": round(count_files(root / where) / (stored / 1e9), 1),
-        "raw_read_one_file_MBps": round(mb / read1_s, 1),
-        "prefetch_vs_raw_read_one_file": round(read1_s / prefetch_s, 3),
-        "pages": pages,
-        "page_bytes": page_bytes,
-        "backup_MBps": round(mb / backup_s, 1),
-        "prefetch_MBps": round(mb / prefetch_s, 1),
-        "raw_write_MBps": round(mb / write_s, 1),
-        "raw_read_MBps": round(mb / read_s, 1),
-        "backup_vs_raw_write": round(write_s / backup_s, 3),
-        "prefetch_vs_raw_read": round(read_s / prefetch_s, 3),
-        "reads_from": "device (page cache dropped)" if cold else "page cache",
+        "store_backup_auth_vs_plain": round(statistics.median(p[0] / a[0] for p, a in pairs), 3),
+        "store_prefetch_auth_vs_plain": round(statistics.median(p[1] / a[1] for p, a in pairs), 3),
     }
 
 
@@ -217,13 +310,10 @@ def main() -> None:
         io = {}
         repeats = 3 if args.quick else 7
         for name in args.backends.split(","):
-            one = io[name] = io_throughput(root, pages, batch, repeats, cold, name)
-            signed = io[f"{name}+auth"] = io_throughput(
-                root, pages, batch, repeats, cold, name, auth=True
-            )
             # Authenticated pages (storage.auth_key_file) against plain ones, same run.
-            one["prefetch_auth_vs_plain"] = round(signed["prefetch_MBps"] / one["prefetch_MBps"], 3)
-            one["backup_auth_vs_plain"] = round(signed["backup_MBps"] / one["backup_MBps"], 3)
+            one, signed = io_throughput(root, pages, batch, repeats, cold, name)
+            io[name], io[f"{name}+auth"] = one, signed
+            one |= store_auth_cost(root, name, min(pages, 1024), one["page_bytes"], 2 * repeats + 1)
             print(
                 f"{name} with authenticated pages: prefetch {signed['prefetch_MBps']} MB/s "
                 f"({one['prefetch_auth_vs_plain']} of plain), backup {signed['backup_MBps']} "

@@ -81,10 +81,6 @@ class L3Backend(ABC):
             out, self._removed = list(self._removed), {}
         return out
 
-    def authentic(self, header: dict, key: str, provenance: Provenance, payload: Any) -> bool:
-        """Whether a page read under ``key`` passes authentication (always, with none)."""
-        return self.auth is None or self.auth.verify(header, key, provenance, payload)
-
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n

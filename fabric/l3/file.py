@@ -33,7 +33,7 @@ import numpy as np
 
 from fabric.errors import ConfigError
 from fabric.l3.backend import L3Backend
-from fabric.l3.format import PREAMBLE, Provenance, check_header, checksum, header_length
+from fabric.l3.format import PREAMBLE, Provenance, check_header, check_payload, header_length
 from fabric.l3.manifest import Manifest
 from fabric.l3.options import FileOptions
 from fabric.l3.safe_open import open_regular
@@ -172,10 +172,9 @@ class FileBackend(L3Backend):
                 return header
             if f.readinto(memoryview(row).cast("B")) != row.nbytes or f.read(1):
                 return "truncated"
-        if header.get("sum") != checksum(row):
-            return "checksum"
-        if not self.authentic(header, key, provenance, row):
-            return "auth"
+        refused = check_payload(header, row, provenance, key, self.auth)
+        if refused is not None:
+            return refused
         self._touch(key)
         return None
 

@@ -159,8 +159,19 @@ def decode_page(
     payload = view[PREAMBLE + n :]
     if len(payload) != payload_len:
         return "truncated"
-    if header.get("sum") != checksum(payload):
-        return "checksum"
-    if auth is not None and not auth.verify(header, key, provenance, payload):
-        return "auth"
-    return payload
+    refused = check_payload(header, payload, provenance, key, auth)
+    return payload if refused is None else refused
+
+
+def check_payload(
+    header: dict, payload: Any, provenance: Provenance, key: str, auth: Any = None
+) -> str | None:
+    """``None`` when ``payload`` is the page ``header`` describes, else why not:
+    ``checksum`` or (with ``auth``) ``auth``. With ``auth`` the tag already checks
+    every payload byte, so the checksum is computed only to name a refusal (a
+    corrupt page, not a forged one)."""
+    if auth is None:
+        return None if header.get("sum") == checksum(payload) else "checksum"
+    if auth.verify(header, key, provenance, payload):
+        return None
+    return "checksum" if header.get("sum") != checksum(payload) else "auth"

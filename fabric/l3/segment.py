@@ -56,7 +56,7 @@ from fabric.l3.format import (
     Provenance,
     check_header,
     check_key,
-    checksum,
+    check_payload,
     encode_header,
     header_length,
 )
@@ -459,11 +459,9 @@ class SegmentBackend(L3Backend):
             if isinstance(header, str):
                 yield header
                 return
-            if header.get("sum") != checksum(row):
-                yield "checksum"
-                return
-            if not self.authentic(header, key, provenance, row):
-                yield "auth"
+            refused = check_payload(header, row, provenance, key, self.auth)
+            if refused is not None:
+                yield refused
                 return
             yield None
 

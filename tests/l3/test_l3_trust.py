@@ -281,6 +281,22 @@ def test_with_a_secret_a_forged_or_untagged_page_is_refused(tmp_path, backend_na
     out = np.zeros((3, PAGE_BYTES), np.uint8)
     assert signed.set(keys(3), data) == [True] * 3
     assert signed.get(keys(3), out) == 3 and np.array_equal(out, data)
+    # A flipped payload byte is corruption, counted as such (the tag is checked
+    # first; the checksum names why it failed).
+    last = (
+        next((root / "signed").glob("seg-*.kvs"))
+        if backend_name == "segment"
+        else root / "signed" / keys(3)[2][:2] / f"{keys(3)[2]}.kv"
+    )
+    blob = bytearray(last.read_bytes())
+    blob[-1] ^= 1
+    last.write_bytes(bytes(blob))
+    damaged = make_backend(backend_name, PROV, PAGE_BYTES, {"path": str(root / "signed")})
+    damaged.auth = auth
+    assert damaged.get(keys(3), out) == 2 and damaged.stats()["refused_checksum"] == 1
+    assert "refused_auth" not in damaged.stats()
+    blob[-1] ^= 1
+    last.write_bytes(bytes(blob))
     # Untagged pages (written without the secret) are refused by a reader with it.
     plain.set(keys(3), data)
     plain.auth = auth
