@@ -449,8 +449,10 @@ def chaos(
     """Inject seeded faults into a fabric under load and prove nothing was lost.
 
     Exits 1 on any loss (a wrong page served, a leaked slot or lease, a stuck
-    request, an integrity error) or when it never served again; the last line
-    is the report as one JSON object."""
+    request, an integrity error, a fault not injected or not recovered from, an
+    L3 page the audit refused, too many unverifiable leases or failed requests)
+    or when it never served again, and 3 when the harness itself broke (no
+    verdict); the last line is the report as one JSON object."""
     from fabric.chaos import ChaosOptions, run_chaos, summary
 
     kinds = FAULTS if faults == "all" else tuple(k.strip() for k in faults.split(",") if k.strip())
@@ -473,6 +475,15 @@ def chaos(
     os.dup2(2, 1)
     try:
         report = run_chaos(opts, progress=lambda line: click.echo(line, err=True))
+    except (FabricError, OSError):
+        raise  # a setting or the machine: one line, exit 2
+    except Exception as exc:  # the harness broke: no verdict either way
+        click.echo(
+            f"kvfabric chaos: the harness failed, no verdict: {type(exc).__name__}: "
+            f"{str(exc)[:300]}",
+            err=True,
+        )
+        raise SystemExit(3) from None
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

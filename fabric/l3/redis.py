@@ -202,17 +202,27 @@ class RedisBackend(L3Backend):
     def _exists(self, key: str) -> bool:
         return bool(self._call("exists", lambda: self.client.exists(self.prefix + key), 0))
 
-    def _clear(self) -> None:
+    def _own_names(self) -> Iterator[bytes]:
+        """The Redis names of this prefix's pages (SCAN: the server is never blocked)."""
         pattern = _GLOB.sub(r"\\\1", self.prefix) + "*"
-        batch: list[bytes] = []
         for name in self.client.scan_iter(match=pattern, count=1000):
             if self._own.fullmatch(name.decode("utf-8", "replace")):
-                batch.append(name)
+                yield name
+
+    def _clear(self) -> None:
+        batch: list[bytes] = []
+        for name in self._own_names():
+            batch.append(name)
             if len(batch) >= 1000:
                 self.client.delete(*batch)
                 batch = []
         if batch:
             self.client.delete(*batch)
+
+    def page_keys(self) -> list[str]:
+        """Every page key under this prefix, for audits (a SCAN over the prefix)."""
+        skip = len(self.prefix)
+        return [name.decode("ascii")[skip:] for name in self._own_names()]
 
     def _usage(self) -> dict[str, Any]:
         return {"server": self.where, "prefix": self.prefix}

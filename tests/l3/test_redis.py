@@ -155,6 +155,18 @@ def test_clear_removes_only_its_own_keys(redis_port):
     assert mine.client.get("a-unrelated") == b"keep me"
 
 
+def test_page_keys_lists_its_own_pages_for_audits(redis_port):
+    mine, longer = backend(redis_port, "pk"), backend(redis_port, "pkx")
+    mine.set(keys(3), pages(3))
+    longer.set(keys(5), pages(5))
+    mine.client.set("pk-not-a-page", b"x")
+    assert sorted(mine.page_keys()) == sorted(keys(3))
+    assert len(longer.page_keys()) == 5
+    mine.clear()
+    longer.clear()
+    assert mine.page_keys() == []
+
+
 def test_wrong_password_and_down_server_are_config_errors_naming_host_and_port():
     with _redis_server("--requirepass", "s3cret") as port:
         with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: authentication failed"):
