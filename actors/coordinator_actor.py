@@ -277,6 +277,7 @@ class CoordinatorActor:
             "pinned_tokens": f["pinned_tokens"],
             "rounds": f["rounds"],
             "resets": f["resets"],
+            "events_queue": {"queued": f["events_queued"], "dropped": f["events_dropped"]},
             "l3": l3,
             "kv_events": self.publisher.stats() if self.publisher is not None else None,
         }

@@ -738,6 +738,12 @@ def _status_text(st: dict[str, Any], dashboard: str) -> str:
         f"now waiting {now['waiting']}, prefetching {now['prefetching']}, running {now['running']}; "
         f"{st['leases']} leases, {st['sessions']} sessions, {st['pinned_tokens']} pinned tokens"
     )
+    queue = st.get("events_queue")
+    if queue and queue["dropped"]:
+        lines.append(
+            f"  KV events: {queue['queued']:,} queued, {queue['dropped']:,} DROPPED (the queue "
+            "was full: nobody takes them; see take_events or events.endpoint)"
+        )
     l3 = st["l3"]
     if l3.get("attached"):
         lines.append(

@@ -228,6 +228,20 @@ METRICS: tuple[Spec, ...] = (
         _one("leases_reclaimed"),
     ),
     Spec(
+        "kvfabric_events_dropped",
+        "counter",
+        "KV events dropped from a full queue that nobody took them from.",
+        (),
+        _one("events_dropped"),
+    ),
+    Spec(
+        "kvfabric_events_queued",
+        "gauge",
+        "KV events queued for take_events (or the publisher).",
+        (),
+        _one("events_queued"),
+    ),
+    Spec(
         "kvfabric_adopted_tokens",
         "counter",
         "L2 tokens a restarted coordinator took back from what every rank still held.",

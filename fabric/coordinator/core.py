@@ -339,7 +339,7 @@ class CoordinatorCore:
         except Exception as exc:
             failed = self.recover(exc)
             self._failed.extend(failed)  # delivered with the next round
-        self.events.extend(self.cache.take_events())
+        self._queue_events()
         max_bytes = self.config.runtime.max_message_bytes
         world = self.topology.world_size
         room = (max_bytes - self.ctl.command_budget - batch_header_bound(world, 0, 0)) // 9
@@ -560,7 +560,7 @@ class CoordinatorCore:
             self._blocked = False  # finished work may have unlocked pages: admit again
         self.cache.apply(done)
         self._forget |= rnd.prefetch_reported - set(self.l3.by_op)
-        self.events.extend(self.cache.take_events())
+        self._queue_events()
         if done.failed_computes or done.failed_loads:
             # Those pages may hold anything on some rank: drop L1/L2, retry.
             what = "compute" if done.failed_computes else "load"
@@ -626,6 +626,23 @@ class CoordinatorCore:
         self.events.clear()
         return events
 
+    def _queue_events(self) -> None:
+        """Queue the cache's new KV events for ``take_events``; past the queue's cap
+        the oldest go, counted (``events_dropped``) and said once."""
+        new = self.cache.take_events()
+        if not new:
+            return
+        over = len(self.events) + len(new) - (self.events.maxlen or 0)
+        if over > 0:
+            if not self.stats.events_dropped:
+                log.warning(
+                    "KV events: the queue of %d is full and nobody takes them (take_events, "
+                    "or events.endpoint); the oldest are dropped, counted in events_dropped",
+                    self.events.maxlen,
+                )
+            self.stats.events_dropped += over
+        self.events.extend(new)
+
     def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list[KVEvent]:
         """Drain up to ``limit`` of the oldest KV events (``BlockStored``,
         ``BlockRemoved``, ``AllBlocksCleared``) — of one ``namespace`` only when
@@ -687,7 +704,7 @@ class CoordinatorCore:
         self.stats.resets += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.cache.reset()
-        self.events.extend(self.cache.take_events())
+        self._queue_events()
         self.epoch += 1
         self._blocked = False
         self.leases.clear()
@@ -762,6 +779,8 @@ class CoordinatorCore:
             "leases_expired": s.leases_expired,
             "leases_reclaimed": s.leases_reclaimed,
             "adopted_tokens": s.adopted_tokens,
+            "events_queued": len(self.events),
+            "events_dropped": s.events_dropped,
             "core_time_s": s.core_time_s,
             "storage_errors": s.storage_errors,
             "storage_restores": s.storage_restores,
@@ -823,6 +842,8 @@ class CoordinatorCore:
             "leases_expired": s.leases_expired,
             "leases_reclaimed": s.leases_reclaimed,
             "adopted_tokens": s.adopted_tokens,
+            "events_queued": len(self.events),
+            "events_dropped": s.events_dropped,
             "sessions_refused": s.sessions_refused,
             "core_seconds": s.core_time_s,
             "prefetch_started": l3.stats.prefetch_started,
@@ -879,12 +900,12 @@ class CoordinatorCore:
         self.cache.events.l3_removed(page_hashes)
         if self.l3.idle:  # nothing in flight can announce a page reported gone
             self.cache.events.forget_removals()
-        self.events.extend(self.cache.take_events())
+        self._queue_events()
 
     def l3_cleared(self) -> None:
         """The store was cleared or detached: every L3 page announced is gone."""
         self.cache.events.l3_cleared()
-        self.events.extend(self.cache.take_events())
+        self._queue_events()
 
     def storage_drained(self) -> bool:
         return self.l3.idle

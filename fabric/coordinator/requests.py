@@ -118,6 +118,8 @@ class FabricStats:
     sessions_refused: int = 0
     # Device sessions let go because a waiting request had no other way into L1.
     sessions_dropped_for_room: int = 0
+    # KV events dropped from a full queue nobody took them from.
+    events_dropped: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     # Submit to result, and batch sent to reports reduced (one consensus round).
     request_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS))

@@ -291,6 +291,21 @@ def test_kv_events_name_their_namespace_and_a_consumer_can_take_only_its_own():
         f.core.take_events(namespace="\udcff")
 
 
+def test_kv_events_nobody_takes_are_dropped_oldest_first_and_counted(caplog):
+    f = LocalFabric(small_config("runtime.max_pending_requests=2"))  # a queue of 32
+    assert f.core.events.maxlen == 32
+    with caplog.at_level("WARNING", logger="fabric.coordinator.core"):
+        for seed in range(40):
+            f.core.release(f.serve(pack_tokens(prompt(seed, pages=3))).lease)
+        f.settle()
+    stats = f.core.snapshot()
+    assert stats["events_queued"] == 32 and stats["events_dropped"] > 0
+    assert f.core.figures()["events_dropped"] == stats["events_dropped"]
+    assert sum("nobody takes them" in r.message for r in caplog.records) == 1, "said once"
+    assert len(f.core.take_events(limit=100)) == 32
+    assert f.core.snapshot()["events_queued"] == 0
+
+
 def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():
     config = small_config()
     f = LocalFabric(config)
