@@ -63,6 +63,7 @@ class CoordinatorActor:
         self.core = CoordinatorCore(self.config)
         ns = self.config.runtime.ray_namespace
         self.rank_names = list(rank_names)
+        self._replied: dict[int, float] = {}  # this round's reply times, by rank
         self.ranks = [ray.get_actor(name, namespace=ns) for name in rank_names]
         # Ranks whose actor died for good: looked up again by name before each
         # step (an operator or the chaos harness may have made a new one).
@@ -278,6 +279,7 @@ class CoordinatorActor:
             "rounds": f["rounds"],
             "resets": f["resets"],
             "events_queue": {"queued": f["events_queued"], "dropped": f["events_dropped"]},
+            "stragglers": f["stragglers"],
             "l3": l3,
             "kv_events": self.publisher.stats() if self.publisher is not None else None,
         }
@@ -443,15 +445,18 @@ class CoordinatorActor:
         queries = self.core.take_queries()
         self.core.stats.core_time_s += time.perf_counter() - started
         hits_call = self.storage.query.remote(queries) if queries else None
+        sent = time.perf_counter()
         calls, pending = await self._round(data)
         hits = await self._hits(hits_call, queries)
         reports, missing = self._reports(calls, pending)
+        self._reply_times(calls, pending, sent)
         started = time.perf_counter()
         if missing:
             self._deliver(self.core.on_missing(missing))
             await asyncio.sleep(0.05)
         else:
             self._deliver(self.core.on_round(reports, hits))
+            self._restart_stragglers()
         if self.publisher is not None:
             self.publisher.publish(self.core.drain_events())
         if self.ray_metrics is not None:
@@ -473,10 +478,38 @@ class CoordinatorActor:
                     call.set_result(reply)
                 return calls, set()
         calls = [asyncio.ensure_future(_await(rank.step.remote(data))) for rank in self.ranks]
+        self._replied = replied = {}
+        for index, call in enumerate(calls):  # when each reply came (stragglers)
+            call.add_done_callback(lambda _, i=index: replied.setdefault(i, time.perf_counter()))
         _, pending = await asyncio.wait(calls, timeout=timeout)
         for call in pending:
             call.cancel()
         return calls, pending
+
+    def _reply_times(
+        self, calls: list[asyncio.Future], pending: set[asyncio.Future], sent: float
+    ) -> None:
+        """Hand the core each rank's reply time (a compiled round has none per rank)."""
+        replied, self._replied = self._replied, {}
+        self.core.rank_latencies(
+            [
+                replied[i] - sent if i in replied and call not in pending else None
+                for i, call in enumerate(calls)
+            ]
+        )
+
+    def _restart_stragglers(self) -> None:
+        """Stragglers the policy treats as failed (``runtime.straggler_policy=restart``):
+        their actors restart; the next round finds them new, and the epoch resets as
+        for a rank that died."""
+        for index in self.core.stragglers.take_restart():
+            log.warning(
+                "rank %s: a straggler, restarted (runtime.straggler_policy=restart)",
+                self.rank_names[index],
+            )
+            self.core.stragglers.forget(index)
+            with contextlib.suppress(Exception):
+                ray.kill(self.ranks[index], no_restart=False)  # Ray starts it anew
 
     async def _find_new_ranks(self) -> None:
         """Take the handle of a new actor made under a dead rank's name."""

@@ -738,6 +738,11 @@ def _status_text(st: dict[str, Any], dashboard: str) -> str:
         f"now waiting {now['waiting']}, prefetching {now['prefetching']}, running {now['running']}; "
         f"{st['leases']} leases, {st['sessions']} sessions, {st['pinned_tokens']} pinned tokens"
     )
+    for rank, slow in (st.get("stragglers") or {}).items():
+        lines.append(
+            f"  STRAGGLER rank {rank}: finishes {slow['latency_s']:.3f} s after the first rank, "
+            f"the others {slow['others_s']:.3f} s"
+        )
     queue = st.get("events_queue")
     if queue and queue["dropped"]:
         lines.append(

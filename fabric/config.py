@@ -23,6 +23,8 @@ from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
 
 # Where a session keeps its conversation between turns: L1 (a lock) or L2.
 SESSION_TIERS = ("device", "host")
+# What a straggling rank gets: named only, or treated as failed (restarted).
+STRAGGLER_POLICIES = ("report", "restart")
 
 
 def _allowed(description: str, **constraints: Any) -> Any:
@@ -353,6 +355,13 @@ class RuntimeConfig(_Section):
     # then poll their channels on a core each, busy or idle. Off by default.
     compiled_rounds: bool = Field(False, description="true or false")
     rank_absent_timeout_s: PositiveFloat = 60.0
+    # Stragglers (fabric.coordinator.stragglers): a rank slow in a round replies
+    # later than the others' median by more than straggler_lag_s and more than
+    # straggler_factor times it; straggler_rounds such rounds in a row name it.
+    straggler_lag_s: PositiveFloat = 0.25
+    straggler_factor: Annotated[float, _allowed("a number >= 1", ge=1, allow_inf_nan=False)] = 4.0
+    straggler_rounds: PositiveInt = 3
+    straggler_policy: str = _one_of(STRAGGLER_POLICIES, "report")
     max_request_retries: NonNegativeInt = 3
     lease_ttl_s: PositiveFloat = 300.0
     max_message_bytes: Annotated[int, _allowed("an integer >= 4096", ge=4096)] = 64 << 20

@@ -325,6 +325,28 @@ METRICS: tuple[Spec, ...] = (
         lambda f: [((r,), float(up)) for r, up in f["ranks"].items()],
     ),
     Spec(
+        "kvfabric_rank_lag_seconds",
+        "histogram",
+        "How long after the first rank a rank finished the commands it reported done "
+        "in a round (or replied to it, if later), by rank: a straggler's stand apart.",
+        ("rank",),
+        lambda f: [((r,), h) for r, h in f["rank_lag_seconds"].items()],
+    ),
+    Spec(
+        "kvfabric_rank_straggling",
+        "gauge",
+        "1 while a rank is named a straggler (runtime.straggler_*), else 0.",
+        ("rank",),
+        lambda f: [((r,), float(r in f["stragglers"])) for r in f["rank_lag_seconds"]],
+    ),
+    Spec(
+        "kvfabric_stragglers_named",
+        "counter",
+        "Times a rank was named a straggler.",
+        (),
+        _one("stragglers_named"),
+    ),
+    Spec(
         "kvfabric_l3_pages",
         "gauge",
         "Page shards in L3 (as its backend counts them; 0 where it cannot say cheaply).",

@@ -40,6 +40,7 @@ from fabric.config import FabricConfig
 from fabric.coordinator.commands import Answer, FabricController, Query
 from fabric.coordinator.consensus import Consensus, Round
 from fabric.coordinator.requests import FabricStats, HeldLease, Lease, RequestResult, ServingRequest
+from fabric.coordinator.stragglers import Progress, Straggler, Stragglers
 from fabric.errors import InvalidInput
 from fabric.messages import Batch, MambaPart, Report, SlidingPart, batch_header_bound
 from fabric.topology import Topology
@@ -81,6 +82,18 @@ class CoordinatorCore:
         self._ids = itertools.count(1)
         # KV events for a KV-aware router, oldest dropped past the bound.
         self.events: deque[KVEvent] = deque(maxlen=config.runtime.max_pending_requests * 16)
+        rt = config.runtime
+        self.stragglers = Stragglers(
+            [str(r) for r in self.topology.ranks],
+            rt.straggler_lag_s,
+            rt.straggler_factor,
+            rt.straggler_rounds,
+            rt.straggler_policy,
+            clock,
+            self._straggler_named,
+        )
+        self.progress = Progress(self.topology.world_size)
+        self._reply_s: list[float | None] | None = None
 
     # -- client calls ------------------------------------------------------------------
 
@@ -507,6 +520,7 @@ class CoordinatorCore:
                 return self.reset(f"rank(s) {self._names(rnd.restarted)} restarted")
             if not rnd.usable:
                 return self._take_failed()
+            self._watch_progress(reports)
             return self._commit(rnd, storage_hits or {})
         except Exception as exc:
             return self.recover(exc)
@@ -625,6 +639,42 @@ class CoordinatorCore:
         events = list(self.events)
         self.events.clear()
         return events
+
+    def rank_latencies(self, latencies: Sequence[float | None]) -> None:
+        """How long each rank took to reply to this round (``None``: not measured),
+        from the shell, before ``on_round``: a rank's lag in the round is the larger
+        of that and how late it finished its commands (``Progress``)."""
+        self._reply_s = list(latencies)
+
+    def _watch_progress(self, reports: Sequence[Report]) -> None:
+        totals = [
+            r.computes_done + r.writes_done + r.loads_done + r.backups_done
+            for r in sorted(reports, key=lambda r: r.rank)
+        ]
+        lags = self.progress.lags(totals, self.epoch, self.clock())
+        reply, self._reply_s = self._reply_s or [None] * len(lags), None
+        slow_reply = self.config.runtime.straggler_lag_s
+        # A round counts for a rank when it finished something (how late, or how
+        # slowly it replied if that was later), or when its reply alone was slow:
+        # the many rounds in which a rank only waits say nothing either way.
+        self.stragglers.observe(
+            [
+                max(lag, reply_s or 0.0)
+                if lag is not None
+                else (reply_s if reply_s is not None and reply_s > slow_reply else None)
+                for lag, reply_s in zip(lags, reply, strict=True)
+            ]
+        )
+
+    def _straggler_named(self, rank: str, s: Straggler) -> None:
+        log.warning(
+            "rank %s is a straggler: it finishes its commands %.3f s after the first rank, "
+            "the others %.3f s (runtime.straggler_policy=%s)",
+            rank,
+            s.latency_s,
+            s.others_s,
+            self.config.runtime.straggler_policy,
+        )
 
     def _queue_events(self) -> None:
         """Queue the cache's new KV events for ``take_events``; past the queue's cap
@@ -781,6 +831,8 @@ class CoordinatorCore:
             "adopted_tokens": s.adopted_tokens,
             "events_queued": len(self.events),
             "events_dropped": s.events_dropped,
+            "stragglers": self.stragglers.status(),
+            "stragglers_named": self.stragglers.named,
             "core_time_s": s.core_time_s,
             "storage_errors": s.storage_errors,
             "storage_restores": s.storage_restores,
@@ -844,6 +896,11 @@ class CoordinatorCore:
             "adopted_tokens": s.adopted_tokens,
             "events_queued": len(self.events),
             "events_dropped": s.events_dropped,
+            "stragglers": self.stragglers.status(),
+            "stragglers_named": self.stragglers.named,
+            "rank_lag_seconds": dict(
+                zip(self.stragglers.names, self.stragglers.seconds, strict=True)
+            ),
             "sessions_refused": s.sessions_refused,
             "core_seconds": s.core_time_s,
             "prefetch_started": l3.stats.prefetch_started,
