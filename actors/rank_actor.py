@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -100,6 +101,7 @@ class RankActor:
         self.metrics = RankMetrics(self.config.runtime.name, str(self.worker.shard.rank))
         self._bad_report: bytes | None = None
         self._duplicate = False
+        self._reply_delay_s = 0.0
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, args=(run,), name=name, daemon=True)
@@ -136,6 +138,8 @@ class RankActor:
         self.worker.accept(message)
         if self._duplicate:  # chaos: the same message delivered twice
             self.worker.accept(message)
+        if self._reply_delay_s:
+            time.sleep(self._reply_delay_s)
         if self._bad_report is not None:
             return self._bad_report
         return encode(self.worker.report())
@@ -224,10 +228,13 @@ class RankActor:
         fail_computes: bool = False,
         bad_report: bytes | None = None,
         duplicate: bool = False,
+        reply_delay_s: float = 0.0,
     ) -> None:
         """Chaos hook: delay every command and L3 batch, fail every write or compute,
-        answer every step with ``bad_report`` instead of a report, or take every
-        step's message twice (``duplicate``)."""
+        answer every step with ``bad_report`` instead of a report, take every
+        step's message twice (``duplicate``), or answer every step
+        ``reply_delay_s`` late."""
+        self._reply_delay_s = reply_delay_s
         self.worker.faults.delay_s = delay_s
         self.worker.faults.fail_writes = fail_writes
         self.worker.faults.fail_computes = fail_computes

@@ -26,7 +26,15 @@ time, at random moments drawn from the seed, from ``FAULTS``:
   ranks come back on it; local clusters only);
 - ``l3_read_only``, ``l3_full``: L3 refuses every write for a while;
 - ``duplicate_messages``, ``delayed_messages``: a rank takes every step's
-  message twice, or runs every command late, for a while;
+  message twice, or replies to every round later than ``runtime.rank_timeout_s``
+  (so it counts as absent), for a while;
+- ``slow_rank``: a rank runs every command 0.6 s late for a while — alive,
+  answering, a straggler (the report says whether it was named);
+- ``l3_latency``: every L3 batch a second late, for a while;
+- ``storage_sigkill``: the storage actor's process SIGKILLed at whatever it was
+  doing (Ray restarts it);
+- ``overlapping``: two of the faults above at once (``OVERLAPPABLE``), on the
+  same rank where both take one;
 - ``client_exit``: a driver process submits a prompt and exits holding its
   lease (the coordinator must reclaim it).
 
@@ -71,6 +79,9 @@ from fabric.topology import Topology
 
 log = logging.getLogger(__name__)
 
+# The clients' prompts go to these namespaces (tenants).
+NAMESPACES = ("default", "tenant-a", "tenant-b")
+
 # Coordinator counters the report sums over every coordinator of the run.
 COUNTED = (
     "resets",
@@ -95,7 +106,22 @@ FAULTS = (
     "l3_full",
     "duplicate_messages",
     "delayed_messages",
+    "slow_rank",
+    "l3_latency",
+    "storage_sigkill",
+    "overlapping",
     "client_exit",
+)
+# Faults ``overlapping`` injects two of at once (on the same rank when both take one).
+OVERLAPPABLE = (
+    "rank_kill",
+    "rank_sigstop",
+    "storage_kill",
+    "l3_full",
+    "duplicate_messages",
+    "delayed_messages",
+    "slow_rank",
+    "l3_latency",
 )
 
 
@@ -163,6 +189,7 @@ class Tally:
     verified: int = 0
     unverifiable: int = 0
     latencies: list[float] = field(default_factory=list)
+    load: Counter[str] = field(default_factory=Counter)  # what the clients did
 
 
 def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
@@ -186,6 +213,7 @@ def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
             "model.kv_heads=2",
             "model.head_dim=8",
             "prefetch.threshold_tokens=4",
+            "cache.chunk_tokens=8",  # longer prompts are placed in chunks of two pages
             f"storage.path={l3_path}",
             *opts.overrides,
         ]
@@ -279,6 +307,9 @@ class Chaos:
     # -- the workload --------------------------------------------------------------
 
     def client(self, seed: int) -> None:
+        """Prompts in several namespaces, some continued by decoding (``append``),
+        some kept by a session between turns, some pinned or unpinned after: every
+        lease served, a prompt's or a decode step's, verified on every rank."""
         rng = random.Random(seed)
         fabric, tally = self.fabric, self.tally
         assert self.config is not None
@@ -287,15 +318,20 @@ class Chaos:
         vocab = None if model.filler == "synthetic" else model.vocab_size
         while not self.stop.is_set():
             tokens = prompt(rng, ps, vocab)
+            namespace = rng.choice(NAMESPACES)
+            session = (
+                f"chat-{seed}-{rng.randrange(4)}" if rng.random() < 0.25 else None
+            )  # settle ends them
             started, submitted = time.monotonic(), self.now()
             try:
-                r = fabric.submit(tokens, timeout=self.opts.request_timeout_s)
+                r = fabric.submit(
+                    tokens,
+                    namespace=namespace,
+                    timeout=self.opts.request_timeout_s,
+                    session=session,
+                )
             except Exception as exc:  # the coordinator restarting, a timeout
-                name = type(exc).__name__
-                if not type(exc).__module__.startswith("ray"):  # ours: say what it was
-                    name += f": {_reason(str(exc))}"
-                with tally.lock:
-                    tally.failed[name] += 1
+                self.failed("", exc)
                 time.sleep(0.2)
                 continue
             if r.error is not None:
@@ -307,8 +343,58 @@ class Chaos:
             with tally.lock:
                 tally.spans.append((submitted, self.now()))
                 tally.latencies.append(time.monotonic() - started)
+                tally.load["submit"] += 1
+                tally.load["namespace " + namespace] += 1
+            lease = r.lease
+            if rng.random() < 0.3:
+                lease, tokens = self.decode(r, tokens, rng, vocab)
             with contextlib.suppress(Exception):
-                fabric.release(r.lease)
+                fabric.release(lease, session=session)
+                if session is not None:
+                    with tally.lock:
+                        tally.load["session kept"] += 1
+            draw = rng.random()
+            with contextlib.suppress(Exception):
+                if draw < 0.05:
+                    fabric.pin(tokens, ttl_s=5.0, namespace=namespace)
+                    with tally.lock:
+                        tally.load["pin"] += 1
+                elif draw < 0.08:
+                    fabric.unpin(tokens, namespace=namespace)
+                    with tally.lock:
+                        tally.load["unpin"] += 1
+
+    def decode(
+        self, r: Any, tokens: list[int], rng: random.Random, vocab: int | None
+    ) -> tuple[Any, list[int]]:
+        """Decode a few tokens onto a served lease, verifying each step's lease;
+        returns the lease to release and the tokens it covers."""
+        assert self.config is not None
+        lease = r.lease
+        for _ in range(rng.randint(1, 2 * self.config.cache.page_size)):
+            token = rng.randrange(vocab or 100_000)
+            try:
+                step = self.fabric.append(lease, [token], timeout=self.opts.request_timeout_s)
+            except Exception as exc:
+                self.failed("append: ", exc)
+                break
+            if step.error is not None:  # a reset fails a decode in flight
+                with self.tally.lock:
+                    self.tally.failed["append: " + _reason(step.error)] += 1
+                break
+            tokens = [*tokens, token]
+            self.check(step, tokens)
+            lease = step.lease
+            with self.tally.lock:
+                self.tally.load["append"] += 1
+        return lease, tokens
+
+    def failed(self, prefix: str, exc: Exception) -> None:
+        name = type(exc).__name__
+        if not type(exc).__module__.startswith("ray"):  # ours: say what it was
+            name += f": {_reason(str(exc))}"
+        with self.tally.lock:
+            self.tally.failed[prefix + name] += 1
 
     def check(self, r: Any, tokens: list[int]) -> None:
         """Verify a served lease on every rank: a rank that says no holds wrong pages
@@ -374,17 +460,22 @@ class Chaos:
                     return
             self.stop.wait(0.1)
 
-    def inject(self, fault: Fault) -> None:
+    def inject(self, fault: Fault, index: int | None = None) -> None:
         import ray
 
         from actors.factory import recreate_rank
 
         fabric, rng, hold = self.fabric, self.rng, self.opts.fault_hold_s
         deployment = fabric._deployment
-        index = rng.randrange(len(deployment.ranks))
+        if index is None:
+            index = rng.randrange(len(deployment.ranks))
         rank = deployment.ranks[index]
         kind = fault.kind
-        fault.target = f"rank {index}" if kind.startswith(("rank", "dup", "del")) else ""
+        if kind == "overlapping":
+            self.overlap(fault, index)
+            return
+        on_rank = kind.startswith(("rank", "dup", "del", "slow"))
+        fault.target = f"rank {index}" if on_rank else ""
         if kind == "rank_kill":
             ray.kill(rank, no_restart=False)
             fault.ended = self.now()
@@ -439,11 +530,59 @@ class Chaos:
             ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
             self.stop.wait(hold)
             ray.get(deployment.storage.set_faults.remote(), timeout=10)
+        elif kind == "storage_sigkill":  # the process, at whatever it was doing
+            pid, node = ray.get(deployment.storage.where.remote(), timeout=10)
+            if not self._local(node):
+                raise RuntimeError("signals need the storage actor on this machine")
+            os.kill(pid, signal.SIGKILL)
+            fault.ended = self.now()
+        elif kind == "l3_latency":  # every L3 batch a second late, for a while
+            ray.get(deployment.storage.set_faults.remote(delay_s=1.0), timeout=10)
+            self.stop.wait(hold)
+            ray.get(deployment.storage.set_faults.remote(), timeout=10)
+        elif kind == "slow_rank":  # every command late: a straggler, alive
+            named = fabric.stats().get("stragglers_named", 0)
+            ray.get(rank.set_faults.remote(delay_s=0.6), timeout=10)
+            self.stop.wait(max(hold, 6.0))
+            ray.get(rank.set_faults.remote(), timeout=10)
+            if fabric.stats().get("stragglers_named", 0) > named:
+                fault.target += " (named a straggler)"
         else:
-            what = {"duplicate": True} if kind == "duplicate_messages" else {"delay_s": 0.05}
+            # A duplicated message, or replies later than runtime.rank_timeout_s:
+            # the rank counts as absent each round until it is lifted.
+            assert self.config is not None
+            late = 1.5 * self.config.runtime.rank_timeout_s
+            what = {"duplicate": True} if kind == "duplicate_messages" else {"reply_delay_s": late}
             ray.get(rank.set_faults.remote(**what), timeout=10)
             self.stop.wait(hold)
-            ray.get(rank.set_faults.remote(), timeout=10)
+            ray.get(rank.set_faults.remote(), timeout=10 + late)
+
+    def overlap(self, fault: Fault, index: int) -> None:
+        """Two faults at once, each on its own thread (on the same rank where both
+        take one); the fault ends when both have."""
+        first, second = self.rng.sample(
+            [k for k in OVERLAPPABLE if k in self.opts.faults] or list(OVERLAPPABLE), 2
+        )
+        parts = [Fault(first, fault.at), Fault(second, fault.at)]
+        errors: list[str] = []
+
+        def run(part: Fault) -> None:
+            try:
+                self.inject(part, index)
+                part.injected = True
+            except Exception as exc:
+                errors.append(f"{part.kind}: {type(exc).__name__}: {str(exc)[:100]}")
+            part.ended = part.ended if part.ended is not None else self.now()
+
+        threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        fault.target = " + ".join(f"{p.kind} {p.target}".strip() for p in parts)
+        fault.ended = max(p.ended or p.at for p in parts)
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def client_exits(self) -> str:
         """Another driver submits a prompt and exits (``os._exit``) holding its lease."""
@@ -621,6 +760,11 @@ class Chaos:
                 self.tally.probe = (submitted, self.now())  # a late fault recovers by it
                 break
             time.sleep(0.5)
+        # The clients' sessions end (a kept session holds its L1 pages on purpose).
+        for i in range(self.opts.clients):
+            for k in range(4):
+                with contextlib.suppress(Exception):
+                    fabric.end_session(f"chat-{self.opts.seed * 1000 + i}-{k}")
         settled = False
         with contextlib.suppress(Exception):
             settled = fabric.settle(60)
@@ -697,6 +841,7 @@ class Chaos:
                 "failed_by_reason": dict(tally.failed),
                 "verified": tally.verified,
                 "unverifiable": tally.unverifiable,
+                "load": dict(sorted(tally.load.items())),
                 "latency_s_p50": round(percentile(tally.latencies, 0.5), 3),
                 "latency_s_p99": round(percentile(tally.latencies, 0.99), 3),
             },
@@ -753,7 +898,7 @@ class Chaos:
                 k: v for k, v in stats.get("l3", {}).items() if k.startswith("refused_")
             },
         }
-        tried = len(served) + sum(tally.failed.values())
+        tried = len(served) + tally.load["append"] + sum(tally.failed.values())
         report["requests"]["failed_fraction"] = round(sum(tally.failed.values()) / max(1, tried), 4)
         asked = tally.verified + tally.unverifiable
         report["requests"]["unverifiable_fraction"] = round(tally.unverifiable / max(1, asked), 4)

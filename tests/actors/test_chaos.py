@@ -34,6 +34,9 @@ def test_a_short_seeded_chaos_run_loses_nothing():
                 "duplicate_messages",
                 "rank_kill_no_restart",
                 "client_exit",
+                "l3_latency",
+                "storage_sigkill",
+                "overlapping",
             ),
         ),
         progress=lines.append,
@@ -44,6 +47,12 @@ def test_a_short_seeded_chaos_run_loses_nothing():
     assert report["stuck_requests"] == 0 and report["integrity_errors"] == []
     assert report["faults_injected"] >= 3, report["fault_log"]
     assert report["requests"]["served"] > 0 and report["requests"]["verified"] > 0
+    load = report["requests"]["load"]  # decode, sessions, pins and tenants, not only submit
+    assert load["append"] > 0 and load["session kept"] > 0 and load["pin"] > 0
+    assert {"namespace default", "namespace tenant-a", "namespace tenant-b"} <= set(load)
+    assert report["loss"] == [] and report["coordinators"] == 1 + report["faults"].get(
+        "coordinator_kill", 0
+    )
     # Every fault it injected was recovered from: a request served after it.
     assert report["unrecovered_faults"] == []
     assert set(report["recovery_s"]) == set(report["faults"])
