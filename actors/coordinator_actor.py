@@ -457,6 +457,8 @@ class CoordinatorActor:
         else:
             self._deliver(self.core.on_round(reports, hits))
             self._restart_stragglers()
+            if self.core.adopt_wanted:
+                await self._adopt()
         if self.publisher is not None:
             self.publisher.publish(self.core.drain_events())
         if self.ray_metrics is not None:
@@ -497,6 +499,22 @@ class CoordinatorActor:
                 for i, call in enumerate(calls)
             ]
         )
+
+    async def _adopt(self) -> None:
+        """After a rank restarted: every rank's inventory at the new epoch, and the
+        L2 pages all of them still name alike taken back (a restarted rank that
+        kept its L2 in shared memory loses nothing; one that did not, all)."""
+        epoch = self.core.epoch
+        try:
+            held = await asyncio.wait_for(
+                asyncio.gather(*(_await(a.inventory.remote(epoch)) for a in self.ranks)),
+                self.config.runtime.rank_timeout_s,
+            )
+        except Exception as exc:
+            self.core.adopt_wanted = False
+            log.warning("no L2 pages adopted after a rank restart: %s", exc)
+            return
+        self.core.adopt(held)
 
     def _restart_stragglers(self) -> None:
         """Stragglers the policy treats as failed (``runtime.straggler_policy=restart``):

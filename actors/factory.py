@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,13 @@ class Deployment:
     ranks: list[Any]
     storage: Any
     placement_groups: list[PlacementGroup]
+    instance: str = ""  # this launch: the ranks' shared L2 files are its own
 
     def kill(self) -> None:
+        # The ranks' shared L2 files go with the fabric (a rank that is down
+        # leaves its file to the next rank start's sweep on that node).
+        with contextlib.suppress(Exception):
+            ray.get([r.shutdown.remote(True) for r in self.ranks], timeout=10)
         for actor in [self.coordinator, *self.ranks, self.storage]:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -92,7 +98,9 @@ def _ready(refs: list, actors: list, timeout: float) -> None:
 _FABRIC_ERROR = re.compile(r"fabric\.errors\.\w+: (.*)$")
 
 
-def _rank_actor(config: FabricConfig, index: int, pg: PlacementGroup, gpu: bool) -> Any:
+def _rank_actor(
+    config: FabricConfig, index: int, pg: PlacementGroup, gpu: bool, instance: str
+) -> Any:
     """Rank ``index``'s actor, in its pipeline stage's placement group (its bundle
     is its place in the stage): Ray restarts it, on another node if its node is
     lost and the group is placed again there."""
@@ -110,14 +118,16 @@ def _rank_actor(config: FabricConfig, index: int, pg: PlacementGroup, gpu: bool)
         num_gpus=1 if gpu else 0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
     )
-    return cls.remote(config.to_dict(), index, storage_name(config))
+    return cls.remote(config.to_dict(), index, storage_name(config), instance)
 
 
 def recreate_rank(deployment: Deployment, config: FabricConfig, index: int) -> Any:
     """A new actor for rank ``index`` after its old one died for good (killed with
     no restart): same name and place; the coordinator finds it by name."""
     rank = Topology(config.topology).ranks[index]
-    handle = _rank_actor(config, index, deployment.placement_groups[rank.pp], uses_gpu(config))
+    handle = _rank_actor(
+        config, index, deployment.placement_groups[rank.pp], uses_gpu(config), deployment.instance
+    )
     deployment.ranks[index] = handle
     return handle
 
@@ -155,6 +165,7 @@ def deploy(config: FabricConfig) -> Deployment:
     ).remote(config.to_dict(), coordinator_name(config))
     _ready([storage.ping.remote()], [storage], 120)
     gpu = uses_gpu(config)
+    instance = uuid.uuid4().hex[:12]  # this launch (every restart of a rank keeps it)
     bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}
     ns = config.runtime.ray_namespace
     data = config.to_dict()
@@ -182,7 +193,7 @@ def deploy(config: FabricConfig) -> Deployment:
             ) from None
         for rank in stage:
             index = topo.ranks.index(rank)
-            ranks.append((index, _rank_actor(config, index, pg, gpu)))
+            ranks.append((index, _rank_actor(config, index, pg, gpu, instance)))
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
     try:
@@ -202,4 +213,4 @@ def deploy(config: FabricConfig) -> Deployment:
         **head_placement(config),
     ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_name(config))
     ray.get(coordinator.start.remote(), timeout=120)
-    return Deployment(coordinator, handles, storage, groups)
+    return Deployment(coordinator, handles, storage, groups, instance)

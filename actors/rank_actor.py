@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from actors.ray_metrics import RankMetrics, node_ip
 from fabric.config import FabricConfig
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.mesh import poll
+from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,11 @@ class RankActor:
     step: it queues the batch and answers with all counters at once. Copies run
     on a transfer thread, L3 traffic on a storage thread."""
 
-    def __init__(self, config: dict, index: int, storage_name: str | None = None) -> None:
+    def __init__(
+        self, config: dict, index: int, storage_name: str | None = None, instance: str = ""
+    ) -> None:
+        """``instance``: the launch this rank belongs to (the same for every start of
+        it): its shared L2 file is that launch's and this rank's."""
         self.config = FabricConfig.from_dict(config)
         self.max_bytes = self.config.runtime.max_message_bytes
         link = None
@@ -97,7 +103,15 @@ class RankActor:
             link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
         runtime = self.config.runtime
         board = RayBoard(runtime.name, runtime.ray_namespace)
-        self.worker = RankWorker(self.config, index, storage=link, board=board)
+        self.worker = RankWorker(
+            self.config, index, storage=link, board=board, l2_path=self._l2_path(index, instance)
+        )
+        if self.worker.l2_kept:
+            log.warning(
+                "rank %d: found its L2 in shared memory (%d named pages)",
+                index,
+                self.worker.l2_kept,
+            )
         self.metrics = RankMetrics(self.config.runtime.name, str(self.worker.shard.rank))
         self._bad_report: bytes | None = None
         self._duplicate = False
@@ -258,6 +272,18 @@ class RankActor:
             "computed_tokens": w.computed_tokens,
         }
 
-    def shutdown(self) -> None:
+    def _l2_path(self, index: int, instance: str) -> str | None:
+        """This rank's shared L2 file on this node (``cache.host_memory=shared``),
+        or none: L2 in this process."""
+        where = shm_dir()
+        if self.config.cache.host_memory != "shared" or not instance or where is None:
+            return None
+        sweep_stale(where)  # files of fabrics that died without shutting down
+        rt = self.config.runtime
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{rt.ray_namespace}-{rt.name}")
+        return str(where / f"kvfabric-{safe}-{instance}-{index}{SUFFIX}")
+
+    def shutdown(self, release_l2: bool = False) -> None:
+        """Stop; with ``release_l2``, remove the shared L2 file (the fabric is going)."""
         self._stop.set()
-        self.worker.close()
+        self.worker.close(release_l2=release_l2)

@@ -23,6 +23,8 @@ from policies import EVICTION_POLICIES, PREFETCH_STOP_POLICIES, WRITE_POLICIES
 
 # Where a session keeps its conversation between turns: L1 (a lock) or L2.
 SESSION_TIERS = ("device", "host")
+# Where a rank's L2 lives (``cache.host_memory``).
+HOST_MEMORY = ("shared", "process")
 # What a straggling rank gets: named only, or treated as failed (restarted).
 STRAGGLER_POLICIES = ("report", "restart")
 
@@ -137,6 +139,9 @@ class CacheConfig(_Section):
     chunk_tokens: NonNegativeInt = Field(
         0, description="an integer >= 0, a multiple of page_size (0: the whole prompt at once)"
     )
+    # Where a Ray rank keeps L2: "shared" (the node's shared memory, so a rank
+    # restarted on its node finds it: fabric.rank.shared_l2) or "process".
+    host_memory: str = _one_of(HOST_MEMORY, "shared")
     session_tier: str = _one_of(SESSION_TIERS, "device")
     session_budget_fraction: Fraction = 0.25
     session_ttl_s: PositiveFloat = 300.0

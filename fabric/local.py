@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from fabric.config import FabricConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -26,16 +27,17 @@ class LocalFabric:
         config: FabricConfig,
         storage: StorageService | None = None,
         clock: Callable[[], float] = time.monotonic,
+        l2_dir: str | Path | None = None,
     ) -> None:
+        """``l2_dir``: each rank keeps its L2 in a file there (``fabric.rank.shared_l2``),
+        as a Ray rank does in ``/dev/shm``: ``restart_rank`` then finds it."""
         self.config = config
+        self.l2_dir = None if l2_dir is None else Path(l2_dir)
         self.clock = clock
         self._owns_storage = storage is None  # closed with the fabric
         self.storage = storage or StorageService(config)
         self.board = LocalBoard()  # where a sharded model's ranks form their groups
-        self.ranks = [
-            RankWorker(config, i, storage=self.storage, board=self.board)
-            for i in range(Topology(config.topology).world_size)
-        ]
+        self.ranks = [self._rank(i) for i in range(Topology(config.topology).world_size)]
         # The ranks of a sharded model compute together: each on its own thread.
         self._threads = (
             ThreadPoolExecutor(len(self.ranks), thread_name_prefix="kvfabric-rank")
@@ -50,6 +52,18 @@ class LocalFabric:
             if config.events.enabled
             else None
         )
+
+    def _rank(self, index: int) -> RankWorker:
+        path = None if self.l2_dir is None else str(self.l2_dir / f"rank-{index}.l2")
+        return RankWorker(self.config, index, storage=self.storage, board=self.board, l2_path=path)
+
+    def restart_rank(self, index: int) -> None:
+        """As if rank ``index``'s process died and started again on its node: its L1
+        and queued work are gone, its L2 too unless it lives in ``l2_dir``. The next
+        round shows the new incarnation: the coordinator resets and adopts what
+        every rank still holds."""
+        self.ranks[index].close()  # its process is gone: so are its sockets
+        self.ranks[index] = self._rank(index)
 
     def _open(self) -> CoordinatorCore:
         """A new coordinator over the ranks as they are: it opens an epoch and
@@ -88,6 +102,8 @@ class LocalFabric:
             self.ranks[i].run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]
         done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
+        if self.core.adopt_wanted:  # a rank restarted: take back what all still hold
+            self.core.adopt([r.inventory(self.core.epoch) for r in self.ranks])
         if self.config.cache.kv_events:
             removed = self.storage.take_removed()
             if removed:
@@ -131,7 +147,7 @@ class LocalFabric:
         if self._threads is not None:
             self._threads.shutdown()
         for rank in self.ranks:
-            rank.close()
+            rank.close(release_l2=True)
         if self._owns_storage:
             self.storage.detach()
 

@@ -93,6 +93,7 @@ class CoordinatorCore:
             self._straggler_named,
         )
         self.progress = Progress(self.topology.world_size)
+        self.adopt_wanted = False  # after a rank restart: adopt what the ranks still hold
         self._reply_s: list[float | None] | None = None
 
     # -- client calls ------------------------------------------------------------------
@@ -413,11 +414,12 @@ class CoordinatorCore:
         return self.epoch
 
     def adopt(self, inventories: Sequence[Iterable[Entry]]) -> int:
-        """After ``start``: take back the L2 pages every rank still holds (one
-        ``RankWorker.inventory`` per rank, taken at this epoch) — a restarted
-        coordinator then serves them as L2 hits instead of going to L3 or
-        recomputing. Returns tokens adopted (0 when any rank gave none, or when
+        """After ``start``, or a reset for a restarted rank (``adopt_wanted``): take
+        back the L2 pages every rank still holds (one ``RankWorker.inventory`` per
+        rank, taken at this epoch) — then served as L2 hits instead of going to L3
+        or recomputing. Returns tokens adopted (0 when any rank gave none, or when
         the cache holds anything already: adoption is for a fresh coordinator)."""
+        self.adopt_wanted = False
         if len(inventories) != self.topology.world_size or self.cache.tree.root.children:
             return 0
         tokens = adopt_host(self.cache, common_pages(inventories))
@@ -517,7 +519,12 @@ class CoordinatorCore:
         try:
             rnd = self.consensus.reduce(reports, self.epoch)
             if rnd.restarted:
-                return self.reset(f"rank(s) {self._names(rnd.restarted)} restarted")
+                out = self.reset(f"rank(s) {self._names(rnd.restarted)} restarted")
+                # A rank restarted on its node may have found its L2 as it was
+                # (fabric.rank.shared_l2): the shell asks every rank what it holds
+                # before the next step, and ``adopt`` takes back what all name alike.
+                self.adopt_wanted = True
+                return out
             if not rnd.usable:
                 return self._take_failed()
             self._watch_progress(reports)

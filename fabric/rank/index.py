@@ -20,7 +20,7 @@ to the name (``CoordinatorCore.adopt``). A prefetch from L3 names its pages too
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from fabric.cache.keys import chain_hashes
 
@@ -77,13 +77,34 @@ class PageRef:
 Name = PageName | PageRef
 
 
-class PageIndex:
-    """The names of one rank's L1 and L2 page slots."""
+class _Mirrored(dict):
+    """L2 names that a store outside the process keeps too (``SharedL2``): every
+    name set or dropped here is set or dropped there."""
 
-    def __init__(self, page_size: int, token_bytes: int = 4) -> None:
+    def __init__(self, store: Any, names: dict[int, Name]) -> None:
+        super().__init__(names)  # what the store already holds
+        self.store = store
+
+    def __setitem__(self, slot: int, name: Name) -> None:
+        super().__setitem__(slot, name)
+        self.store.put(slot, name.namespace, name.parent_hash, name.tokens)
+
+    def pop(self, slot: int, *default: Any) -> Any:
+        self.store.drop(slot)
+        return super().pop(slot, *default)
+
+
+class PageIndex:
+    """The names of one rank's L1 and L2 page slots; with ``host_store``
+    (``fabric.rank.shared_l2.SharedL2``), the L2 names live on outside the process
+    and a new process starts with the ones it finds there."""
+
+    def __init__(self, page_size: int, token_bytes: int = 4, host_store: Any = None) -> None:
         self.page_bytes = page_size * token_bytes
         self.device: dict[int, Name] = {}
-        self.host: dict[int, Name] = {}
+        self.host: dict[int, Name] = (
+            {} if host_store is None else _Mirrored(host_store, host_store.names())
+        )
 
     def forget_device(self, slots: Sequence[int]) -> None:
         for s in slots:

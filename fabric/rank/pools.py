@@ -7,7 +7,7 @@ head_dim)`` (K/V first), so copies and token writes are written once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,9 +36,12 @@ class KVPool:
         device: torch.device,
         pin_memory: bool = False,
         layers: int | None = None,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         """``layers``: how many of the shard's layers the pool holds (default all; a
-        hybrid model's full-attention and sliding pools each hold their kind's)."""
+        hybrid model's full-attention and sliding pools each hold their kind's).
+        ``allocate(shape, dtype)``: the pool's memory from elsewhere (a shared L2,
+        ``fabric.rank.shared_l2``) instead of a new zeroed tensor."""
         self.num_pages = num_pages
         self.layout = model.layout
         pt, heads, dim = shard.page_tokens, shard.heads, model.head_dim
@@ -48,8 +51,10 @@ class KVPool:
             "page_first": (2, num_pages * pt, layers, heads, dim),
             "page_first_direct": (2, num_pages, layers, pt, heads, dim),
         }[model.layout]
-        self.buffer = torch.zeros(
-            shape, dtype=DTYPES[model.dtype], device=device, pin_memory=pin_memory
+        self.buffer = (
+            torch.zeros(shape, dtype=DTYPES[model.dtype], device=device, pin_memory=pin_memory)
+            if allocate is None
+            else allocate(shape, DTYPES[model.dtype])
         )
         b = self.buffer
         if model.layout == "layer_first":

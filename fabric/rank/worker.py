@@ -11,8 +11,10 @@ meet only under ``self.lock``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -49,6 +51,7 @@ from fabric.rank.pools import (
     state_rows,
 )
 from fabric.rank.producer import KVFiller, SyntheticKV, SyntheticStates
+from fabric.rank.shared_l2 import SharedL2
 from fabric.topology import Shard, Topology, kind_layers
 
 log = logging.getLogger(__name__)
@@ -96,9 +99,13 @@ class RankWorker:
         filler: KVFiller | None = None,
         storage: StorageLink | None = None,
         board: Board | None = None,
+        l2_path: str | None = None,
     ) -> None:
         """``board``: where the ranks of a sharded model meet to form their
-        collective groups (``fabric.rank.mesh``); none: no groups can form."""
+        collective groups (``fabric.rank.mesh``); none: no groups can form.
+        ``l2_path``: keep L2 (its bytes and its pages' names) in that shared-memory
+        file (``fabric.rank.shared_l2``), so a process started again with the same
+        path finds it as it was; none: in this process."""
         self.config = config
         self.index = index
         self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
@@ -119,7 +126,42 @@ class RankWorker:
 
         # The full-attention layers' pools (every layer's, for a full-attention model).
         full = kind_layers(self.shard, model, "full")
-        self.l1, self.l2 = pools(cache.device_pages, cache.host_pages, len(full))
+        self.shared_l2: SharedL2 | None = None
+        if l2_path is None or set(model.components) != {"full"}:
+            self.l1, self.l2 = pools(cache.device_pages, cache.host_pages, len(full))
+        else:
+            # L2 outside this process (a hybrid model's other pools stay inside:
+            # without them its pages could not be adopted anyway).
+            def shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                numel = math.prod(shape)
+                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                geometry = {
+                    "shape": list(shape),
+                    "dtype": str(dtype),
+                    "pool_bytes": nbytes,
+                    "page_size": cache.page_size,
+                    "shard": self.suffix,
+                    "layout": model.layout,
+                }
+                try:
+                    self.shared_l2 = SharedL2(
+                        l2_path, geometry, cache.host_pages, cache.page_size * 4
+                    )
+                except OSError as exc:  # too little shared memory, or not ours
+                    log.warning("rank %s: L2 in this process, not %s: %s", rank, l2_path, exc)
+                    return torch.zeros(shape, dtype=dtype)
+                return torch.frombuffer(self.shared_l2.pool, dtype=dtype, count=numel).view(shape)
+
+            self.l1 = KVPool(cache.device_pages, self.shard, model, self.device, layers=len(full))
+            self.l2 = KVPool(
+                cache.host_pages, self.shard, model, host, layers=len(full), allocate=shared
+            )
+            if cuda:  # page-locked for the copy engines, as a pinned pool would be
+                with contextlib.suppress(Exception):
+                    buf = self.l2.buffer
+                    torch.cuda.cudart().cudaHostRegister(
+                        buf.data_ptr(), buf.numel() * buf.element_size(), 0
+                    )
         self.producer = SyntheticKV(self.shard, model, cache.page_size, full)
         # A hybrid model's other components (``fabric.cache.components``).
         self.sliding: KVPool | None = None
@@ -163,7 +205,9 @@ class RankWorker:
         self._mesh_key = ""
         self._mesh_of: tuple[int, tuple[str, ...]] | None = None  # what the key names
         # What every L1 and L2 page slot holds: a restarted coordinator adopts L2.
-        self.names = PageIndex(cache.page_size)
+        self.names = PageIndex(cache.page_size, host_store=self.shared_l2)
+        # L2 pages a restarted process found named in its shared L2.
+        self.l2_kept = len(self.names.host)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.incarnation = uuid.uuid4().hex
         self.faults = Faults()
@@ -439,12 +483,17 @@ class RankWorker:
             self.mesh.close()
             self.mesh = None
 
-    def close(self) -> None:
+    def close(self, release_l2: bool = False) -> None:
         """Release what this rank holds outside its pools: its collective groups
-        (their sockets; its peers' operations in them fail)."""
+        (their sockets; its peers' operations in them fail); with ``release_l2``
+        its shared L2 file too (the fabric is shutting down: nothing will come
+        back for it)."""
         if self.mesh is not None:
             self.mesh.close()
             self.mesh = None
+        if release_l2 and self.shared_l2 is not None:
+            self.shared_l2.close(unlink=True)
+            self.shared_l2 = None
 
     @property
     def computed_tokens(self) -> int:

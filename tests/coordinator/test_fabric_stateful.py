@@ -15,7 +15,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fabric.cache.events import Medium
 from fabric.cache.keys import pack_tokens
 from fabric.local import LocalFabric
-from fabric.rank.worker import RankWorker
 from tests.helpers import FakeClock, RouterView, machine_settings, small_config
 
 # Leases the invariant verified over the whole run: a machine whose invariant never
@@ -31,6 +30,8 @@ SETUP = {
     "chunk": st.sampled_from([None, 1, 2, 3]),
     "chunk_tokens": st.sampled_from([0, 4, 8]),
     "session_tier": st.sampled_from(["device", "host"]),
+    # Ranks keep L2 in files (as in /dev/shm): a restarted rank finds it again.
+    "shared_l2": st.booleans(),
 }
 
 
@@ -44,14 +45,27 @@ class FabricMachine(RuleBasedStateMachine):
         chunk,
         chunk_tokens=0,
         session_tier="device",
+        shared_l2=False,
         hybrid=None,
     ):
-        self._setup(write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid)
+        self._setup(
+            write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid, shared_l2
+        )
 
     # Options a subclass adds to every config (``ShardedFabricMachine``).
     extra_options: tuple[str, ...] = ()
 
-    def _setup(self, write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid):
+    def _setup(
+        self,
+        write_policy,
+        stop_policy,
+        storage,
+        chunk,
+        chunk_tokens,
+        session_tier,
+        hybrid,
+        shared_l2=False,
+    ):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
             f"cache.write_policy={write_policy}",
@@ -76,7 +90,10 @@ class FabricMachine(RuleBasedStateMachine):
             ]
         self.config = small_config(*options, *self.extra_options)
         self.clock = FakeClock()
-        self.fabric = LocalFabric(self.config, clock=self.clock)
+        self.l2_dir = tempfile.TemporaryDirectory() if shared_l2 else None
+        self.fabric = LocalFabric(
+            self.config, clock=self.clock, l2_dir=self.l2_dir and self.l2_dir.name
+        )
         if chunk is not None:
             # As if the message limit were tiny: every operation spans several
             # commands, and a step sends only about two of them.
@@ -97,6 +114,8 @@ class FabricMachine(RuleBasedStateMachine):
             self.fabric.storage.detach()  # shared by every fabric of the run
         if hasattr(self, "tmp"):
             self.tmp.cleanup()
+        if getattr(self, "l2_dir", None) is not None:
+            self.l2_dir.cleanup()
 
     @rule(
         first=st.integers(0, 2),
@@ -195,9 +214,7 @@ class FabricMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 3))
     def restart_rank(self, index):
-        f = self.fabric
-        f.ranks[index].close()  # its process is gone: so are its sockets
-        f.ranks[index] = RankWorker(self.config, index, storage=f.storage, board=f.board)
+        self.fabric.restart_rank(index)  # its L2 found again when the fabric keeps it in files
         # Until the next round shows the new incarnation, leases point at pages
         # this rank lost; that round resets the fabric and ends them.
         self.restart_unseen = True
@@ -311,9 +328,18 @@ class ShardedFabricMachine(FabricMachine):
 
     @initialize(**SETUP)
     def setup(
-        self, write_policy, stop_policy, storage, chunk, chunk_tokens=0, session_tier="device"
+        self,
+        write_policy,
+        stop_policy,
+        storage,
+        chunk,
+        chunk_tokens=0,
+        session_tier="device",
+        shared_l2=False,
     ):
-        self._setup(write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, None)
+        self._setup(
+            write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, None, shared_l2
+        )
         assert all(r.needs_mesh for r in self.fabric.ranks)
 
     @rule()
