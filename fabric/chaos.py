@@ -24,6 +24,10 @@ time, at random moments drawn from the seed, from ``FAULTS``:
   pages every rank holds;
 - ``node_loss``: a worker node removed, and a new one added after a while (its
   ranks come back on it; local clusters only);
+- ``node_lost_for_good``: a worker node removed with no replacement until the
+  fabric refuses requests naming the absent rank (it must fail fast, not hold
+  them), then capacity returns; those refusals are counted apart
+  (``refused_rank_absent``), not against the failure bound;
 - ``l3_read_only``, ``l3_full``: L3 refuses every write for a while;
 - ``duplicate_messages``, ``delayed_messages``: a rank takes every step's
   message twice, or replies to every round later than ``runtime.rank_timeout_s``
@@ -64,6 +68,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -102,6 +107,7 @@ FAULTS = (
     "storage_kill",
     "coordinator_kill",
     "node_loss",
+    "node_lost_for_good",
     "l3_read_only",
     "l3_full",
     "duplicate_messages",
@@ -190,6 +196,10 @@ class Tally:
     unverifiable: int = 0
     latencies: list[float] = field(default_factory=list)
     load: Counter[str] = field(default_factory=Counter)  # what the clients did
+    # Requests refused because a rank was absent past rank_absent_timeout_s: the
+    # fabric saying it cannot serve a shard (expected while a node is lost for
+    # good), not a failure of the harness's bound.
+    refused_absent: int = 0
 
 
 def chaos_config(opts: ChaosOptions, l3_path: str) -> FabricConfig:
@@ -337,6 +347,8 @@ class Chaos:
             if r.error is not None:
                 with tally.lock:
                     tally.failed[_reason(r.error)] += 1
+                    if ABSENT in r.error:
+                        tally.refused_absent += 1
                 time.sleep(0.1)
                 continue
             self.check(r, tokens)
@@ -525,6 +537,8 @@ class Chaos:
             fault.adopted_tokens = self.adopted_after(before)
         elif kind == "node_loss":
             self.lose_node(rank, hold)
+        elif kind == "node_lost_for_good":
+            self.lose_node_for_good(rank, index, fault)
         elif kind in ("l3_read_only", "l3_full"):
             l3 = kind.removeprefix("l3_")
             ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
@@ -645,6 +659,43 @@ class Chaos:
         self.cluster.remove_node(victim, allow_graceful=False)
         self.stop.wait(hold)
         self.cluster.add_node(num_cpus=2)
+
+    def lose_node_for_good(self, rank: Any, index: int, fault: Fault) -> None:
+        """Remove the worker node a rank runs on with no replacement: the fabric
+        must say it cannot serve that shard — requests refused naming the rank
+        once it is absent past ``runtime.rank_absent_timeout_s`` — rather than
+        hold them; then capacity returns (a new node) and it must serve again."""
+        import ray
+
+        if self.cluster is None:
+            raise RuntimeError("node loss needs a local cluster")
+        assert self.config is not None
+        _, node_id = ray.get(rank.where.remote(), timeout=10)
+        victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        if victim is None:
+            raise RuntimeError("that rank is on the head node")
+        with self.tally.lock:
+            before = self.tally.refused_absent
+        removed = self.now()
+        self.cluster.remove_node(victim, allow_graceful=False)
+        limit = self.config.runtime.rank_absent_timeout_s
+        deadline = time.monotonic() + limit + 30
+        refused_at = None
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            with self.tally.lock:
+                if self.tally.refused_absent > before:
+                    refused_at = self.now()
+                    break
+            self.stop.wait(0.2)
+        self.stop.wait(1.0)  # a few more refused at once
+        self.cluster.add_node(num_cpus=2)  # capacity returns
+        fault.ended = self.now()
+        if refused_at is None:
+            raise RuntimeError(f"rank {index}'s node removed: no request was refused naming it")
+        fault.target = (
+            f"rank {index}'s node removed for {fault.ended - removed:.1f} s; requests refused "
+            f"naming the rank {refused_at - removed:.1f} s after (rank_absent_timeout_s {limit})"
+        )
 
     def placement(self) -> dict:
         """Where the actors are: the coordinator and the storage actor on the nodes
@@ -899,7 +950,9 @@ class Chaos:
             },
         }
         tried = len(served) + tally.load["append"] + sum(tally.failed.values())
-        report["requests"]["failed_fraction"] = round(sum(tally.failed.values()) / max(1, tried), 4)
+        report["requests"]["refused_rank_absent"] = tally.refused_absent
+        failed = sum(tally.failed.values()) - tally.refused_absent
+        report["requests"]["failed_fraction"] = round(failed / max(1, tried), 4)
         asked = tally.verified + tally.unverifiable
         report["requests"]["unverifiable_fraction"] = round(tally.unverifiable / max(1, asked), 4)
         report["loss"] = self.verdict(report, after)
@@ -951,10 +1004,15 @@ class Chaos:
         return loss
 
 
+# What a request refused for an absent rank says (CoordinatorCore._fail_if_absent_too_long).
+ABSENT = "has not answered for"
+
+
 def _reason(error: str) -> str:
-    """A request error's kind, for counting (the text before any detail)."""
-    head = error.split(":")[0].strip()
-    return head[:60] or "error"
+    """A request error's kind, for counting (the text before any detail, times as
+    N so that one kind counts once)."""
+    head = re.sub(r"\d+\.\d+", "N", error.split(":")[0].strip())
+    return head[:80] or "error"
 
 
 def run_chaos(opts: ChaosOptions, progress: Callable[[str], None] = print) -> dict:

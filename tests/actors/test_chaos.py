@@ -87,3 +87,25 @@ def test_chaos_prompts_fit_a_models_vocabulary_and_keep_their_families():
     assert max(max(p) for p in prompts) < 400
     assert len({tuple(p[:4]) for p in prompts}) == 6  # the shared prefixes, apart
     assert max(max(prompt(rng, 4)) for _ in range(50)) >= 100_000  # synthetic: as before
+
+
+def test_a_node_lost_for_good_is_refused_fast_and_served_again_when_capacity_returns():
+    """The only worker node goes with no replacement: requests are refused naming
+    the absent rank (not held until their own timeout), then a node joins and the
+    fabric serves again — and nothing is lost."""
+    report = run_chaos(
+        ChaosOptions(
+            seed=3,
+            duration_s=50,
+            nodes=2,
+            fault_every_s=30.0,
+            faults=("node_lost_for_good",),
+            overrides=("runtime.rank_absent_timeout_s=5",),
+        ),
+        progress=lambda line: None,
+    )
+    assert report["ok"], json.dumps(report)
+    (fault,) = [f for f in report["fault_log"] if f["kind"] == "node_lost_for_good"][:1]
+    assert fault["injected"] and "requests refused naming the rank" in fault["target"]
+    assert report["requests"]["refused_rank_absent"] > 0
+    assert report["unrecovered_faults"] == [] and "node_lost_for_good" in report["recovery_s"]
