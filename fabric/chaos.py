@@ -271,6 +271,7 @@ class Chaos:
         # The last stats of each coordinator killed: its counters end with it, and
         # the report's are sums over every incarnation.
         self.incarnations: list[dict] = []
+        self.l3_mount: str | None = None  # L3's own tmpfs (mount_l3)
 
     # -- the cluster and the fabric -----------------------------------------------
 
@@ -282,6 +283,7 @@ class Chaos:
 
         opts = self.opts
         self.config = chaos_config(opts, l3_path)  # a bad --set is refused before any Ray
+        self.mount_l3(l3_path)
         if opts.address is None:
             from ray.cluster_utils import Cluster
 
@@ -310,6 +312,7 @@ class Chaos:
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 self.cluster.shutdown()
+        self.unmount_l3()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -539,6 +542,8 @@ class Chaos:
             self.lose_node(rank, hold)
         elif kind == "node_lost_for_good":
             self.lose_node_for_good(rank, index, fault)
+        elif kind == "l3_full" and self.l3_mount is not None:
+            self.fill_l3(fault, hold)
         elif kind in ("l3_read_only", "l3_full"):
             l3 = kind.removeprefix("l3_")
             ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
@@ -659,6 +664,51 @@ class Chaos:
         self.cluster.remove_node(victim, allow_graceful=False)
         self.stop.wait(hold)
         self.cluster.add_node(num_cpus=2)
+
+    def mount_l3(self, path: str) -> None:
+        """L3 on a tmpfs of its own where this process may mount one (root on a
+        local cluster), so that ``l3_full`` fills a real file system (writes fail
+        with ENOSPC) instead of setting a flag in the storage actor."""
+        import subprocess
+
+        if self.opts.address is not None or os.geteuid() != 0:
+            return
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512m,mode=0700", "kvfabric-chaos-l3", path],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode == 0:
+            self.l3_mount = path
+        else:
+            log.info("chaos: L3 on the directory as it is (no tmpfs: %s)", done.stderr.strip())
+
+    def unmount_l3(self) -> None:
+        import subprocess
+
+        if self.l3_mount is not None:
+            subprocess.run(["umount", "-l", self.l3_mount], capture_output=True)
+            self.l3_mount = None
+
+    def fill_l3(self, fault: Fault, hold: float) -> None:
+        """Fill L3's file system for ``hold`` seconds: every write fails for real."""
+        assert self.l3_mount is not None
+        ballast = os.path.join(self.l3_mount, ".chaos-ballast")
+        fd = os.open(ballast, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.statvfs(self.l3_mount)
+            free = st.f_bavail * st.f_frsize
+            while free > 0:  # metadata takes a little: the largest that fits
+                try:
+                    os.posix_fallocate(fd, 0, free)
+                    break
+                except OSError:
+                    free -= 1 << 20
+            fault.target = f"tmpfs filled ({free >> 20} MiB of ballast)"
+            self.stop.wait(hold)
+        finally:
+            os.close(fd)
+            os.unlink(ballast)
 
     def lose_node_for_good(self, rank: Any, index: int, fault: Fault) -> None:
         """Remove the worker node a rank runs on with no replacement: the fabric
@@ -944,6 +994,9 @@ class Chaos:
                 for name in COUNTED
             },
             "placement": self.placed,
+            # l3_full on a tmpfs of L3's own fills it for real; else (and always
+            # for l3_read_only: open segments would keep writing) a flag.
+            "l3_faults": "tmpfs filled (real ENOSPC)" if self.l3_mount else "storage actor flag",
             "l3_pages": after.get("l3_pages", {}),
             "l3_refused": {
                 k: v for k, v in stats.get("l3", {}).items() if k.startswith("refused_")
