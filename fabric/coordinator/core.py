@@ -654,8 +654,10 @@ class CoordinatorCore:
         self._reply_s = list(latencies)
 
     def _watch_progress(self, reports: Sequence[Report]) -> None:
+        # A rank's own work only: backups and prefetches queue at the one storage
+        # actor, where some rank is always served last.
         totals = [
-            r.computes_done + r.writes_done + r.loads_done + r.backups_done
+            r.computes_done + r.writes_done + r.loads_done
             for r in sorted(reports, key=lambda r: r.rank)
         ]
         lags = self.progress.lags(totals, self.epoch, self.clock())

@@ -1,7 +1,9 @@
 """Stragglers: a rank that answers every round but finishes its commands late
 holds every request back (the coordinator commits only what every rank has
 done) without ever failing. ``Progress`` measures, each round, how long after
-the first rank each rank finished what it newly reports done; the coordinator's
+the first rank each rank finished what it newly reports done (computes, L1 <->
+L2 copies: its own work; L3 traffic queues at the one storage actor, where some
+rank is always served last, and is left out); the coordinator's
 shell adds how long each rank took to reply. A rank is slow in a round when that
 lag passes the others' (their latest) median by more than ``straggler_lag_s``
 and is more than ``straggler_factor`` times it. After ``straggler_rounds`` slow
