@@ -730,16 +730,28 @@ class Chaos:
         self.cluster.remove_node(victim, allow_graceful=False)
         limit = self.config.runtime.rank_absent_timeout_s
         deadline = time.monotonic() + limit + 30
-        refused_at = None
+        refused_at = replaced_at = None
         while not self.stop.is_set() and time.monotonic() < deadline:
             with self.tally.lock:
                 if self.tally.refused_absent > before:
                     refused_at = self.now()
                     break
+            try:  # spare capacity: Ray places the stage again on a node that is left
+                if ray.get(rank.where.remote(), timeout=1.0)[1] != node_id:
+                    replaced_at = self.now()
+                    break
+            except Exception:
+                pass
             self.stop.wait(0.2)
         self.stop.wait(1.0)  # a few more refused at once
         self.cluster.add_node(num_cpus=2)  # capacity returns
         fault.ended = self.now()
+        if replaced_at is not None:
+            fault.target = (
+                f"rank {index}'s node removed; the cluster had room: its stage was placed "
+                f"again {replaced_at - removed:.1f} s after, nothing to refuse"
+            )
+            return
         if refused_at is None:
             raise RuntimeError(f"rank {index}'s node removed: no request was refused naming it")
         fault.target = (
