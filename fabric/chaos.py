@@ -1074,9 +1074,9 @@ ABSENT = "has not answered for"
 
 
 def _reason(error: str) -> str:
-    """A request error's kind, for counting (the text before any detail, times as
-    N so that one kind counts once)."""
-    head = re.sub(r"\d+\.\d+", "N", error.split(":")[0].strip())
+    """A request error's kind, for counting (the text before any detail, times and
+    ids as N so that one kind counts once)."""
+    head = re.sub(r"[0-9a-f]{16,}|\d+\.\d+", "N", error.split(":")[0].strip())
     return head[:80] or "error"
 
 
