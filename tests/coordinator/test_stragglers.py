@@ -39,7 +39,8 @@ def test_a_rank_slow_for_its_rounds_in_a_row_is_named_once_then_let_go():
     assert list(s.status()) == ["b"] and named == ["b"] and s.named == 1
     assert s.status()["b"]["latency_s"] == 2.5 and s.status()["b"]["others_s"] == 0.01
     s.observe([0.01, 3.0, 0.01, 0.02])
-    assert named == ["b"], "named once per episode" and s.status()["b"]["latency_s"] == 3.0
+    assert named == ["b"], "named once per episode"
+    assert s.status()["b"]["latency_s"] == 3.0
     for _ in range(2):
         s.observe([0.01, 0.02, 0.01, 0.02])
     assert list(s.status()) == ["b"], "let go only after as many normal rounds"
