@@ -28,7 +28,10 @@ time, at random moments drawn from the seed, from ``FAULTS``:
   fabric refuses requests naming the absent rank (it must fail fast, not hold
   them), then capacity returns; those refusals are counted apart
   (``refused_rank_absent``), not against the failure bound;
-- ``l3_read_only``, ``l3_full``: L3 refuses every write for a while;
+- ``l3_read_only``, ``l3_full``: L3 refuses every write for a while — as
+  root on a local cluster, for real: L3 lives on a tmpfs of its own, remounted
+  read-only (EROFS) or filled by a ballast file (ENOSPC); else a flag in the
+  storage actor;
 - ``duplicate_messages``, ``delayed_messages``: a rank takes every step's
   message twice, or replies to every round later than ``runtime.rank_timeout_s``
   (so it counts as absent), for a while;
@@ -542,8 +545,11 @@ class Chaos:
             self.lose_node(rank, hold)
         elif kind == "node_lost_for_good":
             self.lose_node_for_good(rank, index, fault)
-        elif kind == "l3_full" and self.l3_mount is not None:
-            self.fill_l3(fault, hold)
+        elif kind in ("l3_full", "l3_read_only") and self.l3_mount is not None:
+            failed = self.l3_writes_failed()
+            (self.fill_l3 if kind == "l3_full" else self.read_only_l3)(fault, hold)
+            failed = max(0, self.l3_writes_failed() - failed)
+            fault.target += f" ({failed} page writes failed)"
         elif kind in ("l3_read_only", "l3_full"):
             l3 = kind.removeprefix("l3_")
             ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
@@ -709,6 +715,44 @@ class Chaos:
         finally:
             os.close(fd)
             os.unlink(ballast)
+
+    def l3_writes_failed(self) -> int:
+        """Page writes L3 refused so far (this storage actor's count: 0 if it is
+        down, so a difference across a storage restart may undercount)."""
+        import ray
+
+        try:
+            st = ray.get(self.fabric._deployment.storage.stats.remote(), timeout=10)
+        except Exception:
+            return 0
+        return int(st.get("set_failed", 0))
+
+    def read_only_l3(self, fault: Fault, hold: float) -> None:
+        """Remount L3's file system read-only under the running fabric for ``hold``
+        seconds: every write fails with EROFS, reads go on. The store holds no
+        file open for writing between appends; one in flight makes the remount
+        busy for a moment, so it is tried again."""
+        import subprocess
+
+        assert self.l3_mount is not None
+
+        def remount(mode: str) -> None:
+            cmd = ["mount", "-o", f"remount,bind,{mode}", self.l3_mount]
+            deadline = time.monotonic() + 10.0
+            while True:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode == 0:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"remount {mode}: {done.stderr.strip()[:200]}")
+                time.sleep(0.05)
+
+        remount("ro")
+        fault.target = "L3 file system remounted read-only"
+        try:
+            self.stop.wait(hold)
+        finally:
+            remount("rw")
 
     def lose_node_for_good(self, rank: Any, index: int, fault: Fault) -> None:
         """Remove the worker node a rank runs on with no replacement: the fabric
@@ -1006,9 +1050,13 @@ class Chaos:
                 for name in COUNTED
             },
             "placement": self.placed,
-            # l3_full on a tmpfs of L3's own fills it for real; else (and always
-            # for l3_read_only: open segments would keep writing) a flag.
-            "l3_faults": "tmpfs filled (real ENOSPC)" if self.l3_mount else "storage actor flag",
+            # On a tmpfs of L3's own, l3_full fills it and l3_read_only remounts it
+            # read-only: the store fails for real. Else a flag in the storage actor.
+            "l3_faults": (
+                "tmpfs filled (real ENOSPC), remounted read-only (real EROFS)"
+                if self.l3_mount
+                else "storage actor flag"
+            ),
             "l3_pages": after.get("l3_pages", {}),
             "l3_refused": {
                 k: v for k, v in stats.get("l3", {}).items() if k.startswith("refused_")

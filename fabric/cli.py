@@ -756,6 +756,11 @@ def _status_text(st: dict[str, Any], dashboard: str) -> str:
             f" (cap {l3.get('max_bytes', 0):,}); read {l3.get('get_pages', 0)}, "
             f"written {l3.get('set_pages', 0)} pages"
         )
+        if l3.get("write_error"):
+            lines.append(
+                f"  L3 WRITES FAIL ({l3['write_error']}): {l3.get('set_failed', 0):,} pages not "
+                "stored so far; the pages it holds are still served"
+            )
     else:
         lines.append(f"  L3: {l3.get('error', 'not attached')}")
     lines.append(f"  {dashboard}")

@@ -375,6 +375,21 @@ METRICS: tuple[Spec, ...] = (
         _l3("set_pages"),
     ),
     Spec(
+        "kvfabric_l3_write_failed_pages",
+        "counter",
+        "Page shards L3 did not store because the write failed (a read-only or full "
+        "store: see the status line).",
+        (),
+        _l3("set_failed"),
+    ),
+    Spec(
+        "kvfabric_l3_writable",
+        "gauge",
+        "1 while L3 takes writes, 0 after a write failed (until one goes through).",
+        (),
+        lambda f: [((), float(not f["l3"].get("write_error")))],
+    ),
+    Spec(
         "kvfabric_l3_missed_pages",
         "counter",
         "Page shards asked of L3 that it did not hold.",

@@ -8,6 +8,7 @@ page keys (hex digest + shard suffix), never user text.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -45,6 +46,9 @@ class L3Backend(ABC):
         # Authenticated pages (``fabric.l3.auth.PageAuth``): written with a tag, and
         # read only with a valid one; None: CRC and key binding only.
         self.auth: Any = None
+        # Why the last write failed (``None``: it did not): a read-only or full
+        # store keeps serving what it holds, and says so once, not once a page.
+        self.write_error: str | None = None
 
     def record_writer(self, provenance: Provenance, writer: str) -> None:
         """Note that ``writer`` (an engine: ``kvfabric``, ``sglang``, ``vllm``, ``hf``)
@@ -163,11 +167,31 @@ class L3Backend(ABC):
                 self._write(key, (encode_header(payload, prov, key, self.auth), payload))
                 ok.append(True)
             except OSError as exc:
-                log.warning("L3 %s: storing %s failed: %s", self.name, key, exc)
-                self.count("set_failed")
+                self.write_failed(exc, 1)
                 ok.append(False)
+            else:
+                self.wrote()
         self.count("set_pages", sum(ok))
         return ok
+
+    def write_failed(self, exc: OSError, pages: int) -> None:
+        """Count ``pages`` not stored because of ``exc``; log when writes start to
+        fail or fail for another reason (a read-only store is not a page's fault)."""
+        reason = errno.errorcode.get(exc.errno or 0, "error").lower()
+        self.count("set_failed", pages)
+        self.count(f"set_failed_{reason}", pages)
+        with self._lock:
+            said, self.write_error = self.write_error, reason
+        if said != reason:
+            log.warning("L3 %s: writes fail (%s); pages are still served", self.name, exc)
+
+    def wrote(self) -> None:
+        """A write went through: a store that had refused writes takes them again."""
+        if self.write_error is not None:
+            with self._lock:
+                said, self.write_error = self.write_error, None
+            if said is not None:
+                log.warning("L3 %s: writes go through again (they failed: %s)", self.name, said)
 
     def clear(self) -> None:
         self._clear()
@@ -181,6 +205,7 @@ class L3Backend(ABC):
             out: dict[str, Any] = dict(self.counters)
         out.update(self._usage())
         out["backend"] = self.name
+        out["write_error"] = self.write_error
         return out
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -47,9 +47,11 @@ STALE_TMP_S = 60.0
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
-def open_store_dir(root: Path, dir_mode: int) -> int:
-    """A descriptor of the store's directory, made if missing and proven writable
-    (a probe file is created and removed); else a ``ConfigError`` naming the path."""
+def open_store_dir(root: Path, dir_mode: int) -> tuple[int, OSError | None]:
+    """A descriptor of the store's directory, made if missing, and why it takes no
+    writes (a probe file is created and removed): ``None`` when it does, the error
+    of a read-only file system (its pages are served, nothing is stored until it
+    is writable again). Any other failure is a ``ConfigError`` naming the path."""
     where = f"storage path {str(root)!r}"
     try:
         root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
@@ -64,9 +66,11 @@ def open_store_dir(root: Path, dir_mode: int) -> int:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
         os.unlink(probe, dir_fd=fd)
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return fd, exc
         os.close(fd)
         raise ConfigError(f"{where} is not writable: {exc.strerror or exc}") from None
-    return fd
+    return fd, None
 
 
 class FileBackend(L3Backend):
@@ -80,7 +84,9 @@ class FileBackend(L3Backend):
         self.fsync = options.fsync
         self.file_mode = int(options.file_mode, 8)
         self.dir_mode = int(options.dir_mode, 8)
-        self._root_fd = open_store_dir(self.root, self.dir_mode)
+        self._root_fd, read_only = open_store_dir(self.root, self.dir_mode)
+        if read_only is not None:
+            self.write_failed(read_only, 0)
         self.manifest = Manifest(self.root, self.file_mode, self.dir_mode)
         self._index_lock = threading.Lock()
         self._dirs: dict[str, int] = {}
@@ -133,7 +139,8 @@ class FileBackend(L3Backend):
 
     @staticmethod
     def _unlink(dir_fd: int, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        # Gone already, or a store turned read-only: nothing to do here.
+        with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
 
     def _read(self, key: str) -> bytes | None:
@@ -243,7 +250,8 @@ class FileBackend(L3Backend):
             dir_fd = self._dir(entry.name, create=False) if len(entry.name) == 2 else None
             for item in os.scandir(dir_fd) if dir_fd is not None else ():
                 if item.name.endswith(_SUFFIX):
-                    self._unlink(dir_fd, item.name)
+                    with contextlib.suppress(FileNotFoundError):  # read-only: raised
+                        os.unlink(item.name, dir_fd=dir_fd)
 
     def _usage(self) -> dict[str, Any]:
         with self._index_lock:

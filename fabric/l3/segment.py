@@ -62,7 +62,7 @@ from fabric.l3.format import (
 )
 from fabric.l3.manifest import Manifest
 from fabric.l3.options import SegmentOptions
-from fabric.l3.safe_open import open_regular
+from fabric.l3.safe_open import READ, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,9 @@ class SegmentBackend(L3Backend):
         self._bytes = 0
         self._refused: set[str] = set()  # names that are no regular file, said once
         self._scanned = 0.0
-        self._root_fd = open_store_dir(self.root, self.dir_mode)
+        self._root_fd, read_only = open_store_dir(self.root, self.dir_mode)
+        if read_only is not None:
+            self.write_failed(read_only, 0)
         self.manifest = Manifest(self.root, self.file_mode, self.dir_mode)
         with self._lock:
             self._rescan()
@@ -280,17 +282,37 @@ class SegmentBackend(L3Backend):
 
     # -- writing ----------------------------------------------------------------------
 
-    def _new_segment(self) -> Segment:
+    def _new_segment(self) -> tuple[Segment, int]:
+        """A new segment of this writer's (call with the lock held): the segment,
+        whose descriptor only reads, and a descriptor to append with."""
         self._seq += 1
         name = f"seg-{self.writer}-{self._seq:08d}{_SUFFIX}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(name, flags, self.file_mode, dir_fd=self._root_fd)
-        os.fchmod(fd, self.file_mode)  # exactly the mode asked for, whatever the umask
-        if self.fsync:
-            os.fsync(self._root_fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        wfd = os.open(name, flags, self.file_mode, dir_fd=self._root_fd)
+        try:
+            os.fchmod(wfd, self.file_mode)  # exactly the mode asked for, whatever the umask
+            if self.fsync:
+                os.fsync(self._root_fd)
+            fd = os.open(name, READ, dir_fd=self._root_fd)
+        except OSError:
+            os.close(wfd)
+            raise
         seg = Segment(name, fd, used=time.time())
         self._segments[name] = seg
-        return seg
+        return seg, wfd
+
+    def _reopen(self, seg: Segment) -> int | None:
+        """A descriptor to append to ``seg`` with, or ``None`` when its name is no
+        longer the file this writer made (removed or replaced by someone)."""
+        flags = os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            wfd = os.open(seg.name, flags, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            return None
+        if os.path.samestat(os.fstat(wfd), os.fstat(seg.fd)):
+            return wfd
+        os.close(wfd)
+        return None
 
     def set(
         self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance | None = None
@@ -311,34 +333,43 @@ class SegmentBackend(L3Backend):
         try:
             self._append(records)
         except OSError as exc:
-            log.warning("L3 segment: storing %d pages failed: %s", len(records), exc)
-            self.count("set_failed", len(records))
+            self.write_failed(exc, len(records))
             return [False] * len(records)
+        self.wrote()
         self.count("set_pages", len(records))
         self._evict()
         return [True] * len(records)
 
     def _append(self, records: list[tuple[str, list[Any], int, int]]) -> None:
         """Write ``records`` at the end of this thread's segment, then index them.
-        Only this thread appends to that segment, so the write needs no lock."""
+        Only this thread appends to that segment, so the write needs no lock. The
+        descriptor it writes with is closed when the append ends: between appends
+        the store holds no file open for writing, so its file system can be
+        remounted read-only under a running fabric (writes then fail, reads go on)."""
         size = sum(len(p) for _, parts, _, _ in records for p in parts)
         tid = threading.get_ident()
+        wfd = None
         with self._lock:
             seg = self._appending.get(tid)
-            if seg is None or (seg.size and seg.size + size > self.segment_bytes):
-                seg = self._appending[tid] = self._new_segment()
+            if seg is not None and seg.size and seg.size + size > self.segment_bytes:
+                seg = None
+            if seg is not None:
+                wfd = self._reopen(seg)
+            if wfd is None:
+                seg, wfd = self._new_segment()
+                self._appending[tid] = seg
             start = at = seg.size
             self._busy.add(seg)
         written = False
         try:
             for chunk in _write_calls([p for _, parts, _, _ in records for p in parts]):
                 want = sum(len(p) for p in chunk)
-                done = os.pwritev(seg.fd, chunk, at)
+                done = os.pwritev(wfd, chunk, at)
                 if done != want:
                     raise OSError(errno.ENOSPC, f"short write ({done} of {want} bytes)")
                 at += done
             if self.fsync:
-                os.fsync(seg.fd)
+                os.fsync(wfd)
             written = True
         finally:
             with self._lock:
@@ -354,12 +385,13 @@ class SegmentBackend(L3Backend):
                     # Cut the torn records off, so the segment's end stays a whole
                     # record; if even that fails, never append to it again.
                     try:
-                        os.ftruncate(seg.fd, start)
+                        os.ftruncate(wfd, start)
                     except OSError:
                         if self._appending.get(tid) is seg:
                             del self._appending[tid]
                 self._busy.discard(seg)
                 self._idle.notify_all()
+            os.close(wfd)
 
     def _quiesce(self) -> None:
         """Wait (lock held) until no append is between its write and its bookkeeping."""
@@ -379,7 +411,7 @@ class SegmentBackend(L3Backend):
                 victims.append((old.name, len(old.keys)))
                 self._forget(old)
         for name, n in victims:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone already, or the store turned read-only
                 os.unlink(name, dir_fd=self._root_fd)
             self.count("evicted_pages", n)
             self.count("evicted_segments")

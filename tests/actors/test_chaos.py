@@ -31,6 +31,7 @@ def test_a_short_seeded_chaos_run_loses_nothing():
                 "storage_kill",
                 "rank_sigstop",
                 "l3_full",
+                "l3_read_only",
                 "duplicate_messages",
                 "rank_kill_no_restart",
                 "client_exit",
@@ -47,10 +48,12 @@ def test_a_short_seeded_chaos_run_loses_nothing():
     assert report["stuck_requests"] == 0 and report["integrity_errors"] == []
     assert report["faults_injected"] >= 3, report["fault_log"]
     assert report["requests"]["served"] > 0 and report["requests"]["verified"] > 0
-    # As root, l3_full fills a tmpfs of L3's own (real ENOSPC); else it sets a flag.
-    full = [f for f in report["fault_log"] if f["kind"] == "l3_full"]
+    # As root, L3 is a tmpfs of its own: l3_full fills it (real ENOSPC) and
+    # l3_read_only remounts it read-only (real EROFS); else each sets a flag.
     real = report["l3_faults"].startswith("tmpfs")
-    assert all(("tmpfs filled" in f["target"]) == real for f in full), (report["l3_faults"], full)
+    for kind, says in (("l3_full", "tmpfs filled"), ("l3_read_only", "remounted read-only")):
+        log = [f for f in report["fault_log"] if f["kind"] == kind]
+        assert all((says in f["target"]) == real for f in log), (report["l3_faults"], log)
     load = report["requests"]["load"]  # decode, sessions, pins and tenants, not only submit
     assert load["append"] > 0 and load["session kept"] > 0 and load["pin"] > 0
     assert {"namespace default", "namespace tenant-a", "namespace tenant-b"} <= set(load)
