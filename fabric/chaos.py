@@ -331,7 +331,7 @@ class Chaos:
         assert self.config is not None
         ps = self.config.cache.page_size
         model = self.config.model
-        vocab = None if model.filler == "synthetic" else model.vocab_size
+        vocab = model.vocab_size if model.runs_model else None
         while not self.stop.is_set():
             tokens = prompt(rng, ps, vocab)
             namespace = rng.choice(NAMESPACES)

@@ -212,7 +212,10 @@ class PrefetchConfig(_Section):
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
-FILLERS = ("synthetic", "llama", "hybrid")
+FILLERS = ("synthetic", "constant", "llama", "hybrid")
+# The fillers that run a transformer: they need the tokens before a fill, and
+# every token within the model's vocabulary.
+MODEL_FILLERS = ("llama", "hybrid")
 # What a layer keeps per position: KV for every token (``full``, the base
 # component), KV for the last ``sliding_window - 1`` tokens (``sliding``), or one
 # fixed-size recurrent state (``mamba``).
@@ -230,9 +233,11 @@ class ModelConfig(_Section):
     dtype: str = _one_of(DTYPES, "bfloat16")
     layout: str = _one_of(LAYOUTS, "layer_first")
     # Who computes new KV: the synthetic producer (every value a checkable function
-    # of its prefix), or a Llama-architecture transformer (``pip install
-    # 'kvfabric[model]'``): seeded random weights of the shape above, or the
-    # weights in ``path`` (a local Hugging Face model directory).
+    # of its prefix), ``constant`` (no compute: one cheap value per token from its
+    # page's chain and its id, to measure the fabric itself: bench/fabric_load.py),
+    # or a Llama-architecture transformer (``pip install 'kvfabric[model]'``):
+    # seeded random weights of the shape above, or the weights in ``path`` (a
+    # local Hugging Face model directory).
     filler: str = _one_of(FILLERS, "synthetic")
     path: str = ""
     seed: NonNegativeInt = 0
@@ -281,6 +286,11 @@ class ModelConfig(_Section):
     def kinds(self) -> tuple[str, ...]:
         """Each layer's kind (every layer ``full`` when ``layer_kinds`` is empty)."""
         return self.layer_kinds or ("full",) * self.layers
+
+    @property
+    def runs_model(self) -> bool:
+        """Whether a transformer computes the KV (``MODEL_FILLERS``)."""
+        return self.filler in MODEL_FILLERS
 
     @property
     def components(self) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ class CoordinatorCore:
         # A hybrid model's component slots in one prefetch.
         parts = model.window_pages(config.cache.page_size) + ("mamba" in model.components)
         self.ctl = FabricController(
-            config.cache, config.runtime.max_message_bytes, model.filler != "synthetic", parts
+            config.cache, config.runtime.max_message_bytes, model.runs_model, parts
         )
         self.cache = HiCache(config.cache, self.ctl, config.prefetch, clock, config.model)
         self.admission = Admission(self.cache)
@@ -194,7 +194,7 @@ class CoordinatorCore:
     def _check_vocab(self, tokens: bytes) -> None:
         """A model behind the ranks embeds every token: one outside its vocabulary
         would fail every rank's compute (and reset the epoch), so it is refused here."""
-        if self.config.model.filler != "synthetic":
+        if self.config.model.runs_model:
             check_vocab(tokens, self.config.model.vocab_size)
 
     def end_session(self, session: str) -> bool:

@@ -1,4 +1,5 @@
-"""Who fills new KV on a rank: a real model, or the synthetic producer.
+"""Who fills new KV on a rank: a real model, the synthetic producer, or a
+constant fill that computes nothing (``ConstantKV``).
 
 The synthetic producer makes every KV value a deterministic function of the
 namespace, the whole token prefix up to that position, the (global) layer,
@@ -197,6 +198,52 @@ class SyntheticKV(ShardPositions):
         positions = self.positions(start_token, end)
         codes = self.prefix_codes(prev_hash, tokens, start_token, positions)
         return positions, self.values(codes, dtype)
+
+
+class ConstantKV(ShardPositions):
+    """No compute (``model.filler=constant``): each position's KV is one value,
+    repeated over K/V, layers, heads and dims, from its page's chain hash (all
+    that comes before the page), its token id, its offset and the shard. A fill is a strided
+    write, so a run measures the fabric itself — allocation, copies, consensus,
+    L3 — apart from KV production (``bench/fabric_load.py``). A page is still
+    checkable: one of another prefix, namespace or position does not match."""
+
+    def __init__(self, shard: Shard, model: ModelConfig, page_size: int) -> None:
+        super().__init__(shard, page_size)
+        self.shape = (2, shard.layers, shard.heads, model.head_dim)
+        # Another shard's page (other layers or heads) does not match either.
+        self.salt = (shard.layer_start * 0x1B873593 + shard.head_start * 0x0E6546B6) & _MASK
+
+    def expected(
+        self,
+        prev_hash: bytes,
+        tokens: bytes,
+        start_token: int,
+        dtype: torch.dtype,
+        prefix: bytes = b"",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start_token + len(tokens) // TOKEN_BYTES
+        positions = self.positions(start_token, end)
+        kv, layers, heads, dim = self.shape
+        if positions.numel() == 0:
+            return positions, torch.empty((kv, 0, layers, heads, dim), dtype=dtype)
+        ps, page_bytes = self.page_size, self.page_size * TOKEN_BYTES
+        last = (int(positions[-1]) - start_token) // ps
+        chain = [prev_hash, *chain_hashes(prev_hash, tokens[: last * page_bytes], page_bytes)]
+        seeds = torch.tensor(
+            [int.from_bytes(h[:4], "little") & _MASK for h in chain], dtype=torch.int64
+        )
+        index = positions - start_token
+        ids = torch.tensor(unpack_tokens(tokens), dtype=torch.int64)[index] & _MASK
+        codes = (
+            seeds[index // ps] * 0x27D4EB2F
+            + (ids + 1) * 0x5851F42D
+            + positions % ps * 0x14057B7E
+            + self.salt
+        ) & _MASK
+        values = ((codes * 0x2127599B & _MASK) >> 7) % 8191
+        one = (values.to(torch.float32) / 8191 - 0.5).to(dtype)
+        return positions, one.view(1, -1, 1, 1, 1).expand(kv, -1, layers, heads, dim)
 
 
 class SyntheticStates:

@@ -50,7 +50,7 @@ from fabric.rank.pools import (
     rows_to_states,
     state_rows,
 )
-from fabric.rank.producer import KVFiller, SyntheticKV, SyntheticStates
+from fabric.rank.producer import ConstantKV, KVFiller, SyntheticKV, SyntheticStates
 from fabric.rank.shared_l2 import SharedL2
 from fabric.topology import Shard, Topology, kind_layers
 
@@ -178,6 +178,8 @@ class RankWorker:
             self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
             self.states_host = StatePool(cache.host_mamba_slots, len(ids), elems, host)
             self.state_producer = SyntheticStates(self.shard, ids, elems)
+        if filler is None and model.filler == "constant":
+            filler = ConstantKV(self.shard, model, cache.page_size)
         if filler is None and model.filler == "llama":
             # transformers: an optional extra
             from fabric.rank.sharded import ShardedLlamaKV

@@ -10,7 +10,7 @@ from fabric.errors import InvalidInput
 from fabric.local import LocalFabric
 from fabric.messages import Report
 from fabric.rank.pools import KVPool, copy_pages, page_runs
-from fabric.rank.producer import SyntheticKV
+from fabric.rank.producer import ConstantKV, SyntheticKV
 from fabric.topology import Topology
 from tests.helpers import prompt, small_config
 
@@ -42,10 +42,11 @@ def _after_first_page(namespace: str, tokens: bytes, page_size: int = 4):
     return TokenKey(tokens, page_size, namespace).page_hashes()[0], tokens[page_size * 4 :]
 
 
-def test_producer_depends_on_whole_prefix_layer_head_and_shard():
+@pytest.mark.parametrize("producer", [SyntheticKV, ConstantKV])
+def test_producer_depends_on_whole_prefix_layer_head_and_shard(producer):
     model = ModelConfig(layers=2, kv_heads=2, head_dim=8, dtype="float32")
     topo = Topology(FabricConfig().topology)
-    a, b = (SyntheticKV(topo.shard(i, model, 4), model, 4) for i in (0, 1))
+    a, b = (producer(topo.shard(i, model, 4), model, 4) for i in (0, 1))
     t1 = pack_tokens([1, 2, 3, 4, 5, 6, 7, 8])
     t2 = pack_tokens([9, 2, 3, 4, 5, 6, 7, 8])  # differs only in the first token
     _, v1 = a.expected(*_after_first_page("ns", t1), 4, torch.float32)
@@ -57,11 +58,12 @@ def test_producer_depends_on_whole_prefix_layer_head_and_shard():
     assert torch.equal(v1, again)
 
 
-def test_a_fill_in_chunks_equals_a_fill_of_the_whole_prompt():
+@pytest.mark.parametrize("producer", [SyntheticKV, ConstantKV])
+def test_a_fill_in_chunks_equals_a_fill_of_the_whole_prompt(producer):
     """A compute carries only its new tokens and the chain hash before them."""
     model = ModelConfig(layers=2, kv_heads=2, head_dim=8, dtype="float32")
     shard = Topology(FabricConfig().topology).shard(1, model, 4)
-    kv = SyntheticKV(shard, model, 4)
+    kv = producer(shard, model, 4)
     whole, chunked = (KVPool(6, shard, model, torch.device("cpu")) for _ in range(2))
     tokens = pack_tokens(range(100, 120))
     kv.fill(whole, "ns", namespace_seed("ns"), tokens, 0, [0, 1, 2, 3, 4])
@@ -104,3 +106,22 @@ def test_config_refuses_shapes_that_do_not_split_over_ranks():
         FabricConfig.from_dict(
             {"cache": {"page_size": 4, "device_tokens": 64}, "topology": {"cp": 3}}
         )
+
+
+def test_a_fabric_that_computes_nothing_still_serves_checkable_pages():
+    """``model.filler=constant`` (the fabric measured apart from KV production):
+    pages verify through L1, L2, decode and context parallel ranks; a page of
+    another prompt or position does not."""
+    f = LocalFabric(small_config("model.filler=constant", "topology.cp=2"))
+    prompts = [pack_tokens(prompt(seed, pages=5, shared=2)) for seed in range(8)]
+    for tokens in prompts + prompts:
+        r = f.serve(tokens)
+        assert r.error is None and f.verify(r, tokens) == [True] * 8
+        f.core.release(r.lease)
+    r = f.serve(prompts[0])
+    assert r.device_hit_tokens + r.host_hit_tokens > 0
+    more = pack_tokens(range(7))
+    assert f.verify(f.append(r.lease, more), prompts[0] + more) == [True] * 8
+    r = f.serve(prompts[1])
+    assert f.verify(r, prompts[2]) != [True] * 8
+    assert all(isinstance(w.filler, ConstantKV) for w in f.ranks)
