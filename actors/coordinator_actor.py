@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -129,14 +130,45 @@ class CoordinatorActor:
         request_id: str | None = None,
         owner: str | None = None,
         session: str | None = None,
+        release: Sequence[Lease] = (),
     ) -> RequestResult:
+        """Serve one prompt; ``release``: leases of this driver's earlier results to
+        let go first (one call instead of two: a release rides on the next submit)."""
+        results = await self.submit_many(
+            [tokens], namespace, priority, [request_id], owner, session, release
+        )
+        return results[0]
+
+    async def submit_many(
+        self,
+        prompts: Sequence[bytes],
+        namespace: str = "default",
+        priority: int = 0,
+        request_ids: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        session: str | None = None,
+        release: Sequence[Lease] = (),
+    ) -> list[RequestResult]:
+        """Serve several prompts in one call, after releasing ``release`` (each a
+        ``Lease``); one result per prompt, in order. A bad lease or prompt raises
+        ``InvalidInput`` before anything is released or submitted."""
         if self._task is None:  # a restarted coordinator starts on its first request
             await self.start()
-        rid = self.core.submit(tokens, namespace, priority, request_id, owner, session)
-        future = asyncio.get_running_loop().create_future()
-        self.futures[rid] = future
+        started = time.perf_counter()
+        try:
+            rids = self.core.submit_many(
+                prompts, namespace, priority, request_ids, owner, session, release
+            )
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
+        loop = asyncio.get_running_loop()
+        futures = []
+        for rid in rids:
+            future = loop.create_future()
+            self.futures[rid] = future
+            futures.append(future)
         self._wake()
-        return await future
+        return list(await asyncio.gather(*futures))
 
     async def append(self, lease: Lease, tokens: bytes, owner: str | None = None) -> RequestResult:
         """Decode: the KV of ``tokens`` generated after a leased request; the result
@@ -167,7 +199,11 @@ class CoordinatorActor:
         return request_id in self.core.running
 
     async def release(self, lease: Lease, session: str | None = None) -> bool:
-        released = self.core.release(lease, session)
+        started = time.perf_counter()
+        try:
+            released = self.core.release(lease, session)
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
         if released:
             self._wake()
         return released
@@ -441,8 +477,13 @@ class CoordinatorActor:
         if self._dead_ranks:
             await self._find_new_ranks()
         round_started = started = time.perf_counter()
-        data = encode(self.core.next_batch())
+        batch = self.core.next_batch()
         queries = self.core.take_queries()
+        if not self.core.round_needed(batch, queries):
+            self.core.stats.core_time_s += time.perf_counter() - started
+            self.core.stats.rounds_skipped += 1
+            return
+        data = encode(batch)
         self.core.stats.core_time_s += time.perf_counter() - started
         hits_call = self.storage.query.remote(queries) if queries else None
         sent = time.perf_counter()

@@ -145,13 +145,16 @@ class RankActor:
             run_one(block=True, timeout=0.1)
 
     def step(self, batch: bytes) -> bytes:
-        """Queue a step's commands; return this rank's report (msgpack)."""
+        """Queue a step's commands; return this rank's report (msgpack) once it has
+        news — a command done, prefetch progress — or nothing in flight, or after
+        ``runtime.round_wait_s``."""
         message = decode(batch, self.max_bytes)
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
         self.worker.accept(message)
         if self._duplicate:  # chaos: the same message delivered twice
             self.worker.accept(message)
+        self.worker.wait_for_news(self.config.runtime.round_wait_s)
         if self._reply_delay_s:
             time.sleep(self._reply_delay_s)
         if self._bad_report is not None:

@@ -359,6 +359,10 @@ class RuntimeConfig(_Section):
         description="a list of allowed namespaces, or ['*'] for any",
     )
     step_interval_s: NonNegativeFloat = 0.001
+    # A rank holds its reply to a round while it has work in flight and nothing new
+    # to report, up to this long: the coordinator hears of each finished command at
+    # once instead of polling for it with empty rounds (0: reply at once).
+    round_wait_s: NonNegativeFloat = 0.02
     rank_timeout_s: PositiveFloat = 30.0
     # How long the ranks of a sharded model (model.filler=llama) wait in one
     # collective (forming their groups, an all-reduce or all-gather, a stage's send
@@ -393,6 +397,16 @@ class RuntimeConfig(_Section):
     control_resource: Annotated[
         str, _allowed("a Ray resource name, or empty for any node", pattern=r"^[A-Za-z0-9_.-]*$")
     ] = "kvfabric_head"
+
+    @model_validator(mode="after")
+    def _round_wait_fits(self) -> RuntimeConfig:
+        if self.round_wait_s > self.rank_timeout_s / 2:
+            raise ValueError(
+                f"runtime.round_wait_s={self.round_wait_s} is refused: allowed is at most half "
+                f"of runtime.rank_timeout_s={self.rank_timeout_s} (a rank holding its reply "
+                "longer would count as absent)"
+            )
+        return self
 
     def allowed_namespaces(self) -> frozenset[str] | None:
         """``None`` when any namespace is allowed."""

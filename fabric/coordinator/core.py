@@ -112,8 +112,34 @@ class CoordinatorCore:
         ``session``, the session that keeps its whole pages when its lease ends
         (unless ``release`` names another). Raises ``InvalidInput`` naming the
         problem; nothing is queued then."""
-        if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
-            raise InvalidInput("tokens must be a non-empty sequence of non-negative ints")
+        return self.submit_many([tokens], namespace, priority, [request_id], owner, session)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[bytes],
+        namespace: str = "default",
+        priority: int = 0,
+        request_ids: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        session: str | None = None,
+        release: Sequence[Lease] = (),
+    ) -> list[str]:
+        """Release the leases in ``release`` (a driver's earlier results: one call
+        does both), then queue one request per prompt, as ``submit`` does. All or
+        nothing: a bad prompt, id or lease raises ``InvalidInput`` before any lease
+        is released or any request queued. Returns the request ids, in order."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidInput("prompts must be a non-empty list of packed token bytes")
+        if not isinstance(release, (list, tuple)):
+            raise InvalidInput(f"release takes a list of Leases, not {type(release).__name__}")
+        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        if len(ids) != len(prompts):
+            raise InvalidInput(
+                f"{len(ids)} request ids for {len(prompts)} prompts: give one per prompt or none"
+            )
+        for tokens in prompts:
+            if not isinstance(tokens, bytes) or not tokens or len(tokens) % TOKEN_BYTES:
+                raise InvalidInput("tokens must be a non-empty sequence of non-negative ints")
         if session is not None:
             check_session_id(session)
         check_namespace(namespace)
@@ -125,6 +151,39 @@ class CoordinatorCore:
             raise InvalidInput(f"priority {priority!r} is refused: allowed is an int")
         if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 64):
             raise InvalidInput(f"owner {owner!r} is refused: allowed is a Ray job id")
+        held = [self._held(lease) for lease in release]  # raises on a bad one
+        if len({id(h) for h in held if h is not None}) < sum(h is not None for h in held):
+            raise InvalidInput("release names the same lease twice")
+        pending = len(self.waiting) + len(self.running) + len(self.prefetching)
+        if pending + len(prompts) > self.config.runtime.max_pending_requests:
+            raise InvalidInput("too many pending requests; retry later")
+        now, requests, taken = self.clock(), [], set()
+        for tokens, rid in zip(prompts, ids, strict=True):
+            req = self._request(tokens, namespace, priority, rid, owner, session, now)
+            if req.rid in taken:
+                raise InvalidInput(f"request_id {req.rid!r} is given twice")
+            taken.add(req.rid)
+            requests.append(req)
+        for h in held:
+            if h is not None:
+                self._drop_lease(h)
+        self.waiting.extend(requests)
+        self._blocked = False
+        self.stats.submitted += len(requests)
+        return [r.rid for r in requests]
+
+    def _request(
+        self,
+        tokens: bytes,
+        namespace: str,
+        priority: int,
+        request_id: str | None,
+        owner: str | None,
+        session: str | None,
+        now: float,
+    ) -> ServingRequest:
+        """A checked request for the packed ``tokens`` (their format checked already;
+        not yet queued)."""
         self._check_vocab(tokens)
         prompt = len(tokens) // TOKEN_BYTES
         if prompt > self.config.cache.device_tokens:
@@ -138,18 +197,10 @@ class CoordinatorCore:
         check_namespace(rid)  # the same rules: it travels in results and logs
         if self._known(rid):
             raise InvalidInput(f"request_id {rid!r} is already in use")
-        pending = len(self.waiting) + len(self.running) + len(self.prefetching)
-        if pending >= self.config.runtime.max_pending_requests:
-            raise InvalidInput("too many pending requests; retry later")
         key = TokenKey(tokens, self.config.cache.page_size, namespace)
-        self.waiting.append(
-            ServingRequest(
-                rid, key, prompt, priority, self.clock(), owner, tokens=tokens, session=session
-            )
+        return ServingRequest(
+            rid, key, prompt, priority, now, owner, tokens=tokens, session=session
         )
-        self._blocked = False
-        self.stats.submitted += 1
-        return rid
 
     def append(self, lease: Lease, tokens: bytes, owner: str | None = None) -> str:
         """Decode: queue the KV of packed ``tokens`` generated after a leased request.
@@ -364,6 +415,19 @@ class CoordinatorCore:
         incarnations = tuple(known.get(i, "") for i in range(world))
         acked = self.ctl.acked()
         return Batch(self.epoch, self.ctl.take_commands(), stops, forget, incarnations, acked)
+
+    def round_needed(self, batch: Batch, queries: Sequence[Query]) -> bool:
+        """Whether a round would do anything: something to send (commands, stops,
+        prefetches to forget, hit queries), something in flight or failed to
+        deliver, or a rank to hear from again. A shell may skip the round when not
+        (a release that freed pages and admitted nothing, say): the ranks hear
+        nothing they do not already know."""
+        if batch.commands or batch.stop or batch.forget or queries:
+            return True
+        if self._failed or self.absent or self.adopt_wanted or not self.idle:
+            return True
+        self._round_started = None  # no round: the next one is timed from its batch
+        return False
 
     def _schedule(self) -> None:
         ready = []
@@ -828,6 +892,7 @@ class CoordinatorCore:
             "resets": s.resets,
             "reset_reasons": dict(s.by_reason),
             "rounds": s.rounds,
+            "rounds_skipped": s.rounds_skipped,
             "cache": self.cache.stats.counters(),
             "prefetching": len(self.prefetching),
             "storage_ops": self.l3.snapshot(),

@@ -103,6 +103,8 @@ class FabricStats:
     gave_up: int = 0
     resets: int = 0
     rounds: int = 0
+    # Steps that sent no round: nothing to send, nothing in flight (``round_needed``).
+    rounds_skipped: int = 0
     prompt_tokens: int = 0
     tokens: TierTokens = field(default_factory=TierTokens)
     latency_s_total: float = 0.0

@@ -216,7 +216,12 @@ class RankWorker:
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
         self.idle = threading.Condition(self.lock)
+        # Bumped (and ``news`` notified) whenever the report would change: a
+        # command done, prefetch progress, a new epoch (``wait_for_news``).
+        self.news = threading.Condition(self.lock)
+        self.news_seq = 0
         self.copying = False
+        self.storing = False  # the storage thread runs a command
         self.epoch = 0
         self._reset_counters()
         # Bytes this rank copied, by direction, since it started (never reset):
@@ -288,6 +293,26 @@ class RankWorker:
             self._open_epoch(epoch)
             return self.names.entries()
 
+    def _announce(self) -> None:
+        """Under the lock: the report changed."""
+        self.news_seq += 1
+        self.news.notify_all()
+
+    def wait_for_news(self, timeout: float) -> None:
+        """Return once the report has changed since the call, once this rank has
+        nothing in flight, or after ``timeout`` seconds: a round's reply then
+        carries what finished rather than the same report again."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            seen = self.news_seq
+            while self.news_seq == seen and (
+                self.queue or self.storage_queue or self.copying or self.storing
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.news.wait(left)
+
     def _open_epoch(self, epoch: int) -> None:
         """Under the lock: a newer ``epoch`` starts counting afresh. Pages of the old
         epoch may already belong to new data: the copy in flight finishes first
@@ -299,6 +324,7 @@ class RankWorker:
                 self.idle.wait()
             self._reset_counters()
             self.broken_meshes.clear()  # keys name their epoch: none comes back
+            self._announce()
 
     def report(self) -> Report:
         with self.lock:
@@ -346,6 +372,7 @@ class RankWorker:
         with self.lock:
             if epoch != self.epoch:
                 return True  # a reset arrived meanwhile; these belong to the old epoch
+            self._announce()
             for cmd in group:
                 if not ok:
                     self.failed.append(cmd.cmd_id)  # type: ignore[attr-defined]
@@ -520,6 +547,16 @@ class RankWorker:
             if not self.storage_queue:
                 return False
             cmd, epoch = self.storage_queue.popleft(), self.epoch
+            self.storing = True
+        try:
+            self._run_storage(cmd, epoch)
+        finally:
+            with self.lock:
+                self.storing = False
+                self._announce()
+        return True
+
+    def _run_storage(self, cmd: Message, epoch: int) -> None:
         if isinstance(cmd, Backup):
             started = time.perf_counter()
             ok = self._backup(cmd, epoch)
@@ -531,10 +568,9 @@ class RankWorker:
                     self.backups_done += 1
                     if not ok:
                         self.failed.append(cmd.cmd_id)
-            return True
+            return
         assert isinstance(cmd, Prefetch)
         self._prefetch(cmd, epoch)
-        return True
 
     def _backup(self, cmd: Backup, epoch: int) -> bool:
         if self.storage is None:
@@ -638,6 +674,7 @@ class RankWorker:
                     return
                 entry = self.prefetch.setdefault(cmd.op_id, [0, False, False])
                 entry[0] = done * self.config.cache.page_size
+                self._announce()
             if got < len(want):
                 terminated = terminated or done < total
                 break

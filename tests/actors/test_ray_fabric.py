@@ -67,6 +67,26 @@ def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):
     fabric.check_integrity()
 
 
+def test_releases_ride_on_submits_and_submit_many_serves_a_batch(fabric):
+    prompts = [prompt(seed, pages=2) for seed in range(500, 504)]
+    held = fabric.submit_many(prompts[:2], timeout=60)
+    assert [fabric.verify(r, p) for r, p in zip(held, prompts[:2], strict=True)] == [[True] * 4] * 2
+    leases = fabric.stats()["leases"]
+    r = fabric.submit(prompts[2], timeout=60, release=[h.lease for h in held])
+    assert r.error is None and fabric.stats()["leases"] == leases - 1
+    skipped = fabric.stats()["rounds_skipped"]
+    many = fabric.submit_many(prompts[3:] + prompts[:1], timeout=60, release=r.lease)
+    assert [x.error for x in many] == [None, None] and fabric.verify(many[1], prompts[0])[0]
+    with pytest.raises(InvalidInput, match="same lease twice"):
+        fabric.submit_many(prompts[:1], release=[many[0].lease, many[0].lease])
+    assert fabric.stats()["leases"] == leases  # nothing released, nothing queued
+    for x in many:
+        assert fabric.release(x.lease)
+    assert wait_for(lambda: fabric.stats()["rounds_skipped"] > skipped, 10), (
+        "a release that admits nothing sends no round"
+    )
+
+
 def test_the_coordinator_actor_publishes_kv_events_on_zmq(fabric):
     import msgspec
     import zmq

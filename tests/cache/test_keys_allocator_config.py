@@ -122,6 +122,8 @@ def test_config_refuses_bad_values_naming_key_value_and_rule():
         FabricConfig().with_overrides(["runtime.max_request_retries=-1"])
     with pytest.raises(ConfigError, match=r"runtime\.lease_ttl_s=0"):
         FabricConfig().with_overrides(["runtime.lease_ttl_s=0"])
+    with pytest.raises(ConfigError, match=r"runtime\.round_wait_s=3\.0 .*rank_timeout_s=5\.0"):
+        FabricConfig().with_overrides(["runtime.round_wait_s=3", "runtime.rank_timeout_s=5"])
 
 
 def test_config_loads_json_toml_yaml_and_overrides(tmp_path):

@@ -1,6 +1,8 @@
 """The fabric's logic end to end in one process: coordinator core + rank workers,
 stepped by hand, so consensus is tested without timing."""
 
+import dataclasses
+
 import pytest
 
 import fabric.cache.keys
@@ -417,3 +419,53 @@ def test_a_hybrid_lease_names_its_components_and_every_rank_checks_them():
     f.ranks[0].sliding.pages[:, sliding_page] += 1
     f.ranks[3].states.buffer[slot] += 1
     assert f.verify(again, p) == [False, True, True, False]
+
+
+def test_submit_many_serves_every_prompt_and_lets_the_leases_it_names_go_first():
+    f = LocalFabric(small_config())
+    first = [pack_tokens(prompt(seed, pages=2)) for seed in range(3)]
+    done = [f._wait(rid, 100) for rid in f.core.submit_many(first)]
+    assert all(r.error is None for r in done) and len(f.core.leases) == 3
+    for r, tokens in zip(done, first, strict=True):
+        assert f.verify(r, tokens) == [True] * 4
+    second = [pack_tokens(prompt(seed, pages=2)) for seed in range(3, 5)]
+    rids = f.core.submit_many(second, request_ids=["a", "b"], release=[d.lease for d in done])
+    assert rids == ["a", "b"] and not f.core.leases, "the three leases went first"
+    again = [f._wait(rid, 100) for rid in rids]
+    assert [r.request_id for r in again] == ["a", "b"] and len(f.core.leases) == 2
+    # A lease that expired or was released already is no error: nothing to let go.
+    assert f.core.submit_many([first[0]], release=[done[0].lease])
+    f.core.cache.check_integrity()
+
+
+def test_submit_many_is_all_or_nothing_on_bad_input():
+    f = LocalFabric(small_config())
+    r = f.serve(pack_tokens(prompt(1, pages=2)))
+    good = pack_tokens(prompt(2, pages=2))
+    forged = dataclasses.replace(r.lease, tokens=r.lease.tokens + 4)  # the same token
+    for kwargs, match in [
+        ({"prompts": [good, b"\x01"]}, "non-empty"),
+        ({"prompts": []}, "non-empty list"),
+        ({"prompts": [good, good], "request_ids": ["x", "x"]}, "given twice"),
+        ({"prompts": [good], "request_ids": ["x", "y"]}, "one per prompt"),
+        ({"prompts": [good], "release": [r.lease, "not a lease"]}, "not str"),
+        ({"prompts": [good], "release": [r.lease, r.lease]}, "same lease twice"),
+        ({"prompts": [good], "release": r.lease}, "list of Leases"),
+        ({"prompts": [good], "release": [forged]}, "does not match"),
+    ]:
+        with pytest.raises(InvalidInput, match=match):
+            f.core.submit_many(**kwargs)
+        assert not f.core.waiting and len(f.core.leases) == 1, kwargs
+    assert f.core.release(r.lease)
+
+
+def test_a_step_with_nothing_to_send_or_wait_for_needs_no_round():
+    """``round_needed``: the actor skips a round after a release that admitted
+    nothing, instead of sending the ranks an empty batch."""
+    f = LocalFabric(small_config())
+    r = f.serve(pack_tokens(prompt(1, pages=2)))
+    f.settle()
+    assert f.core.release(r.lease)
+    assert not f.core.round_needed(f.core.next_batch(), f.core.take_queries())
+    f.core.submit(pack_tokens(prompt(2, pages=2)))
+    assert f.core.round_needed(f.core.next_batch(), f.core.take_queries())

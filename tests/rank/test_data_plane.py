@@ -125,3 +125,30 @@ def test_a_fabric_that_computes_nothing_still_serves_checkable_pages():
     r = f.serve(prompts[1])
     assert f.verify(r, prompts[2]) != [True] * 8
     assert all(isinstance(w.filler, ConstantKV) for w in f.ranks)
+
+
+def test_a_rank_holds_its_reply_until_it_has_news_or_nothing_in_flight():
+    """``runtime.round_wait_s``: a round's reply waits for a command to finish
+    rather than repeating the same report; with nothing in flight it is at once,
+    and a command nobody runs holds it only until the bound."""
+    import threading
+
+    f = LocalFabric(small_config("storage.backend=none"))
+    rank = f.ranks[0]
+    rank.wait_for_news(30)  # nothing in flight: returns at once (else this test hangs)
+    f.core.submit(pack_tokens(prompt(1, pages=2)))
+    rank.accept(f.core.next_batch())
+    assert rank.queue, "a compute is queued"
+    before = rank.report()
+    waiter = threading.Thread(target=rank.wait_for_news, args=(60,), daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "it waits while the compute has not run"
+    assert rank.run_one(block=False)
+    waiter.join(30)
+    assert not waiter.is_alive(), "the finished compute is news"
+    assert rank.report() != before
+    f.core.submit(pack_tokens(prompt(2, pages=2)))
+    rank.accept(f.core.next_batch())
+    rank.wait_for_news(0.01)  # nobody runs it: the bound ends the wait
+    assert rank.queue

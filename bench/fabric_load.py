@@ -1,0 +1,294 @@
+"""The fabric's own cost under load: driver processes submitting at once.
+
+Launches one local fabric per mode (the default config, TP=2 on CPU pools; and
+``model.filler=constant``, ranks that allocate and copy but compute nothing, so
+the figures are the fabric's own ceiling apart from KV production). For each
+driver count, that many separate driver processes connect to it and submit and
+release multi-turn chat prompts (``fabric.workload.synthetic_trace``: one set
+of conversations, each driver cycling through it from its own point; mostly L1
+hits) for ``--seconds``. Reports
+per count: requests/s, latency p50/p99 (submit to result), the coordinator
+process's CPU per request (utime + stime from ``/proc``; the actor runs on this
+machine) and its core's time per request (``stats()["core_time_s"]``: every
+core call the actor makes — submits, releases, each round's batch and commit),
+and their ratio: what the actor shell costs beyond the core's own work.
+
+    python3 bench/fabric_load.py --quick
+    python3 bench/fabric_load.py --drivers 1,2,4,8 --no-compute-drivers 1,2,4,8,16 --seconds 30
+
+The last line is one JSON object: ``coordinator_cpu_over_core`` and
+``requests_per_s`` at the largest driver count of the default mode, and
+``no_compute_requests_per_s`` (the best of that mode's curve), beside both curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from fabric.config import FabricConfig
+from fabric.process_exit import finish
+
+NS = "kvfabric-bench-load"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def prompts_for(seed: int, max_tokens: int) -> list[bytes]:
+    from fabric.workload import iter_packed, synthetic_trace
+
+    packed = [p for _, p in iter_packed(synthetic_trace(60, seed=seed), seed=seed)]
+    return [p for p in packed if 0 < len(p) // 4 <= max_tokens]
+
+
+def driver(
+    address: str,
+    name: str,
+    seed: int,
+    max_tokens: int,
+    seconds: float,
+    separate: bool,
+    ready,
+    go,
+    out,
+) -> None:
+    """One driver process: connect, wait for the start, then submit and release
+    for ``seconds`` (each lease let go with the next submit, or in a call of its
+    own with ``separate``); put (requests, latencies, tokens by tier) on ``out``."""
+    from fabric.client import connect
+
+    fabric = connect(name, address=address, ray_namespace=NS)
+    prompts = prompts_for(0, max_tokens)  # every driver the same chats, from its own point
+    fabric.release(fabric.submit(prompts[0], timeout=120).lease)  # connected, warm
+    ready.put(seed)
+    go.wait()
+    latencies: list[float] = []
+    tiers = {"device": 0, "host": 0, "storage": 0, "computed": 0}
+    end = time.monotonic() + seconds
+    i = 7 * seed
+    held = None  # a lease to let go with the next submit (or on its own: --separate-release)
+    while time.monotonic() < end:
+        tokens = prompts[i % len(prompts)]
+        i += 1
+        started = time.perf_counter()
+        r = fabric.submit(tokens, timeout=120, release=held if held is not None else ())
+        latencies.append(time.perf_counter() - started)
+        if r.error is not None:
+            raise RuntimeError(r.error)
+        tiers["device"] += r.device_hit_tokens
+        tiers["host"] += r.host_hit_tokens
+        tiers["storage"] += r.storage_hit_tokens
+        tiers["computed"] += r.computed_tokens
+        held = r.lease
+        if separate:
+            fabric.release(held)
+            held = None
+    if held is not None:
+        fabric.release(held)
+    out.put((seed, latencies, tiers))
+    import ray
+
+    from fabric.process_exit import exit_process
+
+    ray.shutdown()
+    exit_process(0)
+
+
+def phase(
+    fabric: Any,
+    drivers: int,
+    seconds: float,
+    first_seed: int,
+    profile: str | None = None,
+    separate: bool = False,
+) -> dict[str, Any]:
+    """``drivers`` processes at once against ``fabric`` for ``seconds``; with
+    ``profile``, py-spy samples the coordinator's process meanwhile (collapsed
+    stacks written there)."""
+    import ray
+
+    ctx = mp.get_context("spawn")
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    max_tokens = fabric.config.cache.device_tokens // 2
+    procs = [
+        ctx.Process(
+            target=driver,
+            args=(
+                fabric.cluster_address,
+                fabric.config.runtime.name,
+                first_seed + k,
+                max_tokens,
+                seconds,
+                separate,
+                ready,
+                go,
+                out,
+            ),
+            daemon=True,
+        )
+        for k in range(drivers)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=300)
+    pid = ray.get(fabric.coordinator.where.remote(), timeout=30)[0]
+    before, cpu_before = fabric.stats(), cpu_s(pid)
+    started = time.monotonic()
+    go.set()
+    spy = None
+    if profile:
+        cmd = ["py-spy", "record", "--nonblocking", "-p", str(pid), "-d", str(int(seconds))]
+        spy = subprocess.Popen([*cmd, "-f", "raw", "-o", profile], stdout=subprocess.DEVNULL)
+    results = [out.get(timeout=seconds + 300) for _ in procs]
+    if spy is not None:
+        spy.wait(timeout=60)
+    elapsed = time.monotonic() - started
+    cpu, after = cpu_s(pid) - cpu_before, fabric.stats()
+    for p in procs:
+        p.join(timeout=60)
+    latencies = sorted(x for _, lat, _ in results for x in lat)
+    n = len(latencies)
+    finished = after["requests"]["finished"] - before["requests"]["finished"]
+    core = after["core_time_s"] - before["core_time_s"]
+    tiers = {k: sum(t[k] for _, _, t in results) for k in results[0][2]}
+    tokens = max(1, sum(tiers.values()))
+    return {
+        "drivers": drivers,
+        "requests": n,
+        "requests_per_s": round(n / elapsed, 1),
+        "latency_ms_p50": round(1e3 * latencies[n // 2], 2),
+        "latency_ms_p99": round(1e3 * latencies[int(0.99 * (n - 1))], 2),
+        "coordinator_cpu_ms_per_request": round(1e3 * cpu / max(1, finished), 3),
+        "core_ms_per_request": round(1e3 * core / max(1, finished), 3),
+        "coordinator_cpu_over_core": round(cpu / core, 2) if core else None,
+        "coordinator_cpu_share": round(cpu / elapsed, 2),
+        "rounds_per_request": round((after["rounds"] - before["rounds"]) / max(1, finished), 3),
+        "l1_hit_fraction": round(tiers["device"] / tokens, 3),
+    }
+
+
+def run_mode(
+    config: FabricConfig,
+    counts: list[int],
+    seconds: float,
+    label: str,
+    profile: str | None,
+    separate: bool,
+) -> list[dict]:
+    from fabric.client import launch
+
+    fabric = launch(config, address="local", announce=False)
+    curve = []
+    try:
+        for i, drivers in enumerate(counts):
+            last = i == len(counts) - 1
+            where = f"{profile}-{label.replace(' ', '-')}.txt" if profile and last else None
+            row = phase(fabric, drivers, seconds, 100 * i, where, separate)
+            curve.append(row)
+            print(
+                f"{label:>10} {drivers:>3} drivers: {row['requests_per_s']:>7} req/s, "
+                f"p50 {row['latency_ms_p50']} ms, p99 {row['latency_ms_p99']} ms, coordinator "
+                f"{row['coordinator_cpu_ms_per_request']} ms CPU/request (core "
+                f"{row['core_ms_per_request']} ms, x{row['coordinator_cpu_over_core']}), "
+                f"L1 hits {row['l1_hit_fraction']:.0%}",
+                file=sys.stderr,
+                flush=True,
+            )
+            fabric.settle(60)
+    finally:
+        fabric.shutdown()
+    return curve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--drivers", default="1,2,4,8", help="driver counts, default mode")
+    ap.add_argument("--no-compute-drivers", default="1,2,4,8,16", help="and with no compute")
+    ap.add_argument("--seconds", type=float, default=30.0, help="per driver count")
+    ap.add_argument("--quick", action="store_true", help="1 and 4 drivers, 6 s each")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="py-spy (on PATH) samples the coordinator at each mode's largest driver "
+        "count: collapsed stacks in PREFIX-<mode>.txt",
+    )
+    ap.add_argument(
+        "--separate-release",
+        action="store_true",
+        help="release each lease in a call of its own (by default it rides on the next submit)",
+    )
+    args = ap.parse_args()
+    counts = [int(n) for n in args.drivers.split(",")]
+    free = [int(n) for n in args.no_compute_drivers.split(",")]
+    seconds = args.seconds
+    if args.quick:
+        counts, free, seconds = [1, 4], [1, 4], 6.0
+    l3 = tempfile.mkdtemp(prefix="kvfabric-bench-load-")
+    base = [
+        f"storage.path={l3}",
+        "storage.backend=segment",
+        f"runtime.ray_namespace={NS}",
+        "runtime.dashboard=false",
+        *args.set,
+    ]
+    try:
+        default = run_mode(
+            FabricConfig().with_overrides([*base, "runtime.name=load"]),
+            counts,
+            seconds,
+            "default",
+            args.profile,
+            args.separate_release,
+        )
+        none = run_mode(
+            FabricConfig().with_overrides(
+                [*base, "runtime.name=load-none", "model.filler=constant"]
+            ),
+            free,
+            seconds,
+            "no compute",
+            args.profile,
+            args.separate_release,
+        )
+    finally:
+        shutil.rmtree(l3, ignore_errors=True)
+    last = default[-1]
+    print(
+        json.dumps(
+            {
+                "seconds_per_count": seconds,
+                "release": "separate calls" if args.separate_release else "with the next submit",
+                "coordinator_cpu_over_core": last["coordinator_cpu_over_core"],
+                "requests_per_s": last["requests_per_s"],
+                "no_compute_requests_per_s": max(r["requests_per_s"] for r in none),
+                "default": default,
+                "no_compute": none,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
