@@ -49,6 +49,16 @@ class StorageActorLink:
             timeout=self.timeout_s,
         )
 
+    def locate(
+        self, suffix: str, page_hashes: list[bytes], component: str = "full"
+    ) -> tuple[str, list] | None:
+        return ray.get(
+            self._actor().locate.remote(suffix, page_hashes, component), timeout=self.timeout_s
+        )
+
+    def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
+        self._actor().read_elsewhere.remote(pages, refused)  # a count: not waited for
+
 
 class RayBoard:
     """Where a sharded model's ranks meet (``fabric.rank.mesh.Board``): Ray's

@@ -20,6 +20,7 @@ import ray
 
 from actors.ray_metrics import node_ip
 from fabric.config import FabricConfig
+from fabric.l3.backend import Location
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService
 
@@ -69,6 +70,15 @@ class StorageActor:
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         self._fault()
         return self.service.load(suffix, page_hashes, component)
+
+    def locate(
+        self, suffix: str, page_hashes: list[bytes], component: str = "full"
+    ) -> tuple[str, list[Location]] | None:
+        self._fault()
+        return self.service.locate(suffix, page_hashes, component)
+
+    def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
+        self.service.read_elsewhere(pages, refused)
 
     def store(
         self, suffix: str, page_hashes: list[bytes], pages: np.ndarray, component: str = "full"

@@ -425,6 +425,11 @@ class StorageConfig(_Section):
     fsync: bool = Field(False, description="true or false")
     file_mode: Mode = "0600"
     dir_mode: Mode = "0700"
+    # Ranks read prefetched pages from a file or segment L3 themselves (the
+    # storage actor says where they lie) instead of through the storage actor:
+    # no page crosses Ray. Needs the path on every rank's node (shared storage);
+    # a rank without it reads through the storage actor.
+    direct_reads: bool = Field(True, description="true or false")
     dynamic_modules: tuple[Text, ...] = Field(
         (), strict=False, description="a list of modules the dynamic backend may import"
     )

@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,18 @@ from fabric.l3.format import Provenance, check_key, decode_page, encode_header
 from fabric.l3.manifest import Manifest, usage_by_tag
 
 log = logging.getLogger(__name__)
+
+
+class Location(NamedTuple):
+    """Where one page lies: the file (relative to the store's root: ``name`` or
+    ``dir/name``), the offset of its preamble, and the bytes of preamble and
+    header (``head``) and of payload; ``head == 0``: the whole file is the page,
+    its lengths read from its preamble."""
+
+    file: str
+    offset: int
+    head: int
+    payload: int
 
 
 class L3Backend(ABC):
@@ -97,6 +109,13 @@ class L3Backend(ABC):
                 break
             n += 1
         return n
+
+    def locate(self, keys: Sequence[str]) -> list[Location] | None:
+        """Where the leading ``keys`` found lie, for a reader that opens the files
+        itself (``fabric.l3.direct``): per key, a ``Location`` under ``root``;
+        it stops at the first key not found. ``None``: this backend's pages are
+        not files a reader can open (the default)."""
+        return None
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it exists (unverified)."""

@@ -25,15 +25,22 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fabric.errors import ConfigError
-from fabric.l3.backend import L3Backend
-from fabric.l3.format import PREAMBLE, Provenance, check_header, check_payload, header_length
+from fabric.l3.backend import L3Backend, Location
+from fabric.l3.format import (
+    PREAMBLE,
+    Provenance,
+    check_header,
+    check_key,
+    check_payload,
+    header_length,
+)
 from fabric.l3.manifest import Manifest
 from fabric.l3.options import FileOptions
 from fabric.l3.safe_open import open_regular
@@ -201,6 +208,15 @@ class FileBackend(L3Backend):
         if stat.S_ISLNK(st.st_mode):
             self.count("refused_symlink")
         return stat.S_ISREG(st.st_mode)
+
+    def locate(self, keys: Sequence[str]) -> list[Location]:
+        out = []
+        for key in keys:
+            if not self._exists(check_key(key)):
+                break
+            self._touch(key)
+            out.append(Location(f"{key[:2]}/{key}{_SUFFIX}", 0, 0, 0))
+        return out
 
     def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
         dir_fd = self._dir(key[:2], create=True)

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from fabric.l3.backend import L3Backend
+from fabric.l3.backend import L3Backend, Location
 from fabric.l3.file import open_store_dir
 from fabric.l3.format import (
     PREAMBLE,
@@ -426,6 +426,16 @@ class SegmentBackend(L3Backend):
 
     def _exists(self, key: str) -> bool:
         return self._locate(key) is not None
+
+    def locate(self, keys: Sequence[str]) -> list[Location]:
+        out = []
+        for key in keys:
+            entry = self._locate(check_key(key))
+            if entry is None:
+                break
+            entry.segment.used = time.time()  # a read refreshes its segment
+            out.append(Location(entry.segment.name, entry.page, entry.head, entry.payload))
+        return out
 
     def _read_rows(
         self, keys: Sequence[str], out: np.ndarray, provenance: Provenance

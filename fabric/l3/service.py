@@ -27,7 +27,7 @@ from fabric.config import FabricConfig, StorageConfig
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
 from fabric.l3.auth import PageAuth
-from fabric.l3.backend import L3Backend
+from fabric.l3.backend import L3Backend, Location
 from fabric.l3.format import Provenance, page_key
 from fabric.topology import Shard, Topology, kind_layers
 
@@ -266,6 +266,31 @@ class StorageService:
         keys = [self.key(h, suffix, component) for h in page_hashes]
         n = backend.get(keys, out, prov)
         return out[:n]
+
+    def locate(
+        self, suffix: str, page_hashes: Sequence[bytes], component: str = "full"
+    ) -> tuple[str, list[Location]] | None:
+        """Where the leading pages (of ``component``) found lie — the store's root
+        and a ``Location`` each — for a rank that reads them itself
+        (``fabric.l3.direct``); ``None`` with no backend, or one whose pages are
+        not files."""
+        backend = self.backend
+        if backend is None or (component, suffix) not in self.shapes:
+            return None
+        where = backend.locate([self.key(h, suffix, component) for h in page_hashes])
+        if where is None:
+            return None
+        return str(backend.root), where  # type: ignore[attr-defined]
+
+    def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
+        """Count pages a rank read itself, and why it refused the next one (if it
+        did): the store's figures stay whole."""
+        backend = self.backend
+        if backend is not None:
+            backend.count("get_pages", pages)
+            backend.count("direct_pages", pages)
+            if refused is not None:
+                backend.refuse(refused)
 
     def store(
         self,

@@ -27,6 +27,7 @@ import torch
 
 from fabric.cache.keys import chain_hashes, namespace_seed
 from fabric.config import FabricConfig
+from fabric.l3.direct import direct_reads
 from fabric.messages import (
     Backup,
     Batch,
@@ -111,7 +112,9 @@ class RankWorker:
         self.shard = Topology(config.topology).shard(index, config.model, config.cache.page_size)
         rank = self.shard.rank
         self.suffix = rank.suffix
-        self.storage = storage
+        # Prefetches read from a shared L3 directory here, not through Ray
+        # (``storage.direct_reads``; fabric.l3.direct).
+        self.storage = direct_reads(storage, config)
         self.device = pick_device(config.runtime.device)
         cuda = self.device.type == "cuda"
         cache, model = config.cache, config.model

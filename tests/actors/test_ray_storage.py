@@ -67,6 +67,11 @@ def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_pa
         assert second.verify(r, tokens) == [True] * 4
         second.release(r.lease)
         second.check_integrity()
+        # The ranks read the pages from the L3 directory themselves (storage.direct_reads):
+        # the storage actor said where they lie and counted them (sent without waiting).
+        assert wait_for(lambda: second.stats()["l3"].get("direct_pages", 0) >= 32, 10), (
+            second.stats()["l3"]
+        )
     finally:
         second.shutdown()
 

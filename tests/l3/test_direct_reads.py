@@ -1,0 +1,134 @@
+"""Ranks read prefetches from L3 themselves (``storage.direct_reads``): the
+storage actor says where pages lie and counts what was read; a damaged page is
+refused as the backend would refuse it, a vanished one is a short prefetch, and
+a rank that cannot open the store reads through the storage actor."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fabric.cache.keys import pack_tokens
+from fabric.l3.direct import DirectReads
+from fabric.local import LocalFabric
+from tests.helpers import prompt
+
+from .test_storage_fabric import config, fill_l3, page_file
+
+TOKENS = pack_tokens(prompt(7, pages=8))
+
+
+def serve(cfg, tokens=TOKENS):
+    f = LocalFabric(cfg)
+    r = f.serve(tokens)
+    assert r.error is None and f.verify(r, tokens) == [True] * 4
+    return f, r
+
+
+def read_by(f: LocalFabric) -> tuple[int, int]:
+    """Pages the ranks read themselves, and through the storage service."""
+    links = [w.storage for w in f.ranks]
+    assert all(isinstance(link, DirectReads) for link in links)
+    return sum(x.direct_pages for x in links), sum(x.relayed_pages for x in links)
+
+
+@pytest.mark.parametrize("backend", ["file", "segment"])
+def test_ranks_read_their_prefetch_themselves_and_the_store_counts_it(tmp_path, backend):
+    cfg = config(tmp_path, f"storage.backend={backend}")
+    fill_l3(cfg, TOKENS)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 32 and r.computed_tokens == 0
+    direct, relayed = read_by(f)
+    assert direct == 8 * 4 and relayed == 0  # 8 pages, 4 shards, no byte through the service
+    st = f.storage.stats()
+    assert st["direct_pages"] == direct and st["get_pages"] == direct
+
+
+def test_without_direct_reads_the_pages_come_through_the_storage_service(tmp_path):
+    cfg = config(tmp_path, "storage.direct_reads=false")
+    fill_l3(cfg, TOKENS)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 32
+    assert not any(isinstance(w.storage, DirectReads) for w in f.ranks)
+    assert "direct_pages" not in f.storage.stats()
+
+
+def test_a_damaged_page_read_directly_is_refused_and_counted_by_the_store(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    path = page_file(tmp_path, TOKENS, 5, "0-0-0")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # one payload bit
+    path.write_bytes(bytes(data))
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens < 32 and r.computed_tokens > 0
+    assert f.storage.stats()["refused_checksum"] >= 1
+    assert sum(w.storage.refused.get("checksum", 0) for w in f.ranks) >= 1
+
+
+def test_a_page_file_that_vanished_after_the_query_is_a_short_prefetch(tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    real = DirectReads.load
+    gone = page_file(tmp_path, TOKENS, 3, "0-0-0")
+
+    def load(self, *args, **kwargs):
+        if gone.exists():  # after the hit query counted it, before the read
+            os.unlink(gone)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DirectReads, "load", load)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 12 and r.computed_tokens == 20
+    assert read_by(f)[1] == 0
+    f.core.cache.check_integrity()
+
+
+def test_a_page_file_replaced_by_a_link_is_not_followed(tmp_path):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    victim = page_file(tmp_path, TOKENS, 4, "0-0-0")
+    victim.unlink()
+    victim.symlink_to(page_file(tmp_path, TOKENS, 1, "0-0-0"))
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 16
+    assert f.storage.stats()["refused_symlink"] >= 1
+
+
+def test_a_segment_cut_short_is_a_short_prefetch_never_bytes(tmp_path, monkeypatch):
+    cfg = config(tmp_path, "storage.backend=segment")
+    fill_l3(cfg, TOKENS)
+    real = DirectReads.load
+    segments = sorted((tmp_path / "l3").glob("seg-*.kvs"))
+
+    def load(self, *args, **kwargs):
+        for seg in segments:  # every shard's records from the third page on are gone
+            size = seg.stat().st_size
+            if size > 3000:
+                os.truncate(seg, size * 3 // 8)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DirectReads, "load", load)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens < 32 and read_by(f)[1] == 0
+    f.core.cache.check_integrity()
+
+
+def test_a_rank_without_the_store_s_directory_reads_through_the_storage_service(
+    tmp_path, monkeypatch
+):
+    cfg = config(tmp_path)
+    fill_l3(cfg, TOKENS)
+    from fabric.l3.service import StorageService
+
+    real = StorageService.locate
+
+    def elsewhere(self, *args, **kwargs):
+        where = real(self, *args, **kwargs)
+        return None if where is None else (str(tmp_path / "not-on-this-node"), where[1])
+
+    monkeypatch.setattr(StorageService, "locate", elsewhere)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 32
+    assert read_by(f) == (0, 32)
