@@ -9,6 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -27,9 +28,10 @@ class StorageActorLink:
     """A rank's way to the storage actor: blocking calls, made only from the rank's
     storage thread. A dead or restarting actor raises, which ends the operation."""
 
-    def __init__(self, name: str, namespace: str, timeout_s: float) -> None:
+    def __init__(self, name: str, namespace: str, timeout_s: float, handle: Any = None) -> None:
+        """The actor named ``name`` (looked up on first use), or ``handle``."""
         self.name, self.namespace, self.timeout_s = name, namespace, timeout_s
-        self._handle = None
+        self._handle = handle
 
     def _actor(self):
         if self._handle is None:

@@ -9,6 +9,8 @@ storage actor reads and verifies them and ships them back. Two baselines write
 (then read) the same bytes with plain ``open/write``/``readinto``: as one file
 per page (``raw_*``), and as one file read sequentially into one buffer
 (``raw_*_one_file``, what the device and the page cache can do at best).
+Direct reads (``storage.direct_reads``): the actor says where the pages lie
+and this process reads and checks them, as a rank does (``prefetch_direct_*``).
 ``backup_vs_raw_write`` and ``prefetch_vs_raw_read`` are raw (one file per page)
 time / actor time, ``prefetch_vs_raw_read_one_file`` against the one-file
 read. ``files_per_GB`` counts the backend's files. By default reads come from
@@ -44,11 +46,13 @@ import numpy as np
 import ray
 
 from actors.factory import remote
+from actors.rank_actor import StorageActorLink
 from actors.storage_actor import StorageActor
 from fabric.client import launch
 from fabric.config import FabricConfig
 from fabric.l3 import make_backend
 from fabric.l3.auth import PageAuth
+from fabric.l3.direct import DirectReads
 from fabric.l3.format import Provenance
 from fabric.l3.service import page_geometry
 from fabric.process_exit import finish
@@ -101,6 +105,8 @@ class Side:
         )
         self.actor = remote(StorageActor, num_cpus=0, max_concurrency=4).remote(config.to_dict())
         ray.get(self.actor.ping.remote())
+        # A rank's direct reads (storage.direct_reads): where from the actor, bytes read here.
+        self.direct = DirectReads(StorageActorLink("", "", 60.0, handle=self.actor), config)
         self.raw_dir = root / f"raw-{self.where}"
         self.raw_dir.mkdir()
         self.buffer = np.zeros_like(self.data)  # touched before any timing: reads only fill it
@@ -128,6 +134,14 @@ class Side:
         calls = [actor.load.remote("0-0-0", hashes[i : i + batch]) for i in range(0, pages, batch)]
         assert sum(len(g) for g in ray.get(calls)) == pages
         took["prefetch"] = time.perf_counter() - t0
+        if self.cold:
+            drop_page_cache()
+        t0 = time.perf_counter()
+        got = sum(
+            len(self.direct.load("0-0-0", hashes[i : i + batch])) for i in range(0, pages, batch)
+        )
+        took["prefetch_direct"] = time.perf_counter() - t0
+        assert got == pages and self.direct.relayed_pages == 0
         if raw:
             took.update(self.raw_round(r))
         return took
@@ -162,8 +176,9 @@ class Side:
     def report(self) -> dict:
         ray.kill(self.actor)
         rounds = self.rounds
-        backup_s, prefetch_s = (
-            statistics.median(t[k] for t in rounds) for k in ("backup", "prefetch")
+        backup_s, prefetch_s, direct_s = (
+            statistics.median(t[k] for t in rounds)
+            for k in ("backup", "prefetch", "prefetch_direct")
         )
         mb = self.pages * self.page_bytes / 1e6
         out = {
@@ -174,6 +189,8 @@ class Side:
             "page_bytes": self.page_bytes,
             "backup_MBps": round(mb / backup_s, 1),
             "prefetch_MBps": round(mb / prefetch_s, 1),
+            "prefetch_direct_MBps": round(mb / direct_s, 1),
+            "prefetch_direct_vs_through_actor": round(prefetch_s / direct_s, 3),
             "reads_from": "device (page cache dropped)" if self.cold else "page cache",
         }
         raw = [t for t in rounds if "read" in t]
@@ -184,6 +201,7 @@ class Side:
             out |= {
                 "raw_read_one_file_MBps": round(mb / read1_s, 1),
                 "prefetch_vs_raw_read_one_file": round(read1_s / prefetch_s, 3),
+                "prefetch_direct_vs_raw_read_one_file": round(read1_s / direct_s, 3),
                 "raw_write_MBps": round(mb / write_s, 1),
                 "raw_read_MBps": round(mb / read_s, 1),
                 "backup_vs_raw_write": round(write_s / backup_s, 3),
@@ -325,6 +343,8 @@ def main() -> None:
                 f"MB/s ({one['backup_vs_raw_write']}); prefetch {one['prefetch_MBps']} MB/s vs "
                 f"raw read {one['raw_read_MBps']} MB/s ({one['prefetch_vs_raw_read']}), one file "
                 f"{one['raw_read_one_file_MBps']} MB/s ({one['prefetch_vs_raw_read_one_file']}); "
+                f"direct reads {one['prefetch_direct_MBps']} MB/s "
+                f"({one['prefetch_direct_vs_raw_read_one_file']} of the one-file read); "
                 f"{one['files_per_GB']} files per GB; reads from {one['reads_from']}",
                 file=sys.stderr,
             )

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _OPEN_FILES = 16  # segment descriptors kept open
+_MAX_GAP = 256  # between two records read in one call: a frame and a key
+_RUN_PAGES = 300  # pages per read call (three iovecs each, under IOV_MAX)
 
 
 class StorageLink(Protocol):
@@ -99,12 +102,16 @@ class DirectReads:
         prov = self.shapes[component, suffix]
         located = where[1][: len(page_hashes)]
         out = np.empty((len(located), provenance_bytes(prov)), dtype=np.uint8)
+        keys = [make_key(h, prov.tag, suffix) for h in page_hashes[: len(located)]]
         n, refused = 0, None
-        for loc, h, row in zip(located, page_hashes, out, strict=False):
-            refused = self._read(loc, make_key(h, prov.tag, suffix), row, prov)
+        for start, end in _runs(located, out.shape[1]):
+            for reason in self._read_run(located[start:end], keys[start:end], out[start:end], prov):
+                if reason is not None:
+                    refused = reason
+                    break
+                n += 1
             if refused is not None:
                 break
-            n += 1
         self.direct_pages += n
         if refused is not None and refused != "miss":
             self.refused[refused] = self.refused.get(refused, 0) + 1
@@ -125,69 +132,96 @@ class DirectReads:
                 self._root_fd = None
             return self._root_fd is not None
 
-    def _open(self, name: str) -> int | str:
+    def _open(self, name: str) -> tuple[int | str, bool]:
         """A read descriptor of ``name`` (``file`` or ``dir/file`` under the root,
-        no link followed), or why not (``fabric.l3.safe_open``)."""
+        no link followed) and whether the caller closes it; or why not
+        (``fabric.l3.safe_open``). Segments stay open for the next run; a page
+        file is read once."""
         assert self._root_fd is not None
         with self._lock:
             fd = self._files.get(name)
             if fd is not None:
                 self._files.move_to_end(name)
-                return os.dup(fd)
+                return fd, False
         parent, _, base = name.rpartition("/")
         if not parent:
             got = open_regular(base, self._root_fd)
         else:
-            if "/" in parent or parent in ("", ".", ".."):
-                return "not_regular"
+            if "/" in parent or parent in (".", ".."):
+                return "not_regular", False
             try:
                 dir_fd = os.open(parent, _DIR, dir_fd=self._root_fd)
             except OSError:
-                return "miss"
+                return "miss", False
             try:
                 got = open_regular(base, dir_fd)
             finally:
                 os.close(dir_fd)
         if not isinstance(got, int) or parent:
-            return got  # a page file is read once: not kept
+            return got, True
         with self._lock:
             self._files[name] = got
             while len(self._files) > _OPEN_FILES:
                 _, old = self._files.popitem(last=False)
                 os.close(old)
-            return os.dup(got)
+        return got, False
 
-    def _read(self, loc: Location, key: str, row: np.ndarray, prov: Provenance) -> str | None:
-        """Read and check one page into ``row``: ``None`` when served, else why not."""
-        fd = self._open(loc.file)
+    def _read_run(
+        self, run: list[Location], keys: list[str], rows: np.ndarray, prov: Provenance
+    ) -> Iterator[str | None]:
+        """Read ``run`` (records one after another in one file, or one page file)
+        into ``rows`` in one call, then check each page: ``None`` per page served,
+        else why not (the caller stops there)."""
+        fd, close = self._open(run[0].file)
         if not isinstance(fd, int):
-            return fd
+            yield fd
+            return
         try:
-            head_len = loc.head
-            if head_len <= 0:  # a whole file: its preamble says how long its header is
-                n = header_length(os.pread(fd, PREAMBLE, loc.offset))
-                if isinstance(n, str):
-                    return n
-                head_len = PREAMBLE + n
-            elif loc.payload != row.nbytes:
-                return "length"
-            head = bytearray(head_len)
-            got = os.preadv(fd, [head, memoryview(row).cast("B")], loc.offset)
-            if got < head_len + row.nbytes:
-                return "truncated"
-            if loc.head <= 0 and os.fstat(fd).st_size != loc.offset + got:
-                return "truncated"  # a page file longer than a page
+            heads, got = self._pread(fd, run, rows)
         except OSError:
-            return "miss"
+            yield "miss"
+            return
         finally:
-            os.close(fd)
-        n = header_length(head)
-        if isinstance(n, str) or PREAMBLE + n != head_len:
-            return "format"
-        header = check_header(memoryview(head)[PREAMBLE:], prov, row.nbytes, key)
-        if isinstance(header, str):
-            return header
-        return check_payload(header, row, prov, key, self.auth)
+            if close:
+                os.close(fd)
+        at = 0
+        for i, (key, head, row) in enumerate(zip(keys, heads, rows, strict=True)):
+            if got < at + len(head) + row.nbytes:
+                yield "truncated"
+                return
+            at = at + len(head) + row.nbytes + _gap(run, i)
+            n = header_length(head)
+            if isinstance(n, str) or PREAMBLE + n != len(head):
+                yield "format"
+                return
+            header = check_header(memoryview(head)[PREAMBLE:], prov, row.nbytes, key)
+            if isinstance(header, str):
+                yield header
+                return
+            refused = check_payload(header, row, prov, key, self.auth)
+            if refused is not None:
+                yield refused
+                return
+            yield None
+
+    @staticmethod
+    def _pread(fd: int, run: list[Location], rows: np.ndarray) -> tuple[list[bytearray], int]:
+        """Headers into small buffers and payloads straight into ``rows``, in one
+        ``preadv`` (a whole page file: its preamble read first for its length)."""
+        first = run[0]
+        if first.head <= 0:  # a page file: the preamble says how long its header is
+            n = header_length(os.pread(fd, PREAMBLE, first.offset))
+            head = bytearray(PREAMBLE + (n if isinstance(n, int) else 0))
+            got = os.preadv(fd, [head, memoryview(rows[0]).cast("B"), bytearray(1)], first.offset)
+            return [head], got  # a byte past the page: a file longer than one is cut off
+        heads, iov = [], []
+        for i, (loc, row) in enumerate(zip(run, rows, strict=True)):
+            heads.append(bytearray(loc.head))
+            iov += [heads[-1], memoryview(row).cast("B")]
+            gap = _gap(run, i)
+            if gap:
+                iov.append(bytearray(gap))  # the next record's frame and key
+        return heads, os.preadv(fd, iov, first.offset)
 
     def _close(self) -> None:
         for fd in [*self._files.values(), *([self._root_fd] if self._root_fd is not None else [])]:
@@ -200,6 +234,35 @@ class DirectReads:
         with self._lock:
             self._close()
             self._root = None
+
+
+def _gap(run: list[Location], i: int) -> int:
+    """Bytes between record ``i`` of ``run`` and the next one (0 after the last)."""
+    if i + 1 == len(run):
+        return 0
+    loc = run[i]
+    return run[i + 1].offset - (loc.offset + loc.head + loc.payload)
+
+
+def _runs(located: list[Location], row_bytes: int) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each run of locations read in one call: records of one
+    segment that follow one another closely (a backup's), of a page's length."""
+    start = 0
+    for i in range(1, len(located) + 1):
+        if i < len(located):
+            prev, loc = located[i - 1], located[i]
+            near = 0 <= loc.offset - (prev.offset + prev.head + prev.payload) <= _MAX_GAP
+            if (
+                near
+                and loc.file == prev.file
+                and prev.head > 0
+                and loc.head > 0
+                and loc.payload == row_bytes
+                and i - start < _RUN_PAGES
+            ):
+                continue
+        yield start, i
+        start = i
 
 
 def direct_reads(link: Any, config: FabricConfig) -> Any:

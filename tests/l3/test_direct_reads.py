@@ -11,8 +11,9 @@ import pytest
 
 from fabric.cache.keys import pack_tokens
 from fabric.l3.direct import DirectReads
+from fabric.l3.segment import SegmentBackend
 from fabric.local import LocalFabric
-from tests.helpers import prompt
+from tests.helpers import PAGE_BYTES, PROV, prompt
 
 from .test_storage_fabric import config, fill_l3, page_file
 
@@ -132,3 +133,21 @@ def test_a_rank_without_the_store_s_directory_reads_through_the_storage_service(
     f, r = serve(cfg)
     assert r.storage_hit_tokens == 32
     assert read_by(f) == (0, 32)
+
+
+def test_a_damaged_record_in_a_segment_run_ends_the_run_there(tmp_path):
+    cfg = config(tmp_path, "storage.backend=segment")
+    fill_l3(cfg, TOKENS)
+    key = page_file(tmp_path, TOKENS, 5, "0-0-0").name.removesuffix(".kv")
+    store = SegmentBackend(PROV, PAGE_BYTES, {"path": str(tmp_path / "l3")})
+    (loc,) = store.locate([key])
+    store.close()
+    with open(tmp_path / "l3" / loc.file, "r+b") as seg:  # one payload bit of page 5
+        seg.seek(loc.offset + loc.head + loc.payload // 2)
+        byte = seg.read(1)[0]
+        seg.seek(-1, 1)
+        seg.write(bytes([byte ^ 0x01]))
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 20 and read_by(f)[1] == 0
+    assert f.storage.stats()["refused_checksum"] == 1
+    f.core.cache.check_integrity()
