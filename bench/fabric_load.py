@@ -65,13 +65,15 @@ def driver(
     max_tokens: int,
     seconds: float,
     separate: bool,
+    batch: int,
     ready,
     go,
     out,
 ) -> None:
     """One driver process: connect, wait for the start, then submit and release
-    for ``seconds`` (each lease let go with the next submit, or in a call of its
-    own with ``separate``); put (requests, latencies, tokens by tier) on ``out``."""
+    for ``seconds``, ``batch`` prompts a call (each lease let go with the next
+    submit, or in a call of its own with ``separate``); put (requests, latencies,
+    tokens by tier) on ``out``."""
     from fabric.client import connect
 
     fabric = connect(name, address=address, ray_namespace=NS)
@@ -83,26 +85,35 @@ def driver(
     tiers = {"device": 0, "host": 0, "storage": 0, "computed": 0}
     end = time.monotonic() + seconds
     i = 7 * seed
-    held = None  # a lease to let go with the next submit (or on its own: --separate-release)
+    held: list = []  # leases to let go with the next submit (or on their own: separate)
+    failed = 0
     while time.monotonic() < end:
-        tokens = prompts[i % len(prompts)]
-        i += 1
+        group = [prompts[(i + k) % len(prompts)] for k in range(batch)]
+        i += batch
         started = time.perf_counter()
-        r = fabric.submit(tokens, timeout=120, release=held if held is not None else ())
-        latencies.append(time.perf_counter() - started)
-        if r.error is not None:
-            raise RuntimeError(r.error)
-        tiers["device"] += r.device_hit_tokens
-        tiers["host"] += r.host_hit_tokens
-        tiers["storage"] += r.storage_hit_tokens
-        tiers["computed"] += r.computed_tokens
-        held = r.lease
+        if batch == 1:
+            results = [fabric.submit(group[0], timeout=120, release=held)]
+        else:
+            results = fabric.submit_many(group, timeout=120, release=held)
+        took = time.perf_counter() - started
+        held = []
+        for r in results:
+            if r.error is not None:  # no room in L1 beside a whole call's leases
+                failed += 1
+                continue
+            latencies.append(took)
+            tiers["device"] += r.device_hit_tokens
+            tiers["host"] += r.host_hit_tokens
+            tiers["storage"] += r.storage_hit_tokens
+            tiers["computed"] += r.computed_tokens
+            held.append(r.lease)
         if separate:
-            fabric.release(held)
-            held = None
-    if held is not None:
-        fabric.release(held)
-    out.put((seed, latencies, tiers))
+            for lease in held:
+                fabric.release(lease)
+            held = []
+    for lease in held:
+        fabric.release(lease)
+    out.put((seed, latencies, tiers, failed))
     import ray
 
     from fabric.process_exit import exit_process
@@ -118,6 +129,7 @@ def phase(
     first_seed: int,
     profile: str | None = None,
     separate: bool = False,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """``drivers`` processes at once against ``fabric`` for ``seconds``; with
     ``profile``, py-spy samples the coordinator's process meanwhile (collapsed
@@ -137,6 +149,7 @@ def phase(
                 max_tokens,
                 seconds,
                 separate,
+                batch,
                 ready,
                 go,
                 out,
@@ -164,15 +177,17 @@ def phase(
     cpu, after = cpu_s(pid) - cpu_before, fabric.stats()
     for p in procs:
         p.join(timeout=60)
-    latencies = sorted(x for _, lat, _ in results for x in lat)
+    latencies = sorted(x for _, lat, _, _ in results for x in lat)
     n = len(latencies)
     finished = after["requests"]["finished"] - before["requests"]["finished"]
     core = after["core_time_s"] - before["core_time_s"]
-    tiers = {k: sum(t[k] for _, _, t in results) for k in results[0][2]}
+    tiers = {k: sum(t[k] for _, _, t, _ in results) for k in results[0][2]}
+    failed = sum(f for *_, f in results)
     tokens = max(1, sum(tiers.values()))
     return {
         "drivers": drivers,
         "requests": n,
+        "failed": failed,
         "requests_per_s": round(n / elapsed, 1),
         "latency_ms_p50": round(1e3 * latencies[n // 2], 2),
         "latency_ms_p99": round(1e3 * latencies[int(0.99 * (n - 1))], 2),
@@ -192,6 +207,7 @@ def run_mode(
     label: str,
     profile: str | None,
     separate: bool,
+    batch: int,
 ) -> list[dict]:
     from fabric.client import launch
 
@@ -201,7 +217,7 @@ def run_mode(
         for i, drivers in enumerate(counts):
             last = i == len(counts) - 1
             where = f"{profile}-{label.replace(' ', '-')}.txt" if profile and last else None
-            row = phase(fabric, drivers, seconds, 100 * i, where, separate)
+            row = phase(fabric, drivers, seconds, 100 * i, where, separate, batch)
             curve.append(row)
             print(
                 f"{label:>10} {drivers:>3} drivers: {row['requests_per_s']:>7} req/s, "
@@ -238,6 +254,12 @@ def main() -> None:
         action="store_true",
         help="release each lease in a call of its own (by default it rides on the next submit)",
     )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="prompts a driver sends in one call (submit_many; 1: submit)",
+    )
     args = ap.parse_args()
     counts = [int(n) for n in args.drivers.split(",")]
     free = [int(n) for n in args.no_compute_drivers.split(",")]
@@ -260,6 +282,7 @@ def main() -> None:
             "default",
             args.profile,
             args.separate_release,
+            args.batch,
         )
         none = run_mode(
             FabricConfig().with_overrides(
@@ -270,6 +293,7 @@ def main() -> None:
             "no compute",
             args.profile,
             args.separate_release,
+            args.batch,
         )
     finally:
         shutil.rmtree(l3, ignore_errors=True)
@@ -279,6 +303,7 @@ def main() -> None:
             {
                 "seconds_per_count": seconds,
                 "release": "separate calls" if args.separate_release else "with the next submit",
+                "prompts_per_call": args.batch,
                 "coordinator_cpu_over_core": last["coordinator_cpu_over_core"],
                 "requests_per_s": last["requests_per_s"],
                 "no_compute_requests_per_s": max(r["requests_per_s"] for r in none),

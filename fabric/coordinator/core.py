@@ -158,11 +158,13 @@ class CoordinatorCore:
         if pending + len(prompts) > self.config.runtime.max_pending_requests:
             raise InvalidInput("too many pending requests; retry later")
         now, requests, taken = self.clock(), [], set()
+        group = next(self._ids) if len(prompts) > 1 else 0
         for tokens, rid in zip(prompts, ids, strict=True):
             req = self._request(tokens, namespace, priority, rid, owner, session, now)
             if req.rid in taken:
                 raise InvalidInput(f"request_id {req.rid!r} is given twice")
             taken.add(req.rid)
+            req.group = group
             requests.append(req)
         for h in held:
             if h is not None:
@@ -456,7 +458,7 @@ class CoordinatorCore:
         self._current = None
         self.waiting.extendleft(reversed(blocked))
         self._blocked = bool(blocked)
-        if self.waiting and not self.running and not self.leases and not self.ctl.busy():
+        if self.waiting and not self.running and not self.ctl.busy() and not self._in_hand():
             sessions = self.cache.sessions
             if sessions.tier == "device" and sessions.held:
                 # Sessions are a preference, not a lock against other requests:
@@ -467,7 +469,22 @@ class CoordinatorCore:
                 return
             req = self.waiting.popleft()  # nothing will ever free room for it
             self._release_kv(req)
-            self._fail(req, "no room in L1")
+            if self.leases:  # only the leases of calls not yet answered hold L1
+                self._fail(
+                    req,
+                    f"no room in L1 beside the {len(self.leases)} leases of requests "
+                    "submitted with it (submit_many): submit fewer prompts at once",
+                )
+            else:
+                self._fail(req, "no room in L1")
+
+    def _in_hand(self) -> bool:
+        """Whether a driver holds a lease it can release: any lease but those of a
+        ``submit_many`` call some of whose requests are still pending (its driver
+        has none of the call's results yet)."""
+        pending = {r.group for r in (*self.waiting, *self.running.values())}
+        pending |= {r.group for r in self.prefetching.values()}
+        return any(h.group == 0 or h.group not in pending for h in self.leases.values())
 
     def start(self, reports: Sequence[Report]) -> int:
         """Open the first epoch: newer than any rank has seen (so each resets its
@@ -690,7 +707,7 @@ class CoordinatorCore:
             sliding,
             mamba,
         )
-        held = HeldLease(lease, kv, req.owner, self.clock() + ttl, req.session)
+        held = HeldLease(lease, kv, req.owner, self.clock() + ttl, req.session, req.group)
         self.leases[lease.token] = held
         self._leased_ids.add(req.rid)
         heapq.heappush(self._expiry, (held.expires_at, lease.token))

@@ -70,6 +70,9 @@ class ServingRequest:
     prefetched: int = 0
     retries: int = 0
     session: str | None = None
+    # The ``submit_many`` call it came in (0: alone): its driver gets every
+    # result of the call at once, so none of their leases is in its hands before.
+    group: int = 0
 
     @property
     def more_chunks(self) -> bool:
@@ -91,6 +94,7 @@ class HeldLease:
     owner: str | None
     expires_at: float
     session: str | None = None
+    group: int = 0  # its request's ``ServingRequest.group``
 
 
 @dataclass

@@ -469,3 +469,26 @@ def test_a_step_with_nothing_to_send_or_wait_for_needs_no_round():
     assert not f.core.round_needed(f.core.next_batch(), f.core.take_queries())
     f.core.submit(pack_tokens(prompt(2, pages=2)))
     assert f.core.round_needed(f.core.next_batch(), f.core.take_queries())
+
+
+def test_a_submit_many_call_larger_than_l1_fails_a_request_rather_than_wait_for_ever():
+    """Its driver gets no result (so releases no lease) until every request of
+    the call ends: a request with no room beside its own call's leases fails,
+    naming why, and the others are served."""
+    f = LocalFabric(small_config("storage.backend=none"))
+    room = f.config.cache.device_tokens
+    prompts = [pack_tokens(prompt(seed, pages=8)) for seed in range(room // 32 + 2)]
+    rids = f.core.submit_many(prompts)
+    for _ in range(200):
+        f.step()
+        if all(rid in f.results for rid in rids):
+            break
+    results = [f.results.pop(rid) for rid in rids]
+    errors = [r.error for r in results if r.error is not None]
+    assert errors and all("submit fewer prompts at once" in e for e in errors), errors
+    served = [r for r in results if r.error is None]
+    assert served
+    assert all(f.verify(r, prompts[rids.index(r.request_id)]) == [True] * 4 for r in served)
+    for r in served:
+        assert f.core.release(r.lease)
+    f.core.cache.check_integrity()
