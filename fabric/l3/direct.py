@@ -34,7 +34,7 @@ import numpy as np
 from fabric.config import FabricConfig
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import Location
-from fabric.l3.format import PREAMBLE, Provenance, check_header, check_payload, header_length
+from fabric.l3.format import PREAMBLE, Provenance, check_record, header_length
 from fabric.l3.format import page_key as make_key
 from fabric.l3.safe_open import open_regular
 from fabric.l3.service import component_provenances, provenance_bytes
@@ -190,19 +190,10 @@ class DirectReads:
                 yield "truncated"
                 return
             at = at + len(head) + row.nbytes + _gap(run, i)
-            n = header_length(head)
-            if isinstance(n, str) or PREAMBLE + n != len(head):
-                yield "format"
-                return
-            header = check_header(memoryview(head)[PREAMBLE:], prov, row.nbytes, key)
-            if isinstance(header, str):
-                yield header
-                return
-            refused = check_payload(header, row, prov, key, self.auth)
+            refused = check_record(head, row, prov, key, self.auth)
+            yield refused
             if refused is not None:
-                yield refused
                 return
-            yield None
 
     @staticmethod
     def _pread(fd: int, run: list[Location], rows: np.ndarray) -> tuple[list[bytearray], int]:

@@ -175,3 +175,24 @@ def check_payload(
     if auth.verify(header, key, provenance, payload):
         return None
     return "checksum" if header.get("sum") != checksum(payload) else "auth"
+
+
+def check_record(
+    head: bytes | bytearray | memoryview,
+    payload: Any,
+    provenance: Provenance,
+    key: str,
+    auth: Any = None,
+) -> str | None:
+    """``None`` when ``head`` (preamble and header, read whole) and ``payload``
+    are the page stored under ``key`` for ``provenance``, else why not: what
+    ``header_length``, ``check_header`` and ``check_payload`` say."""
+    n = header_length(head)
+    if isinstance(n, str) or PREAMBLE + n != len(head):
+        return "format"
+    header = check_header(
+        memoryview(head)[PREAMBLE:], provenance, len(memoryview(payload).cast("B")), key
+    )
+    if isinstance(header, str):
+        return header
+    return check_payload(header, payload, provenance, key, auth)

@@ -56,7 +56,7 @@ from fabric.l3.format import (
     Provenance,
     check_header,
     check_key,
-    check_payload,
+    check_record,
     encode_header,
     header_length,
 )
@@ -493,19 +493,10 @@ class SegmentBackend(L3Backend):
             if got < e.page + e.head + e.payload - run[0].page:
                 yield "truncated"
                 return
-            n = header_length(head)
-            if isinstance(n, str) or PREAMBLE + n != e.head:
-                yield "format"
-                return
-            header = check_header(memoryview(head)[PREAMBLE:], provenance, row.nbytes, key)
-            if isinstance(header, str):
-                yield header
-                return
-            refused = check_payload(header, row, provenance, key, self.auth)
+            refused = check_record(head, row, provenance, key, self.auth)
+            yield refused
             if refused is not None:
-                yield refused
                 return
-            yield None
 
     def _odd_length(self, entry: _Entry, key: str, want: int, provenance: Provenance) -> str:
         head = os.pread(entry.segment.fd, entry.head, entry.page)
