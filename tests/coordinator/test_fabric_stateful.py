@@ -135,6 +135,32 @@ class FabricMachine(RuleBasedStateMachine):
         self.tokens[rid] = tokens
 
     @rule(
+        data=st.data(),
+        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30)), min_size=1, max_size=3),
+    )
+    def submit_many(self, data, prompts):
+        """Several prompts in one call, letting some held leases go first."""
+        let_go = (
+            data.draw(st.lists(st.sampled_from(sorted(self.held)), unique=True, max_size=2))
+            if self.held
+            else []
+        )
+        packed, rids = [], []
+        for first, seed in prompts:
+            pages = [first, *[(seed >> k) % 4 for k in range(seed % 7)]]
+            packed.append(
+                pack_tokens(
+                    [p * 10 + i % 4 + 40 * j for j, p in enumerate(pages) for i in range(4)]
+                )
+            )
+            self.n += 1
+            rids.append(f"r{self.n}")
+        leases = [self.held.pop(rid).lease for rid in let_go]
+        got = self.fabric.core.submit_many(packed, request_ids=rids, release=leases)
+        assert got == rids
+        self.tokens.update(zip(rids, packed, strict=True))
+
+    @rule(
         prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30)), min_size=1, max_size=4)
     )
     def burst(self, prompts):
