@@ -482,6 +482,8 @@ class CoordinatorActor:
         if not self.core.round_needed(batch, queries):
             self.core.stats.core_time_s += time.perf_counter() - started
             self.core.stats.rounds_skipped += 1
+            if self.publisher is not None:  # what the step queued (expired leases' pages)
+                self.publisher.publish(self.core.drain_events())
             return
         data = encode(batch)
         self.core.stats.core_time_s += time.perf_counter() - started

@@ -163,10 +163,11 @@ class RankActor:
         message = decode(batch, self.max_bytes)
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
+        seen = self.worker.news_seq  # what finishes from here on is news for this reply
         self.worker.accept(message)
         if self._duplicate:  # chaos: the same message delivered twice
             self.worker.accept(message)
-        self.worker.wait_for_news(self.config.runtime.round_wait_s)
+        self.worker.wait_for_news(self.config.runtime.round_wait_s, since=seen)
         if self._reply_delay_s:
             time.sleep(self._reply_delay_s)
         if self._bad_report is not None:

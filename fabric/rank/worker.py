@@ -301,13 +301,14 @@ class RankWorker:
         self.news_seq += 1
         self.news.notify_all()
 
-    def wait_for_news(self, timeout: float) -> None:
-        """Return once the report has changed since the call, once this rank has
-        nothing in flight, or after ``timeout`` seconds: a round's reply then
-        carries what finished rather than the same report again."""
+    def wait_for_news(self, timeout: float, since: int | None = None) -> None:
+        """Return once the report has changed since ``since`` (a ``news_seq`` read
+        earlier; default: now), once this rank has nothing in flight, or after
+        ``timeout`` seconds: a round's reply then carries what finished rather
+        than the same report again."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            seen = self.news_seq
+            seen = self.news_seq if since is None else since
             while self.news_seq == seen and (
                 self.queue or self.storage_queue or self.copying or self.storing
             ):
