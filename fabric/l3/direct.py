@@ -113,7 +113,9 @@ class DirectReads:
             if refused is not None:
                 break
         self.direct_pages += n
-        if refused is not None and refused != "miss":
+        if refused == "miss":  # the directory may have been made anew: open it again next time
+            self.close()
+        elif refused is not None:
             self.refused[refused] = self.refused.get(refused, 0) + 1
         self.link.read_elsewhere(n, refused)
         return out[:n]

@@ -6,12 +6,15 @@ a rank that cannot open the store reads through the storage actor."""
 from __future__ import annotations
 
 import os
+import shutil
 
+import numpy as np
 import pytest
 
 from fabric.cache.keys import pack_tokens
 from fabric.l3.direct import DirectReads
 from fabric.l3.segment import SegmentBackend
+from fabric.l3.service import StorageService, backend_spec, page_geometry
 from fabric.local import LocalFabric
 from tests.helpers import PAGE_BYTES, PROV, prompt
 
@@ -151,3 +154,25 @@ def test_a_damaged_record_in_a_segment_run_ends_the_run_there(tmp_path):
     assert r.storage_hit_tokens == 20 and read_by(f)[1] == 0
     assert f.storage.stats()["refused_checksum"] == 1
     f.core.cache.check_integrity()
+
+
+def test_a_store_directory_made_anew_under_a_rank_is_opened_again(tmp_path):
+    """An operator replaced the directory (same path, new pages) and the storage
+    actor attached it again: a rank's read of the old one is a short batch
+    once, then it opens the new one."""
+    cfg = config(tmp_path)
+    service = StorageService(cfg)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    data = np.random.default_rng(0).integers(0, 256, (6, page_geometry(cfg)[1]), dtype=np.uint8)
+    assert service.store("0-0-0", hashes, data)
+    reader = DirectReads(service, cfg)
+    assert len(reader.load("0-0-0", hashes)) == 6
+    shutil.copytree(tmp_path / "l3", tmp_path / "l3-new")
+    shutil.rmtree(tmp_path / "l3")
+    (tmp_path / "l3-new").rename(tmp_path / "l3")
+    service.detach()
+    service.attach(*backend_spec(cfg.storage))
+    assert len(reader.load("0-0-0", hashes)) == 0  # the directory it had open is gone
+    again = reader.load("0-0-0", hashes)
+    assert len(again) == 6 and np.array_equal(again, data)
+    assert reader.relayed_pages == 0
