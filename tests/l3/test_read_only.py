@@ -35,7 +35,8 @@ def writers_under(root) -> list[str]:
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
             with open(f"/proc/self/fdinfo/{fd}") as info:
-                flags = int(info.readline().split()[1], 8)
+                fields = dict(line.split(":", 1) for line in info if ":" in line)
+            flags = int(fields["flags"].strip(), 8)
         except OSError:
             continue
         if target.startswith(root + "/") and flags & os.O_ACCMODE != os.O_RDONLY:
@@ -57,6 +58,9 @@ def test_between_appends_no_file_of_the_store_is_open_for_writing(tmp_path, name
         t.join()
     assert b.exists(keys(40)) == 40
     assert writers_under(tmp_path / "l3") == []
+    with open(tmp_path / "l3" / "probe", "wb"):  # the check sees a writer where there is one
+        assert writers_under(tmp_path / "l3") == [os.path.realpath(tmp_path / "l3" / "probe")]
+    os.unlink(tmp_path / "l3" / "probe")
     # Appending to a segment again reopens it; what was written is read back.
     assert b.set(keys(1, start=40), pages(1, seed=3)) == [True]
     out = np.zeros((41, PAGE_BYTES), dtype=np.uint8)
