@@ -164,7 +164,9 @@ class Fabric:
             ) from None
 
     @staticmethod
-    def _leases(release: Lease | Sequence[Lease]) -> list[Lease]:
+    def _leases(release: Lease | Sequence[Lease] | None) -> list[Lease]:
+        if release is None:
+            return []
         return [release] if isinstance(release, Lease) else list(release)
 
     def _abandon_many(self, ref: Any, request_ids: Sequence[str]) -> None:
