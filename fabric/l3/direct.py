@@ -81,6 +81,8 @@ class DirectReads:
         self._root: str | None = None
         self._root_fd: int | None = None
         self._files: OrderedDict[str, int] = OrderedDict()
+        # The last prefetch's pages and where they lie (``plan``).
+        self._planned: tuple[str, str, list[bytes], Any] | None = None
         # Pages this rank read itself and through the storage actor, and refusals.
         self.direct_pages = 0
         self.relayed_pages = 0
@@ -91,10 +93,29 @@ class DirectReads:
     ) -> bool:
         return self.link.store(suffix, page_hashes, pages, component)
 
+    def plan(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> None:
+        """Ask where all of a prefetch's pages lie in one call; the loads of its
+        batches then use the answer (one round trip a prefetch, not a batch)."""
+        if self.usable:
+            where = self.link.locate(suffix, page_hashes, component)
+            self._planned = (suffix, component, list(page_hashes), where)
+
+    def _where(
+        self, suffix: str, page_hashes: list[bytes], component: str
+    ) -> tuple[str, list[Location]] | None:
+        planned = self._planned
+        if planned is not None and planned[:2] == (suffix, component) and planned[3] is not None:
+            hashes, (root, locs) = planned[2], planned[3]
+            n = len(page_hashes)
+            for start in range(len(hashes) - n + 1 if n else 0):
+                if hashes[start : start + n] == page_hashes:
+                    return root, locs[start : start + n]
+        return self.link.locate(suffix, page_hashes, component)
+
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         """Verified payloads of the leading pages found (fewer rows than asked: the
         first miss or refusal ends the batch), as ``StorageService.load``."""
-        where = self.link.locate(suffix, page_hashes, component) if self.usable else None
+        where = self._where(suffix, page_hashes, component) if self.usable else None
         if where is None or not self._open_root(where[0]):
             rows = self.link.load(suffix, page_hashes, component)
             self.relayed_pages += len(rows)

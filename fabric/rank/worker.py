@@ -634,6 +634,12 @@ class RankWorker:
 
     def _prefetch(self, cmd: Prefetch, epoch: int) -> None:
         batch = self.config.storage.transfer_batch_pages
+        plan = getattr(self.storage, "plan", None)
+        if plan is not None and len(cmd.page_hashes) > batch:
+            try:  # direct reads: where every page lies, in one call
+                plan(self.suffix, list(cmd.page_hashes))
+            except Exception:
+                log.warning("rank %s: prefetch %d not planned", self.shard.rank, cmd.op_id)
         done, terminated = 0, False
         total = len(cmd.page_hashes)
         if (cmd.sliding_pages or cmd.mamba_slots) and not self._prefetch_parts(cmd, epoch):

@@ -176,3 +176,19 @@ def test_a_store_directory_made_anew_under_a_rank_is_opened_again(tmp_path):
     again = reader.load("0-0-0", hashes)
     assert len(again) == 6 and np.array_equal(again, data)
     assert reader.relayed_pages == 0
+
+
+def test_a_prefetch_asks_where_its_pages_lie_once_not_once_a_batch(tmp_path, monkeypatch):
+    cfg = config(tmp_path)  # storage.transfer_batch_pages=2: 4 batches of an 8-page prefetch
+    fill_l3(cfg, TOKENS)
+    asked = []
+    real = StorageService.locate
+
+    def locate(self, suffix, page_hashes, component="full"):
+        asked.append(len(page_hashes))
+        return real(self, suffix, page_hashes, component)
+
+    monkeypatch.setattr(StorageService, "locate", locate)
+    f, r = serve(cfg)
+    assert r.storage_hit_tokens == 32 and read_by(f) == (32, 0)
+    assert asked == [8] * 4, asked  # one call per rank, for all 8 pages
