@@ -16,6 +16,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
+from tests.actors.test_ray_rank_keeps_l2 import a_pass  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
 NS = "kvfabric-control-failover"
@@ -39,17 +40,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def a_pass(fabric, prompts) -> int:
-    hit = 0
-    for tokens in prompts:
-        r = fabric.submit(tokens, timeout=90)
-        assert r.error is None, r.error
-        assert fabric.verify(r, tokens) == [True] * 4
-        hit += r.device_hit_tokens + r.host_hit_tokens
-        fabric.release(r.lease)
-    return hit
 
 
 def test_control_actors_come_back_on_another_control_node_and_adopt_l2(cluster):
