@@ -82,7 +82,8 @@ class DirectReads:
         self._root_fd: int | None = None
         self._files: OrderedDict[str, int] = OrderedDict()
         # The last prefetch's pages and where they lie (``plan``).
-        self._planned: tuple[str, str, list[bytes], Any] | None = None
+        # (suffix, component, hashes, first index of each hash, where they lie)
+        self._planned: tuple[str, str, list[bytes], dict[bytes, int], Any] | None = None
         # Pages this rank read itself and through the storage actor, and refusals.
         self.direct_pages = 0
         self.relayed_pages = 0
@@ -98,18 +99,18 @@ class DirectReads:
         batches then use the answer (one round trip a prefetch, not a batch)."""
         if self.usable:
             where = self.link.locate(suffix, page_hashes, component)
-            self._planned = (suffix, component, list(page_hashes), where)
+            first = {h: i for i, h in reversed(list(enumerate(page_hashes)))}
+            self._planned = (suffix, component, list(page_hashes), first, where)
 
     def _where(
         self, suffix: str, page_hashes: list[bytes], component: str
     ) -> tuple[str, list[Location]] | None:
         planned = self._planned
-        if planned is not None and planned[:2] == (suffix, component) and planned[3] is not None:
-            hashes, (root, locs) = planned[2], planned[3]
-            n = len(page_hashes)
-            for start in range(len(hashes) - n + 1 if n else 0):
-                if hashes[start : start + n] == page_hashes:
-                    return root, locs[start : start + n]
+        if planned is not None and planned[:2] == (suffix, component) and planned[4] is not None:
+            hashes, first, (root, locs) = planned[2], planned[3], planned[4]
+            start = first.get(page_hashes[0]) if page_hashes else None
+            if start is not None and hashes[start : start + len(page_hashes)] == page_hashes:
+                return root, locs[start : start + len(page_hashes)]
         return self.link.locate(suffix, page_hashes, component)
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
