@@ -20,6 +20,7 @@ import ray
 
 from actors.compiled_rounds import CompiledRounds
 from actors.ray_metrics import CoordinatorMetrics, node_ip
+from actors.storage_group import StorageGroup
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -58,7 +59,8 @@ def _dead_jobs() -> set[str]:
 
 
 class CoordinatorActor:
-    def __init__(self, config: dict, rank_names: list[str], storage_name: str) -> None:
+    def __init__(self, config: dict, rank_names: list[str], storage_names: list[str] | str) -> None:
+        """``storage_names``: the storage actors' (one name: one actor)."""
         self.config = FabricConfig.from_dict(config)
         self.config_dict = config
         self.core = CoordinatorCore(self.config)
@@ -69,7 +71,9 @@ class CoordinatorActor:
         # Ranks whose actor died for good: looked up again by name before each
         # step (an operator or the chaos harness may have made a new one).
         self._dead_ranks: set[int] = set()
-        self.storage = ray.get_actor(storage_name, namespace=ns)
+        if isinstance(storage_names, str):
+            storage_names = [storage_names]
+        self.storage = StorageGroup.named(self.config, storage_names)
         self.futures: dict[str, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -110,7 +114,7 @@ class CoordinatorActor:
                 log.warning("no L2 pages adopted: a rank gave no inventory (%s)", exc)
             else:
                 self.core.adopt(held)
-            self._storage_spec = await self.storage.spec.remote()
+            self._storage_spec = await self.storage.spec()
             if self._storage_spec is not None:
                 self.core.storage_attached()
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -255,10 +259,7 @@ class CoordinatorActor:
 
     async def stats(self) -> dict[str, Any]:
         snapshot = self.core.snapshot()
-        try:
-            snapshot["l3"] = await asyncio.wait_for(self.storage.stats.remote(), 10)
-        except Exception as exc:
-            snapshot["l3"] = {"error": type(exc).__name__}
+        snapshot["l3"] = await self.storage.stats(10)
         if self.publisher is not None:
             snapshot["kv_events"] = self.publisher.stats()
         if self.compiled is not None:
@@ -289,12 +290,12 @@ class CoordinatorActor:
         ]
         actors += await asyncio.gather(
             *(line("rank", name, a) for name, a in zip(ranks, self.ranks, strict=True)),
-            line("storage", "storage", self.storage),
+            *(
+                line("storage", name, h)
+                for name, h in zip(self.storage.names(), self.storage.handles, strict=True)
+            ),
         )
-        try:
-            l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
-        except Exception as exc:
-            l3 = {"error": type(exc).__name__}
+        l3 = await self.storage.stats(5)
         latency = f["request_seconds"]
         return {
             "fabric": self.config.runtime.name,
@@ -352,7 +353,7 @@ class CoordinatorActor:
             **{**self.config.storage.model_dump(), "backend": backend, "options": options or {}}
         )
         name, spec_options = backend_spec(storage)
-        outcome = await self.storage.attach.remote(name, spec_options)
+        outcome = await self.storage.attach(name, spec_options)
         self._storage_spec = (name, spec_options)
         self.core.storage_attached()
         self._wake()
@@ -372,7 +373,7 @@ class CoordinatorActor:
             self._deliver(self.core.reset("storage detach timed out"))
             self.core.storage_force_detach()
         self._storage_spec = None
-        detached = await self.storage.detach.remote()
+        detached = await self.storage.detach()
         self.core.l3_cleared()
         return detached
 
@@ -381,7 +382,7 @@ class CoordinatorActor:
         return self._storage_spec
 
     async def clear_storage(self) -> bool:
-        cleared = await self.storage.clear.remote()
+        cleared = await self.storage.clear()
         self.core.l3_cleared()
         return cleared
 
@@ -447,24 +448,19 @@ class CoordinatorActor:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     async def _sync_storage(self) -> None:
-        """Make the storage actor hold the backend this coordinator says is attached
-        (a restarted one comes back with the launch config's)."""
-        try:
-            outcome = await asyncio.wait_for(
-                self.storage.ensure.remote(self._storage_spec), STORAGE_CHECK_S * 10
-            )
-        except Exception as exc:
-            self.core.stats.storage_errors += 1
-            log.warning("storage actor unavailable: %s", exc)
-            return
-        if outcome == "restored":
-            self.core.stats.storage_restores += 1
-            log.warning("storage actor had lost its L3 backend: restored")
+        """Make every storage actor hold the backend this coordinator says is
+        attached (a restarted one comes back with the launch config's)."""
+        restored, failed = await self.storage.ensure(self._storage_spec, STORAGE_CHECK_S * 10)
+        if failed:
+            self.core.stats.storage_errors += failed
+            log.warning("%d storage actor(s) unavailable", failed)
+        if restored:
+            self.core.stats.storage_restores += restored
+            log.warning("%d storage actor(s) had lost the L3 backend: restored", restored)
         if self.config.cache.kv_events:
-            with contextlib.suppress(Exception):
-                removed = await asyncio.wait_for(self.storage.take_removed.remote(), 10)
-                if removed:
-                    self.core.l3_removed(removed)
+            removed = await self.storage.take_removed(10)
+            if removed:
+                self.core.l3_removed(removed)
 
     async def _step(self) -> None:
         runtime = self.config.runtime
@@ -487,7 +483,7 @@ class CoordinatorActor:
             return
         data = encode(batch)
         self.core.stats.core_time_s += time.perf_counter() - started
-        hits_call = self.storage.query.remote(queries) if queries else None
+        hits_call = self.storage.query(queries) if queries else None
         sent = time.perf_counter()
         calls, pending = await self._round(data)
         hits = await self._hits(hits_call, queries)
@@ -635,8 +631,9 @@ class CoordinatorActor:
         while True:
             if time.monotonic() >= next_l3:
                 next_l3 = time.monotonic() + 5.0
-                with contextlib.suppress(Exception):
-                    l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
+                got = await self.storage.stats(5)
+                if "error" not in got:
+                    l3 = got
             events = self.publisher.stats() if self.publisher is not None else None
             exporter.update(self.core.figures(), l3, events)
             await asyncio.sleep(1.0)
@@ -649,9 +646,8 @@ class CoordinatorActor:
         while True:
             if time.monotonic() >= next_l3:
                 next_l3 = time.monotonic() + 5.0
-                try:
-                    l3 = await asyncio.wait_for(self.storage.stats.remote(), 5)
-                except Exception:
+                l3 = await self.storage.stats(5)
+                if "error" in l3:
                     l3 = {}
             try:
                 if self.ray_metrics is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.coordinator_actor import CoordinatorActor
 from actors.rank_actor import RankActor
 from actors.storage_actor import StorageActor
+from actors.storage_group import storage_names
 from fabric.config import FabricConfig
 from fabric.errors import FabricError
 from fabric.topology import Topology
@@ -47,7 +48,8 @@ def coordinator_name(config: FabricConfig) -> str:
 
 
 def storage_name(config: FabricConfig) -> str:
-    return f"{config.runtime.name}-storage"
+    """The (first) storage actor's name."""
+    return storage_names(config)[0]
 
 
 def uses_gpu(config: FabricConfig) -> bool:
@@ -63,16 +65,21 @@ def remote(cls: type, **options: Any) -> Any:
 class Deployment:
     coordinator: Any
     ranks: list[Any]
-    storage: Any
+    storage: Any  # the first storage actor
     placement_groups: list[PlacementGroup]
     instance: str = ""  # this launch: the ranks' shared L2 files are its own
+    storages: list[Any] = field(default_factory=list)  # every storage actor
+
+    def __post_init__(self) -> None:
+        if not self.storages:
+            self.storages = [self.storage]
 
     def kill(self) -> None:
         # The ranks' shared L2 files go with the fabric (a rank that is down
         # leaves its file to the next rank start's sweep on that node).
         with contextlib.suppress(Exception):
             ray.get([r.shutdown.remote(True) for r in self.ranks], timeout=10)
-        for actor in [self.coordinator, *self.ranks, self.storage]:
+        for actor in [self.coordinator, *self.ranks, *self.storages]:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         for pg in self.placement_groups:
@@ -118,7 +125,7 @@ def _rank_actor(
         num_gpus=1 if gpu else 0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_index),
     )
-    return cls.remote(config.to_dict(), index, storage_name(config), instance)
+    return cls.remote(config.to_dict(), index, storage_names(config), instance)
 
 
 def recreate_rank(deployment: Deployment, config: FabricConfig, index: int) -> Any:
@@ -134,7 +141,7 @@ def recreate_rank(deployment: Deployment, config: FabricConfig, index: int) -> A
 
 def _refuse_taken_name(config: FabricConfig, world_size: int) -> None:
     rt = config.runtime
-    names = [coordinator_name(config), storage_name(config)]
+    names = [coordinator_name(config), *storage_names(config)]
     names += [rank_name(config, i) for i in range(world_size)]
     for name in names:
         try:
@@ -154,16 +161,19 @@ def deploy(config: FabricConfig) -> Deployment:
     name in the same Ray namespace is refused before anything is made."""
     topo = Topology(config.topology)
     _refuse_taken_name(config, topo.world_size)
-    storage = remote(
-        StorageActor,
-        name=storage_name(config),
-        namespace=config.runtime.ray_namespace,
-        max_restarts=-1,
-        max_concurrency=16,
-        num_cpus=0,
-        **head_placement(config),
-    ).remote(config.to_dict(), coordinator_name(config))
-    _ready([storage.ping.remote()], [storage], 120)
+    storages = [
+        remote(
+            StorageActor,
+            name=name,
+            namespace=config.runtime.ray_namespace,
+            max_restarts=-1,
+            max_concurrency=16,
+            num_cpus=0,
+            **head_placement(config),
+        ).remote(config.to_dict(), coordinator_name(config), shard)
+        for shard, name in enumerate(storage_names(config))
+    ]
+    _ready([s.ping.remote() for s in storages], storages, 120)
     gpu = uses_gpu(config)
     instance = uuid.uuid4().hex[:12]  # this launch (every restart of a rank keeps it)
     bundle = {"GPU": 1, "CPU": _RANK_CPU} if gpu else {"CPU": _RANK_CPU}
@@ -181,8 +191,9 @@ def deploy(config: FabricConfig) -> Deployment:
             for made in groups:
                 with contextlib.suppress(Exception):
                     remove_placement_group(made)
-            with contextlib.suppress(Exception):
-                ray.kill(storage, no_restart=True)
+            for storage in storages:
+                with contextlib.suppress(Exception):
+                    ray.kill(storage, no_restart=True)
             for _, handle in ranks:
                 with contextlib.suppress(Exception):
                     ray.kill(handle, no_restart=True)
@@ -197,7 +208,7 @@ def deploy(config: FabricConfig) -> Deployment:
     ranks.sort(key=lambda pair: pair[0])
     handles = [h for _, h in ranks]
     try:
-        _ready([h.info.remote() for h in handles], [storage, *handles], 300)
+        _ready([h.info.remote() for h in handles], [*storages, *handles], 300)
     except FabricError:
         for pg in groups:
             with contextlib.suppress(Exception):
@@ -211,6 +222,6 @@ def deploy(config: FabricConfig) -> Deployment:
         max_concurrency=1000,
         num_cpus=0,
         **head_placement(config),
-    ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_name(config))
+    ).remote(data, [rank_name(config, i) for i in range(topo.world_size)], storage_names(config))
     ray.get(coordinator.start.remote(), timeout=120)
-    return Deployment(coordinator, handles, storage, groups, instance)
+    return Deployment(coordinator, handles, storages[0], groups, instance, storages)

@@ -16,6 +16,7 @@ import ray
 
 from actors.ray_metrics import RankMetrics, node_ip
 from fabric.config import FabricConfig
+from fabric.l3.shards import ShardedLink
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.mesh import poll
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
@@ -103,17 +104,30 @@ class RankActor:
     on a transfer thread, L3 traffic on a storage thread."""
 
     def __init__(
-        self, config: dict, index: int, storage_name: str | None = None, instance: str = ""
+        self,
+        config: dict,
+        index: int,
+        storage_names: list[str] | str | None = None,
+        instance: str = "",
     ) -> None:
-        """``instance``: the launch this rank belongs to (the same for every start of
-        it): its shared L2 file is that launch's and this rank's."""
+        """``storage_names``: the storage actors' (one name: one actor; several: its
+        pages go to their owners, ``fabric.l3.shards``). ``instance``: the launch
+        this rank belongs to (the same for every start of it): its shared L2 file
+        is that launch's and this rank's."""
         self.config = FabricConfig.from_dict(config)
         self.max_bytes = self.config.runtime.max_message_bytes
-        link = None
-        if storage_name is not None:
-            runtime = self.config.runtime
-            link = StorageActorLink(storage_name, runtime.ray_namespace, runtime.rank_timeout_s)
         runtime = self.config.runtime
+        if isinstance(storage_names, str):
+            storage_names = [storage_names]
+        links = [
+            StorageActorLink(name, runtime.ray_namespace, runtime.rank_timeout_s)
+            for name in storage_names or ()
+        ]
+        link: StorageActorLink | ShardedLink | None = None
+        if len(links) == 1:
+            link = links[0]
+        elif links:
+            link = ShardedLink(links)
         board = RayBoard(runtime.name, runtime.ray_namespace)
         self.worker = RankWorker(
             self.config, index, storage=link, board=board, l2_path=self._l2_path(index, instance)

@@ -23,6 +23,7 @@ from fabric.config import FabricConfig
 from fabric.l3.backend import Location
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService
+from fabric.l3.shards import ShardAnswer
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,11 @@ Spec = tuple[str, dict[str, Any]] | None
 
 
 class StorageActor:
-    def __init__(self, config: dict, coordinator_name: str | None = None) -> None:
+    def __init__(self, config: dict, coordinator_name: str | None = None, shard: int = 0) -> None:
+        """``shard``: which of the ``storage.actors`` this is (``fabric.l3.shards``)."""
         self.config = FabricConfig.from_dict(config)
-        self.service = StorageService(self.config)
+        self.shard = shard
+        self.service = StorageService(self.config, shard)
         self.delay_s = 0.0
         self.l3_fault: str | None = None
         self._released = threading.Event()
@@ -66,6 +69,12 @@ class StorageActor:
         component)."""
         batch = self.config.prefetch.query_batch_pages
         return {op: self.service.answer(prev, tokens, batch) for op, prev, tokens in queries}
+
+    def scan(self, queries: list[tuple[int, bytes, bytes]]) -> dict[int, ShardAnswer]:
+        """Per ``(op id, chain hash before, packed tokens)``: this actor's share of
+        the hit query when there are several (``StorageService.scan``)."""
+        batch = self.config.prefetch.query_batch_pages
+        return {op: self.service.scan(prev, tokens, batch) for op, prev, tokens in queries}
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         self._fault()
@@ -149,10 +158,13 @@ class StorageActor:
         if service is None:
             return "kvfabric storage (starting)"
         st = service.stats()
+        who = f"kvfabric storage of {self.config.runtime.name}"
+        if self.config.storage.actors > 1:
+            who += f" ({self.shard + 1} of {self.config.storage.actors})"
         if not st.get("attached"):
-            return f"kvfabric storage of {self.config.runtime.name}: no L3 attached"
+            return f"{who}: no L3 attached"
         return (
-            f"kvfabric storage of {self.config.runtime.name}: L3 {st.get('backend')}, "
+            f"{who}: L3 {st.get('backend')}, "
             f"{st.get('pages', '?')} pages, {st.get('bytes', 0) >> 20} MiB, "
             f"read {st.get('get_pages', 0)} written {st.get('set_pages', 0)} pages"
         )
@@ -163,7 +175,13 @@ class StorageActor:
         node). The moving figures are in Ray's metrics and `kvfabric status`."""
         config = getattr(self, "config", None)
         name = config.runtime.name if config is not None else "?"
-        return f"kvfabric storage of {name}, node {node_ip()}"
+        shard = getattr(self, "shard", 0)
+        of = (
+            f" ({shard + 1} of {config.storage.actors})"
+            if config and config.storage.actors > 1
+            else ""
+        )
+        return f"kvfabric storage of {name}{of}, node {node_ip()}"
 
     def set_faults(self, delay_s: float = 0.0, hold: bool = False, l3: str | None = None) -> None:
         """Chaos hook: delay every page batch, hold every one until released (or

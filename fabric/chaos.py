@@ -522,13 +522,15 @@ class Chaos:
             ray.kill(rank, no_restart=False)  # the restarted actor has no faults
             fault.ended = self.now()
         elif kind == "storage_kill":
-            storage = deployment.storage
+            storage = self.pick_storage(deployment)
             ray.get(storage.set_faults.remote(hold=True), timeout=10)
             deadline, held = time.monotonic() + 5.0, 0
             while time.monotonic() < deadline and not held:
                 held = ray.get(storage.holding.remote(), timeout=10)
                 time.sleep(0.05)
             fault.target = f"mid-transfer ({held} page batches held)" if held else "idle"
+            if len(deployment.storages) > 1:
+                fault.target += f", storage actor {deployment.storages.index(storage)}"
             ray.kill(storage, no_restart=False)  # the restarted actor holds nothing
             fault.ended = self.now()
         elif kind == "client_exit":
@@ -551,20 +553,21 @@ class Chaos:
             failed = max(0, self.l3_writes_failed() - failed)
             fault.target += f" ({failed} page writes failed)"
         elif kind in ("l3_read_only", "l3_full"):
-            l3 = kind.removeprefix("l3_")
-            ray.get(deployment.storage.set_faults.remote(l3=l3), timeout=10)
+            l3 = kind.removeprefix("l3_")  # the store: every storage actor sees it
+            ray.get([s.set_faults.remote(l3=l3) for s in deployment.storages], timeout=10)
             self.stop.wait(hold)
-            ray.get(deployment.storage.set_faults.remote(), timeout=10)
+            ray.get([s.set_faults.remote() for s in deployment.storages], timeout=10)
         elif kind == "storage_sigkill":  # the process, at whatever it was doing
-            pid, node = ray.get(deployment.storage.where.remote(), timeout=10)
+            storage = self.pick_storage(deployment)
+            pid, node = ray.get(storage.where.remote(), timeout=10)
             if not self._local(node):
                 raise RuntimeError("signals need the storage actor on this machine")
             os.kill(pid, signal.SIGKILL)
             fault.ended = self.now()
         elif kind == "l3_latency":  # every L3 batch a second late, for a while
-            ray.get(deployment.storage.set_faults.remote(delay_s=1.0), timeout=10)
+            ray.get([s.set_faults.remote(delay_s=1.0) for s in deployment.storages], timeout=10)
             self.stop.wait(hold)
-            ray.get(deployment.storage.set_faults.remote(), timeout=10)
+            ray.get([s.set_faults.remote() for s in deployment.storages], timeout=10)
         elif kind == "slow_rank":  # every command late: a straggler, alive
             named = fabric.stats().get("stragglers_named", 0)
             ray.get(rank.set_faults.remote(delay_s=0.6), timeout=10)
@@ -716,16 +719,24 @@ class Chaos:
             os.close(fd)
             os.unlink(ballast)
 
+    def pick_storage(self, deployment: Any) -> Any:
+        """The storage actor a fault hits: one of ``storage.actors``, drawn (a
+        single one draws nothing, so a seed's schedule stays what it was)."""
+        storages = deployment.storages
+        return storages[0] if len(storages) == 1 else self.rng.choice(storages)
+
     def l3_writes_failed(self) -> int:
-        """Page writes L3 refused so far (this storage actor's count: 0 if it is
-        down, so a difference across a storage restart may undercount)."""
+        """Page writes L3 refused so far (the storage actors' counts: one that is
+        down counts 0, so a difference across a storage restart may undercount)."""
         import ray
 
-        try:
-            st = ray.get(self.fabric._deployment.storage.stats.remote(), timeout=10)
-        except Exception:
-            return 0
-        return int(st.get("set_failed", 0))
+        total = 0
+        for storage in self.fabric._deployment.storages:
+            try:
+                total += int(ray.get(storage.stats.remote(), timeout=10).get("set_failed", 0))
+            except Exception:
+                continue
+        return total
 
     def read_only_l3(self, fault: Fault, hold: float) -> None:
         """Remount L3's file system read-only under the running fabric for ``hold``
@@ -813,7 +824,7 @@ class Chaos:
         resource = self.config.runtime.control_resource
         control = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource)}
         coordinator = ray.get(self.fabric.coordinator.where.remote(), timeout=30)[1]
-        storage = ray.get(deployment.storage.where.remote(), timeout=30)[1]
+        storages = [ray.get(s.where.remote(), timeout=30)[1] for s in deployment.storages]
         nodes = [ray.get(r.where.remote(), timeout=30)[1] for r in deployment.ranks]
         topo = Topology(self.config.topology)
         stages = [
@@ -822,7 +833,7 @@ class Chaos:
         ]
         return {
             "coordinator_on_control_node": coordinator in control,
-            "storage_on_control_node": storage in control,
+            "storage_on_control_node": all(node in control for node in storages),
             "stages_packed": all(len(s) == 1 for s in stages),
             "rank_nodes": len(set(nodes)),
         }
@@ -894,8 +905,9 @@ class Chaos:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
         fabric = self.fabric
-        with contextlib.suppress(Exception):
-            ray.get(fabric._deployment.storage.set_faults.remote(), timeout=30)
+        for storage in fabric._deployment.storages:
+            with contextlib.suppress(Exception):
+                ray.get(storage.set_faults.remote(), timeout=30)
         for rank in fabric._deployment.ranks:
             with contextlib.suppress(Exception):
                 ray.get(rank.set_faults.remote(), timeout=30)

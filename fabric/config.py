@@ -430,6 +430,10 @@ class StorageConfig(_Section):
     # no page crosses Ray. Needs the path on every rank's node (shared storage);
     # a rank without it reads through the storage actor.
     direct_reads: bool = Field(True, description="true or false")
+    # L3 keys are spread over this many storage actors by consistent hashing on
+    # the page hash (``fabric.l3.shards``); each hashes, reads and writes its own
+    # share. They all open the same backend (one shared store).
+    actors: Annotated[int, _allowed("an integer 1..64", ge=1, le=64)] = 1
     dynamic_modules: tuple[Text, ...] = Field(
         (), strict=False, description="a list of modules the dynamic backend may import"
     )

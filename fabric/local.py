@@ -15,17 +15,26 @@ from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
+from fabric.l3.shards import StorageShards
 from fabric.messages import decode, encode
 from fabric.rank.mesh import LocalBoard
 from fabric.rank.worker import RankWorker
 from fabric.topology import Topology
 
 
+def _storage(config: FabricConfig) -> StorageService | StorageShards:
+    """One storage service, or one per ``storage.actors`` used as one."""
+    n = config.storage.actors
+    if n == 1:
+        return StorageService(config)
+    return StorageShards([StorageService(config, shard) for shard in range(n)])
+
+
 class LocalFabric:
     def __init__(
         self,
         config: FabricConfig,
-        storage: StorageService | None = None,
+        storage: StorageService | StorageShards | None = None,
         clock: Callable[[], float] = time.monotonic,
         l2_dir: str | Path | None = None,
     ) -> None:
@@ -35,7 +44,7 @@ class LocalFabric:
         self.l2_dir = None if l2_dir is None else Path(l2_dir)
         self.clock = clock
         self._owns_storage = storage is None  # closed with the fabric
-        self.storage = storage or StorageService(config)
+        self.storage = storage or _storage(config)
         self.board = LocalBoard()  # where a sharded model's ranks form their groups
         self.ranks = [self._rank(i) for i in range(Topology(config.topology).world_size)]
         # The ranks of a sharded model compute together: each on its own thread.

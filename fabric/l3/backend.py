@@ -44,6 +44,10 @@ class L3Backend(ABC):
     # Backends that keep a directory record who wrote which model's pages there
     # (``fabric.l3.manifest``); the others cannot say.
     manifest: Manifest | None = None
+    # Whether it counts other processes' pages in the same store against its
+    # ``max_bytes`` (several storage actors share one store): one that counts only
+    # its own writes is given its share of the cap (``StorageService.attach``).
+    sees_others = False
 
     def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
         self.provenance = provenance

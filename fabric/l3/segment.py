@@ -121,6 +121,7 @@ class _Entry:
 
 class SegmentBackend(L3Backend):
     name = "segment"
+    sees_others = True  # rescans the directory before it evicts
 
     def __init__(self, provenance: Provenance, page_bytes: int, extra: Mapping[str, Any]) -> None:
         super().__init__(provenance, page_bytes, extra)
@@ -401,6 +402,9 @@ class SegmentBackend(L3Backend):
     def _evict(self) -> None:
         if not self.max_bytes:
             return
+        # Other writers' segments count too (several storage actors share one
+        # store): see them at most once a second, so the cap holds for the store.
+        self._refresh_on_miss()
         victims = []
         with self._lock:
             while self._bytes > self.max_bytes:

@@ -29,6 +29,7 @@ from fabric.l3 import make_backend
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import L3Backend, Location
 from fabric.l3.format import Provenance, page_key
+from fabric.l3.shards import ShardAnswer, positions
 from fabric.topology import Shard, Topology, kind_layers
 
 # Bytes per element of the dtypes pages may hold (engines' pages too: vLLM blocks
@@ -117,8 +118,16 @@ def backend_spec(storage: StorageConfig) -> tuple[str, dict[str, Any]]:
 
 
 class StorageService:
-    def __init__(self, config: FabricConfig) -> None:
+    def __init__(self, config: FabricConfig, shard: int = 0) -> None:
+        """``shard``: which of the ``storage.actors`` storage actors this is (the
+        pages it owns, ``fabric.l3.shards``); every one opens the same backend."""
+        if not 0 <= shard < config.storage.actors:
+            raise ConfigError(
+                f"storage shard {shard} is refused: allowed is 0..{config.storage.actors - 1} "
+                f"(storage.actors={config.storage.actors})"
+            )
         self.config = config
+        self.shard, self.shards = shard, config.storage.actors
         topo = Topology(config.topology)
         self.suffixes = [r.suffix for r in topo.ranks]
         _, self.page_bytes = page_geometry(config)
@@ -162,6 +171,13 @@ class StorageService:
                 name, self.provenance, self.page_bytes, extra, self.allowed_modules
             )
             self.spec = spec
+        if (
+            self.shards > 1
+            and not self.backend.sees_others
+            and getattr(self.backend, "max_bytes", 0)
+        ):
+            # It counts only what it wrote: each actor keeps its share of the cap.
+            self.backend.max_bytes = max(1, self.backend.max_bytes // self.shards)  # type: ignore[attr-defined]
         self.backend.track_removals = self.config.cache.kv_events
         self.backend.auth = self.auth
         for prov in self.shapes.values():
@@ -237,6 +253,43 @@ class StorageService:
         while end > 0 and not self._parts_at(backend, page_hashes, end):
             end -= 1
         return end
+
+    def scan(self, prev: bytes, tokens: bytes, batch_pages: int = 128) -> ShardAnswer:
+        """This storage actor's share of a hit query over several
+        (``fabric.l3.shards``): the pages' chain hashes, hashed here, and for the
+        positions this actor owns, the first whose page some rank's shard lacks
+        and (hybrid) those whose components every rank's shard holds.
+        ``merge_hits`` over every actor's answer is what ``answer`` gives."""
+        hashes = chain_hashes(prev, tokens, self.key_page_bytes)
+        backend = self.backend
+        sent = hashes if self.shard == 0 else ()
+        if backend is None:
+            return ShardAnswer(0, hashes=sent)
+        mine = positions(hashes, self.shards)[self.shard]
+        full = len(hashes)
+        for suffix in self.suffixes:
+            for start in range(0, len(mine), batch_pages):
+                chunk = [p for p in mine[start : start + batch_pages] if p < full]
+                if not chunk:
+                    break
+                n = backend.exists([self.key(hashes[p], suffix) for p in chunk])
+                if n < len(chunk):
+                    full = chunk[n]
+                    break
+        owned = [p for p in mine if p < full]
+        held = {part: self._held(backend, hashes, owned, part) for part in self.parts}
+        return ShardAnswer(full, held.get("mamba", ()), held.get("sliding", ()), sent)
+
+    def _held(
+        self, backend: L3Backend, hashes: Sequence[bytes], owned: list[int], component: str
+    ) -> list[int]:
+        """The positions in ``owned`` whose ``component`` page every rank's shard holds."""
+        for suffix in self.suffixes:
+            if not owned:
+                break
+            there = backend.present([self.key(hashes[p], suffix, component) for p in owned])
+            owned = [p for p, ok in zip(owned, there, strict=True) if ok]
+        return owned
 
     def _parts_at(self, backend: L3Backend, page_hashes: Sequence[bytes], end: int) -> bool:
         """Every shard holds the components of the end after ``end`` pages."""
