@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric.cache.events import Medium
 from fabric.cache.keys import pack_tokens
+from fabric.l3.shards import owner
 from fabric.local import LocalFabric
 from tests.helpers import FakeClock, RouterView, machine_settings, small_config
 
@@ -26,7 +27,8 @@ VERIFIED: Counter[str] = Counter()
 SETUP = {
     "write_policy": st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     "stop_policy": st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-    "storage": st.sampled_from([None, "file", "segment"]),
+    # ``backend:N``: L3 keys spread over N storage actors (``fabric.l3.shards``).
+    "storage": st.sampled_from([None, "file", "segment", "file:2", "segment:3"]),
     "chunk": st.sampled_from([None, 1, 2, 3]),
     "chunk_tokens": st.sampled_from([0, 4, 8]),
     "session_tier": st.sampled_from(["device", "host"]),
@@ -77,8 +79,10 @@ class FabricMachine(RuleBasedStateMachine):
             "cache.session_budget_fraction=0.3",
             f"cache.session_tier={session_tier}",
         ]
+        storage, _, actors = (storage or "").partition(":")
         if storage:
             options += [f"storage.backend={storage}", f"storage.path={self.tmp.name}"]
+            options += [f"storage.actors={actors or 1}"]
         if storage == "file":  # a small L3: pages evicted, and a router told so
             options += ["storage.max_bytes=24000"]
         if hybrid is not None:  # small component pools: components evicted apart
@@ -290,11 +294,13 @@ class FabricMachine(RuleBasedStateMachine):
         self.router.apply([*f.core.take_events(1 << 30), *f.core.cache.take_events()])
         l3 = f.core.cache.events.l3
         self.router.check(f.core.cache.tree, l3)
-        backend = f.storage.backend
-        if l3 and backend is not None:  # what the router is told L3 holds, it holds
+        if l3 and f.storage.backend is not None:  # what the router is told L3 holds, it holds
             VERIFIED["L3 pages a router knows"] += len(l3)
-            keys = [f.storage.key(h, suffix) for h in l3 for suffix in f.storage.suffixes]
-            assert backend.exists(keys) == len(keys)
+            services = getattr(f.storage, "services", [f.storage])  # each page at its owner
+            for h in l3:
+                service = services[owner(h, len(services))]
+                keys = [service.key(h, suffix) for suffix in service.suffixes]
+                assert service.backend.exists(keys) == len(keys)
         live = {rid for rid, r in self.held.items() if r.lease.token in f.core.leases}
         for rid in set(self.held) - live:
             del self.held[rid]  # a reset or its TTL ended it
