@@ -62,6 +62,12 @@ class StorageActorLink:
     def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
         self._actor().read_elsewhere.remote(pages, refused)  # a count: not waited for
 
+    def start(self, method: str, *args: Any) -> Callable[[], Any]:
+        """Send ``method(*args)`` now; the returned call waits for its answer (a
+        ``ShardedLink`` sends to every storage actor before it waits)."""
+        ref = getattr(self._actor(), method).remote(*args)
+        return lambda: ray.get(ref, timeout=self.timeout_s)
+
 
 class RayBoard:
     """Where a sharded model's ranks meet (``fabric.rank.mesh.Board``): Ray's

@@ -22,9 +22,7 @@ work on their shares at once.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -56,11 +54,30 @@ def owner(page_hash: bytes, shards: int) -> int:
 
 
 def positions(page_hashes: Sequence[bytes], shards: int) -> list[list[int]]:
-    """Per storage actor, the positions in ``page_hashes`` of the pages it owns."""
-    out: list[list[int]] = [[] for _ in range(shards)]
-    for i, h in enumerate(page_hashes):
-        out[owner(h, shards)].append(i)
-    return out
+    """Per storage actor, the positions in ``page_hashes`` of the pages it owns
+    (``owner`` of each, computed for all at once)."""
+    if shards == 1:
+        return [list(range(len(page_hashes)))]
+    owners = jump_hashes(np.frombuffer(b"".join(h[:8] for h in page_hashes), dtype="<u8"), shards)
+    order = np.argsort(owners, kind="stable")
+    bounds = np.searchsorted(owners[order], np.arange(shards + 1))
+    return [order[bounds[s] : bounds[s + 1]].tolist() for s in range(shards)]
+
+
+def jump_hashes(keys: np.ndarray, buckets: int) -> np.ndarray:
+    """``jump_hash`` of every 64-bit key at once (the same float arithmetic)."""
+    key = keys.astype(np.uint64, copy=True)
+    b = np.full(len(key), -1, dtype=np.int64)
+    j = np.zeros(len(key), dtype=np.int64)
+    live = np.arange(len(key))
+    with np.errstate(over="ignore"):
+        while len(live):
+            b[live] = j[live]
+            key[live] = key[live] * np.uint64(2862933555777941757) + np.uint64(1)
+            span = float(1 << 31) / ((key[live] >> np.uint64(33)).astype(np.float64) + 1.0)
+            j[live] = ((b[live] + 1).astype(np.float64) * span).astype(np.int64)
+            live = live[j[live] < buckets]
+    return b
 
 
 class ShardAnswer(NamedTuple):
@@ -160,36 +177,37 @@ def union(lists: Iterable[Iterable[T]]) -> list[T]:
 
 class ShardedLink:
     """A rank's way to L3 over several storage actors: each call is split by the
-    pages' owners and sent to them at once (a thread each); the answers merge
-    into what one store would have answered."""
+    pages' owners and sent to all of them before any answer is awaited (a link
+    with ``start(method, *args)`` returns a waiter for its answer: a Ray call in
+    flight; any other link is called in turn); the answers merge into what one
+    store would have answered."""
 
     def __init__(self, links: Sequence[Any]) -> None:
         if not links:
             raise ValueError("a sharded link needs at least one storage link")
         self.links = list(links)
         self.shards = len(self.links)
-        self._pool: ThreadPoolExecutor | None = None  # made on first use
-        self._lock = threading.Lock()
 
-    def _each(self, split: list[list[int]], call: Callable[[int, list[int]], T]) -> list[T | None]:
-        """``call(shard, positions)`` for every shard that owns some positions, at
-        once; ``None`` for the others. The first error is raised."""
-        busy = [s for s, pos in enumerate(split) if pos]
-        if len(busy) <= 1:
-            return [call(s, split[s]) if s in busy else None for s in range(self.shards)]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.shards, thread_name_prefix="kvfabric-l3")
-            pool = self._pool
-        futures = {s: pool.submit(call, s, split[s]) for s in busy}
-        return [futures[s].result() if s in futures else None for s in range(self.shards)]
+    def _each(self, split: list[list[int]], method: str, *args: Any) -> list[Any]:
+        """``link.method(*args(positions))`` for every shard that owns some
+        positions, all sent before any is awaited; ``None`` for the others. An
+        argument that is a callable is called with the shard's positions."""
+        waiters: list[Callable[[], Any] | None] = []
+        for link, pos in zip(self.links, split, strict=True):
+            if not pos:
+                waiters.append(None)
+                continue
+            call = [a(pos) if callable(a) else a for a in args]
+            start = getattr(link, "start", None)
+            if start is not None:
+                waiters.append(start(method, *call))
+            else:
+                waiters.append(lambda link=link, call=call: getattr(link, method)(*call))
+        return [None if w is None else w() for w in waiters]
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         split = positions(page_hashes, self.shards)
-        rows = self._each(
-            split,
-            lambda s, pos: self.links[s].load(suffix, [page_hashes[i] for i in pos], component),
-        )
+        rows = self._each(split, "load", suffix, _pick(page_hashes), component)
         width = next((r.shape[1] for r in rows if r is not None), 0)
         empty = np.empty((0, width), dtype=np.uint8)
         return merge_rows(split, [empty if r is None else r for r in rows], width)
@@ -199,10 +217,7 @@ class ShardedLink:
     ) -> bool:
         split = positions(page_hashes, self.shards)
         done = self._each(
-            split,
-            lambda s, pos: self.links[s].store(
-                suffix, [page_hashes[i] for i in pos], pages[pos], component
-            ),
+            split, "store", suffix, _pick(page_hashes), lambda pos: pages[pos], component
         )
         return all(bool(d) for d, pos in zip(done, split, strict=True) if pos)
 
@@ -212,12 +227,9 @@ class ShardedLink:
         """Where the leading pages found lie; ``None`` when an owner cannot say, or
         the owners' stores are not one directory."""
         split = positions(page_hashes, self.shards)
-        found = self._each(
-            split,
-            lambda s, pos: self.links[s].locate(suffix, [page_hashes[i] for i in pos], component),
-        )
+        found = self._each(split, "locate", suffix, _pick(page_hashes), component)
         answered = [f for f, pos in zip(found, split, strict=True) if pos]
-        if any(f is None for f in answered) or len({f[0] for f in answered}) > 1:  # type: ignore[index]
+        if any(f is None for f in answered) or len({f[0] for f in answered}) > 1:
             return None
         locs = [[] if f is None else f[1] for f in found]
         end = leading(split, [len(x) for x in locs], len(page_hashes))
@@ -226,17 +238,17 @@ class ShardedLink:
             for p, loc in zip(pos, got, strict=False):
                 if p < end:
                     out[p] = loc
-        return answered[0][0] if answered else "", out  # type: ignore[index]
+        return (answered[0][0] if answered else ""), out
 
     def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
         self.links[0].read_elsewhere(pages, refused)
 
     def close(self) -> None:
-        """Stop the threads (a later call starts new ones)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        """Nothing to release (kept for links that hold something)."""
+
+
+def _pick(page_hashes: Sequence[bytes]) -> Callable[[list[int]], list[bytes]]:
+    return lambda pos: [page_hashes[i] for i in pos]
 
 
 class StorageShards:

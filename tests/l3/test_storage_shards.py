@@ -21,6 +21,7 @@ from fabric.l3.shards import (
     ShardedLink,
     StorageShards,
     jump_hash,
+    jump_hashes,
     merge_rows,
     merge_stats,
     owner,
@@ -65,6 +66,15 @@ def test_jump_hash_moves_only_the_new_bucket_s_share_and_spreads_evenly():
         assert max(counts.values()) / min(counts.values()) < 1.2, counts
     with pytest.raises(ValueError, match="buckets=0 is refused"):
         jump_hash(1, 0)
+
+
+def test_jump_hashes_at_once_are_the_one_at_a_time_answers():
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(20_000)] + [0, 1, (1 << 64) - 1]
+    for n in (1, 2, 3, 8, 64, 1000):
+        assert jump_hashes(np.array(keys, dtype=np.uint64), n).tolist() == [
+            jump_hash(k, n) for k in keys
+        ]
 
 
 def test_positions_split_a_chain_by_owner_in_order():
