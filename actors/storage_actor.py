@@ -19,11 +19,13 @@ import numpy as np
 import ray
 
 from actors.ray_metrics import node_ip
+from actors.storage_group import storage_names
+from fabric.cache.controller import HitAnswer
 from fabric.config import FabricConfig
 from fabric.l3.backend import Location
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService
-from fabric.l3.shards import ShardAnswer
+from fabric.l3.shards import ShardAnswer, ShareQuery, merge_shares, shares
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class StorageActor:
         """``shard``: which of the ``storage.actors`` this is (``fabric.l3.shards``)."""
         self.config = FabricConfig.from_dict(config)
         self.shard = shard
+        self._peers: dict[int, Any] = {}  # the other storage actors, by shard
         self.service = StorageService(self.config, shard)
         self.delay_s = 0.0
         self.l3_fault: str | None = None
@@ -70,11 +73,39 @@ class StorageActor:
         batch = self.config.prefetch.query_batch_pages
         return {op: self.service.answer(prev, tokens, batch) for op, prev, tokens in queries}
 
-    def scan(self, queries: list[tuple[int, bytes, bytes]]) -> dict[int, ShardAnswer]:
-        """Per ``(op id, chain hash before, packed tokens)``: this actor's share of
-        the hit query when there are several (``StorageService.scan``)."""
+    def lead(self, queries: list[tuple[int, bytes, bytes]]) -> dict[int, HitAnswer]:
+        """Lead hit queries over several storage actors (``fabric.l3.shards``): per
+        ``(op id, chain hash before, packed tokens)``, hash the pages here, ask
+        each actor about the pages it owns (every other one's share sent before
+        this one's own is checked), and merge the answers into one store's."""
         batch = self.config.prefetch.query_batch_pages
-        return {op: self.service.scan(prev, tokens, batch) for op, prev, tokens in queries}
+        by_op = {op: self.service.hashes(prev, tokens) for op, prev, tokens in queries}
+        split = shares(by_op, self.config.storage.actors)
+        asked = {
+            s: self._peer(s).held.remote(share)
+            for s, share in enumerate(split)
+            if share and s != self.shard
+        }
+        answers = [self.service.held(split[self.shard], batch)]
+        if asked:
+            answers += ray.get(list(asked.values()), timeout=self.config.runtime.rank_timeout_s)
+        model = self.config.model
+        parts = tuple(c for c in model.components if c != "full")
+        return merge_shares(by_op, answers, parts, model.window_pages(self.config.cache.page_size))
+
+    def held(self, items: list[ShareQuery]) -> dict[int, ShardAnswer]:
+        """This actor's shares of hit queries another actor leads."""
+        return self.service.held(items, self.config.prefetch.query_batch_pages)
+
+    def _peer(self, shard: int) -> Any:
+        """The storage actor ``shard`` (looked up by name once; a restarted one
+        keeps its name and its handle)."""
+        peer = self._peers.get(shard)
+        if peer is None:
+            name = storage_names(self.config)[shard]
+            peer = ray.get_actor(name, namespace=self.config.runtime.ray_namespace)
+            self._peers[shard] = peer
+        return peer
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         self._fault()

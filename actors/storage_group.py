@@ -11,9 +11,8 @@ from typing import Any
 
 import ray
 
-from fabric.cache.controller import HitAnswer
 from fabric.config import FabricConfig
-from fabric.l3.shards import merge_hits, merge_stats, union
+from fabric.l3.shards import merge_stats, union
 
 Spec = tuple[str, dict[str, Any]] | None
 
@@ -27,9 +26,6 @@ def storage_names(config: FabricConfig) -> list[str]:
 class StorageGroup:
     def __init__(self, config: FabricConfig, handles: Sequence[Any]) -> None:
         self.handles = list(handles)
-        model = config.model
-        self.parts = tuple(c for c in model.components if c != "full")
-        self.window_pages = model.window_pages(config.cache.page_size)
 
     @classmethod
     def named(cls, config: FabricConfig, names: Sequence[str]) -> StorageGroup:
@@ -40,20 +36,20 @@ class StorageGroup:
         return len(self.handles)
 
     def query(self, queries: list) -> Awaitable[dict[int, Any]]:
-        """The hit queries' answers (``HitAnswer`` per op id), asked of every actor
-        now; await the result. One actor answers whole; several answer their
-        shares (``StorageActor.scan``), merged here."""
+        """The hit queries' answers (``HitAnswer`` per op id), asked now; await the
+        result. With several actors, each leads its turn of the queries (hashes
+        them, asks the owners of their pages, merges: ``StorageActor.lead``)."""
         if len(self.handles) == 1:
             return self.handles[0].query.remote(queries)
-        refs = [h.scan.remote(queries) for h in self.handles]
-        return self._merged(refs)
+        n = len(self.handles)
+        refs = [h.lead.remote(queries[i::n]) for i, h in enumerate(self.handles) if queries[i::n]]
+        return self._joined(refs)
 
-    async def _merged(self, refs: list) -> dict[int, HitAnswer]:
-        answers = await asyncio.gather(*refs)
-        return {
-            op: merge_hits([a[op] for a in answers], self.parts, self.window_pages)
-            for op in answers[0]
-        }
+    async def _joined(self, refs: list) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for answers in await asyncio.gather(*refs):
+            out.update(answers)
+        return out
 
     async def spec(self) -> Spec:
         return await self.handles[0].spec.remote()

@@ -10,8 +10,9 @@ directory per count). This process plays the ranks and the coordinator:
   relayed path; direct reads skip the actors' data path altogether);
 - **query**: batches of ``--batch`` hit queries (packed prompts, hashed in the
   storage actors), ``--clients`` batches in flight, as the coordinator sends
-  them: one actor answers ``query``; several answer ``scan`` and the answers
-  merge here (``merge_hits``).
+  them: one actor answers ``query``; with several, each leads its turn of the
+  batch (hashes the chains once, asks the owners of the pages, merges:
+  ``StorageActor.lead``).
 Each figure is also given over the one-actor figure of the same run
 (``*_vs_one``). On a machine with C cores, N actors can use at most C of them.
 
@@ -49,7 +50,7 @@ from actors.storage_group import storage_names
 from fabric.cache.keys import chain_hashes, pack_tokens
 from fabric.config import FabricConfig
 from fabric.l3.service import StorageService, provenance_bytes
-from fabric.l3.shards import ShardedLink, merge_hits
+from fabric.l3.shards import ShardedLink
 from fabric.process_exit import finish
 
 NS = "kvfabric-bench-shards"
@@ -143,8 +144,6 @@ def measure(args: argparse.Namespace, actors: int) -> dict:
             for at in range(0, args.pages, batch):
                 assert client_link().store(other, chains[i][at : at + batch], data[at : at + batch])
     queries = [(i, b"", pack_tokens(p)) for i, p in enumerate(prompts)]
-    parts = tuple(c for c in config.model.components if c != "full")
-    window = config.model.window_pages(config.cache.page_size)
     lock = threading.Lock()
     answered = []
 
@@ -154,8 +153,10 @@ def measure(args: argparse.Namespace, actors: int) -> dict:
             got = ray.get(handles[0].query.remote(group))
             pages = [got[op][0] for op, *_ in group]
         else:
-            answers = ray.get([h.scan.remote(group) for h in handles])
-            pages = [merge_hits([a[op] for a in answers], parts, window).pages for op, *_ in group]
+            got = {}  # each actor leads its turn of the batch, as the coordinator deals them
+            for part in ray.get([h.lead.remote(group[i::actors]) for i, h in enumerate(handles)]):
+                got.update(part)
+            pages = [got[op][0] for op, *_ in group]
         with lock:
             answered.extend(pages)
 

@@ -29,7 +29,7 @@ from fabric.l3 import make_backend
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import L3Backend, Location
 from fabric.l3.format import Provenance, page_key
-from fabric.l3.shards import ShardAnswer, positions
+from fabric.l3.shards import ShardAnswer, ShareQuery
 from fabric.topology import Shard, Topology, kind_layers
 
 # Bytes per element of the dtypes pages may hold (engines' pages too: vLLM blocks
@@ -254,42 +254,49 @@ class StorageService:
             end -= 1
         return end
 
-    def scan(self, prev: bytes, tokens: bytes, batch_pages: int = 128) -> ShardAnswer:
-        """This storage actor's share of a hit query over several
-        (``fabric.l3.shards``): the pages' chain hashes, hashed here, and for the
-        positions this actor owns, the first whose page some rank's shard lacks
-        and (hybrid) those whose components every rank's shard holds.
-        ``merge_hits`` over every actor's answer is what ``answer`` gives."""
-        hashes = chain_hashes(prev, tokens, self.key_page_bytes)
+    def hashes(self, prev: bytes, tokens: bytes) -> list[bytes]:
+        """The chain hashes of the whole pages packed in ``tokens``, from ``prev``."""
+        return chain_hashes(prev, tokens, self.key_page_bytes)
+
+    def held(self, items: Sequence[ShareQuery], batch_pages: int = 128) -> dict[int, ShardAnswer]:
+        """This storage actor's share of hit queries over several
+        (``fabric.l3.shards``): per ``(op id, hashes, positions, pages)`` — the
+        chain hashes of the pages it owns, hashed by the actor that leads the
+        query, and their positions — the first position whose page some rank's
+        shard lacks and (hybrid) the positions whose components every rank's
+        shard holds."""
+        return {op: self._held_share(h, pos, total, batch_pages) for op, h, pos, total in items}
+
+    def _held_share(
+        self, hashes: Sequence[bytes], pos: Sequence[int], total: int, batch_pages: int
+    ) -> ShardAnswer:
         backend = self.backend
-        sent = hashes if self.shard == 0 else ()
         if backend is None:
-            return ShardAnswer(0, hashes=sent)
-        mine = positions(hashes, self.shards)[self.shard]
-        full = len(hashes)
+            return ShardAnswer(0)
+        found = len(pos)  # how many of this actor's positions every rank's shard holds
         for suffix in self.suffixes:
-            for start in range(0, len(mine), batch_pages):
-                chunk = [p for p in mine[start : start + batch_pages] if p < full]
-                if not chunk:
-                    break
-                n = backend.exists([self.key(hashes[p], suffix) for p in chunk])
+            for start in range(0, found, batch_pages):
+                chunk = hashes[start : min(start + batch_pages, found)]
+                n = backend.exists([self.key(h, suffix) for h in chunk])
                 if n < len(chunk):
-                    full = chunk[n]
+                    found = start + n
                     break
-        owned = [p for p in mine if p < full]
-        held = {part: self._held(backend, hashes, owned, part) for part in self.parts}
-        return ShardAnswer(full, held.get("mamba", ()), held.get("sliding", ()), sent)
+        full = pos[found] if found < len(pos) else total
+        held = {part: self._held(backend, hashes[:found], pos[:found], part) for part in self.parts}
+        return ShardAnswer(full, held.get("mamba", ()), held.get("sliding", ()))
 
     def _held(
-        self, backend: L3Backend, hashes: Sequence[bytes], owned: list[int], component: str
+        self, backend: L3Backend, hashes: Sequence[bytes], pos: Sequence[int], component: str
     ) -> list[int]:
-        """The positions in ``owned`` whose ``component`` page every rank's shard holds."""
+        """The positions in ``pos`` (of the pages ``hashes``) whose ``component``
+        page every rank's shard holds."""
+        keep = list(range(len(pos)))
         for suffix in self.suffixes:
-            if not owned:
+            if not keep:
                 break
-            there = backend.present([self.key(hashes[p], suffix, component) for p in owned])
-            owned = [p for p, ok in zip(owned, there, strict=True) if ok]
-        return owned
+            there = backend.present([self.key(hashes[i], suffix, component) for i in keep])
+            keep = [i for i, ok in zip(keep, there, strict=True) if ok]
+        return [pos[i] for i in keep]
 
     def _parts_at(self, backend: L3Backend, page_hashes: Sequence[bytes], end: int) -> bool:
         """Every shard holds the components of the end after ``end`` pages."""

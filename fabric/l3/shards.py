@@ -8,13 +8,15 @@ pages. Every actor opens the same backend (one shared store); ownership only
 decides which actor indexes, hashes, reads and writes a page, so the actors
 work on their shares at once.
 
-- A hit query goes to every actor. Each hashes the prompt's chain itself (a
-  client's hashes are never taken) and says, for the positions it owns, where
-  its first page that some rank's shard lacks is, and which of its positions
-  hold every rank's hybrid components (``ShardAnswer``). ``merge_hits`` turns the
-  answers into the one ``HitAnswer`` a single store would have given: the
-  leading run is the MIN over actors, then the same walk back to an end whose
-  components are all there.
+- A hit query is led by one actor (the coordinator deals its queries out in
+  turn): it hashes the prompt's chain (a client's hashes are never taken) and
+  asks each owner about its pages (``shares``), its own included; each says
+  where its first page that some rank's shard lacks is, and which of its
+  positions hold every rank's hybrid components (``ShardAnswer``).
+  ``merge_hits`` turns the answers into the one ``HitAnswer`` a single store
+  would have given: the leading run is the MIN over actors, then the same walk
+  back to an end whose components are all there. So each query is hashed
+  once, and each actor checks only its own pages.
 - A rank's loads, stores and locates are split by owner and sent at once
   (``ShardedLink``); a load's answer is the leading run of pages every owner
   returned, as from one store.
@@ -80,28 +82,60 @@ def jump_hashes(keys: np.ndarray, buckets: int) -> np.ndarray:
     return b
 
 
+# One storage actor's share of one hit query: the op id, the chain hashes of
+# the pages it owns, their positions in the query, and the query's page count.
+ShareQuery = tuple[int, list[bytes], list[int], int]
+
+
 class ShardAnswer(NamedTuple):
-    """One storage actor's answer to a hit query. ``full``: the first position it
-    owns whose page some rank's shard lacks (the query's length if none);
-    ``mamba`` / ``sliding``: the positions it owns, before ``full``, whose
-    component every rank's shard holds; ``hashes``: the pages' chain hashes
-    (only actor 0 sends them; every actor computes them)."""
+    """One storage actor's answer to its share of a hit query. ``full``: the
+    first position it owns whose page some rank's shard lacks (the query's
+    length if none); ``mamba`` / ``sliding``: the positions it owns, before
+    ``full``, whose component every rank's shard holds."""
 
     full: int
     mamba: Sequence[int] = ()
     sliding: Sequence[int] = ()
-    hashes: Sequence[bytes] = ()
+
+
+def shares(hashes_by_op: Mapping[int, Sequence[bytes]], shards: int) -> list[list[ShareQuery]]:
+    """Per storage actor, its shares of the hit queries (``hashes_by_op``: each
+    query's chain hashes): the pages it owns. An actor that owns no page of a
+    query has no share of it, and puts no bound on its answer."""
+    out: list[list[ShareQuery]] = [[] for _ in range(shards)]
+    for op, hashes in hashes_by_op.items():
+        for s, pos in enumerate(positions(hashes, shards)):
+            if pos:
+                out[s].append((op, [hashes[p] for p in pos], pos, len(hashes)))
+    return out
+
+
+def merge_shares(
+    hashes_by_op: Mapping[int, Sequence[bytes]],
+    answers: Sequence[Mapping[int, ShardAnswer]],
+    parts: Sequence[str],
+    window_pages: int,
+) -> dict[int, HitAnswer]:
+    """Every query's answer from the actors' answers to their shares
+    (``merge_hits``), with the query's hashes."""
+    out = {}
+    for op, hashes in hashes_by_op.items():
+        got = [a[op] for a in answers if op in a]
+        out[op] = merge_hits(got, hashes, parts, window_pages) if got else HitAnswer(0, hashes)
+    return out
 
 
 def merge_hits(
-    answers: Sequence[ShardAnswer], parts: Sequence[str], window_pages: int
+    answers: Sequence[ShardAnswer],
+    hashes: Sequence[bytes],
+    parts: Sequence[str],
+    window_pages: int,
 ) -> HitAnswer:
     """What one store would have answered: how many leading pages every rank's
     shard holds (the MIN over actors), and for a hybrid model the deepest of
     those page ends whose components are all there (the mamba state at the end,
     the sliding pages of the window before it)."""
     best = min(a.full for a in answers)
-    hashes = answers[0].hashes
     if not parts or best == 0:
         return HitAnswer(best, hashes)
     mamba = set().union(*(a.mamba for a in answers))
@@ -275,8 +309,14 @@ class StorageShards:
         return self.services[0].key(page_hash, suffix, component)
 
     def answer(self, prev: bytes, tokens: bytes, batch_pages: int = 128) -> HitAnswer:
-        scans = [s.scan(prev, tokens, batch_pages) for s in self.services]
-        return merge_hits(scans, self.parts, self.window_pages)
+        """Hashed once (as by the storage actor that leads the query), each
+        shard's pages asked of their owner, the answers merged."""
+        by_op = {0: self.services[0].hashes(prev, tokens)}
+        split = shares(by_op, len(self.services))
+        answers = [
+            s.held(share, batch_pages) for s, share in zip(self.services, split, strict=True)
+        ]
+        return merge_shares(by_op, answers, self.parts, self.window_pages)[0]
 
     def load(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> np.ndarray:
         return self.link.load(suffix, page_hashes, component)
