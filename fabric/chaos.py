@@ -570,9 +570,9 @@ class Chaos:
             ray.get([s.set_faults.remote() for s in deployment.storages], timeout=10)
         elif kind == "slow_rank":  # every command late: a straggler, alive
             named = fabric.stats().get("stragglers_named", 0)
-            ray.get(rank.set_faults.remote(delay_s=0.6), timeout=10)
+            self.rank_call(lambda: rank.set_faults.remote(delay_s=0.6), 10)
             self.stop.wait(max(hold, 6.0))
-            ray.get(rank.set_faults.remote(), timeout=10)
+            self.rank_call(lambda: rank.set_faults.remote(), 10)
             if fabric.stats().get("stragglers_named", 0) > named:
                 fault.target += " (named a straggler)"
         else:
@@ -581,9 +581,24 @@ class Chaos:
             assert self.config is not None
             late = 1.5 * self.config.runtime.rank_timeout_s
             what = {"duplicate": True} if kind == "duplicate_messages" else {"reply_delay_s": late}
-            ray.get(rank.set_faults.remote(**what), timeout=10)
+            self.rank_call(lambda: rank.set_faults.remote(**what), 10)
             self.stop.wait(hold)
-            ray.get(rank.set_faults.remote(), timeout=10 + late)
+            self.rank_call(lambda: rank.set_faults.remote(), 10 + late)
+
+    def rank_call(self, call: Callable[[], Any], timeout_s: float) -> Any:
+        """``ray.get(call())`` on a rank that an overlapping fault may be restarting
+        (a restarting actor is unavailable for a while): tried again until it
+        answers, for up to a minute."""
+        import ray
+
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                return ray.get(call(), timeout=timeout_s)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def overlap(self, fault: Fault, index: int) -> None:
         """Two faults at once, each on its own thread (on the same rank where both
