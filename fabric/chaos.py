@@ -564,6 +564,8 @@ class Chaos:
                 raise RuntimeError("signals need the storage actor on this machine")
             os.kill(pid, signal.SIGKILL)
             fault.ended = self.now()
+            if len(deployment.storages) > 1:
+                fault.target = f"storage actor {deployment.storages.index(storage)}"
         elif kind == "l3_latency":  # every L3 batch a second late, for a while
             ray.get([s.set_faults.remote(delay_s=1.0) for s in deployment.storages], timeout=10)
             self.stop.wait(hold)
