@@ -185,7 +185,7 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     the largest any actor saw, or the first actor's when it is not a number."""
     if len(stats) == 1:
         return dict(stats[0])
-    shared = {"pages", "bytes", "max_bytes", "files", "writable"}
+    shared = {"pages", "bytes", "max_bytes", "files"}
     out: dict[str, Any] = {"attached": all(s.get("attached") for s in stats)}
     for s in stats:
         for key, value in s.items():

@@ -279,3 +279,24 @@ def test_a_shard_index_out_of_range_is_refused(tmp_path):
         StorageService(config(tmp_path, 3), 3)
     with pytest.raises(Exception, match=r"storage.actors.*an integer 1\.\.64"):
         config(tmp_path, 0)
+
+
+def test_merged_figures_add_counters_and_keep_the_shared_store_s_size():
+    a = {"attached": True, "pages": 10, "bytes": 100, "max_bytes": 1000, "get_pages": 3,
+         "write_error": None, "backend": "segment"}  # fmt: skip
+    b = {"attached": True, "pages": 12, "bytes": 120, "max_bytes": 1000, "get_pages": 4,
+         "write_error": "EROFS", "backend": "segment", "set_failed": 2}  # fmt: skip
+    merged = merge_stats([a, b])
+    assert merged == {
+        "attached": True,
+        "pages": 12,  # every actor sees the one store: its size is not a sum
+        "bytes": 120,
+        "max_bytes": 1000,
+        "get_pages": 7,
+        "write_error": "EROFS",  # any actor's failing write is the store's
+        "backend": "segment",
+        "set_failed": 2,
+        "actors": 2,
+    }
+    assert merge_stats([a, {**b, "attached": False}])["attached"] is False
+    assert merge_stats([a]) == a, "one actor's figures as they are"
