@@ -24,13 +24,13 @@ def storage_names(config: FabricConfig) -> list[str]:
 
 
 class StorageGroup:
-    def __init__(self, config: FabricConfig, handles: Sequence[Any]) -> None:
+    def __init__(self, handles: Sequence[Any]) -> None:
         self.handles = list(handles)
 
     @classmethod
     def named(cls, config: FabricConfig, names: Sequence[str]) -> StorageGroup:
         ns = config.runtime.ray_namespace
-        return cls(config, [ray.get_actor(name, namespace=ns) for name in names])
+        return cls([ray.get_actor(name, namespace=ns) for name in names])
 
     def __len__(self) -> int:
         return len(self.handles)

@@ -300,3 +300,36 @@ def test_merged_figures_add_counters_and_keep_the_shared_store_s_size():
     }
     assert merge_stats([a, {**b, "attached": False}])["attached"] is False
     assert merge_stats([a]) == a, "one actor's figures as they are"
+
+
+def test_each_file_actor_keeps_its_share_of_the_cap_and_segment_actors_the_whole(tmp_path):
+    # A file backend counts only what it wrote; a segment backend sees the whole
+    # directory (rescanned before it evicts), so it keeps the whole cap.
+    for backend, cap in (("file", 30_000), ("segment", 90_000)):
+        cfg = config(tmp_path / backend, 3, "storage.max_bytes=90000", backend=backend)
+        services = [StorageService(cfg, s) for s in range(3)]
+        assert [s.backend.max_bytes for s in services] == [cap] * 3, backend
+        for s in services:
+            s.detach()
+
+
+def test_segment_actors_keep_the_shared_directory_within_the_cap(tmp_path, monkeypatch):
+    # Each actor counts every writer's segments (rescanned before it evicts; at
+    # most once a second, here every time), so the directory stays within the
+    # cap though each actor writes only its own share.
+    import fabric.l3.segment as segment
+
+    monkeypatch.setattr(segment, "RESCAN_S", 0.0)
+    cfg = config(tmp_path, 3, "storage.max_bytes=6000")
+    services = [StorageService(cfg, s) for s in range(3)]
+    link = ShardedLink(services)
+    suffix = services[0].suffixes[0]
+    rows = np.zeros((4, services[0].page_bytes), dtype=np.uint8)
+    for batch in range(30):
+        hashes = [random.Random(batch * 10 + i).randbytes(32) for i in range(4)]
+        link.store(suffix, hashes, rows)
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "l3").glob("seg-*.kvs"))
+        assert on_disk <= 6000, (batch, on_disk)
+    assert sum(s.stats().get("evicted_segments", 0) for s in services) > 0
+    for s in services:
+        s.detach()
