@@ -13,7 +13,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -229,7 +229,13 @@ class L3Backend(ABC):
         out.update(self._usage())
         out["backend"] = self.name
         out["write_error"] = self.write_error
+        out["sees_others"] = self.sees_others
         return out
+
+    def keep_only(self, owns: Callable[[str], bool]) -> None:  # noqa: B027 - optional hook
+        """Count and evict only the pages whose keys ``owns`` (several storage
+        actors on one store, each with its share of the cap); a backend that
+        sees the whole store, or keeps no index, ignores it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles (default: nothing)."""

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,11 @@ class FileBackend(L3Backend):
         for _, key, size in sorted(entries):
             self._index[key] = size
             self._bytes += size
+
+    def keep_only(self, owns: Callable[[str], bool]) -> None:
+        with self._index_lock:
+            for key in [k for k in self._index if not owns(k)]:
+                self._bytes -= self._index.pop(key)
 
     def _dir(self, prefix: str, create: bool) -> int | None:
         """The open subdirectory for keys starting ``prefix``; ``None`` when it is

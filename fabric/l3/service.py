@@ -29,7 +29,7 @@ from fabric.l3 import make_backend
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import L3Backend, Location
 from fabric.l3.format import Provenance, page_key
-from fabric.l3.shards import ShardAnswer, ShareQuery
+from fabric.l3.shards import ShardAnswer, ShareQuery, key_owner
 from fabric.topology import Shard, Topology, kind_layers
 
 # Bytes per element of the dtypes pages may hold (engines' pages too: vLLM blocks
@@ -176,8 +176,11 @@ class StorageService:
             and not self.backend.sees_others
             and getattr(self.backend, "max_bytes", 0)
         ):
-            # It counts only what it wrote: each actor keeps its share of the cap.
+            # It counts only its own pages: each actor keeps its share of the cap.
             self.backend.max_bytes = max(1, self.backend.max_bytes // self.shards)  # type: ignore[attr-defined]
+        if self.shards > 1 and not self.backend.sees_others:
+            shard, shards = self.shard, self.shards
+            self.backend.keep_only(lambda key: key_owner(key, shards) == shard)
         self.backend.track_removals = self.config.cache.kv_events
         self.backend.auth = self.auth
         for prov in self.shapes.values():

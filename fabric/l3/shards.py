@@ -55,6 +55,12 @@ def owner(page_hash: bytes, shards: int) -> int:
     return jump_hash(int.from_bytes(page_hash[:8], "little"), shards)
 
 
+def key_owner(key: str, shards: int) -> int:
+    """The storage actor that owns the page an L3 key names (``page_key``: the
+    chain hash's hex first)."""
+    return owner(bytes.fromhex(key[:16]), shards)
+
+
 def positions(page_hashes: Sequence[bytes], shards: int) -> list[list[int]]:
     """Per storage actor, the positions in ``page_hashes`` of the pages it owns
     (``owner`` of each, computed for all at once)."""
@@ -180,12 +186,15 @@ def merge_rows(
 
 
 def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The storage actors' figures as one store's: counters add up; what
-    describes the shared store (its size, cap, files, backend, write error) is
-    the largest any actor saw, or the first actor's when it is not a number."""
+    """The storage actors' figures as one store's: counters add up, and so do
+    sizes each actor counts for its own pages; the size of a store every actor
+    sees whole is the largest any actor saw; what is not a number (backend,
+    write error) is the first actor's, or any actor's write error."""
     if len(stats) == 1:
         return dict(stats[0])
-    shared = {"pages", "bytes", "max_bytes", "files"}
+    # A store each actor sees whole (``L3Backend.sees_others``): its size is the
+    # largest any actor saw. Else each actor counts its own pages: they add up.
+    shared = {"pages", "bytes", "max_bytes", "files"} if stats[0].get("sees_others") else set()
     out: dict[str, Any] = {"attached": all(s.get("attached") for s in stats)}
     for s in stats:
         for key, value in s.items():

@@ -171,10 +171,10 @@ def test_merge_rows_keeps_the_leading_run_every_owner_returned():
     assert list(full[:, 0]) == [10, 20, 10, 20, 30, 10]
 
 
-def stored_pages(tmp_path, shards: int):
-    """Three storage services on one segment store, and a rank shard's 12
-    pages stored through a sharded link."""
-    cfg = config(tmp_path, shards)
+def stored_pages(tmp_path, shards: int, backend: str = "segment"):
+    """``shards`` storage services on one store, and a rank shard's 12 pages
+    stored through a sharded link."""
+    cfg = config(tmp_path, shards, backend=backend)
     services = [StorageService(cfg, s) for s in range(shards)]
     link = ShardedLink(services)
     suffix = services[0].suffixes[0]
@@ -283,9 +283,10 @@ def test_a_shard_index_out_of_range_is_refused(tmp_path):
 
 def test_merged_figures_add_counters_and_keep_the_shared_store_s_size():
     a = {"attached": True, "pages": 10, "bytes": 100, "max_bytes": 1000, "get_pages": 3,
-         "write_error": None, "backend": "segment"}  # fmt: skip
+         "write_error": None, "backend": "segment", "sees_others": True}  # fmt: skip
     b = {"attached": True, "pages": 12, "bytes": 120, "max_bytes": 1000, "get_pages": 4,
-         "write_error": "EROFS", "backend": "segment", "set_failed": 2}  # fmt: skip
+         "write_error": "EROFS", "backend": "segment", "sees_others": True,
+         "set_failed": 2}  # fmt: skip
     merged = merge_stats([a, b])
     assert merged == {
         "attached": True,
@@ -295,11 +296,29 @@ def test_merged_figures_add_counters_and_keep_the_shared_store_s_size():
         "get_pages": 7,
         "write_error": "EROFS",  # any actor's failing write is the store's
         "backend": "segment",
+        "sees_others": True,
         "set_failed": 2,
         "actors": 2,
     }
     assert merge_stats([a, {**b, "attached": False}])["attached"] is False
     assert merge_stats([a]) == a, "one actor's figures as they are"
+    # Actors that each count their own pages (file): the sizes and caps add up.
+    own = merge_stats([{**a, "sees_others": False}, {**b, "sees_others": False}])
+    assert (own["pages"], own["bytes"], own["max_bytes"]) == (22, 220, 2000)
+
+
+def test_file_actors_opened_on_a_full_store_each_count_only_the_pages_they_own(tmp_path):
+    # One writer fills a file store; three actors then open it: each counts (and
+    # may evict) only the pages it owns, so none is counted twice.
+    _, services, _, _, hashes, _ = stored_pages(tmp_path, 1, backend="file")
+    for s in services:
+        s.detach()
+    cfg = config(tmp_path, 3, backend="file")
+    shards = [StorageService(cfg, s) for s in range(3)]
+    assert [s.stats()["pages"] for s in shards] == [len(p) for p in positions(hashes, 3)]
+    assert merge_stats([s.stats() for s in shards])["pages"] == len(hashes)
+    for s in shards:
+        s.detach()
 
 
 def test_each_file_actor_keeps_its_share_of_the_cap_and_segment_actors_the_whole(tmp_path):
