@@ -296,8 +296,9 @@ def _pick(page_hashes: Sequence[bytes]) -> Callable[[list[int]], list[bytes]]:
 
 class StorageShards:
     """``storage.actors`` storage services in one process, used as one
-    (``LocalFabric``'s L3 when there are several): hit queries go to every
-    shard and merge, a rank's pages go to their owners (``ShardedLink``)."""
+    (``LocalFabric``'s L3 when there are several): a hit query is hashed once
+    and each owner asked about its pages, a rank's pages go to their owners
+    (``ShardedLink``)."""
 
     def __init__(self, services: Sequence[Any]) -> None:
         self.services = list(services)
