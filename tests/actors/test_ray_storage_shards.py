@@ -9,39 +9,22 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from fabric.client import launch  # noqa: E402
-from tests.helpers import prompt, small_config, wait_for  # noqa: E402
-
-NS = "kvfabric-storage-shard-tests"
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.actors.test_ray_storage import make as make_fabric  # noqa: E402
+from tests.actors.test_ray_storage import ray_session  # noqa: E402, F401 - the fixture
+from tests.helpers import prompt, wait_for  # noqa: E402
 
 
-def make(tmp_path, name, *more):
-    return launch(
-        small_config(
-            f"runtime.name={name}",
-            f"runtime.ray_namespace={NS}",
-            "storage.backend=segment",
-            f"storage.path={tmp_path / 'l3'}",
-            "storage.actors=3",
-            "prefetch.threshold_tokens=4",
-            "storage.transfer_batch_pages=2",
-            *more,
-        )
-    )
+def make(tmp_path, name):
+    """A fabric over three storage actors on one segment store."""
+    return make_fabric(tmp_path, name, "storage.backend=segment", "storage.actors=3")
 
 
 def per_actor(fabric, key):
     return [ray.get(s.stats.remote(), timeout=30).get(key, 0) for s in fabric._deployment.storages]
 
 
-def test_three_storage_actors_share_l3_and_survive_a_restart_of_one(ray_session, tmp_path):
+@pytest.mark.usefixtures("ray_session")
+def test_three_storage_actors_share_l3_and_survive_a_restart_of_one(tmp_path):
     tokens = prompt(1, pages=10)
     first = make(tmp_path, "shards-a")
     try:
