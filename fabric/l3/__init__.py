@@ -21,7 +21,15 @@ from fabric.l3.backend import L3Backend
 from fabric.l3.format import Provenance
 from fabric.l3.options import DynamicOptions
 
-BACKENDS = ("file", "segment", "redis", "dynamic")
+# The built-in backends by name: module and class, imported when first made
+# (the Redis client is an optional extra). Adding one is a line here and its
+# name in ``StorageConfig.backend``.
+BUILT_IN: dict[str, tuple[str, str]] = {
+    "file": ("fabric.l3.file", "FileBackend"),
+    "segment": ("fabric.l3.segment", "SegmentBackend"),
+    "redis": ("fabric.l3.redis", "RedisBackend"),
+}
+BACKENDS = (*BUILT_IN, "dynamic")
 
 
 def parse_options(text: str) -> dict[str, Any]:
@@ -51,23 +59,15 @@ def make_backend(
     allowed_modules: Collection[str] = (),
 ) -> L3Backend:
     """The backend ``name`` with its ``options`` (validated by its options model)."""
-    if name == "file":
-        from fabric.l3.file import FileBackend
-
-        return FileBackend(provenance, page_bytes, options)
-    if name == "segment":
-        from fabric.l3.segment import SegmentBackend
-
-        return SegmentBackend(provenance, page_bytes, options)
-    if name == "redis":
-        from fabric.l3.redis import RedisBackend
-
-        return RedisBackend(provenance, page_bytes, options)
     if name == "dynamic":
         return _dynamic(provenance, page_bytes, options, allowed_modules)
-    raise ConfigError(
-        f"storage.backend={name!r} is refused: allowed is one of {', '.join(BACKENDS)}"
-    )
+    where = BUILT_IN.get(name)
+    if where is None:
+        raise ConfigError(
+            f"storage.backend={name!r} is refused: allowed is one of {', '.join(BACKENDS)}"
+        )
+    cls = getattr(importlib.import_module(where[0]), where[1])
+    return cls(provenance, page_bytes, options)
 
 
 def _dynamic(

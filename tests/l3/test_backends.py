@@ -147,3 +147,13 @@ def test_dynamic_backend_loads_a_user_class_by_module_path():
     assert b.label == "mine"
     b.set(keys(2), pages(2))
     assert b.exists(keys(3)) == 2 and b.stats()["backend"] == "memory"
+
+
+def test_the_config_allows_exactly_the_backends_made_by_name():
+    from typing import get_args
+
+    from fabric.config import StorageConfig
+    from fabric.l3 import BACKENDS
+
+    allowed = set(get_args(StorageConfig.model_fields["backend"].annotation)) - {"none"}
+    assert allowed == set(BACKENDS)
