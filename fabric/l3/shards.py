@@ -286,9 +286,6 @@ class ShardedLink:
     def read_elsewhere(self, pages: int, refused: str | None = None) -> None:
         self.links[0].read_elsewhere(pages, refused)
 
-    def close(self) -> None:
-        """Nothing to release (kept for links that hold something)."""
-
 
 def _pick(page_hashes: Sequence[bytes]) -> Callable[[list[int]], list[bytes]]:
     return lambda pos: [page_hashes[i] for i in pos]
@@ -355,7 +352,6 @@ class StorageShards:
         return outcomes[0]
 
     def detach(self) -> bool:
-        self.link.close()
         return any([s.detach() for s in self.services])
 
     def stats(self) -> dict[str, Any]:

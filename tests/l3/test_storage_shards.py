@@ -193,7 +193,6 @@ def test_a_sharded_link_loads_what_it_stored_and_each_owner_wrote_its_share(tmp_
     assert all(written), "every shard owns some of 12 pages"
     stats = merge_stats([s.stats() for s in services])
     assert stats["set_pages"] == 12 and stats["actors"] == 3
-    link.close()
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["through-actor", "direct"])
@@ -221,7 +220,6 @@ def test_a_missing_page_is_a_short_load_and_a_corrupted_one_is_refused(tmp_path,
         assert reader.direct_pages > 0 and reader.refused, "read directly, and refused there"
     else:
         assert refused.get("refused_checksum", 0) >= 1, refused
-    link.close()
 
 
 # -- a fabric over three shards ----------------------------------------------------
