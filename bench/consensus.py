@@ -27,10 +27,10 @@ import ray
 
 from actors.factory import remote
 from actors.rank_actor import RankActor
+from fabric.cli.exit import finish
 from fabric.config import FabricConfig
 from fabric.coordinator.consensus import Consensus
 from fabric.messages import Batch, decode, encode
-from fabric.process_exit import finish
 
 
 def interleaved(fns: list, rounds: int) -> dict[str, list[float]]:
@@ -144,4 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

@@ -23,9 +23,9 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from fabric.cli.exit import finish
 from fabric.client import launch
 from fabric.config import FabricConfig
-from fabric.process_exit import finish
 from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
@@ -81,4 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

@@ -37,8 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from fabric.cli.exit import finish
 from fabric.config import FabricConfig
-from fabric.process_exit import finish
 
 NS = "kvfabric-bench-load"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -116,7 +116,7 @@ def driver(
     out.put((seed, latencies, tiers, failed))
     import ray
 
-    from fabric.process_exit import exit_process
+    from fabric.cli.exit import exit_process
 
     ray.shutdown()
     exit_process(0)
@@ -316,4 +316,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import ray
 from fabric_load import cpu_s  # this directory is on the path of a script run from it
 
-from fabric.process_exit import finish
+from fabric.cli.exit import finish
 
 
 class Plain:
@@ -84,4 +84,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

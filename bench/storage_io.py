@@ -48,6 +48,7 @@ import ray
 from actors.factory import remote
 from actors.rank_actor import StorageActorLink
 from actors.storage_actor import StorageActor
+from fabric.cli.exit import finish
 from fabric.client import launch
 from fabric.config import FabricConfig
 from fabric.l3 import make_backend
@@ -55,7 +56,6 @@ from fabric.l3.auth import PageAuth
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import Provenance
 from fabric.l3.service import page_geometry
-from fabric.process_exit import finish
 from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
@@ -363,4 +363,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

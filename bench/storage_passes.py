@@ -29,11 +29,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np
 import ray
 
+from fabric.cli.exit import finish
 from fabric.config import FabricConfig
 from fabric.l3.format import checksum, page_key
 from fabric.l3.segment import SegmentBackend
 from fabric.l3.service import page_geometry, storage_provenance
-from fabric.process_exit import finish
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -126,4 +126,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py

@@ -48,10 +48,10 @@ from actors.rank_actor import StorageActorLink
 from actors.storage_actor import StorageActor
 from actors.storage_group import storage_names
 from fabric.cache.keys import chain_hashes, pack_tokens
+from fabric.cli.exit import finish
 from fabric.config import FabricConfig
 from fabric.l3.service import StorageService, provenance_bytes
 from fabric.l3.shards import ShardedLink
-from fabric.process_exit import finish
 
 NS = "kvfabric-bench-shards"
 
@@ -216,7 +216,7 @@ def main() -> None:
         print(json.dumps({"cpus": os.cpu_count(), "config": vars(args), "by_actors": rows}))
     finally:
         ray.shutdown()
-    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/process_exit.py
+    finish(0)  # Ray's threads outlive ray.shutdown: see fabric/cli/exit.py
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The session's end: once the results are printed, a session that used Ray ends
-through ``fabric.process_exit``.
+through ``fabric.cli.exit``.
 
 Each Ray test module starts and stops its own Ray, and Ray leaves a metrics exporter
-thread behind in this process on every start (see ``fabric/process_exit.py``). With
+thread behind in this process on every start (see ``fabric/cli/exit.py``). With
 several of them alive, the native exit handlers crashed the process with SIGSEGV
 after every test had passed, and CI read exit status 139. Python's own exit work
 (the ``atexit`` callbacks, logging, the streams) still runs; only the native exit
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.process_exit import exit_process, ray_was_loaded
+from fabric.cli.exit import exit_process, ray_was_loaded
 
 _EXIT_STATUS = pytest.StashKey[int]()
 

@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from actors.factory import HEAD_RESOURCE  # noqa: E402
-from fabric.cli import _status_text  # noqa: E402
+from fabric.cli.render import status_text  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_a_slow_rank_is_named_and_let_go_once_it_keeps_up(cluster):
         status = fabric.status()
         assert list(status["stragglers"]) == ["pp0-cp0-tp1"], status["stragglers"]
         assert status["stragglers"]["pp0-cp0-tp1"]["latency_s"] > 0.25
-        assert "STRAGGLER rank pp0-cp0-tp1" in _status_text({**status, "cluster": "here"}, "")
+        assert "STRAGGLER rank pp0-cp0-tp1" in status_text({**status, "cluster": "here"}, "")
         assert fabric.stats()["resets"] == 0, "report only: nothing is reset"
         ray.get(slow.set_faults.remote())
         deadline = time.monotonic() + 60

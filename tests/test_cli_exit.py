@@ -28,7 +28,7 @@ def test_exit_process_runs_atexit_flushes_output_and_keeps_the_status():
     done = run(
         """
         import atexit, logging, sys
-        from fabric.process_exit import exit_process
+        from fabric.cli.exit import exit_process
         atexit.register(lambda: print("atexit ran"))
         logging.basicConfig(stream=sys.stderr)
         logging.getLogger("t").warning("logged")
@@ -46,7 +46,7 @@ def test_exit_process_waits_for_threads_and_queued_executor_work():
         """
         import os, threading, time
         from concurrent.futures import ThreadPoolExecutor
-        from fabric.process_exit import exit_process
+        from fabric.cli.exit import exit_process
         def late(what):
             time.sleep(0.3)
             os.write(1, (what + "\\n").encode())  # one write: lines cannot interleave
@@ -65,7 +65,7 @@ def test_exit_process_removes_temporary_directories_left_to_the_exit():
     done = run(
         """
         import tempfile
-        from fabric.process_exit import exit_process
+        from fabric.cli.exit import exit_process
         d = tempfile.TemporaryDirectory(prefix="kvfabric-exit-")
         open(d.name + "/page", "w").write("x")
         print(d.name, flush=True)
@@ -81,7 +81,7 @@ def test_exit_process_removes_temporary_directories_left_to_the_exit():
 def test_finish_exits_normally_without_ray_and_skips_the_interpreter_teardown_with_it():
     probe = """
         import atexit, sys, types
-        from fabric.process_exit import finish
+        from fabric.cli.exit import finish
         if {with_ray}:
             sys.modules["ray"] = types.ModuleType("ray")
         class Late:  # finalised by the interpreter's own teardown, not by atexit

@@ -1,0 +1,119 @@
+"""Text for a person: what the commands print without ``--json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fabric import __version__
+
+
+def tiers_text(tokens: dict[str, int]) -> str:
+    served = max(1, sum(tokens.values()))
+    return "\n".join(
+        f"  {tier:<9} {n:>12,} tokens  {100 * n / served:5.1f}%" for tier, n in tokens.items()
+    )
+
+
+def status_text(st: dict[str, Any], dashboard: str) -> str:
+    lines = [
+        f"kvfabric {st['fabric']} on the Ray cluster at {st['cluster']}: epoch {st['epoch']}, "
+        f"{st['rounds']} rounds, {st['resets']} resets"
+    ]
+    for a in st["actors"]:
+        mark = "up  " if a["alive"] else "DOWN"
+        lines.append(f"  {mark} {a['role']:<11} {a['name']:<14} {a['describe']}")
+    for tier, sizes in st["tiers"].items():
+        cap = max(1, sizes["capacity"])
+        used = cap - sizes["free"]
+        lines.append(
+            f"  {tier:<6} {used:>12,} / {sizes['capacity']:,} tokens used ({100 * used / cap:.1f}%)"
+        )
+    flight = ", ".join(f"{k} {v}" for k, v in st["inflight_transfers"].items())
+    lines.append(f"  in flight: {flight}")
+    now = st["requests_now"]
+    lines.append(
+        f"  requests: {st['requests']['finished']} served, {st['requests']['failed']} failed; "
+        f"now waiting {now['waiting']}, prefetching {now['prefetching']}, running {now['running']}; "
+        f"{st['leases']} leases, {st['sessions']} sessions, {st['pinned_tokens']} pinned tokens"
+    )
+    for rank, slow in (st.get("stragglers") or {}).items():
+        lines.append(
+            f"  STRAGGLER rank {rank}: finishes {slow['latency_s']:.3f} s after the first rank, "
+            f"the others {slow['others_s']:.3f} s"
+        )
+    queue = st.get("events_queue")
+    if queue and queue["dropped"]:
+        lines.append(
+            f"  KV events: {queue['queued']:,} queued, {queue['dropped']:,} DROPPED (the queue "
+            "was full: nobody takes them; see take_events or events.endpoint)"
+        )
+    l3 = st["l3"]
+    if l3.get("attached"):
+        lines.append(
+            f"  L3 {l3.get('backend')}: {l3.get('pages', '?')} pages, {l3.get('bytes', 0):,} bytes"
+            f" (cap {l3.get('max_bytes', 0):,}); read {l3.get('get_pages', 0)}, "
+            f"written {l3.get('set_pages', 0)} pages"
+        )
+        if l3.get("write_error"):
+            lines.append(
+                f"  L3 WRITES FAIL ({l3['write_error']}): {l3.get('set_failed', 0):,} pages not "
+                "stored so far; the pages it holds are still served"
+            )
+    else:
+        lines.append(f"  L3: {l3.get('error', 'not attached')}")
+    lines.append(f"  {dashboard}")
+    return "\n".join(lines)
+
+
+def simulate_text(out: dict[str, Any]) -> str:
+    """``kvfabric simulate``'s result: the core's shares by tier, then its components,
+    its policies and the bounds."""
+    c = out["core"]
+    lines = [
+        f"kvfabric {__version__} simulate: {out['requests']} requests from {out['source']}; "
+        f"core at L1 {c['device_tokens']:,} + L2 {c['host_tokens']:,} tokens, page "
+        f"{c['page_size']}, {c['eviction_policy']}: hit rate {out['hit_rate']:.1%}"
+    ]
+    lines += [f"  {tier:<9} {share:6.1%}" for tier, share in c["by_tier"].items()]
+    if out["refused_requests"]:
+        lines.append(
+            f"  refused   {out['refused_requests']} requests larger than L1 "
+            "(raise cache.device_tokens)"
+        )
+    if "components" in c:
+        lines += _components_text(c["components"])
+    if "policies" in out:
+        lines.append(
+            "  the core by eviction policy: "
+            + ", ".join(f"{k} {v:.1%}" for k, v in out["policies"].items())
+        )
+    lines.append(
+        f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"
+    )
+    lines += [
+        f"  {b['capacity_tokens']:>14,}  {b['lru']:6.1%}  {b['belady']:6.1%}  {b['infinite']:8.1%}"
+        for b in out["bounds"]
+    ]
+    return "\n".join(lines)
+
+
+def _components_text(comp: dict[str, Any]) -> list[str]:
+    lines = [
+        f"  L1 {name:<8} {pool['capacity']:>12,} {pool['unit']:<6} "
+        f"{pool['bytes'] / 2**30:8.2f} GiB  in use {pool['in_use']:,}"
+        for name, pool in comp["pools"].items()
+    ]
+    rates = comp["hit_rates"]
+    lines.append(
+        "  could serve alone (L1 + L2, at admission): "
+        + ", ".join(f"{k} {v:.1%}" for k, v in rates.items() if k != "all")
+        + f"; every component together {rates.get('all', 0):.1%}"
+    )
+    n = comp["counters"]
+    lines.append(
+        f"  L1 memory {comp['bytes'] / 2**30:.2f} GiB; every attention layer as full "
+        f"attention: {comp['all_full_attention_bytes'] / 2**30:.2f} GiB; "
+        f"{n['truncated_matches']} matches stopped short of a component, "
+        f"{n['tombstones_removed']} dead leaves removed"
+    )
+    return lines

@@ -1,0 +1,148 @@
+"""``kvfabric simulate``: what-if on a trace, with no Ray and no KV bytes."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from fabric.cli.options import (
+    config_options,
+    emit,
+    json_option,
+    load,
+    read_requests,
+    workload_options,
+)
+from fabric.cli.render import simulate_text
+from fabric.config import FabricConfig
+from fabric.errors import FabricError
+from fabric.progress import Progress
+from fabric.report import hit_rate, result, workload
+
+SIZES = (2 * 1024**2, 20 * 1024**2)
+
+
+def _capacities(text: str | None, config: FabricConfig) -> list[int]:
+    if not text:  # the config's tiers, and the 2M / 20M points the README quotes
+        cache = config.cache
+        return sorted({cache.device_tokens, cache.device_tokens + cache.host_tokens, *SIZES})
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = {"K": 1024, "M": 1024**2}.get(item[-1:].upper(), 1)
+        number = item[:-1] if scale > 1 else item
+        if not number.isdigit() or int(number) < 1:
+            raise FabricError(
+                f"--capacities item {item!r} is refused: allowed is a count of tokens >= 1, "
+                "with an optional K or M"
+            )
+        out.append(int(number) * scale)
+    return out
+
+
+def _policies(text: str | None) -> list[str]:
+    from policies import EVICTION_POLICIES
+
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in EVICTION_POLICIES]
+    if unknown:
+        raise FabricError(
+            f"--policies {', '.join(unknown)} refused: allowed are {', '.join(EVICTION_POLICIES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+@click.command()
+@workload_options(0)
+@config_options
+@click.option(
+    "--capacities",
+    help="Capacities in tokens for the bounds, comma-separated, K and M allowed "
+    "(default: L1, and L1 + L2 of the config, 2M and 20M).",
+)
+@click.option(
+    "--policies",
+    metavar="NAMES",
+    help="Also serve the trace through the core with each of these eviction policies, "
+    "comma-separated (e.g. lru,2q), and print their hit rates side by side.",
+)
+@click.option(
+    "--plot",
+    metavar="FILE.png",
+    help="Also draw hit rate against capacity (pip install 'kvfabric[plot]').",
+)
+@json_option
+def simulate(trace, requests, config_file, overrides, capacities, policies, plot, as_json) -> None:
+    """What-if on a trace, with no Ray and no KV bytes.
+
+    Serves the trace through the core at the configured sizes and policies and
+    prints the share of prompt tokens each tier served, next to block-level
+    bounds at given capacities: LRU, Belady (the offline optimum) and an
+    infinite cache. With --policies, the core's hit rate under each named
+    eviction policy too.
+    """
+    from fabric.simulate import plot as draw
+
+    config = load(config_file, overrides)
+    others = _policies(policies)
+    reqs, source = read_requests(trace, requests, whole_trace_ok=True)
+    out, limits = _what_if(config, reqs, source, _capacities(capacities, config), others)
+    if not as_json:
+        click.echo(simulate_text(out))
+    if plot:
+        cache = config.cache
+        draw(plot, limits, (cache.device_tokens + cache.host_tokens, out["hit_rate"]))
+        click.echo(f"  chart: {plot}", err=True)
+    emit(out)
+
+
+def _what_if(config: FabricConfig, reqs, source: str, caps: list[int], others: list[str]):
+    """The core's replay of ``reqs`` (and under each of ``others``' eviction policies)
+    and the bounds at ``caps``: the command's result, and the bounds for a chart."""
+    from fabric.simulate import bounds, core_replay
+
+    started = time.perf_counter()
+    with Progress(len(reqs), "requests", "core") as progress:
+        stats = core_replay(reqs, config, progress.update)
+    elapsed = time.perf_counter() - started
+    cache = config.cache
+    tokens = stats.tokens.as_dict()
+    by_policy = {cache.eviction_policy: hit_rate(tokens)}
+    for name in others:
+        if name not in by_policy:
+            variant = config.with_overrides([f"cache.eviction_policy={name}"])
+            with Progress(len(reqs), "requests", name) as progress:
+                by_policy[name] = hit_rate(
+                    core_replay(reqs, variant, progress.update).tokens.as_dict()
+                )
+    limits = bounds(reqs, caps)
+    refused = (
+        {"larger than L1 (raise cache.device_tokens)": stats.refused_requests}
+        if stats.refused_requests
+        else {}
+    )
+    total = max(1, sum(tokens.values()))
+    out = result(
+        "simulate",
+        **workload(source, len(reqs), tokens, refused, elapsed),
+        core={
+            "device_tokens": cache.device_tokens,
+            "host_tokens": cache.host_tokens,
+            "eviction_policy": cache.eviction_policy,
+            "page_size": cache.page_size,
+            "by_tier": {tier: round(n / total, 4) for tier, n in tokens.items()},
+            **({"components": stats.components} if stats.components else {}),
+        },
+        **({"policies": by_policy} if others else {}),
+        bounds=[
+            {
+                "capacity_tokens": b.capacity_tokens,
+                "lru": round(b.lru, 4),
+                "belady": round(b.belady, 4),
+                "infinite": round(b.infinite, 4),
+            }
+            for b in limits
+        ],
+    )
+    return out, limits
