@@ -622,7 +622,7 @@ class CoordinatorActor:
     async def _export_metrics(self) -> None:
         """Serve Prometheus metrics (localhost unless configured): the core's
         figures each second, the storage actor's counters every few seconds."""
-        from fabric.metrics import MetricsExporter
+        from fabric.observe.metrics import MetricsExporter
 
         exporter = MetricsExporter()
         exporter.serve(self.config.runtime.metrics_port, self.config.runtime.metrics_host)

@@ -12,8 +12,8 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from fabric.cache.results import DIRECTIONS
-from fabric.histogram import SECONDS
-from fabric.metrics import OUTCOMES, TIERS
+from fabric.observe.histogram import SECONDS
+from fabric.observe.metrics import OUTCOMES, TIERS
 
 
 class _Deltas:

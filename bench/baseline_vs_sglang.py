@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from tree_ops import best, config, run_peer
 
 from fabric.cache.keys import unpack_tokens
-from fabric.workload import iter_packed, read_trace, synthetic_trace
+from fabric.tools.workload import iter_packed, read_trace, synthetic_trace
 
 
 def main() -> int:

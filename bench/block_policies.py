@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict, defaultdict
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from fabric.workload import BLOCK_TOKENS, read_trace
+from fabric.tools.workload import BLOCK_TOKENS, read_trace
 
 NEVER = 1 << 62
 

@@ -38,7 +38,7 @@ from fabric.cache.admission import Admission
 from fabric.cache.hicache import HiCache
 from fabric.cache.inprocess import CoreReplay, InProcessController
 from fabric.config import FabricConfig
-from fabric.workload import iter_packed, read_trace, synthetic_trace
+from fabric.tools.workload import iter_packed, read_trace, synthetic_trace
 
 spent: Counter[str] = Counter()
 calls: Counter[str] = Counter()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fabric.cli.exit import finish
 from fabric.client import launch
 from fabric.config import FabricConfig
-from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
+from fabric.tools.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Launches one local fabric per mode (the default config, TP=2 on CPU pools; and
 ``model.filler=constant``, ranks that allocate and copy but compute nothing, so
 the figures are the fabric's own ceiling apart from KV production). For each
 driver count, that many separate driver processes connect to it and submit and
-release multi-turn chat prompts (``fabric.workload.synthetic_trace``: one set
+release multi-turn chat prompts (``fabric.tools.workload.synthetic_trace``: one set
 of conversations, each driver cycling through it from its own point; mostly L1
 hits) for ``--seconds``. Reports
 per count: requests/s, latency p50/p99 (submit to result), the coordinator
@@ -52,7 +52,7 @@ def cpu_s(pid: int) -> float:
 
 
 def prompts_for(seed: int, max_tokens: int) -> list[bytes]:
-    from fabric.workload import iter_packed, synthetic_trace
+    from fabric.tools.workload import iter_packed, synthetic_trace
 
     packed = [p for _, p in iter_packed(synthetic_trace(60, seed=seed), seed=seed)]
     return [p for p in packed if 0 < len(p) // 4 <= max_tokens]

@@ -3,7 +3,7 @@ caching every layer as full attention, on a trace.
 
 The model is Gemma-3-like: 12 layers, five sliding-window layers (window
 ``--window`` tokens) to each full-attention layer, 8 KV heads of 128, bf16. Each
-configuration replays the trace through the core (``fabric.simulate.core_replay``:
+configuration replays the trace through the core (``fabric.tools.simulate.core_replay``:
 the real tree, L1 alone, no L2 or L3, so only L1 serves):
 
 - **all full**: every layer cached as full attention, L1 = ``--device-tokens``
@@ -34,8 +34,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.config import FabricConfig
-from fabric.simulate import core_replay
-from fabric.workload import read_trace, synthetic_trace
+from fabric.tools.simulate import core_replay
+from fabric.tools.workload import read_trace, synthetic_trace
 
 LAYERS = ("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",)
 

@@ -4,7 +4,7 @@ Every request is served through the request lifecycle (``CoreReplay``: L1, L2
 and an in-memory L3), twice in one run: once caching only the prompt, once
 also decoding the answer into the cache as an engine does when a turn finishes
 (the whole prompt, then the answer appended). The answers are reconstructed
-from the trace (``fabric.workload.iter_turns``): a turn's answer is what the
+from the trace (``fabric.tools.workload.iter_turns``): a turn's answer is what the
 next turn of its conversation has after its prompt; a turn with no next one
 gets fresh tokens. Hit rates count the prompts' whole pages.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.cache.inprocess import CoreReplay
 from fabric.config import FabricConfig
-from fabric.workload import iter_turns, read_trace, synthetic_trace
+from fabric.tools.workload import iter_turns, read_trace, synthetic_trace
 
 
 def replay(turns, config: FabricConfig, answers: bool) -> dict:

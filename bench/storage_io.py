@@ -56,7 +56,7 @@ from fabric.l3.auth import PageAuth
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import Provenance
 from fabric.l3.service import page_geometry
-from fabric.workload import drive, iter_packed, read_trace, synthetic_trace
+from fabric.tools.workload import drive, iter_packed, read_trace, synthetic_trace
 
 
 def drop_page_cache() -> bool:

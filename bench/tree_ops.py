@@ -63,7 +63,7 @@ from sglang_style_radix import SGLangStyleRadixCache
 from fabric.cache.inprocess import CoreReplay
 from fabric.cache.keys import unpack_tokens
 from fabric.config import FabricConfig
-from fabric.workload import iter_packed, read_trace, synthetic_trace
+from fabric.tools.workload import iter_packed, read_trace, synthetic_trace
 
 
 def p99(xs: list[float]) -> float:

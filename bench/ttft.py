@@ -4,7 +4,7 @@ in one run.
 
 Each turn's prompt is the previous prompt, the model's answer and a new
 message. For each shape (``tp1``, ``tp2``, ``pp2``, ``tp2pp2``, ``cp2``) a fabric runs in
-one process (``fabric.local``: one thread per rank, gloo groups between them).
+one process (``fabric.driver.local``: one thread per rank, gloo groups between them).
 **With the fabric**: serve the prompt; its ranks load the cached prefix back and
 compute their share of the rest only, attending over the KV in their pools (the
 last prompt token's hidden state, whose logits give the first token, comes out
@@ -37,11 +37,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 from fabric.cache.keys import pack_tokens
-from fabric.chat import generate, next_logits
 from fabric.config import FabricConfig
-from fabric.local import LocalFabric
+from fabric.driver.local import LocalFabric
 from fabric.rank.mesh import LocalBoard, Mesh
 from fabric.rank.model import assemble, build_model
+from fabric.tools.chat import generate, next_logits
 
 SHAPES = {
     "tp1": (1, 1, 1),

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fabric import cluster
 from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
 from fabric.coordinator.requests import Lease, RequestResult
+from fabric.driver import cluster
 from fabric.errors import FabricError
 
 log = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ def launch(
     config: FabricConfig | None = None, address: str | None = None, announce: bool = True
 ) -> Fabric:
     """Start a fabric: connect to Ray at ``address`` (or ``runtime.address``; see
-    ``fabric.cluster.resolve`` for empty, ``auto`` and ``local``), or start a
+    ``fabric.driver.cluster.resolve`` for empty, ``auto`` and ``local``), or start a
     private local Ray; then create its actors. A fabric of the same name already
     on that cluster is refused in one line. With ``announce``, print which
     cluster it is, where the Ray dashboard is and how to sign in (stderr)."""
@@ -449,7 +449,7 @@ def connect(
 ) -> Fabric:
     """Attach to a running fabric by its ``runtime.name`` (from another driver);
     the handle's ``config`` is the running fabric's own. ``address`` as
-    ``fabric.cluster.resolve`` reads it (``auto``: the local cluster that runs
+    ``fabric.driver.cluster.resolve`` reads it (``auto``: the local cluster that runs
     ``name``)."""
     import ray
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from fabric import chaos as chaos_module
-from fabric.chaos import Chaos, ChaosOptions, Fault, chaos_config, percentile
 from fabric.cli import main
+from fabric.tools import chaos as chaos_module
+from fabric.tools.chaos import Chaos, ChaosOptions, Fault, chaos_config, percentile
 
 
 class _Lease:

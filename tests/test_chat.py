@@ -3,10 +3,10 @@
 import pytest
 
 from fabric.cache.keys import pack_tokens
-from fabric.chat import converse, model_overrides
 from fabric.cli import main
+from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
-from fabric.local import LocalFabric
+from fabric.tools.chat import converse, model_overrides
 from tests.helpers import small_config
 
 
@@ -81,8 +81,8 @@ def test_the_check_attends_to_prompt_tokens_equal_to_the_pad_id():
     the uncached reference must see a prompt with 0s as the model does."""
     import torch
 
-    from fabric.chat import generate
     from fabric.rank.model import build_model, model_kv
+    from fabric.tools.chat import generate
 
     config = small_config(*model_overrides("tiny-llama"), "model.layers=2", "model.head_dim=16")
     hf = build_model(config.model)

@@ -1,4 +1,4 @@
-"""Which cluster a command talks to (fabric.cluster.resolve): an address with
+"""Which cluster a command talks to (fabric.driver.cluster.resolve): an address with
 no Ray behind it fails at once, in one line (Ray itself retries for minutes);
 ``auto`` never picks among several local clusters by chance."""
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from fabric import cluster
-from fabric.cluster import _check_reachable, resolve
+from fabric.driver import cluster
+from fabric.driver.cluster import _check_reachable, resolve
 from fabric.errors import FabricError
 
 

@@ -39,8 +39,8 @@ def test_only_the_data_plane_imports_torch():
     engines = ROOT / "fabric" / "engines"
     allowed = {
         ROOT / "fabric" / "rank",
-        ROOT / "fabric" / "local.py",
-        ROOT / "fabric" / "chat.py",
+        ROOT / "fabric" / "driver" / "local.py",
+        ROOT / "fabric" / "tools" / "chat.py",
         engines / "sglang.py",
         engines / "vllm.py",
         engines / "hf.py",

@@ -4,8 +4,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fabric.cache.keys import pack_tokens
-from fabric.local import LocalFabric
-from fabric.metrics import METRICS, MetricsExporter
+from fabric.driver.local import LocalFabric
+from fabric.observe.metrics import METRICS, MetricsExporter
 from tests.helpers import prompt, small_config, storage_options
 
 

@@ -2,8 +2,8 @@
 
 import io
 
-import fabric.progress as progress
-from fabric.progress import Progress
+import fabric.observe.progress as progress
+from fabric.observe.progress import Progress
 
 
 class Terminal(io.StringIO):

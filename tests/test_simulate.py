@@ -3,8 +3,8 @@
 import json
 
 from fabric.cli import main
-from fabric.simulate import belady_hit_rate, infinite_hit_rate, lru_hit_rate
-from fabric.workload import BLOCK_TOKENS, Request
+from fabric.tools.simulate import belady_hit_rate, infinite_hit_rate, lru_hit_rate
+from fabric.tools.workload import BLOCK_TOKENS, Request
 
 B = BLOCK_TOKENS
 

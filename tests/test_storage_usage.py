@@ -12,7 +12,7 @@ import numpy as np
 from fabric.engines.keys import PageNamer
 from fabric.engines.store import StoreOptions, open_store
 from fabric.l3.format import Provenance
-from fabric.report import SCHEMA
+from fabric.observe.report import SCHEMA
 
 SGLANG = Provenance("llama", "layer_first", "bfloat16", (2, 4, 1, 1, 8), 4)
 VLLM = Provenance("llama", "vllm/0123456789abcdef", "uint8", (128,), 16, "vllm")

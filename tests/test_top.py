@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from fabric.top import frame, rates
+from fabric.tools.top import frame, rates
 
 
 def snapshot(moved: int, computed: int, device: int, finished: int) -> dict:

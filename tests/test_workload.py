@@ -2,7 +2,7 @@
 
 from fabric.cache.inprocess import CoreReplay
 from fabric.config import FabricConfig
-from fabric.workload import BLOCK_TOKENS, Request, iter_turns, synthetic_trace
+from fabric.tools.workload import BLOCK_TOKENS, Request, iter_turns, synthetic_trace
 
 
 def test_a_next_turn_starts_with_the_prompt_and_answer_of_the_one_before():

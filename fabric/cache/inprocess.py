@@ -172,7 +172,7 @@ class ReplayStats:
     tree_us: list[float] = field(default_factory=list)
     request_us: list[float] = field(default_factory=list)
     stand_in_us: list[float] = field(default_factory=list)
-    # A hybrid model's other components (``fabric.simulate.component_report``).
+    # A hybrid model's other components (``fabric.tools.simulate.component_report``).
     components: dict = field(default_factory=dict)
 
 

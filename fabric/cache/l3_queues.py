@@ -32,7 +32,7 @@ from fabric.cache.radix import RadixTree, common_pages
 from fabric.cache.results import MatchResult, check_count
 from fabric.config import PrefetchConfig
 from fabric.errors import InvalidInput
-from fabric.histogram import Histogram
+from fabric.observe.histogram import Histogram
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
 

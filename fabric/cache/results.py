@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from fabric.cache.allocator import Pages
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
-from fabric.histogram import TOKENS, Histogram
+from fabric.observe.histogram import TOKENS, Histogram
 
 # Where KV moves between tiers (metrics label them so).
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")

@@ -1,6 +1,6 @@
 """The ``kvfabric`` command line (click).
 
-Every command prints one JSON object last (``fabric.report.SCHEMA``); with
+Every command prints one JSON object last (``fabric.observe.report.SCHEMA``); with
 ``--json`` nothing else goes to stdout but ``kvfabric events``' own lines (one
 JSON object per event; the last object counts them). Progress goes to stderr (a bar with
 rate and ETA on a terminal, plain lines otherwise), logs to stderr at

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from fabric.chaos import FAULTS
 from fabric.cli.options import emit, json_option
 from fabric.errors import FabricError
+from fabric.tools.chaos import FAULTS
 
 
 @click.command()
@@ -56,7 +56,7 @@ def chaos(
     L3 page the audit refused, too many unverifiable leases or failed requests)
     or when it never served again, and 3 when the harness itself broke (no
     verdict); the last line is the report as one JSON object."""
-    from fabric.chaos import ChaosOptions, run_chaos, summary
+    from fabric.tools.chaos import ChaosOptions, run_chaos, summary
 
     kinds = FAULTS if faults == "all" else tuple(k.strip() for k in faults.split(",") if k.strip())
     opts = ChaosOptions(

@@ -7,7 +7,7 @@ import json
 import click
 
 from fabric.cli.options import config_options, emit, json_option, load
-from fabric.report import result
+from fabric.observe.report import result
 
 
 @click.command("config")

@@ -16,8 +16,8 @@ from fabric.cli.options import (
     workload_options,
 )
 from fabric.cli.render import tiers_text
-from fabric.progress import Progress
-from fabric.report import result, workload
+from fabric.observe.progress import Progress
+from fabric.observe.report import result, workload
 
 
 @click.command()
@@ -27,7 +27,7 @@ from fabric.report import result, workload
 def demo(trace, requests, config_file, overrides, as_json) -> None:
     """Serve a workload through the cache core alone (no Ray, an in-memory L3)."""
     from fabric.cache.inprocess import CoreReplay
-    from fabric.workload import iter_packed
+    from fabric.tools.workload import iter_packed
 
     config = load(config_file, overrides)
     reqs, source = read_requests(trace, requests)

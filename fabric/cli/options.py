@@ -83,7 +83,7 @@ def load(config_file: str | None, overrides: tuple[str, ...]) -> FabricConfig:
 
 
 def read_requests(trace: str | None, n: int, whole_trace_ok: bool = False):
-    from fabric.workload import read_trace, synthetic_trace
+    from fabric.tools.workload import read_trace, synthetic_trace
 
     if n < (0 if whole_trace_ok else 1):
         raise FabricError(

@@ -8,7 +8,7 @@ import click
 
 from fabric.cli.options import cluster_options, connect, emit, json_option, say
 from fabric.errors import FabricError
-from fabric.report import result
+from fabric.observe.report import result
 
 
 @click.command()

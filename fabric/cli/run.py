@@ -19,8 +19,8 @@ from fabric.cli.options import (
 from fabric.cli.render import tiers_text
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
-from fabric.progress import Progress
-from fabric.report import result, workload
+from fabric.observe.progress import Progress
+from fabric.observe.report import result, workload
 
 
 @click.command()
@@ -70,7 +70,7 @@ def run(
     tier served and the latency.
     """
     from fabric.client import launch
-    from fabric.workload import drive, iter_packed
+    from fabric.tools.workload import drive, iter_packed
 
     if name is not None:
         overrides = (*overrides, f"runtime.name={name}")
@@ -161,8 +161,8 @@ def _serve_until_interrupted(fabric) -> None:
 
 
 def _chat(config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json):
-    from fabric.chat import converse, model_overrides
     from fabric.client import launch
+    from fabric.tools.chat import converse, model_overrides
 
     for flag, value in (
         ("--conversations", conversations),

@@ -17,8 +17,8 @@ from fabric.cli.options import (
 from fabric.cli.render import simulate_text
 from fabric.config import FabricConfig
 from fabric.errors import FabricError
-from fabric.progress import Progress
-from fabric.report import hit_rate, result, workload
+from fabric.observe.progress import Progress
+from fabric.observe.report import hit_rate, result, workload
 
 SIZES = (2 * 1024**2, 20 * 1024**2)
 
@@ -82,7 +82,7 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
     infinite cache. With --policies, the core's hit rate under each named
     eviction policy too.
     """
-    from fabric.simulate import plot as draw
+    from fabric.tools.simulate import plot as draw
 
     config = load(config_file, overrides)
     others = _policies(policies)
@@ -100,7 +100,7 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
 def _what_if(config: FabricConfig, reqs, source: str, caps: list[int], others: list[str]):
     """The core's replay of ``reqs`` (and under each of ``others``' eviction policies)
     and the bounds at ``caps``: the command's result, and the bounds for a chart."""
-    from fabric.simulate import bounds, core_replay
+    from fabric.tools.simulate import bounds, core_replay
 
     started = time.perf_counter()
     with Progress(len(reqs), "requests", "core") as progress:

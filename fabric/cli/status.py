@@ -10,7 +10,7 @@ import click
 from fabric.cli.options import cluster_options, connect, emit, json_option
 from fabric.cli.render import status_text
 from fabric.errors import FabricError
-from fabric.report import result
+from fabric.observe.report import result
 
 
 @click.command()
@@ -54,7 +54,7 @@ def status(address, name, ray_namespace, watch, count, as_json) -> None:
 def top(address, name, ray_namespace, interval, count) -> None:
     """A live view of a running fabric: tokens moved per direction per second,
     hit rate per tier, requests in flight, pool use (Ctrl-C stops)."""
-    from fabric.top import watch
+    from fabric.tools.top import watch
 
     if interval <= 0 or count < 0:
         raise FabricError(

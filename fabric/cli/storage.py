@@ -6,7 +6,7 @@ import click
 
 from fabric.cli.options import cluster_options, connect, emit, json_option, say
 from fabric.l3 import BACKENDS
-from fabric.report import result
+from fabric.observe.report import result
 
 
 @click.group()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fabric.cache.admission import RequestKV
 from fabric.cache.keys import TokenKey
 from fabric.cache.results import TierTokens
-from fabric.histogram import SECONDS, Histogram
+from fabric.observe.histogram import SECONDS, Histogram
 
 
 @dataclass(frozen=True)

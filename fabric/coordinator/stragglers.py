@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fabric.config import STRAGGLER_POLICIES
-from fabric.histogram import SECONDS, Histogram
+from fabric.observe.histogram import SECONDS, Histogram
 
 
 @dataclass(slots=True)

@@ -273,9 +273,9 @@ class RayStore(PageStore):
         import ray
 
         if not ray.is_initialized():
-            from fabric import cluster
+            from fabric.driver import cluster
 
-            try:  # the cluster decided as kvfabric's commands decide it (fabric.cluster)
+            try:  # the cluster decided as kvfabric's commands decide it (fabric.driver.cluster)
                 target = cluster.resolve(
                     options.address, options.fabric, options.ray_namespace, "address"
                 )

@@ -10,9 +10,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from fabric.chaos import FAULTS, ChaosOptions, run_chaos  # noqa: E402
 from fabric.cli import main  # noqa: E402
 from fabric.errors import InvalidInput  # noqa: E402
+from fabric.tools.chaos import FAULTS, ChaosOptions, run_chaos  # noqa: E402
 
 
 def test_a_short_seeded_chaos_run_loses_nothing():
@@ -87,7 +87,7 @@ def test_chaos_refuses_unknown_fault_kinds_and_bad_sizes(capsys):
 def test_chaos_prompts_fit_a_models_vocabulary_and_keep_their_families():
     import random
 
-    from fabric.chaos import prompt
+    from fabric.tools.chaos import prompt
 
     rng = random.Random(3)
     prompts = [prompt(rng, 4, vocab=400) for _ in range(200)]

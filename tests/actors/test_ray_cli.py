@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fabric.client import connect, launch  # noqa: E402
-from fabric.report import SCHEMA  # noqa: E402
+from fabric.observe.report import SCHEMA  # noqa: E402
 from tests.helpers import prompt, small_config, storage_options  # noqa: E402
 
 NAME = "kvfabric-cli"

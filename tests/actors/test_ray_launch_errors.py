@@ -26,7 +26,7 @@ def test_an_unusable_l3_path_fails_the_launch_in_one_line_and_stops_its_ray():
 def test_no_cluster_at_the_address_is_one_line_naming_the_setting(monkeypatch):
     import socket
 
-    from fabric import cluster
+    from fabric.driver import cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(cluster, "_live_local_clusters", lambda: [])
@@ -55,7 +55,7 @@ def test_an_engine_s_store_finds_its_cluster_as_the_commands_do(monkeypatch):
     """An engine reaching a running fabric's L3 (``fabric.engines.store.RayStore``)
     resolves ``auto`` like kvfabric's commands: never by chance, one line when
     there is nothing to reach."""
-    from fabric import cluster
+    from fabric.driver import cluster
     from fabric.engines.store import RayStore, StoreOptions
     from fabric.errors import ConfigError
 

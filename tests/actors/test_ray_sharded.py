@@ -14,9 +14,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 from actors.factory import HEAD_RESOURCE  # noqa: E402
-from fabric.chat import generate, model_overrides  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from fabric.rank.model import assemble, build_model  # noqa: E402
+from fabric.tools.chat import generate, model_overrides  # noqa: E402
 from tests.helpers import small_config, wait_for  # noqa: E402
 
 NAME = "kvfabric-sharded"

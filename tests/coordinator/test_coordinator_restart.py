@@ -9,8 +9,8 @@ import pytest
 
 from fabric.cache.adopt import adopt_host, common_pages
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
-from fabric.local import LocalFabric
 from fabric.rank.index import PageIndex, PageName
 from tests.helpers import prompt, small_config, storage_options
 

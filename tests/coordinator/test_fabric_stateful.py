@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric.cache.events import Medium
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.l3.shards import owner
-from fabric.local import LocalFabric
 from tests.helpers import FakeClock, RouterView, machine_settings, small_config
 
 # Leases the invariant verified over the whole run: a machine whose invariant never

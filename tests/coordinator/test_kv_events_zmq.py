@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
-from fabric.local import LocalFabric
 from tests.helpers import prompt, small_config, storage_options, wait_for
 
 END_SEQ = b"\xff" * 8

@@ -5,8 +5,8 @@ pins — each lease's KV verified on all four ranks (TP=2 x PP=2)."""
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
-from fabric.local import LocalFabric
 from tests.helpers import FakeClock, prompt, small_config
 
 

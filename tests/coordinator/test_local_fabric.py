@@ -8,8 +8,8 @@ import pytest
 import fabric.cache.keys
 import fabric.cache.radix
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
-from fabric.local import LocalFabric
 from fabric.messages import decode, encode
 from fabric.rank.worker import RankWorker
 from tests.helpers import prompt, small_config, storage_options

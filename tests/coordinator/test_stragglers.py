@@ -9,9 +9,9 @@ import pytest
 
 from fabric.cache.keys import pack_tokens
 from fabric.coordinator.stragglers import Progress, Stragglers
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
-from fabric.local import LocalFabric
-from fabric.metrics import MetricsExporter
+from fabric.observe.metrics import MetricsExporter
 from tests.helpers import FakeClock, prompt, small_config
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from fabric import local
 from fabric.cache.keys import pack_tokens
 from fabric.coordinator.requests import Lease
+from fabric.driver import local
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError, InvalidInput
-from fabric.local import LocalFabric
 from tests.helpers import prompt, small_config
 
 

@@ -11,12 +11,12 @@ import pytest
 import ray
 import torch
 
-from fabric.chat import TINY_LLAMA, generate
 from fabric.client import launch
 from fabric.config import FabricConfig
 from fabric.engines.hf import FabricGenerator
 from fabric.engines.store import StoreOptions
 from fabric.rank.model import assemble, build_model
+from fabric.tools.chat import TINY_LLAMA, generate
 from tests.interop.support import adapter, fill_random, host_pool, sglang_hashes
 
 pytestmark = pytest.mark.interop

@@ -10,13 +10,13 @@ import torch
 import transformers
 
 from fabric.cache.keys import TokenKey
-from fabric.chat import TINY_LLAMA, generate
 from fabric.config import FabricConfig
 from fabric.engines.hf import FabricGenerator
 from fabric.engines.store import StoreOptions
 from fabric.errors import ConfigError, InvalidInput
 from fabric.l3.service import StorageService
 from fabric.rank.model import build_model
+from fabric.tools.chat import TINY_LLAMA, generate
 from tests.interop.support import corrupt_one_payload_byte
 
 pytestmark = pytest.mark.interop

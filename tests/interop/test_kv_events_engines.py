@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from fabric.cache.keys import pack_tokens
-from fabric.local import LocalFabric
+from fabric.driver.local import LocalFabric
 from tests.helpers import prompt, small_config, storage_options
 
 pytestmark = pytest.mark.interop

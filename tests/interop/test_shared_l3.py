@@ -15,12 +15,12 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from fabric.cache.keys import TokenKey
-from fabric.chat import TINY_LLAMA
 from fabric.config import FabricConfig
 from fabric.engines.hf import FabricGenerator
 from fabric.engines.store import StoreOptions
 from fabric.l3.service import StorageService
 from fabric.rank.model import assemble, build_model
+from fabric.tools.chat import TINY_LLAMA
 from fabric.topology import Topology
 from tests.interop.support import DTYPES, adapter, host_pool, offloading_spec, sglang_hashes
 

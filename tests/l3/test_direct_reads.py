@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.l3.direct import DirectReads
 from fabric.l3.segment import SegmentBackend
 from fabric.l3.service import StorageService, backend_spec, page_geometry
-from fabric.local import LocalFabric
 from tests.helpers import PAGE_BYTES, PROV, prompt
 
 from .test_storage_fabric import config, fill_l3, page_file

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from fabric.cache.keys import TokenKey, pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.l3.format import page_key
 from fabric.l3.service import StorageService
-from fabric.local import LocalFabric
 from tests.helpers import prompt, small_config, storage_options
 
 P = 4

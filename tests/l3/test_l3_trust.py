@@ -15,11 +15,11 @@ import pytest
 
 from fabric.cache.keys import pack_tokens
 from fabric.config import StorageConfig
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
 from fabric.l3.file import STALE_TMP_S, FileBackend
 from fabric.l3.service import StorageService, backend_spec
-from fabric.local import LocalFabric
 from tests.helpers import PAGE_BYTES, PROV, keys, pages, prompt
 
 from .test_storage_fabric import config, fill_l3, page_file

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.l3.file import FileBackend
 from fabric.l3.segment import SegmentBackend
-from fabric.local import LocalFabric
-from fabric.metrics import MetricsExporter
+from fabric.observe.metrics import MetricsExporter
 from tests.helpers import PAGE_BYTES, PROV, keys, pages, prompt
 
 from ..test_metrics import scrape, value

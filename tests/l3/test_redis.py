@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
 from fabric.l3 import make_backend
-from fabric.local import LocalFabric
 from tests.helpers import PAGE_BYTES, PROV, keys, pages, prompt, small_config
 
 if shutil.which("redis-server") is None and not os.environ.get("CI"):
@@ -225,7 +225,7 @@ def test_an_outage_costs_one_attempt_then_fails_fast_until_redis_is_back(monkeyp
 def test_the_chaos_audit_reads_every_redis_page_and_names_a_damaged_one(redis_port, tmp_path):
     """``kvfabric chaos`` on the Redis backend: its L3 audit lists the pages (SCAN)
     and reads each as a prefetch would; a damaged value is named, not a crash."""
-    from fabric.chaos import Chaos, ChaosOptions, chaos_config
+    from fabric.tools.chaos import Chaos, ChaosOptions, chaos_config
 
     opts = ChaosOptions(
         overrides=(

@@ -8,10 +8,10 @@ import pytest
 from fabric.cache.events import BlockStored
 from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.cache.l3_queues import PrefetchState
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
 from fabric.l3.format import page_key
 from fabric.l3.service import storage_provenance
-from fabric.local import LocalFabric
 from tests.helpers import FakeClock, prompt, small_config, storage_options
 
 P = 4

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric.cache.keys import pack_tokens
+from fabric.driver.local import LocalFabric
 from fabric.l3.direct import DirectReads
 from fabric.l3.service import StorageService
 from fabric.l3.shards import (
@@ -27,7 +28,6 @@ from fabric.l3.shards import (
     owner,
     positions,
 )
-from fabric.local import LocalFabric
 from tests.helpers import HYPOTHESIS_PROFILE, prompt, small_config
 
 HYBRIDS = {

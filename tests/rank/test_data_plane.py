@@ -6,8 +6,8 @@ import torch
 from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.config import FabricConfig, ModelConfig
 from fabric.coordinator.consensus import Consensus, reduce_max, reduce_min
+from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
-from fabric.local import LocalFabric
 from fabric.messages import Report
 from fabric.rank.pools import KVPool, copy_pages, page_runs
 from fabric.rank.producer import ConstantKV, SyntheticKV

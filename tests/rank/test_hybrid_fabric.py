@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fabric.cache.keys import pack_tokens  # noqa: E402
-from fabric.local import LocalFabric  # noqa: E402
+from fabric.driver.local import LocalFabric  # noqa: E402
 from fabric.rank.hybrid import (  # noqa: E402
     FullKV,
     MambaState,

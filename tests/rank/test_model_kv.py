@@ -6,7 +6,7 @@ cache.
 
 Float32 on CPU with eager attention. Greedy tokens must be equal; the logits of
 the first generated token may differ from the uncached run's by at most
-``fabric.chat``'s tolerance (they come from KV computed over other chunkings of the
+``fabric.tools.chat``'s tolerance (they come from KV computed over other chunkings of the
 sequence; in practice the difference is 0 or a few float32 ulps).
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fabric.cache.keys import pack_tokens
-from fabric.chat import LOGITS_ATOL, LOGITS_RTOL
+from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
-from fabric.local import LocalFabric
 from fabric.rank.model import assemble, build_model, to_cache, within
+from fabric.tools.chat import LOGITS_ATOL, LOGITS_RTOL
 from tests.helpers import small_config, storage_options
 
 NEW_TOKENS = 5

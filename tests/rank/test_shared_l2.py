@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fabric.cache.keys import chain_hashes, pack_tokens
-from fabric.local import LocalFabric
+from fabric.driver.local import LocalFabric
 from fabric.rank.shared_l2 import SharedL2, sweep_stale
 from tests.helpers import prompt, small_config
 

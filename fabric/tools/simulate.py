@@ -21,7 +21,7 @@ from fabric.cache.hicache import HiCache
 from fabric.cache.inprocess import CoreReplay, ReplayStats
 from fabric.config import FabricConfig
 from fabric.errors import InvalidInput
-from fabric.workload import BLOCK_TOKENS, Request, iter_packed
+from fabric.tools.workload import BLOCK_TOKENS, Request, iter_packed
 
 NEVER = 1 << 62
 

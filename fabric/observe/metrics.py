@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from fabric.cache.results import DIRECTIONS
-from fabric.histogram import Histogram
+from fabric.observe.histogram import Histogram
 
 TIERS = ("device", "host", "storage", "computed")
 OUTCOMES = ("finished", "failed", "aborted")

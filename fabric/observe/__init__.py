@@ -1,0 +1,2 @@
+"""What a person or a monitoring system reads: Prometheus metrics, histograms, the
+CLI's result schema, progress lines."""
