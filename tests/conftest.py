@@ -11,11 +11,28 @@ handlers are skipped, and the exit status is pytest's.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from fabric.cli.exit import exit_process, ray_was_loaded
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_where_marked(request: pytest.FixtureRequest):
+    """A test that finds Ray running carries the ``ray`` marker, so that the fast tier
+    (``-m "not ray ..."``, CONTRIBUTING.md) never starts Ray: a test that forgot the
+    marker fails here, naming it."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and request.node.get_closest_marker("ray") is None:
+        pytest.fail(
+            f"{request.node.nodeid} runs with Ray started but is not marked `ray`: "
+            "add `pytestmark = pytest.mark.ray` to its module",
+            pytrace=False,
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

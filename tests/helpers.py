@@ -15,22 +15,30 @@ from fabric.cache.inprocess import InProcessController
 from fabric.config import CacheConfig, FabricConfig, ModelConfig, PrefetchConfig
 from fabric.l3.format import Provenance
 
-# ``ci`` (the default) keeps the suite quick; ``deep`` runs thousands of examples per
-# state machine with fresh random seeds: KVFABRIC_HYPOTHESIS=deep python3 -m pytest tests -k Machine
+# ``ci`` (the default) keeps the suite moderate; ``quick`` (``make test-fast``, the
+# loop a developer runs all day) a quarter of it; ``deep`` runs thousands of examples
+# per state machine with fresh random seeds:
+# KVFABRIC_HYPOTHESIS=deep python3 -m pytest tests -k Machine
 HYPOTHESIS_PROFILE = os.environ.get("KVFABRIC_HYPOTHESIS", "ci")
-_DEEP_EXAMPLES = {"ci": None, "deep": 2000}
+_PROFILES = ("quick", "ci", "deep")
 
 
 def machine_settings(examples: int, steps: int) -> settings:
-    """Settings of a Hypothesis state machine: ``examples`` under the ci profile, at
-    least 2,000 (and 10x as many) under ``deep``."""
-    if HYPOTHESIS_PROFILE not in _DEEP_EXAMPLES:
+    """Settings of a Hypothesis state machine: ``examples`` under the ci profile, a
+    quarter (at least 10) under ``quick``, at least 2,000 (and 10x as many) under
+    ``deep``."""
+    if HYPOTHESIS_PROFILE not in _PROFILES:
         raise ValueError(
-            f"KVFABRIC_HYPOTHESIS={HYPOTHESIS_PROFILE!r} is refused: allowed is ci or deep"
+            f"KVFABRIC_HYPOTHESIS={HYPOTHESIS_PROFILE!r} is refused: allowed is "
+            + ", ".join(_PROFILES)
         )
-    deep = _DEEP_EXAMPLES[HYPOTHESIS_PROFILE]
+    max_examples = {
+        "quick": min(examples, max(10, examples // 4)),
+        "ci": examples,
+        "deep": max(2000, 10 * examples),
+    }[HYPOTHESIS_PROFILE]
     return settings(
-        max_examples=examples if deep is None else max(deep, 10 * examples),
+        max_examples=max_examples,
         stateful_step_count=steps,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],

@@ -14,6 +14,8 @@ from fabric.cli import main  # noqa: E402
 from fabric.errors import InvalidInput  # noqa: E402
 from fabric.tools.chaos import FAULTS, ChaosOptions, run_chaos  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.chaos]
+
 
 def test_a_short_seeded_chaos_run_loses_nothing():
     assert not ray.is_initialized(), "the harness makes its own cluster"

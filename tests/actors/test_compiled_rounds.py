@@ -15,6 +15,8 @@ from actors import compiled_rounds  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 NS = "kvfabric-test-compiled"
 
 

@@ -1,18 +1,24 @@
-"""The ``kvfabric`` commands that talk to a running fabric, run as a user runs
-them: separate processes against one local Ray and one fabric for the module,
-each command's last line parsed as JSON and checked against the one schema."""
+"""The ``kvfabric`` commands that talk to a running fabric, against one local Ray
+and one fabric for the module, each command's last line parsed as JSON and checked
+against the one schema. Most run in this process (``fabric.cli.main``, what the
+``kvfabric`` command runs); ``run``, a missing fabric or cluster and ``top`` on a
+terminal run as separate processes, as a user runs them."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.ray
+
+from fabric.cli import main  # noqa: E402
 from fabric.client import connect, launch  # noqa: E402
 from fabric.observe.report import SCHEMA  # noqa: E402
 from tests.helpers import prompt, small_config, storage_options  # noqa: E402
@@ -35,24 +41,32 @@ def fabric(tmp_path_factory):
         ray.shutdown()
 
 
-def kvfabric(*args: str, cluster: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "fabric.cli", *args]
-    if cluster:
-        address = ray.get_runtime_context().gcs_address
-        argv += ["--address", address, "--name", NAME, "--ray-namespace", NS]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    if check:
-        assert done.returncode == 0, done.stderr[-2000:]
-    return done
+@pytest.fixture
+def kvfabric(capsys):
+    """Run a ``kvfabric`` command here; its exit status, stdout and stderr."""
+
+    def run(*args: str, cluster: bool = True, check: bool = True) -> SimpleNamespace:
+        argv = list(args)
+        if cluster:
+            address = ray.get_runtime_context().gcs_address
+            argv += ["--address", address, "--name", NAME, "--ray-namespace", NS]
+        capsys.readouterr()  # what came before is not this command's
+        code = main(argv)
+        out, err = capsys.readouterr()
+        if check:
+            assert code == 0, err[-2000:]
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
-def last_json(done: subprocess.CompletedProcess) -> dict:
+def last_json(done) -> dict:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     jsonschema.validate(out, SCHEMA)
     return out
 
 
-def test_status_shows_actors_tiers_transfers_and_l3(fabric):
+def test_status_shows_actors_tiers_transfers_and_l3(fabric, kvfabric):
     r = fabric.submit(prompt(3, pages=4), timeout=60)
     assert r.error is None and fabric.release(r.lease)
     assert fabric.settle()
@@ -68,7 +82,7 @@ def test_status_shows_actors_tiers_transfers_and_l3(fabric):
     assert "up   rank" in done.stdout and "L3 file" in done.stdout, "a table for people too"
 
 
-def test_status_watch_refreshes_and_json_is_one_object_per_refresh(fabric):
+def test_status_watch_refreshes_and_json_is_one_object_per_refresh(fabric, kvfabric):
     done = kvfabric("status", "--watch", "0.1", "--count", "2", "--json")
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2
@@ -76,7 +90,7 @@ def test_status_watch_refreshes_and_json_is_one_object_per_refresh(fabric):
         jsonschema.validate(json.loads(line), SCHEMA)
 
 
-def test_events_prints_router_shaped_events(fabric):
+def test_events_prints_router_shaped_events(fabric, kvfabric):
     p = prompt(9, pages=3)
     r = fabric.submit(p, timeout=60)
     assert r.error is None and fabric.release(r.lease)
@@ -89,7 +103,7 @@ def test_events_prints_router_shaped_events(fabric):
     assert all(isinstance(h, int) for e in stored for h in e["block_hashes"])
 
 
-def test_storage_usage_detach_attach_clear(fabric, tmp_path):
+def test_storage_usage_detach_attach_clear(fabric, tmp_path, kvfabric):
     r = fabric.submit(prompt(31, pages=2), timeout=60)
     fabric.release(r.lease)
     assert fabric.settle(30)
@@ -107,7 +121,7 @@ def test_storage_usage_detach_attach_clear(fabric, tmp_path):
     assert refused.returncode != 0
 
 
-def test_pin_and_unpin_a_cached_prefix(fabric):
+def test_pin_and_unpin_a_cached_prefix(fabric, kvfabric):
     p = prompt(21, pages=4)
     r = fabric.submit(p, timeout=60)
     assert r.error is None and fabric.release(r.lease)
@@ -185,16 +199,6 @@ def test_a_missing_fabric_or_cluster_is_one_line(fabric):
     )
     assert down.returncode == 2
     assert "no Ray cluster at --address='127.0.0.1:1'" in down.stderr.strip().splitlines()[-1]
-
-
-def test_config_lists_every_key_without_ray():
-    done = kvfabric("config", "--set", "cache.page_size=64", "--json", cluster=False)
-    keys = {k["key"]: k for k in last_json(done)["keys"]}
-    assert keys["cache.page_size"]["value"] == 64
-    assert "one of" in keys["cache.eviction_policy"]["allowed"]
-    assert "events.endpoint" in keys and "runtime.dashboard" in keys
-    bad = kvfabric("config", "--set", "cache.nope=1", cluster=False, check=False)
-    assert bad.returncode == 2 and "known in 'cache'" in bad.stderr
 
 
 def test_top_draws_live_frames_on_a_terminal(fabric):

@@ -19,6 +19,8 @@ from fabric.client import launch  # noqa: E402
 from tests.actors.test_ray_rank_keeps_l2 import a_pass  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 NS = "kvfabric-control-failover"
 
 

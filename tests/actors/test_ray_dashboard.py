@@ -23,6 +23,8 @@ ray = pytest.importorskip("ray")
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 NAME = "kvfabric-dash"
 NS = "kvfabric-dashboard-tests"
 
@@ -134,6 +136,7 @@ def _token() -> str:
     reason="no Chromium here (.ci/run installs Debian's chromium; where it cannot, "
     "this one test is skipped)",
 )
+@pytest.mark.browser
 def test_the_dashboard_in_headless_chromium_lists_the_kvfabric_actors(fabric, tmp_path):
     url = fabric.dashboard_url
     assert url == f"http://127.0.0.1:{DASHBOARD_PORT}"

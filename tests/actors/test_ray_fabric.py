@@ -20,6 +20,8 @@ from tests.helpers import (  # noqa: E402
     wait_for,
 )
 
+pytestmark = pytest.mark.ray
+
 NAME = "kvfabric-test"
 
 

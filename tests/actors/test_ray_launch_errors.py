@@ -11,6 +11,8 @@ from fabric.client import launch  # noqa: E402
 from fabric.errors import FabricError  # noqa: E402
 from tests.helpers import small_config  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 
 def test_an_unusable_l3_path_fails_the_launch_in_one_line_and_stops_its_ray():
     assert not ray.is_initialized()

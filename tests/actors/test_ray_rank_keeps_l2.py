@@ -19,7 +19,10 @@ from tests.helpers import prompt, small_config, wait_for  # noqa: E402
 
 NS = "kvfabric-keeps-l2"
 
-pytestmark = pytest.mark.skipif(shm_dir() is None, reason="no /dev/shm on this machine")
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.skipif(shm_dir() is None, reason="no /dev/shm on this machine"),
+]
 
 
 @pytest.fixture(scope="module")

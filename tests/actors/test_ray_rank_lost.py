@@ -13,6 +13,8 @@ from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def fabric():

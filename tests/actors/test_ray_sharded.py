@@ -19,6 +19,8 @@ from fabric.rank.model import assemble, build_model  # noqa: E402
 from fabric.tools.chat import generate, model_overrides  # noqa: E402
 from tests.helpers import small_config, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 NAME = "kvfabric-sharded"
 
 

@@ -27,6 +27,8 @@ pytest.importorskip("ray")
 
 from tests.helpers import wait_for
 
+pytestmark = pytest.mark.ray
+
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 SMALL = ["--set", "model.layers=2", "--set", "runtime.step_interval_s=0"]

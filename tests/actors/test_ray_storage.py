@@ -15,6 +15,8 @@ from tests.helpers import (  # noqa: E402
     wait_for,
 )
 
+pytestmark = pytest.mark.ray
+
 NS = "kvfabric-storage-tests"
 
 

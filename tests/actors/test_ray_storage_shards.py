@@ -13,6 +13,8 @@ from tests.actors.test_ray_storage import make as make_fabric  # noqa: E402
 from tests.actors.test_ray_storage import ray_session  # noqa: E402, F401 - the fixture
 from tests.helpers import prompt, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 
 def make(tmp_path, name):
     """A fabric over three storage actors on one segment store."""

@@ -19,7 +19,7 @@ from fabric.rank.model import assemble, build_model
 from fabric.tools.chat import TINY_LLAMA, generate
 from tests.interop.support import adapter, fill_random, host_pool, sglang_hashes
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.ray]
 
 NS = "kvfabric-engines-tests"
 NAME = "engines"

@@ -1,0 +1,42 @@
+# Everyday commands (CONTRIBUTING.md). Run them inside the project's virtualenv; the
+# README's "Two commands" make one.
+PYTHON ?= python3
+FAST := not (ray or slow or chaos or browser or interop)
+
+.PHONY: help lint format test-fast test-ray test-interop test deep bench-tree
+
+help:
+	@echo "make lint          ruff check and ruff format --check"
+	@echo "make format        ruff format and the fixes ruff check can make"
+	@echo "make test-fast     every test without Ray, engines or a browser (about a minute)"
+	@echo "make test-ray      the tests that start Ray (actors, chaos, dashboard)"
+	@echo "make test-interop  the engines' own code (bash tests/interop/setup_engines.sh first)"
+	@echo "make test          every tier: what CI runs (the README's test command)"
+	@echo "make deep          the Hypothesis state machines under the deep profile"
+	@echo "make bench-tree    the tree core's speed against SGLang-style radix (bench/tree_ops.py)"
+
+lint:
+	ruff check .
+	ruff format --check .
+
+format:
+	ruff check --fix .
+	ruff format .
+
+test-fast:
+	KVFABRIC_HYPOTHESIS=quick $(PYTHON) -m pytest tests --ignore=tests/interop -m "$(FAST)"
+
+test-ray:
+	$(PYTHON) -m pytest tests --ignore=tests/interop -m "ray or chaos or browser"
+
+test-interop:
+	$(PYTHON) -m pytest tests/interop -m interop
+
+test:
+	$(PYTHON) -m pytest tests
+
+deep:
+	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "Machine or cli_fuzz" --hypothesis-show-statistics
+
+bench-tree:
+	$(PYTHON) bench/tree_ops.py
