@@ -24,6 +24,7 @@ from actors.storage_group import StorageGroup
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.figures import figures, snapshot
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
@@ -97,7 +98,7 @@ class CoordinatorActor:
             self._starting = asyncio.Lock()
         async with self._starting:
             await self._start_once()
-        return self.core.epoch
+        return self.core.rounds.epoch
 
     async def _start_once(self) -> None:
         if self._task is None:
@@ -200,7 +201,7 @@ class CoordinatorActor:
         if result is not None:
             self._deliver([result])
             return True
-        return request_id in self.core.running
+        return request_id in self.core.scheduler.running
 
     async def release(self, lease: Lease, session: str | None = None) -> bool:
         started = time.perf_counter()
@@ -223,9 +224,7 @@ class CoordinatorActor:
         Call while holding the lease."""
         if not isinstance(tokens, bytes):
             raise InvalidInput(f"tokens must be packed bytes, got {type(tokens).__name__}")
-        held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
-        if held is None or held.lease != lease:
-            raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
+        self._held(lease)
         cached = tokens[: lease.tokens * 4]
         pages = list(lease.device_pages)
         parts = (list(lease.sliding), list(lease.mamba))
@@ -238,11 +237,14 @@ class CoordinatorActor:
     async def read_kv(self, lease: Lease) -> list:
         """Every rank's shard of a held lease's KV: ``(Shard, tensor)`` pairs for
         ``fabric.rank.model.assemble``. Call while holding the lease."""
-        held = self.core.leases.get(lease.token) if isinstance(lease, Lease) else None
-        if held is None or held.lease != lease:
-            raise InvalidInput(f"lease {getattr(lease, 'request_id', lease)!r} is not held")
+        self._held(lease)
         pages = list(lease.device_pages)
         return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
+
+    def _held(self, lease: Lease) -> None:
+        """Raise ``InvalidInput`` unless ``lease`` is one the coordinator holds."""
+        if self.core.leases.check(lease) is None:
+            raise InvalidInput(f"lease {lease.request_id!r} is not held")
 
     async def computed_tokens_by_rank(self) -> dict[str, int]:
         """Tokens each rank has run through its share of the model since it started."""
@@ -258,19 +260,19 @@ class CoordinatorActor:
         return self.config_dict
 
     async def stats(self) -> dict[str, Any]:
-        snapshot = self.core.snapshot()
-        snapshot["l3"] = await self.storage.stats(10)
+        out = snapshot(self.core)
+        out["l3"] = await self.storage.stats(10)
         if self.publisher is not None:
-            snapshot["kv_events"] = self.publisher.stats()
+            out["kv_events"] = self.publisher.stats()
         if self.compiled is not None:
-            snapshot["compiled_rounds"] = self.compiled.stats()
-        return snapshot
+            out["compiled_rounds"] = self.compiled.stats()
+        return out
 
     async def status(self) -> dict[str, Any]:
         """What ``kvfabric status`` shows: every actor (alive, its live figures),
         the epoch, per-tier usage, transfers in flight, L3 usage. Cheap: counters
         the core keeps and one short call per actor."""
-        f = self.core.figures()
+        f = figures(self.core)
 
         async def line(role: str, name: str, actor: Any) -> dict[str, Any]:
             try:
@@ -334,7 +336,7 @@ class CoordinatorActor:
     async def take_events(self, limit: int = 10_000, namespace: str | None = None) -> list:
         """The oldest KV events (of one namespace, if given), for a KV-aware router.
         With ``events.endpoint`` set they go to ZMQ each step instead."""
-        return self.core.take_events(limit, namespace)
+        return self.core.events.take(limit, namespace)
 
     async def check_integrity(self) -> None:
         self.core.cache.check_integrity()
@@ -370,7 +372,7 @@ class CoordinatorActor:
         while not self.core.storage_drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if not self.core.storage_drained():
-            self._deliver(self.core.reset("storage detach timed out"))
+            self._deliver(self.core.rounds.reset("storage detach timed out"))
             self.core.storage_force_detach()
         self._storage_spec = None
         detached = await self.storage.detach()
@@ -407,7 +409,7 @@ class CoordinatorActor:
                 raise
             except Exception as exc:
                 try:
-                    self._deliver(self.core.recover(exc))
+                    self._deliver(self.core.rounds.recover(exc))
                 except Exception:
                     log.critical("coordinator could not recover; starting afresh", exc_info=True)
                     self._start_afresh(f"coordinator failed: {type(exc).__name__}: {exc}")
@@ -479,7 +481,7 @@ class CoordinatorActor:
             self.core.stats.core_time_s += time.perf_counter() - started
             self.core.stats.rounds_skipped += 1
             if self.publisher is not None:  # what the step queued (expired leases' pages)
-                self.publisher.publish(self.core.drain_events())
+                self.publisher.publish(self.core.events.drain())
             return
         data = encode(batch)
         self.core.stats.core_time_s += time.perf_counter() - started
@@ -491,15 +493,15 @@ class CoordinatorActor:
         self._reply_times(calls, pending, sent)
         started = time.perf_counter()
         if missing:
-            self._deliver(self.core.on_missing(missing))
+            self._deliver(self.core.rounds.on_missing(missing))
             await asyncio.sleep(0.05)
         else:
-            self._deliver(self.core.on_round(reports, hits))
+            self._deliver(self.core.rounds.on_round(reports, hits))
             self._restart_stragglers()
-            if self.core.adopt_wanted:
+            if self.core.rounds.adopt_wanted:
                 await self._adopt()
         if self.publisher is not None:
-            self.publisher.publish(self.core.drain_events())
+            self.publisher.publish(self.core.events.drain())
         if self.ray_metrics is not None:
             self.ray_metrics.round_seconds.observe(time.perf_counter() - round_started)
         self.core.stats.core_time_s += time.perf_counter() - started
@@ -532,7 +534,7 @@ class CoordinatorActor:
     ) -> None:
         """Hand the core each rank's reply time (a compiled round has none per rank)."""
         replied, self._replied = self._replied, {}
-        self.core.rank_latencies(
+        self.core.rounds.rank_latencies(
             [
                 replied[i] - sent if i in replied and call not in pending else None
                 for i, call in enumerate(calls)
@@ -543,14 +545,14 @@ class CoordinatorActor:
         """After a rank restarted: every rank's inventory at the new epoch, and the
         L2 pages all of them still name alike taken back (a restarted rank that
         kept its L2 in shared memory loses nothing; one that did not, all)."""
-        epoch = self.core.epoch
+        epoch = self.core.rounds.epoch
         try:
             held = await asyncio.wait_for(
                 asyncio.gather(*(_await(a.inventory.remote(epoch)) for a in self.ranks)),
                 self.config.runtime.rank_timeout_s,
             )
         except Exception as exc:
-            self.core.adopt_wanted = False
+            self.core.rounds.adopt_wanted = False
             log.warning("no L2 pages adopted after a rank restart: %s", exc)
             return
         self.core.adopt(held)
@@ -559,12 +561,12 @@ class CoordinatorActor:
         """Stragglers the policy treats as failed (``runtime.straggler_policy=restart``):
         their actors restart; the next round finds them new, and the epoch resets as
         for a rank that died."""
-        for index in self.core.stragglers.take_restart():
+        for index in self.core.rounds.stragglers.take_restart():
             log.warning(
                 "rank %s: a straggler, restarted (runtime.straggler_policy=restart)",
                 self.rank_names[index],
             )
-            self.core.stragglers.forget(index)
+            self.core.rounds.stragglers.forget(index)
             with contextlib.suppress(Exception):
                 ray.kill(self.ranks[index], no_restart=False)  # Ray starts it anew
 
@@ -635,7 +637,7 @@ class CoordinatorActor:
                 if "error" not in got:
                     l3 = got
             events = self.publisher.stats() if self.publisher is not None else None
-            exporter.update(self.core.figures(), l3, events)
+            exporter.update(figures(self.core), l3, events)
             await asyncio.sleep(1.0)
 
     async def _feed_ray_metrics(self) -> None:
@@ -651,7 +653,7 @@ class CoordinatorActor:
                     l3 = {}
             try:
                 if self.ray_metrics is not None:
-                    self.ray_metrics.update(self.core.figures(), l3)
+                    self.ray_metrics.update(figures(self.core), l3)
             except Exception:
                 log.warning("Ray metrics not updated", exc_info=True)
             await asyncio.sleep(1.0)
@@ -661,7 +663,7 @@ class CoordinatorActor:
         core = getattr(self, "core", None)
         if core is None:
             return "kvfabric coordinator (starting)"
-        f = core.figures()
+        f = figures(core)
         moved = f["transfer_tokens"]
         dev = f["pool"]["device"]
         return (

@@ -4,6 +4,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fabric.cache.keys import pack_tokens
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.observe.metrics import METRICS, MetricsExporter
 from tests.helpers import prompt, small_config, storage_options
@@ -27,7 +28,7 @@ def value(families: dict, name: str, **labels: str) -> float:
 def test_every_series_is_there_from_the_first_scrape_with_conventional_names():
     f = LocalFabric(small_config())
     exporter = MetricsExporter()
-    exporter.update(f.core.figures())
+    exporter.update(figures(f.core))
     families = scrape(exporter)
     assert {s.name for s in METRICS} <= set(families)
     for spec in METRICS:
@@ -57,7 +58,7 @@ def test_counters_histograms_and_labels_follow_what_the_fabric_did(tmp_path):
         assert r.error is None and f.core.release(r.lease)
     f.settle()
     exporter = MetricsExporter()
-    exporter.update(f.core.figures(), f.storage.stats())
+    exporter.update(figures(f.core), f.storage.stats())
     m = scrape(exporter)
     served = sum(
         value(m, "kvfabric_prompt_tokens_total", source=s)
@@ -97,7 +98,7 @@ def test_a_scrape_does_not_walk_the_tree(monkeypatch):
     monkeypatch.setattr(type(f.core.cache.tree), "walk", walked)
     monkeypatch.setattr(type(f.core.cache.tree), "host_pages", walked)
     exporter = MetricsExporter()
-    exporter.update(f.core.figures())
+    exporter.update(figures(f.core))
     assert "kvfabric_requests_total" in exporter.text()
 
 

@@ -79,7 +79,7 @@ class LocalFabric:
         adopts the L2 pages every rank still holds."""
         core = CoordinatorCore(self.config, self.clock)
         core.start([r.report() for r in self.ranks])
-        core.adopt([r.inventory(core.epoch) for r in self.ranks])
+        core.adopt([r.inventory(core.rounds.epoch) for r in self.ranks])
         if self.storage.backend is not None:
             core.storage_attached()
         return core
@@ -110,16 +110,16 @@ class LocalFabric:
                 self.ranks[i].run_pending()
             self.ranks[i].run_storage_pending()
         reports = [decode(encode(r.report())) for r in self.ranks]
-        done = self.core.on_round(reports, hits)  # type: ignore[arg-type]
-        if self.core.adopt_wanted:  # a rank restarted: take back what all still hold
-            self.core.adopt([r.inventory(self.core.epoch) for r in self.ranks])
+        done = self.core.rounds.on_round(reports, hits)  # type: ignore[arg-type]
+        if self.core.rounds.adopt_wanted:  # a rank restarted: take back what all still hold
+            self.core.adopt([r.inventory(self.core.rounds.epoch) for r in self.ranks])
         if self.config.cache.kv_events:
             removed = self.storage.take_removed()
             if removed:
                 self.core.l3_removed(removed)
         self.results.update((r.request_id, r) for r in done)
         if self.publisher is not None:
-            self.publisher.publish(self.core.drain_events())
+            self.publisher.publish(self.core.events.drain())
         return done
 
     def clear_storage(self) -> bool:
@@ -136,7 +136,7 @@ class LocalFabric:
                 break
             self.step()
         if not self.core.storage_drained():
-            self.results.update((r.request_id, r) for r in self.core.reset("storage detach"))
+            self.results.update((r.request_id, r) for r in self.core.rounds.reset("storage detach"))
             self.core.storage_force_detach()
         detached = self.storage.detach()
         self.core.l3_cleared()

@@ -184,7 +184,7 @@ def test_evictions_and_a_reset_reach_the_subscriber(fabric):
         removed = [e for e in before if isinstance(e, BlockRemoved)]
         assert removed and {e.medium for e in removed} <= {"GPU", "CPU"}
         assert any(e.medium == "GPU" for e in removed)
-        fabric.core.reset("test")
+        fabric.core.rounds.reset("test")
         fabric.step()
         after = [e for _, p in receive(sub) for e in decode_batch(p).events]
         assert after and all(isinstance(e, BlockRemoved) for e in after)
@@ -327,7 +327,7 @@ def test_a_router_that_replays_and_follows_holds_the_inventory_after_every_chang
         assert router.view[media["storage"]] and router.view[media["host"]]
         serve(range(3))  # hits from L3 re-enter L2 and L1
         agrees()
-        f.core.reset("test")
+        f.core.rounds.reset("test")
         agrees()
         assert not router.view[media["device"]] and router.view[media["storage"]]
         f.clear_storage()

@@ -5,6 +5,7 @@ pins — each lease's KV verified on all four ranks (TP=2 x PP=2)."""
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.coordinator.figures import snapshot
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from tests.helpers import FakeClock, prompt, small_config
@@ -37,7 +38,9 @@ def test_chunked_prefill_serves_a_long_prompt_over_steps_and_shares_done_chunks(
     rid = f.core.submit(long)
     f.step()
     f.step()
-    req = f.core.running.get(rid) or next(r for r in f.core.waiting if r.rid == rid)
+    req = f.core.scheduler.running.get(rid) or next(
+        r for r in f.core.scheduler.waiting if r.rid == rid
+    )
     assert 0 < req.kv.filled < 40, "mid-prefill after two steps"
     other = f.serve(pack_tokens(prompt(2, pages=6, shared=4)))
     assert other.device_hit_tokens == 16, "it hit the chunks already placed"
@@ -81,7 +84,7 @@ def test_abort_at_every_stage_leaves_nothing_held():
     chunked = f.core.submit(pack_tokens(prompt(2, pages=5)))
     f.step()
     f.step(run_ranks=False)  # its second chunk is computing
-    assert chunked in f.core.running and f.core.abort(chunked) is None
+    assert chunked in f.core.scheduler.running and f.core.abort(chunked) is None
     f.step()
     assert f.results.pop(chunked).error == "aborted"
     r = f.serve(pack_tokens([*prompt(3, pages=1), 1]))
@@ -90,7 +93,7 @@ def test_abort_at_every_stage_leaves_nothing_held():
     r = f.serve(pack_tokens([*prompt(4, pages=1), 1]))
     computing = f.core.append(r.lease, pack_tokens([2]))
     f.step(run_ranks=False)
-    assert computing in f.core.running and f.core.abort(computing) is None
+    assert computing in f.core.scheduler.running and f.core.abort(computing) is None
     f.settle()
     assert f.results.pop(computing).error == "aborted"
     held_nothing(f)
@@ -109,7 +112,7 @@ def test_a_session_keeps_the_turn_in_l1_across_other_traffic_until_it_ends():
     assert r2.device_hit_tokens == 16
     assert f.verify(r2, turn2) == [True] * 4
     assert f.core.release(r2.lease, session="chat-1")
-    sessions = f.core.snapshot()["sessions"]
+    sessions = snapshot(f.core)["sessions"]
     assert sessions["held"] == 1 and sessions["held_tokens"] == 20
     assert f.core.end_session("chat-1") and not f.core.end_session("chat-1")
     with pytest.raises(InvalidInput, match="session id"):
@@ -134,7 +137,7 @@ def test_a_reset_while_decoding_fails_the_decode_naming_why():
     f = LocalFabric(small_config())
     r = f.serve(pack_tokens(prompt(1, pages=1)))
     rid = f.core.append(r.lease, pack_tokens([1]))
-    failed = f.core.reset("a test reset")
+    failed = f.core.rounds.reset("a test reset")
     assert [x.request_id for x in failed] == [rid]
     assert "KV was lost (a test reset)" in failed[0].error
     f.settle()

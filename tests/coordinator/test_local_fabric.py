@@ -8,6 +8,7 @@ import pytest
 import fabric.cache.keys
 import fabric.cache.radix
 from fabric.cache.keys import pack_tokens
+from fabric.coordinator.figures import figures, snapshot
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from fabric.messages import decode, encode
@@ -56,7 +57,9 @@ def test_write_through_commits_only_when_the_slowest_rank_has_finished():
         rank.accept(decode(wire))
         if rank is not slow:
             rank.run_pending()
-    assert f.core.on_round([rank.report() for rank in f.ranks]) == [], "compute not done everywhere"
+    assert f.core.rounds.on_round([rank.report() for rank in f.ranks]) == [], (
+        "compute not done everywhere"
+    )
     assert len(f.core.cache.pending_writes) == 1, "MIN over ranks: not committed"
     assert f.core.cache.stats.written_tokens == 0
     slow.run_pending()
@@ -99,7 +102,7 @@ def test_a_restarted_rank_makes_the_coordinator_drop_l1_l2_and_keep_serving():
     f.core.release(first.lease)
     f.ranks[2] = RankWorker(config, 2)  # Ray restarted it: empty pools, new incarnation
     f.step()
-    assert f.core.stats.resets == 1 and f.core.epoch == 2
+    assert f.core.stats.resets == 1 and f.core.rounds.epoch == 2
     assert f.core.cache.tree.walk() == []
     again = f.serve(a)
     assert again.device_hit_tokens == 0 and again.computed_tokens == 12
@@ -183,7 +186,7 @@ def test_a_blocked_request_is_admitted_when_write_throughs_unlock_room():
         if rank is not slow:
             rank.run_pending()
     slow.run_one(block=False)  # the compute, not the write
-    (first,) = f.core.on_round([r.report() for r in f.ranks])
+    (first,) = f.core.rounds.on_round([r.report() for r in f.ranks])
     assert first.request_id == a and len(f.core.cache.pending_writes) == 1
     f.core.release(first.lease)
     b = f.core.submit(pack_tokens(prompt(2, pages=10)))
@@ -268,10 +271,10 @@ def test_kv_events_are_drained_each_step_and_kept_for_a_router():
     f.core.release(f.serve(tokens).lease)
     f.settle()
     assert len(f.core.cache.events) == 0, "the cache's own queue is drained every step"
-    events = f.core.take_events()
+    events = f.core.events.take()
     stored = {e.medium for e in events if isinstance(e, BlockStored)}
     assert stored == {Medium.DEVICE, Medium.HOST}
-    assert f.core.take_events() == []
+    assert f.core.events.take() == []
 
 
 def test_kv_events_name_their_namespace_and_a_consumer_can_take_only_its_own():
@@ -282,15 +285,15 @@ def test_kv_events_name_their_namespace_and_a_consumer_can_take_only_its_own():
         for ns in ("tenant-a", "tenant-b"):
             f.core.release(f.serve(pack_tokens(prompt(seed, pages=3)), namespace=ns).lease)
     f.settle()
-    mine = f.core.take_events(namespace="tenant-a")
+    mine = f.core.events.take(namespace="tenant-a")
     assert mine[0] == AllBlocksCleared(""), "a new coordinator's clear concerns every namespace"
     mine = mine[1:]
     assert mine and {e.namespace for e in mine} == {"tenant-a"}
     assert any(isinstance(e, BlockRemoved) for e in mine)
-    rest = f.core.take_events()
+    rest = f.core.events.take()
     assert rest and {e.namespace for e in rest} == {"tenant-b"}
     with pytest.raises(InvalidInput, match="namespace"):
-        f.core.take_events(namespace="\udcff")
+        f.core.events.take(namespace="\udcff")
 
 
 def test_kv_events_nobody_takes_are_dropped_oldest_first_and_counted(caplog):
@@ -300,12 +303,12 @@ def test_kv_events_nobody_takes_are_dropped_oldest_first_and_counted(caplog):
         for seed in range(40):
             f.core.release(f.serve(pack_tokens(prompt(seed, pages=3))).lease)
         f.settle()
-    stats = f.core.snapshot()
+    stats = snapshot(f.core)
     assert stats["events_queued"] == 32 and stats["events_dropped"] > 0
-    assert f.core.figures()["events_dropped"] == stats["events_dropped"]
+    assert figures(f.core)["events_dropped"] == stats["events_dropped"]
     assert sum("nobody takes them" in r.message for r in caplog.records) == 1, "said once"
-    assert len(f.core.take_events(limit=100)) == 32
-    assert f.core.snapshot()["events_queued"] == 0
+    assert len(f.core.events.take(limit=100)) == 32
+    assert snapshot(f.core)["events_queued"] == 0
 
 
 def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():
@@ -455,7 +458,7 @@ def test_submit_many_is_all_or_nothing_on_bad_input():
     ]:
         with pytest.raises(InvalidInput, match=match):
             f.core.submit_many(**kwargs)
-        assert not f.core.waiting and len(f.core.leases) == 1, kwargs
+        assert not f.core.scheduler.waiting and len(f.core.leases) == 1, kwargs
     assert f.core.release(r.lease)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.coordinator.figures import figures, snapshot
 from fabric.coordinator.stragglers import Progress, Stragglers
 from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
@@ -99,17 +100,17 @@ def test_a_rank_that_finishes_late_in_a_local_fabric_is_named_in_status_and_metr
         while rid not in f.results:
             f.step()
         f.core.release(f.results[rid].lease)
-    straggling = f.core.snapshot()["stragglers"]
+    straggling = snapshot(f.core)["stragglers"]
     rank1 = str(f.core.topology.ranks[1])
     assert list(straggling) == [rank1] and straggling[rank1]["latency_s"] >= 1.0
     exporter = MetricsExporter()
-    exporter.update(f.core.figures())
+    exporter.update(figures(f.core))
     text = exporter.text()
     assert f'kvfabric_rank_straggling{{rank="{rank1}"}} 1.0' in text
     assert "kvfabric_stragglers_named_total" in text
     for seed in range(4):  # every rank in step again: let go
         f.core.release(f.serve(pack_tokens(prompt(10 + seed, pages=2))).lease)
-    assert f.core.snapshot()["stragglers"] == {}
+    assert snapshot(f.core)["stragglers"] == {}
 
 
 def test_the_straggler_settings_are_checked():

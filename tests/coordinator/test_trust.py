@@ -126,7 +126,7 @@ def test_a_round_that_cannot_be_reduced_is_recovered_from():
     rid = f.core.submit(pack_tokens(prompt(1, pages=2)))
     f.core.next_batch()
     duplicate = [f.ranks[0].report()] * 4  # four reports, all claiming rank 0
-    assert f.core.on_round(duplicate) == []
+    assert f.core.rounds.on_round(duplicate) == []
     assert f.core.stats.step_errors == 1
     result = _drive(f, [rid])[rid]
     assert result.error is None
@@ -149,14 +149,14 @@ def test_an_absent_rank_holds_requests_then_fails_them_naming_the_rank():
     core = f.core
     rid = core.submit(pack_tokens(prompt(1, pages=2)))
     core.next_batch()
-    assert core.on_missing({1: "ActorDiedError: gone"}) == []
-    assert core.stats.resets == 1 and core.absent == {1: 100.0}
+    assert core.rounds.on_missing({1: "ActorDiedError: gone"}) == []
+    assert core.stats.resets == 1 and core.rounds.absent == {1: 100.0}
     for _ in range(3):  # the rank stays away: no new reset, nothing admitted
         assert core.next_batch().commands == ()
-        assert core.on_missing({1: "ActorDiedError: gone"}) == []
+        assert core.rounds.on_missing({1: "ActorDiedError: gone"}) == []
     assert core.stats.resets == 1
     clock.now += 11
-    out = core.on_missing({1: "ActorDiedError: gone"})
+    out = core.rounds.on_missing({1: "ActorDiedError: gone"})
     assert [r.request_id for r in out] == [rid]
     assert out[0].error.startswith("rank pp0-cp0-tp1 (index 1) has not answered for 11.0 s")
     # Back again: the next round clears the absence and requests are served.
@@ -197,7 +197,7 @@ def test_leases_expire_unless_renewed_and_expired_pages_are_evictable_again():
     assert f.verify(kept, pack_tokens(prompt(1, pages=2))) == [True] * 4
     clock.now += 31
     f.step()
-    assert f.core.leases == {} and f.core.stats.leases_expired == 2
+    assert len(f.core.leases) == 0 and f.core.stats.leases_expired == 2
     f.core.cache.check_integrity()
 
 

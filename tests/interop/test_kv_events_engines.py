@@ -48,7 +48,7 @@ def test_every_batch_decodes_with_the_engine_s_structs_removals_from_storage_inc
             r = f.serve(pack_tokens(prompt(seed, pages=6)))
             assert r.error is None and f.core.release(r.lease)
             f.settle()
-        f.core.reset("test")
+        f.core.rounds.reset("test")
         f.step()
         f.clear_storage()
         r = f.serve(pack_tokens(prompt(50, pages=6)))

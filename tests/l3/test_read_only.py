@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fabric.cache.keys import pack_tokens
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.l3.file import FileBackend
 from fabric.l3.segment import SegmentBackend
@@ -149,7 +150,7 @@ def test_a_fabric_on_a_read_only_store_serves_its_pages_and_says_writes_fail(tmp
     l3 = f.storage.stats()
     assert l3["write_error"] == "erofs" and l3["set_failed"] > 0
     exporter = MetricsExporter()
-    exporter.update(f.core.figures(), l3)
+    exporter.update(figures(f.core), l3)
     m = scrape(exporter)
     assert value(m, "kvfabric_l3_writable") == 0
     assert value(m, "kvfabric_l3_write_failed_pages_total") == l3["set_failed"]

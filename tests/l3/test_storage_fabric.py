@@ -8,6 +8,7 @@ import pytest
 from fabric.cache.events import BlockStored
 from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
 from fabric.cache.l3_queues import PrefetchState
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
 from fabric.l3.format import page_key
@@ -73,7 +74,7 @@ def test_the_coordinator_hashes_no_page_its_hit_queries_asked_about(tmp_path, mo
     r = f.serve(tokens)
     assert r.storage_hit_tokens == 32 and f.verify(r, tokens) == [True] * 4
     assert hashed == []
-    stored = [e for e in f.core.take_events() if isinstance(e, BlockStored)]
+    stored = [e for e in f.core.events.take() if isinstance(e, BlockStored)]
     assert stored and all(
         e.page_hashes == tuple(real(e.parent_hash or namespace_seed("default"), e.tokens, 4 * P))
         for e in stored
@@ -97,7 +98,7 @@ def test_a_hit_answer_for_other_pages_is_refused_and_the_request_computes(tmp_pa
     r = f.serve(tokens)
     assert r.error is None and r.storage_hit_tokens == 0 and r.computed_tokens == 32
     assert f.verify(r, tokens) == [True] * 4
-    assert f.core.figures()["bad_hit_answers"] == 1
+    assert figures(f.core)["bad_hit_answers"] == 1
     f.storage.answer = real
     f.core.release(r.lease)
     f.settle()
@@ -184,7 +185,7 @@ def test_wait_complete_waits_for_every_page(tmp_path):
     f.step()
     for _ in range(3):
         f.step(run_ranks=False)  # ranks make no progress: the request waits
-    assert rid not in f.results and rid in f.core.prefetching
+    assert rid not in f.results and rid in f.core.scheduler.prefetching
     for _ in range(5):
         f.step()
     assert f.results[rid].storage_hit_tokens == 32
@@ -205,11 +206,11 @@ def test_timeout_gives_up_waiting_and_computes(tmp_path):
     rid = f.core.submit(tokens)
     f.step()
     f.step(run_ranks=False)
-    assert rid in f.core.prefetching
+    assert rid in f.core.scheduler.prefetching
     clock.advance(1.5)
     for _ in range(4):
         f.step(run_ranks=False)
-    assert rid not in f.core.prefetching, "timed out"
+    assert rid not in f.core.scheduler.prefetching, "timed out"
     for _ in range(4):
         f.step()
     r = f.results[rid]

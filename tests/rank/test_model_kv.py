@@ -87,7 +87,7 @@ def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, s
     for turn in range(3):
         if turn == 2:
             f.settle()
-            f.core.reset("drop L1 and L2: the last turn comes back from L3")
+            f.core.rounds.reset("drop L1 and L2: the last turn comes back from L3")
         for c, prompt in enumerate(conversations):
             result = f.serve(pack_tokens(prompt))
             assert result.error is None
@@ -157,14 +157,14 @@ def test_a_token_outside_the_vocabulary_is_refused_before_any_rank_computes():
 
     cfg = small_config("model.filler=llama", "model.dtype=float32", "model.head_dim=16")
     f = LocalFabric(cfg)
-    epoch = f.core.epoch
+    epoch = f.core.rounds.epoch
     with pytest.raises(InvalidInput, match="token 1000 at position 2 is refused"):
         f.core.submit(pack_tokens([1, 2, 1000, 3]))
     ok = f.serve(pack_tokens([1, 2, 999, 3]))
     with pytest.raises(InvalidInput, match="token 4096 at position 0"):
         f.core.append(ok.lease, pack_tokens([4096]))
     f.core.release(ok.lease)  # the lease was kept
-    assert f.core.epoch == epoch and f.core.stats.resets == 0
+    assert f.core.rounds.epoch == epoch and f.core.stats.resets == 0
     f.close()
 
 
