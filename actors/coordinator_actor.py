@@ -18,19 +18,19 @@ from typing import Any
 
 import ray
 
-from actors.compiled_rounds import CompiledRounds
+from actors.rank_group import RayRankGroup
 from actors.ray_metrics import CoordinatorMetrics, node_ip
 from actors.storage_group import StorageGroup
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.driver import CoordinatorDriver, Step
 from fabric.coordinator.figures import figures, snapshot
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
 from fabric.l3 import parse_options
 from fabric.l3.service import backend_spec
-from fabric.messages import InvalidMessage, Report, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,7 @@ class CoordinatorActor:
         """``storage_names``: the storage actors' (one name: one actor)."""
         self.config = FabricConfig.from_dict(config)
         self.config_dict = config
-        self.core = CoordinatorCore(self.config)
-        ns = self.config.runtime.ray_namespace
-        self.rank_names = list(rank_names)
-        self._replied: dict[int, float] = {}  # this round's reply times, by rank
-        self.ranks = [ray.get_actor(name, namespace=ns) for name in rank_names]
-        # Ranks whose actor died for good: looked up again by name before each
-        # step (an operator or the chaos harness may have made a new one).
-        self._dead_ranks: set[int] = set()
+        self.ranks = RayRankGroup(self.config, rank_names)
         if isinstance(storage_names, str):
             storage_names = [storage_names]
         self.storage = StorageGroup.named(self.config, storage_names)
@@ -87,7 +80,18 @@ class CoordinatorActor:
         self.ray_metrics: CoordinatorMetrics | None = None
         self._ray_metrics_task: asyncio.Task | None = None
         self._starting: asyncio.Lock | None = None
-        self.compiled = CompiledRounds() if self.config.runtime.compiled_rounds else None
+        self.driver = self._driver()
+
+    def _driver(self) -> CoordinatorDriver:
+        """A new core, and the step protocol over this actor's ranks and storage."""
+        publish = self.publisher.publish if self.publisher is not None else None
+        return CoordinatorDriver(
+            CoordinatorCore(self.config), self.ranks, self.storage, self._deliver, publish
+        )
+
+    @property
+    def core(self) -> CoordinatorCore:
+        return self.driver.core
 
     async def start(self) -> int:
         """Start the step loop (idempotent). A restarted coordinator opens an epoch
@@ -104,20 +108,12 @@ class CoordinatorActor:
         if self._task is None:
             if self.config.events.enabled and self.publisher is None:
                 self.publisher = KVEventPublisher(self.config.events, self.config.cache.page_size)
+                self.driver.publish = self.publisher.publish
             self._wakeup = asyncio.Event()
-            replies = await asyncio.gather(*(a.report.remote() for a in self.ranks))
-            epoch = self.core.start([decode(r) for r in replies])  # type: ignore[misc]
             # A restarted coordinator takes back the L2 pages every rank still holds
             # (none when a rank cannot say: it adopts only what all of them hold).
-            try:
-                held = await asyncio.gather(*(a.inventory.remote(epoch) for a in self.ranks))
-            except Exception as exc:
-                log.warning("no L2 pages adopted: a rank gave no inventory (%s)", exc)
-            else:
-                self.core.adopt(held)
             self._storage_spec = await self.storage.spec()
-            if self._storage_spec is not None:
-                self.core.storage_attached()
+            await self.driver.start(self._storage_spec is not None)
             self._task = asyncio.get_running_loop().create_task(self._loop())
             if self._ray_metrics_task is None:  # once: a core started afresh keeps them
                 self.ray_metrics = CoordinatorMetrics(self.config.runtime.name)
@@ -225,21 +221,13 @@ class CoordinatorActor:
         if not isinstance(tokens, bytes):
             raise InvalidInput(f"tokens must be packed bytes, got {type(tokens).__name__}")
         self._held(lease)
-        cached = tokens[: lease.tokens * 4]
-        pages = list(lease.device_pages)
-        parts = (list(lease.sliding), list(lease.mamba))
-        calls = [
-            r.verify.remote(lease.namespace, cached, pages, *parts, epoch=lease.epoch)
-            for r in self.ranks
-        ]
-        return list(await asyncio.gather(*calls))
+        return await self.ranks.verify(lease, tokens)
 
     async def read_kv(self, lease: Lease) -> list:
         """Every rank's shard of a held lease's KV: ``(Shard, tensor)`` pairs for
         ``fabric.rank.model.assemble``. Call while holding the lease."""
         self._held(lease)
-        pages = list(lease.device_pages)
-        return list(await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.ranks)))
+        return await self.ranks.read(lease)
 
     def _held(self, lease: Lease) -> None:
         """Raise ``InvalidInput`` unless ``lease`` is one the coordinator holds."""
@@ -248,8 +236,7 @@ class CoordinatorActor:
 
     async def computed_tokens_by_rank(self) -> dict[str, int]:
         """Tokens each rank has run through its share of the model since it started."""
-        infos = await asyncio.gather(*(r.info.remote() for r in self.ranks))
-        return {info["rank"]: info["computed_tokens"] for info in infos}
+        return {info["rank"]: info["computed_tokens"] for info in await self.ranks.infos()}
 
     async def where(self) -> tuple[int, str]:
         """This actor's process id and Ray node id."""
@@ -264,8 +251,8 @@ class CoordinatorActor:
         out["l3"] = await self.storage.stats(10)
         if self.publisher is not None:
             out["kv_events"] = self.publisher.stats()
-        if self.compiled is not None:
-            out["compiled_rounds"] = self.compiled.stats()
+        if self.ranks.compiled is not None:
+            out["compiled_rounds"] = self.ranks.compiled.stats()
         return out
 
     async def status(self) -> dict[str, Any]:
@@ -291,7 +278,7 @@ class CoordinatorActor:
             }
         ]
         actors += await asyncio.gather(
-            *(line("rank", name, a) for name, a in zip(ranks, self.ranks, strict=True)),
+            *(line("rank", name, a) for name, a in zip(ranks, self.ranks.handles, strict=True)),
             *(
                 line("storage", name, h)
                 for name, h in zip(self.storage.names(), self.storage.handles, strict=True)
@@ -391,8 +378,7 @@ class CoordinatorActor:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        if self.compiled is not None:
-            await self.compiled.drop("stopped", failed=False)
+        await self.ranks.stop()
         if self.publisher is not None:
             self.publisher.close()
 
@@ -423,7 +409,7 @@ class CoordinatorActor:
             if not future.done():
                 future.set_result(RequestResult(rid, 0, error=error))
         self.futures.clear()
-        self.core = CoordinatorCore(self.config)
+        self.driver = self._driver()
         self._task = None
 
     async def _wait_for_work(self) -> None:
@@ -465,161 +451,21 @@ class CoordinatorActor:
                 self.core.l3_removed(removed)
 
     async def _step(self) -> None:
-        runtime = self.config.runtime
         now = time.monotonic()
         if now >= self._next_storage_check and (
             self._storage_sync is None or self._storage_sync.done()
         ):
             self._next_storage_check = now + STORAGE_CHECK_S
             self._storage_sync = asyncio.get_running_loop().create_task(self._sync_storage())
-        if self._dead_ranks:
-            await self._find_new_ranks()
-        round_started = started = time.perf_counter()
-        batch = self.core.next_batch()
-        queries = self.core.take_queries()
-        if not self.core.round_needed(batch, queries):
-            self.core.stats.core_time_s += time.perf_counter() - started
-            self.core.stats.rounds_skipped += 1
-            if self.publisher is not None:  # what the step queued (expired leases' pages)
-                self.publisher.publish(self.core.events.drain())
-            return
-        data = encode(batch)
-        self.core.stats.core_time_s += time.perf_counter() - started
-        hits_call = self.storage.query(queries) if queries else None
-        sent = time.perf_counter()
-        calls, pending = await self._round(data)
-        hits = await self._hits(hits_call, queries)
-        reports, missing = self._reports(calls, pending)
-        self._reply_times(calls, pending, sent)
         started = time.perf_counter()
-        if missing:
-            self._deliver(self.core.rounds.on_missing(missing))
-            await asyncio.sleep(0.05)
-        else:
-            self._deliver(self.core.rounds.on_round(reports, hits))
-            self._restart_stragglers()
-            if self.core.rounds.adopt_wanted:
-                await self._adopt()
-        if self.publisher is not None:
-            self.publisher.publish(self.core.events.drain())
-        if self.ray_metrics is not None:
-            self.ray_metrics.round_seconds.observe(time.perf_counter() - round_started)
-        self.core.stats.core_time_s += time.perf_counter() - started
-        await asyncio.sleep(runtime.step_interval_s)
-
-    async def _round(self, data: bytes) -> tuple[list[asyncio.Future], set[asyncio.Future]]:
-        """Send the step's batch to every rank; each rank's reply as a future, and
-        those that gave none in time. On the compiled graph when it is on and
-        works; otherwise (and again after any graph failure) one call per rank."""
-        timeout = self.config.runtime.rank_timeout_s
-        if self.compiled is not None and not self._dead_ranks:
-            replies = await self.compiled.round(self.ranks, data, timeout)
-            if replies is not None:
-                loop = asyncio.get_running_loop()
-                calls = [loop.create_future() for _ in replies]
-                for call, reply in zip(calls, replies, strict=True):
-                    call.set_result(reply)
-                return calls, set()
-        calls = [asyncio.ensure_future(_await(rank.step.remote(data))) for rank in self.ranks]
-        self._replied = replied = {}
-        for index, call in enumerate(calls):  # when each reply came (stragglers)
-            call.add_done_callback(lambda _, i=index: replied.setdefault(i, time.perf_counter()))
-        _, pending = await asyncio.wait(calls, timeout=timeout)
-        for call in pending:
-            call.cancel()
-        return calls, pending
-
-    def _reply_times(
-        self, calls: list[asyncio.Future], pending: set[asyncio.Future], sent: float
-    ) -> None:
-        """Hand the core each rank's reply time (a compiled round has none per rank)."""
-        replied, self._replied = self._replied, {}
-        self.core.rounds.rank_latencies(
-            [
-                replied[i] - sent if i in replied and call not in pending else None
-                for i, call in enumerate(calls)
-            ]
-        )
-
-    async def _adopt(self) -> None:
-        """After a rank restarted: every rank's inventory at the new epoch, and the
-        L2 pages all of them still name alike taken back (a restarted rank that
-        kept its L2 in shared memory loses nothing; one that did not, all)."""
-        epoch = self.core.rounds.epoch
-        try:
-            held = await asyncio.wait_for(
-                asyncio.gather(*(_await(a.inventory.remote(epoch)) for a in self.ranks)),
-                self.config.runtime.rank_timeout_s,
-            )
-        except Exception as exc:
-            self.core.rounds.adopt_wanted = False
-            log.warning("no L2 pages adopted after a rank restart: %s", exc)
+        outcome = await self.driver.step()
+        if outcome is Step.SKIPPED:
             return
-        self.core.adopt(held)
-
-    def _restart_stragglers(self) -> None:
-        """Stragglers the policy treats as failed (``runtime.straggler_policy=restart``):
-        their actors restart; the next round finds them new, and the epoch resets as
-        for a rank that died."""
-        for index in self.core.rounds.stragglers.take_restart():
-            log.warning(
-                "rank %s: a straggler, restarted (runtime.straggler_policy=restart)",
-                self.rank_names[index],
-            )
-            self.core.rounds.stragglers.forget(index)
-            with contextlib.suppress(Exception):
-                ray.kill(self.ranks[index], no_restart=False)  # Ray starts it anew
-
-    async def _find_new_ranks(self) -> None:
-        """Take the handle of a new actor made under a dead rank's name."""
-        ns = self.config.runtime.ray_namespace
-        for index in sorted(self._dead_ranks):
-            try:
-                handle = await asyncio.to_thread(ray.get_actor, self.rank_names[index], ns)
-            except ValueError:
-                continue  # none yet
-            if handle._actor_id != self.ranks[index]._actor_id:
-                self.ranks[index] = handle
-                self._dead_ranks.discard(index)
-                log.warning("rank %s has a new actor: using it", self.rank_names[index])
-
-    def _reports(
-        self, calls: list[asyncio.Future], pending: set[asyncio.Future]
-    ) -> tuple[list[Report], dict[int, str]]:
-        """Each rank's report, and why for the ranks that gave none usable."""
-        reports, missing = [], {}
-        for index, call in enumerate(calls):
-            if call in pending:
-                missing[index] = f"no reply within {self.config.runtime.rank_timeout_s} s"
-                continue
-            exc = call.exception()
-            if exc is not None:  # a dead, restarting or failing rank
-                missing[index] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                if isinstance(exc, ray.exceptions.ActorDiedError):
-                    self._dead_ranks.add(index)
-                continue
-            try:
-                report = decode(call.result(), self.config.runtime.max_message_bytes)
-                if not isinstance(report, Report) or report.rank != index:
-                    raise InvalidMessage(f"not a Report of rank {index}")
-            except InvalidMessage as bad:
-                self.core.stats.bad_messages += 1
-                missing[index] = f"bad report: {bad}"
-                continue
-            reports.append(report)
-        return reports, missing
-
-    async def _hits(self, call: Any, queries: list) -> dict[int, Any]:
-        """The storage actor's answers (hit pages and the pages' hashes); a dead or
-        slow one finds nothing (the prefetches are revoked; the requests go on
-        without L3)."""
-        if call is None:
-            return {}
-        try:
-            return await asyncio.wait_for(call, self.config.runtime.rank_timeout_s)
-        except Exception:
-            self.core.stats.storage_errors += 1
-            return {op: (0, ()) for op, *_ in queries}
+        if self.ray_metrics is not None:
+            self.ray_metrics.round_seconds.observe(time.perf_counter() - started)
+        if outcome is Step.MISSING:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(self.config.runtime.step_interval_s)
 
     async def _export_metrics(self) -> None:
         """Serve Prometheus metrics (localhost unless configured): the core's

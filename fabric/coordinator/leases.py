@@ -52,9 +52,7 @@ class LeaseTable:
         reset. Raises ``InvalidInput`` for what is not a ``Lease``, or one that does
         not match the one handed out (a forged or altered lease)."""
         if not isinstance(lease, Lease):
-            raise InvalidInput(
-                f"a lease is the Lease of a result, not {type(lease).__name__}"
-            )
+            raise InvalidInput(f"a lease is the Lease of a result, not {type(lease).__name__}")
         held = self.by_token.get(lease.token) if isinstance(lease.token, str) else None
         if held is not None and held.lease != lease:
             raise InvalidInput(f"lease of {lease.request_id!r} does not match the one handed out")

@@ -1,22 +1,27 @@
 """The whole fabric in one process, no Ray: a ``CoordinatorCore``, one
 ``RankWorker`` per rank and a ``StorageService``, stepped by hand. For tests,
 and for seeing the data plane work without a cluster. Messages still go
-through the wire encoding."""
+through the wire encoding, and the coordinator's step is the Ray actor's
+(``CoordinatorDriver``), over the ranks in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from fabric.config import FabricConfig
+from fabric.coordinator.commands import Answer, Query
 from fabric.coordinator.core import CoordinatorCore
+from fabric.coordinator.driver import CoordinatorDriver, Replies
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.l3.service import StorageService
 from fabric.l3.shards import StorageShards
-from fabric.messages import decode, encode
+from fabric.messages import Report, decode, encode
 from fabric.rank.mesh import LocalBoard
 from fabric.rank.worker import RankWorker
 from fabric.topology import Topology
@@ -28,6 +33,55 @@ def _storage(config: FabricConfig) -> StorageService | StorageShards:
     if n == 1:
         return StorageService(config)
     return StorageShards([StorageService(config, shard) for shard in range(n)])
+
+
+class LocalRanks:
+    """The ranks of a ``LocalFabric`` as a ``RankGroup``: a round runs each rank's
+    commands here (those in ``lagging`` or, without ``run``, none, take the batch
+    but do not work), and every rank reports."""
+
+    def __init__(self, fabric: LocalFabric) -> None:
+        self.fabric = fabric
+        self.run = True
+        self.lagging: Collection[int] = ()
+
+    async def reports(self) -> list[Report]:
+        return [r.report() for r in self.fabric.ranks]
+
+    async def inventories(self, epoch: int) -> list[Any]:
+        return [r.inventory(epoch) for r in self.fabric.ranks]
+
+    async def round(self, batch: bytes) -> Replies:
+        ranks, threads = self.fabric.ranks, self.fabric.threads
+        running = [i for i in range(len(ranks)) if self.run and i not in self.lagging]
+        for rank in ranks:
+            rank.accept(decode(batch))  # type: ignore[arg-type]
+        if threads is not None:
+            list(threads.map(lambda i: ranks[i].run_pending(), running))
+        for i in running:
+            if threads is None:
+                ranks[i].run_pending()
+            ranks[i].run_storage_pending()
+        return Replies([encode(r.report()) for r in ranks], [None] * len(ranks))
+
+    def restart(self, index: int) -> None:
+        self.fabric.restart_rank(index)
+
+
+class LocalStorage:
+    """A ``LocalFabric``'s storage as a ``StorageLink``: answered at once."""
+
+    def __init__(self, storage: StorageService | StorageShards, batch_pages: int) -> None:
+        self.storage = storage
+        self.batch_pages = batch_pages
+
+    def query(self, queries: list[Query]) -> asyncio.Future[Mapping[int, Answer]]:
+        answers = {
+            op: self.storage.answer(prev, tokens, self.batch_pages) for op, prev, tokens in queries
+        }
+        done: asyncio.Future[Mapping[int, Answer]] = asyncio.get_running_loop().create_future()
+        done.set_result(answers)
+        return done
 
 
 class LocalFabric:
@@ -48,19 +102,23 @@ class LocalFabric:
         self.board = LocalBoard()  # where a sharded model's ranks form their groups
         self.ranks = [self._rank(i) for i in range(Topology(config.topology).world_size)]
         # The ranks of a sharded model compute together: each on its own thread.
-        self._threads = (
+        self.threads = (
             ThreadPoolExecutor(len(self.ranks), thread_name_prefix="kvfabric-rank")
             if any(r.needs_mesh for r in self.ranks)
             else None
         )
-        self.core = self._open()
         self.results: dict[str, RequestResult] = {}
+        self._delivered: list[RequestResult] = []
         # KV events go to ZMQ after every step when events.endpoint is set.
         self.publisher = (
             KVEventPublisher(config.events, config.cache.page_size)
             if config.events.enabled
             else None
         )
+        self.group = LocalRanks(self)
+        self._loop = asyncio.new_event_loop()
+        self.driver = self._open()
+        self.core = self.driver.core
 
     def _rank(self, index: int) -> RankWorker:
         path = None if self.l2_dir is None else str(self.l2_dir / f"rank-{index}.l2")
@@ -74,53 +132,47 @@ class LocalFabric:
         self.ranks[index].close()  # its process is gone: so are its sockets
         self.ranks[index] = self._rank(index)
 
-    def _open(self) -> CoordinatorCore:
+    def _open(self) -> CoordinatorDriver:
         """A new coordinator over the ranks as they are: it opens an epoch and
         adopts the L2 pages every rank still holds."""
-        core = CoordinatorCore(self.config, self.clock)
-        core.start([r.report() for r in self.ranks])
-        core.adopt([r.inventory(core.rounds.epoch) for r in self.ranks])
-        if self.storage.backend is not None:
-            core.storage_attached()
-        return core
+        driver = CoordinatorDriver(
+            CoordinatorCore(self.config, self.clock),
+            self.group,
+            LocalStorage(self.storage, self.config.prefetch.query_batch_pages),
+            self._deliver,
+            self.publisher.publish if self.publisher is not None else None,
+            self._take_removed,
+            skip_idle_rounds=False,
+        )
+        self._loop.run_until_complete(driver.start(self.storage.backend is not None))
+        return driver
 
     def restart_coordinator(self) -> None:
         """As if the coordinator died and came back: a new one, the same ranks
         (their L1 and L2 pages intact), every lease and request of the old one gone."""
-        self.core = self._open()
         self.results.clear()
+        self.driver = self._open()
+        self.core = self.driver.core
 
-    def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
-        """One coordinator step: send a batch, let ranks work (all but the indices
-        in ``lagging``; none without ``run_ranks``), reduce their reports and the
-        storage service's answers to the hit queries (counts and page hashes)."""
-        wire = encode(self.core.next_batch())
-        batch_pages = self.config.prefetch.query_batch_pages
-        hits = {
-            op: self.storage.answer(prev, tokens, batch_pages)
-            for op, prev, tokens in self.core.take_queries()
-        }
-        running = [i for i in range(len(self.ranks)) if run_ranks and i not in lagging]
-        for rank in self.ranks:
-            rank.accept(decode(wire))  # type: ignore[arg-type]
-        if self._threads is not None:
-            list(self._threads.map(lambda i: self.ranks[i].run_pending(), running))
-        for i in running:
-            if self._threads is None:
-                self.ranks[i].run_pending()
-            self.ranks[i].run_storage_pending()
-        reports = [decode(encode(r.report())) for r in self.ranks]
-        done = self.core.rounds.on_round(reports, hits)  # type: ignore[arg-type]
-        if self.core.rounds.adopt_wanted:  # a rank restarted: take back what all still hold
-            self.core.adopt([r.inventory(self.core.rounds.epoch) for r in self.ranks])
+    def _take_removed(self) -> None:
         if self.config.cache.kv_events:
             removed = self.storage.take_removed()
             if removed:
                 self.core.l3_removed(removed)
-        self.results.update((r.request_id, r) for r in done)
-        if self.publisher is not None:
-            self.publisher.publish(self.core.events.drain())
-        return done
+
+    def step(self, run_ranks: bool = True, lagging: Collection[int] = ()) -> list[RequestResult]:
+        """One coordinator step: send a batch, let ranks work (all but the indices
+        in ``lagging``; none without ``run_ranks``), reduce their reports and the
+        storage service's answers to the hit queries (counts and page hashes).
+        Returns the results delivered in the step."""
+        self.group.run, self.group.lagging = run_ranks, lagging
+        self._delivered: list[RequestResult] = []
+        self._loop.run_until_complete(self.driver.step())
+        return self._delivered
+
+    def _deliver(self, results: list[RequestResult]) -> None:
+        self._delivered.extend(results)
+        self.results.update((r.request_id, r) for r in results)
 
     def clear_storage(self) -> bool:
         """Delete every page in L3 (as ``kvfabric storage clear``)."""
@@ -153,8 +205,9 @@ class LocalFabric:
         when this fabric made its storage service."""
         if self.publisher is not None:
             self.publisher.close()
-        if self._threads is not None:
-            self._threads.shutdown()
+        if self.threads is not None:
+            self.threads.shutdown()
+        self._loop.close()
         for rank in self.ranks:
             rank.close(release_l2=True)
         if self._owns_storage:

@@ -1,0 +1,129 @@
+"""Every Ray call the coordinator makes to its ranks, in one place: their handles
+(looked up again by name after a rank's actor died for good), a round's fan-out with
+its deadline (on a compiled graph when ``runtime.compiled_rounds`` is on and works),
+each reply's time, and the other calls that go to every rank (inventories,
+verification, reads, their one-line descriptions). It is the ``RankGroup`` of
+``fabric.coordinator.driver``; the driver's tests use a fake one instead."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import ray
+
+from actors.compiled_rounds import CompiledRounds
+from fabric.config import FabricConfig
+from fabric.coordinator.driver import Replies
+from fabric.coordinator.requests import Lease
+from fabric.messages import Report, decode
+
+log = logging.getLogger(__name__)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+class RayRankGroup:
+    def __init__(self, config: FabricConfig, names: list[str]) -> None:
+        self.names = list(names)
+        self.namespace = config.runtime.ray_namespace
+        self.timeout_s = config.runtime.rank_timeout_s
+        self.handles = [ray.get_actor(name, namespace=self.namespace) for name in names]
+        # Ranks whose actor died for good: looked up again by name before each
+        # round (an operator or the chaos harness may have made a new one).
+        self.dead: set[int] = set()
+        self.compiled = CompiledRounds() if config.runtime.compiled_rounds else None
+
+    async def reports(self) -> list[Report]:
+        replies = await asyncio.gather(*(a.report.remote() for a in self.handles))
+        return [decode(r) for r in replies]  # type: ignore[misc]
+
+    async def inventories(self, epoch: int) -> list[Any]:
+        return list(
+            await asyncio.gather(*(_await(a.inventory.remote(epoch)) for a in self.handles))
+        )
+
+    async def round(self, batch: bytes) -> Replies:
+        """Send ``batch`` to every rank; each rank's reply, or why it gave none within
+        ``runtime.rank_timeout_s``. On the compiled graph when it is on and works;
+        otherwise (and again after any graph failure) one call per rank."""
+        if self.dead:
+            await self._find_new_ranks()
+        if self.compiled is not None and not self.dead:
+            replies = await self.compiled.round(self.handles, batch, self.timeout_s)
+            if replies is not None:  # a compiled round has no reply time per rank
+                return Replies(list(replies), [None] * len(replies))
+        sent = time.perf_counter()
+        calls = [asyncio.ensure_future(_await(rank.step.remote(batch))) for rank in self.handles]
+        replied: dict[int, float] = {}
+        for index, call in enumerate(calls):  # when each reply came (stragglers)
+            call.add_done_callback(lambda _, i=index: replied.setdefault(i, time.perf_counter()))
+        _, pending = await asyncio.wait(calls, timeout=self.timeout_s)
+        for call in pending:
+            call.cancel()
+        out: list[bytes | str] = []
+        for index, call in enumerate(calls):
+            if call in pending:
+                out.append(f"no reply within {self.timeout_s} s")
+            elif call.exception() is not None:  # a dead, restarting or failing rank
+                exc = call.exception()
+                out.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                if isinstance(exc, ray.exceptions.ActorDiedError):
+                    self.dead.add(index)
+            else:
+                out.append(call.result())
+        reply_s = [
+            replied[i] - sent if i in replied and call not in pending else None
+            for i, call in enumerate(calls)
+        ]
+        return Replies(out, reply_s)
+
+    def restart(self, index: int) -> None:
+        """Kill rank ``index``'s actor with a restart: Ray starts it anew."""
+        with contextlib.suppress(Exception):
+            ray.kill(self.handles[index], no_restart=False)
+
+    async def _find_new_ranks(self) -> None:
+        """Take the handle of a new actor made under a dead rank's name."""
+        for index in sorted(self.dead):
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, self.names[index], self.namespace)
+            except ValueError:
+                continue  # none yet
+            if handle._actor_id != self.handles[index]._actor_id:
+                self.handles[index] = handle
+                self.dead.discard(index)
+                log.warning("rank %s has a new actor: using it", self.names[index])
+
+    # -- calls to every rank besides the rounds ---------------------------------------------
+
+    async def verify(self, lease: Lease, tokens: bytes) -> list[bool | None]:
+        """Per rank, whether the lease's pages hold exactly the producer's KV of
+        ``tokens`` (``None`` from a rank no longer in the lease's epoch)."""
+        cached = tokens[: lease.tokens * 4]
+        pages = list(lease.device_pages)
+        parts = (list(lease.sliding), list(lease.mamba))
+        calls = [
+            r.verify.remote(lease.namespace, cached, pages, *parts, epoch=lease.epoch)
+            for r in self.handles
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def read(self, lease: Lease) -> list:
+        """Every rank's shard of the lease's KV."""
+        pages = list(lease.device_pages)
+        return list(
+            await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.handles))
+        )
+
+    async def infos(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(r.info.remote() for r in self.handles)))
+
+    async def stop(self) -> None:
+        if self.compiled is not None:
+            await self.compiled.drop("stopped", failed=False)
