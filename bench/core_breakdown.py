@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fabric.cache.inprocess as inprocess
 import fabric.cache.keys as keys
-import fabric.cache.l3_queues as l3_queues
+import fabric.cache.l3_transfers as l3_transfers
 import fabric.cache.radix as radix
 from fabric.cache.admission import Admission
 from fabric.cache.hicache import HiCache
@@ -93,7 +93,7 @@ def main() -> None:
 
     hash_pages = free if args.free_hashes else real_chain
     if args.free_hashes:  # a hit answer's slices pass for its hashes
-        l3_queues.answers_chain = lambda prev, data, pb, hashes: len(hashes) == len(data) // pb
+        l3_transfers.answers_chain = lambda prev, data, pb, hashes: len(hashes) == len(data) // pb
 
     seen: set[bytes] = set()
     repeats = [0]

@@ -110,11 +110,11 @@ def toks(*pages: int) -> list[int]:
 def put(cache: HiCache, tokens: list[int], namespace: str = "default", priority: int = 0):
     """Insert like a server would: match, lease pages for the rest, insert."""
     key = cache.key(tokens, namespace)
-    m = cache.match_prefix(key)
-    pages = cache.alloc_device(key.num_tokens - m.device_tokens)
+    m = cache.placement.match_prefix(key)
+    pages = cache.placement.alloc_device(key.num_tokens - m.device_tokens)
     assert pages is not None
-    result = cache.insert(key, m.device_pages + pages, priority)
-    cache.write_through()
+    result = cache.placement.insert(key, m.device_pages + pages, priority)
+    cache.writes.write_through()
     return result
 
 

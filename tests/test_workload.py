@@ -42,6 +42,6 @@ def test_caching_answers_raises_the_hit_rate_of_the_next_turns():
             replay.serve(prompt, answer if answers else b"")
         replay.cache.check_integrity()
         t = replay.stats.tokens
-        assert not replay.cache.leased and replay.cache.tree.protected_size == 0
+        assert not replay.cache.placement.leased and replay.cache.tree.protected_size == 0
         rates.append((t.device + t.host + t.storage) / replay.stats.prompt_tokens)
     assert rates[1] > rates[0]

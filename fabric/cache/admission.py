@@ -115,15 +115,17 @@ class Admission:
     def start_prefetch(self, req_id: Hashable, key: TokenKey) -> bool:
         """Start fetching from L3 what L1 and L2 lack of ``key``; ``False`` when not
         worth it (no storage, below the threshold, rate limited)."""
-        l3 = self.cache.storage
+        l3 = self.cache.l3
         if not l3.attached:
             return False
-        return l3.start_prefetch(req_id, key, self.cache.match_prefix(key)).op_id is not None
+        return (
+            l3.start_prefetch(req_id, key, self.cache.placement.match_prefix(key)).op_id is not None
+        )
 
     def check_prefetch(self, req_id: Hashable) -> int | None:
         """``None`` while the prefetch should be waited for; else the tokens it added
         to L2 (0 for none)."""
-        return self.cache.storage.check_prefetch(req_id)
+        return self.cache.l3.check_prefetch(req_id)
 
     # -- the steps -------------------------------------------------------------------
 
@@ -203,7 +205,7 @@ class Admission:
         node passes to the caller (which drops it with ``dec_lock_ref``)."""
         self._check_open(req)
         if req.tail_page is not None:
-            self.cache.free_device((req.tail_page,))
+            self.cache.placement.free_device((req.tail_page,))
             req.tail_page = None
         req.ended = True
         return req.node
@@ -211,7 +213,7 @@ class Admission:
     def release(self, req: RequestKV) -> None:
         """Finish or abort the request: nothing of it stays held (its placed whole
         pages stay cached, unlocked)."""
-        self.cache.dec_lock_ref(self.end(req))
+        self.cache.placement.dec_lock_ref(self.end(req))
 
     def finish(self, req: RequestKV, session: str | None = None) -> str | None:
         """The request is done. With ``session``, that session keeps its whole pages
@@ -221,7 +223,7 @@ class Admission:
             check_session_id(session)
         node = self.end(req)
         if session is None:
-            self.cache.dec_lock_ref(node)
+            self.cache.placement.dec_lock_ref(node)
             return None
         return self.cache.sessions.keep(session, node)
 
@@ -259,7 +261,7 @@ class Admission:
         if upto == req.filled:
             return Fill(start, upto, upto, as_pages(), req.node)
         if req.tail_page is None:
-            got = self.cache.alloc_device(req.page_size)
+            got = self.cache.placement.alloc_device(req.page_size)
             if got is None:
                 return None
             req.tail_page = got[0]
@@ -273,40 +275,40 @@ class Admission:
         if key is None or key.num_tokens != aligned:
             key = TokenKey(bytes(req.tokens[: aligned * TOKEN_BYTES]), ps, req.namespace)
         # Our own pages are locked: the match reaches them.
-        match = cache.match_prefix(key, req.node)
+        match = cache.placement.match_prefix(key, req.node)
         if cache.parts is not None and not req.filled:  # the request's admission
-            cache.parts.count_match(cache.last_path, cache.tree.pages)
+            cache.parts.count_match(cache.placement.last_path, cache.tree.pages)
         loaded_tokens = 0
         if match.host_tokens:
-            loaded = cache.load_back(match.last_host_node)
+            loaded = cache.loads.load_back(match.last_host_node)
             if loaded is not None:
                 loaded_tokens = loaded.tokens
-                match = cache.match_prefix(key, req.node)
+                match = cache.placement.match_prefix(key, req.node)
         base = match.device_tokens
         cached, tail, rest = req.cached_tokens, req.tail_page, upto - aligned
         adopt = tail is not None and base == cached  # our own page becomes a tree page
-        cache.inc_lock_ref(match.last_device_node)
+        cache.placement.inc_lock_ref(match.last_device_node)
         new_tail = None
         if rest:  # a page of its own for the tokens past the last whole page
-            got = cache.alloc_device(ps)
+            got = cache.placement.alloc_device(ps)
             if got is None:
-                cache.dec_lock_ref(match.last_device_node)
+                cache.placement.dec_lock_ref(match.last_device_node)
                 return None
             new_tail = got[0]
         node, given = match.last_device_node, as_pages()
         if aligned > base:
-            extended = cache.extend(key, match, req.priority, tail if adopt else None)
+            extended = cache.placement.extend(key, match, req.priority, tail if adopt else None)
             if extended is None:
                 if new_tail is not None:
-                    cache.free_device((new_tail,))
-                cache.dec_lock_ref(match.last_device_node)
+                    cache.placement.free_device((new_tail,))
+                cache.placement.dec_lock_ref(match.last_device_node)
                 return None
             node, given = extended
-        cache.inc_lock_ref(node)
-        cache.dec_lock_ref(match.last_device_node)
-        cache.dec_lock_ref(req.node)
+        cache.placement.inc_lock_ref(node)
+        cache.placement.dec_lock_ref(match.last_device_node)
+        cache.placement.dec_lock_ref(req.node)
         if tail is not None and not adopt:
-            cache.free_device((tail,))  # the tree had that page: ours was a duplicate
+            cache.placement.free_device((tail,))  # the tree had that page: ours was a duplicate
         first_new = max(req.filled, base)
         hits = first_new - req.filled
         from_l2 = min(loaded_tokens, hits)
@@ -322,7 +324,7 @@ class Admission:
         req.filled = upto
         # What is new starts in the page at ``base``: L1 had every page before it.
         pages = given if new_tail is None else given + as_pages((new_tail,))
-        parts = cache.fill_parts(node, match.last_device_node)
+        parts = cache.placement.fill_parts(node, match.last_device_node)
         if cache.parts is not None:
             # Fixed now: a later fill may give this prefix more (its writes still
             # pending when this request ends); its lock keeps these.

@@ -62,7 +62,7 @@ def as_answer(answer: object) -> HitAnswer:
     """A hit query's answer from another process as a ``HitAnswer``: a
     ``(pages, hashes)`` pair, or a bare page count (no hashes); anything else
     finds nothing. The hashes themselves are checked where they are used
-    (``L3Queues.complete_query``)."""
+    (``L3Transfers.complete_query``)."""
     if isinstance(answer, tuple) and len(answer) == 2:
         pages, hashes = answer
         if type(pages) is int and isinstance(hashes, (list, tuple)):

@@ -195,7 +195,7 @@ class CoreReplay:
         self.admission = Admission(self.cache)
         self.ctl.components = self.cache.parts
         if storage:
-            self.cache.storage.attach()
+            self.cache.l3.attach()
         self.namespace = namespace
         self.stats = ReplayStats()
 
@@ -238,7 +238,7 @@ class CoreReplay:
         t2 = time.perf_counter()
         stats.tokens.add(device, host, storage, key.num_tokens - device - host - storage)
         cache.poll()
-        cache.take_events()
+        cache.events.take()
         stats.tree_us.append((t2 - t1) * 1e6)
         stats.request_us.append((time.perf_counter() - t0) * 1e6)
         stats.stand_in_us.append((self.ctl.busy_s - busy) * 1e6)

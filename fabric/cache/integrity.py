@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from fabric.cache.controller import Controller
 from fabric.cache.keys import chain_hashes, namespace_seed
-from fabric.cache.l3_queues import L3Queues
-from fabric.cache.node import TreeNode, WriteOp
+from fabric.cache.l3_transfers import L3Transfers
+from fabric.cache.loads import LoadBacks
+from fabric.cache.node import TreeNode
 from fabric.cache.pins import Pins
+from fabric.cache.placement import Placement
 from fabric.cache.radix import RadixTree
 from fabric.cache.results import TierSizes
 from fabric.cache.sessions import Sessions
+from fabric.cache.writes import Writes
 from fabric.errors import IntegrityError
 from policies import WritePolicy
 
@@ -23,12 +26,11 @@ class CacheState(Protocol):
 
     tree: RadixTree
     ctl: Controller
-    storage: L3Queues
+    l3: L3Transfers
     write_policy: WritePolicy
-    leased: set[int]
-    pending_writes: deque[WriteOp]
-    pending_loads: deque[tuple[int, TreeNode]]
-    pinned_size: int
+    placement: Placement
+    writes: Writes
+    loads: LoadBacks
     pins: Pins
     sessions: Sessions
 
@@ -144,8 +146,8 @@ def pins(cache: CacheState, nodes: list[TreeNode]) -> Iterator[str]:
         if node.pinned:
             pinned_by[node.namespace] += cache.tree.tokens(node)
     pinned = sum(pinned_by.values())
-    if cache.pinned_size != pinned:
-        yield f"pinned_size={cache.pinned_size}, recomputed {pinned}"
+    if cache.pins.pinned_size != pinned:
+        yield f"pinned_size={cache.pins.pinned_size}, recomputed {pinned}"
     if cache.pins.by_tenant != dict(pinned_by):
         yield f"pinned per tenant {cache.pins.by_tenant}, recomputed {dict(pinned_by)}"
     if any(n > cache.pins.tenant_budget for n in pinned_by.values()):
@@ -157,16 +159,16 @@ def operations(cache: CacheState, nodes: list[TreeNode]) -> Iterator[str]:
     locked or protected."""
     live = set(nodes)
     root = cache.tree.root
-    for op in cache.pending_writes:
+    for op in cache.writes.pending:
         if op.lock_node not in live or op.lock_node.lock_ref <= 0:
             yield f"write op {op.op_id} holds {op.lock_node}, which is gone or unlocked"
-    for op_id, node in cache.pending_loads:
+    for op_id, node in cache.loads.pending:
         if node not in live or node.lock_ref <= 0:
             yield f"load op {op_id} holds {node}, which is gone or unlocked"
-    for bop in cache.storage.backups:
+    for bop in cache.l3.backups:
         if bop.node not in live or bop.node.host_ref <= 0 or bop.node.host_value is None:
             yield f"backup op {bop.op_id} holds {bop.node}, which is gone or unprotected"
-    for pop in cache.storage.prefetches.values():
+    for pop in cache.l3.prefetches.values():
         if pop.anchor is not root and (pop.anchor not in live or pop.anchor.host_ref <= 0):
             yield f"prefetch {pop.req_id!r} anchors on {pop.anchor}, gone or unprotected"
 
@@ -204,8 +206,8 @@ def host_refs(cache: CacheState, nodes: list[TreeNode]) -> Iterator[str]:
     root = cache.tree.root
     holds: Counter[TreeNode] = Counter(n for n in nodes if n.pinned)
     holds.update(cache.sessions.host_held())
-    holds.update(bop.node for bop in cache.storage.backups)
-    holds.update(pop.anchor for pop in cache.storage.prefetches.values() if pop.anchor is not root)
+    holds.update(bop.node for bop in cache.l3.backups)
+    holds.update(pop.anchor for pop in cache.l3.prefetches.values() if pop.anchor is not root)
     for node in nodes:
         if node.host_ref != holds[node]:
             yield (
@@ -224,10 +226,10 @@ def pages_owned_once(cache: CacheState, nodes: list[TreeNode]) -> Iterator[str]:
             device_owner.update(node.device_value)
         if node.host_value is not None:
             host_owner.update(node.host_value)
-    device_owner.update(cache.leased)
-    for op in cache.pending_writes:
+    device_owner.update(cache.placement.leased)
+    for op in cache.writes.pending:
         host_owner.update(op.orphan_pages)
-    for pop in cache.storage.by_op.values():
+    for pop in cache.l3.by_op.values():
         host_owner.update(pop.host_pages)
     for name, pool, owner in (
         ("L1", cache.ctl.device, device_owner),
@@ -253,7 +255,7 @@ def tier_sizes(cache: CacheState, nodes: list[TreeNode]) -> Iterator[str]:
     tree = cache.tree
     sizes = [("L1", cache.device_sizes()), ("L2", cache.host_sizes())]
     if tree.parts is not None:
-        yield from tree.parts.violations(nodes, tree.pages, cache.storage.held_host_parts())
+        yield from tree.parts.violations(nodes, tree.pages, cache.l3.held_host_parts())
         sizes += [(f"L1 {c}", s) for c, s in tree.parts.sizes(nodes).items()]
     for name, size in sizes:
         if size.free + size.evictable + size.protected != size.capacity:

@@ -23,14 +23,12 @@ class Pins:
         tree: RadixTree,
         budget: int,
         clock: Callable[[], float],
-        write_backup: Callable[[TreeNode], int],
         tenant_budget: int | None = None,
     ) -> None:
         self.tree = tree
         self.budget = budget
         self.tenant_budget = budget if tenant_budget is None else min(tenant_budget, budget)
         self.clock = clock
-        self.write_backup = write_backup
         self.reset()
 
     def reset(self) -> None:
@@ -62,9 +60,12 @@ class Pins:
         self._next_expiry = min((n.pin_expiry for n in self.nodes), default=math.inf)
         return freed
 
-    def pin(self, key: TokenKey, ttl_s: float) -> PinResult:
+    def pin(
+        self, key: TokenKey, ttl_s: float, write_backup: Callable[[TreeNode], int]
+    ) -> PinResult:
         """Keep ``key``'s cached prefix in L2 for ``ttl_s`` seconds, within the budget;
-        says how much was pinned and why not more."""
+        says how much was pinned and why not more. A pinned node not yet in L2 is
+        copied there (``write_backup``, the cache's ``Writes.write_backup``)."""
         if (
             not isinstance(ttl_s, (int, float))
             or isinstance(ttl_s, bool)
@@ -96,7 +97,7 @@ class Pins:
                 self.pinned_size += tokens
                 self.by_tenant[node.namespace] = held + tokens
                 if node.host_value is None:
-                    self.write_backup(node)
+                    write_backup(node)
             node.pin_expiry = max(node.pin_expiry, now + ttl_s)
             node.pin_ttl = max(node.pin_ttl, float(ttl_s))
             self.nodes.add(node)

@@ -11,7 +11,7 @@ from fabric.cache.allocator import PagedAllocator, Pages, as_pages
 from fabric.cache.components import Components, PartFill
 from fabric.cache.controller import Controller
 from fabric.cache.events import EventLog, Medium
-from fabric.cache.evictions import Evictions
+from fabric.cache.evictions import DeviceEvictions
 from fabric.cache.keys import TokenKey
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree
@@ -40,10 +40,24 @@ def take_pages(pool: PagedAllocator, num_tokens: int, evict: Callable[[int], int
     return got
 
 
+class Room:
+    """``num_tokens`` of whole pages from one tier's pool (``"device"`` or ``"host"``
+    of the controller, looked up at each call), evicting that tier when short:
+    what the writes (L2) and the load-backs (L1) allocate with."""
+
+    def __init__(self, ctl: Controller, tier: str, evict: Callable[[int], int]) -> None:
+        self.ctl = ctl
+        self.tier = tier
+        self.evict = evict
+
+    def __call__(self, num_tokens: int) -> Pages | None:
+        return take_pages(getattr(self.ctl, self.tier), num_tokens, self.evict)
+
+
 class Placement:
     """Matching and L1 placement for one cache. Its collaborators: the tree, the
     controller (whose L1 pool leases pages), a hybrid model's components, the
-    event log, the writes (hits count toward write-through), the evictions
+    event log, the writes (hits count toward write-through), the L1 evictions
     (which make room) and the clock. ``leased``: L1 pages handed out by
     ``alloc_device`` and not yet the tree's or freed."""
 
@@ -54,7 +68,7 @@ class Placement:
         parts: Components | None,
         events: EventLog,
         writes: Writes,
-        evictions: Evictions,
+        evictions: DeviceEvictions,
         clock: Callable[[], float],
     ) -> None:
         self.tree = tree
@@ -62,8 +76,7 @@ class Placement:
         self.parts = parts
         self.events = events
         self.writes = writes
-        self.evictions = evictions
-        self.evict = evictions.evict_device
+        self.evict = evictions.evict
         self.clock = clock
         self.page_size = tree.page_size
         self.leased: set[int] = set()
@@ -164,20 +177,6 @@ class Placement:
             self.parts.fill(x, end, tree.pages, out)
             self.writes.on_parts(x)
         return out
-
-    def remove_dead(self, node: TreeNode) -> bool:
-        # A device leaf a component is missing from serves nothing: demote it to L2
-        # (kept for a later full-attention use) or delete it, unless an in-flight
-        # write or an L2 protection needs it as it is.
-        if node.write_op is not None:
-            return False
-        if node.host_value is not None:
-            self.evictions.demote(node)
-            return True
-        if node.children or node.host_ref:
-            return False
-        self.evictions.delete(node)
-        return True
 
     def insert(self, key: TokenKey, device_pages: Sequence[int], priority: int = 0) -> InsertResult:
         """Cache ``key`` with KV in ``device_pages`` (one L1 page per key page).
@@ -316,3 +315,21 @@ class Placement:
             )
         self.ctl.device.free(freed)
         self.leased.difference_update(freed)
+
+    # -- locks -------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect ``node`` and its path from L1 eviction (the node must be on device),
+        and for a hybrid model what a match ending there needs of the other
+        components."""
+        if node is not self.tree.root and node.device_value is None:
+            raise InvalidInput(f"cannot lock {node}: it is not on device")
+        self.tree.inc_lock_ref(node)
+        if self.parts is not None:
+            self.parts.lock(node, self.tree.pages)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref(node)``."""
+        self.tree.dec_lock_ref(node)
+        if self.parts is not None:
+            self.parts.unlock(node, self.tree.pages)

@@ -270,7 +270,7 @@ class CoordinatorCore:
                 self.scheduler.unblock()
             self.admission.expire()
             self.scheduler.schedule(admit=not rounds.absent)
-            self.cache.write_through()
+            self.cache.writes.write_through()
         except Exception as exc:
             failed = rounds.recover(exc)
             self.scheduler.failed.extend(failed)  # delivered with the next round
@@ -309,18 +309,18 @@ class CoordinatorCore:
     @property
     def idle(self) -> bool:
         """Nothing to do until a request arrives or a lease is released."""
-        return self.scheduler.quiet and not self.ctl.busy() and self.cache.storage.idle
+        return self.scheduler.quiet and not self.ctl.busy() and self.cache.l3.idle
 
     # -- storage attach / detach ---------------------------------------------------------
 
     def storage_attached(self) -> None:
         """The storage actor has a backend: start prefetching and backing up."""
-        self.cache.storage.attach()
+        self.cache.l3.attach()
 
     def storage_begin_detach(self) -> None:
         """Issue no new storage work; stop every prefetch (their requests go on
         without L3). Pending backups still end with their acks."""
-        l3, sched = self.cache.storage, self.scheduler
+        l3, sched = self.cache.l3, self.scheduler
         l3.pause()
         for rid, req in list(sched.prefetching.items()):
             l3.abort(rid)
@@ -331,7 +331,7 @@ class CoordinatorCore:
         """The store reports these pages gone (evicted, deleted by another process):
         ``BlockRemoved`` from L3 for those the fabric had announced."""
         self.cache.events.l3_removed(page_hashes)
-        if self.cache.storage.idle:  # nothing in flight can announce a page reported gone
+        if self.cache.l3.idle:  # nothing in flight can announce a page reported gone
             self.cache.events.forget_removals()
         self.events.collect()
 
@@ -341,9 +341,9 @@ class CoordinatorCore:
         self.events.collect()
 
     def storage_drained(self) -> bool:
-        return self.cache.storage.idle
+        return self.cache.l3.idle
 
     def storage_force_detach(self) -> None:
         """Release whatever storage work is left. Only once no rank will touch
         its host pages any more (after a reset, say)."""
-        self.cache.storage.detach()
+        self.cache.l3.detach()

@@ -32,7 +32,7 @@ class EventQueue:
     def collect(self) -> None:
         """Queue the cache's new KV events; past the cap the oldest go, counted
         (``events_dropped``) and said once."""
-        new = self.cache.take_events()
+        new = self.cache.events.take()
         if not new:
             return
         over = len(self.events) + len(new) - self.maxlen

@@ -29,9 +29,9 @@ def snapshot(core: CoordinatorCore) -> dict:
         "rounds_skipped": s.rounds_skipped,
         "cache": core.cache.stats.counters(),
         "prefetching": len(core.scheduler.prefetching),
-        "storage_ops": core.cache.storage.snapshot(),
-        "pending_writes": len(core.cache.pending_writes),
-        "pending_loads": len(core.cache.pending_loads),
+        "storage_ops": core.cache.l3.snapshot(),
+        "pending_writes": len(core.cache.writes.pending),
+        "pending_loads": len(core.cache.loads.pending),
         "bad_messages": s.bad_messages,
         "step_errors": s.step_errors,
         "leases_expired": s.leases_expired,
@@ -52,7 +52,7 @@ def snapshot(core: CoordinatorCore) -> dict:
             "budget_tokens": core.cache.sessions.budget,
             "refused": s.sessions_refused,
         },
-        "pinned_tokens": core.cache.pinned_size,
+        "pinned_tokens": core.cache.pins.pinned_size,
     }
 
 
@@ -71,7 +71,7 @@ def request_counts(stats: FabricStats) -> dict[str, int]:
 def figures(core: CoordinatorCore) -> dict:
     """What the metrics export: counters, gauges and histograms, read without
     walking the tree (cheap enough for every scrape)."""
-    s, cache, l3 = core.stats, core.cache, core.cache.storage
+    s, cache, l3 = core.stats, core.cache, core.cache.l3
     device = cache.device_sizes()
     host = cache.ctl.host
     transfers = {
@@ -134,14 +134,14 @@ def figures(core: CoordinatorCore) -> dict:
             "running": len(core.scheduler.running),
         },
         "inflight_transfers": {
-            "device_to_host": len(cache.pending_writes),
-            "host_to_device": len(cache.pending_loads),
+            "device_to_host": len(cache.writes.pending),
+            "host_to_device": len(cache.loads.pending),
             "host_to_storage": len(l3.backups),
             "storage_to_host": len(l3.by_op),
         },
         "leases": len(core.leases),
         "sessions": len(cache.sessions.held),
         "session_tokens": cache.sessions.held_tokens,
-        "pinned_tokens": cache.pinned_size,
+        "pinned_tokens": cache.pins.pinned_size,
         "ranks": {str(r): i not in core.rounds.absent for i, r in enumerate(core.topology.ranks)},
     }

@@ -141,7 +141,7 @@ class RoundCommit:
         if done.writes or done.loads or done.computes or done.backups:
             sched.unblock()  # finished work may have unlocked pages: admit again
         self.cache.apply(done)
-        self.forget |= rnd.prefetch_reported - set(self.cache.storage.by_op)
+        self.forget |= rnd.prefetch_reported - set(self.cache.l3.by_op)
         self.events.collect()
         if done.failed_computes or done.failed_loads:
             # Those pages may hold anything on some rank: drop L1/L2, retry.

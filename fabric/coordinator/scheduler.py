@@ -223,7 +223,7 @@ class Scheduler:
                 return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.prefetching.pop(request_id, None)
         if req is not None:
-            self.cache.storage.abort(request_id)
+            self.cache.l3.abort(request_id)
             self.stats.aborted += 1
             return RequestResult(req.rid, req.prompt_tokens, error="aborted")
         req = self.running.get(request_id)
@@ -251,7 +251,7 @@ class Scheduler:
         while self.waiting:
             self.fail(self.waiting.popleft(), error)
         for rid in list(self.prefetching):
-            self.cache.storage.abort(rid)
+            self.cache.l3.abort(rid)
             self.fail(self.prefetching.pop(rid), error)
 
     def take_failed(self) -> list[RequestResult]:

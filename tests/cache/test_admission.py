@@ -26,12 +26,12 @@ def test_whole_prompt_with_an_unaligned_tail_keeps_the_tail_in_a_page_of_its_own
     fill = a.prefill(req, 2 * P + 2)
     assert (fill.start, fill.first_new, fill.end) == (0, 0, 2 * P + 2)
     assert len(fill.pages) == 3 and fill.pages[-1] == req.tail_page
-    assert req.tail_page in c.leased and req.tail_page not in req.pages
+    assert req.tail_page in c.placement.leased and req.tail_page not in req.pages
     assert cached(c, toks(1, 2)) == 2 * P, "the whole pages are in the tree"
     assert req.node.lock_ref == 1 and req.computed == 2 * P + 2
     c.check_integrity()
     a.release(req)
-    assert not c.leased and req.node.lock_ref == 0
+    assert not c.placement.leased and req.node.lock_ref == 0
     assert c.ctl.device.available_pages == 8 - 2, "the tail page is freed, the tree keeps 2"
     c.check_integrity()
 
@@ -53,7 +53,9 @@ def test_chunked_prefill_moves_the_lock_and_a_second_request_hits_the_done_chunk
     assert node1.lock_ref == 1, "locked once, through its child on the request's path"
     f3 = a.prefill(first, 5 * P)
     assert f3.pages == first.pages[4:] and first.computed == 5 * P and first.device_hit == 0
-    assert list(first.device_pages) == list(c.match_prefix(c.key(toks(1, 2, 3, 4, 5))).device_pages)
+    assert list(first.device_pages) == list(
+        c.placement.match_prefix(c.key(toks(1, 2, 3, 4, 5))).device_pages
+    )
     c.check_integrity()
     a.release(first)
     assert c.tree.protected_size == 0
@@ -95,7 +97,9 @@ def test_a_page_another_request_completed_first_replaces_the_requests_own_page()
     a.prefill(fast, 2 * P)
     a.release(fast)
     fill = a.append(slow, pack_tokens([2, 2]))
-    assert own not in c.leased and c.ctl.device.is_free(own), "the duplicate page is freed"
+    assert own not in c.placement.leased and c.ctl.device.is_free(own), (
+        "the duplicate page is freed"
+    )
     assert slow.tail_page is None and fill.pages.tolist() == []
     assert slow.device_hit == 2 and slow.computed == P + 2, "the 2 tokens it lacked were hits"
     c.check_integrity()
@@ -130,7 +134,7 @@ def test_abort_mid_chunk_and_mid_decode_leaves_nothing_held():
     a.append(decoding, pack_tokens([6]))
     a.release(chunked)
     a.release(decoding)
-    assert not c.leased and c.tree.protected_size == 0
+    assert not c.placement.leased and c.tree.protected_size == 0
     assert c.ctl.device.available_pages + c.tree.evictable_size // P == 8
     c.check_integrity()
     with pytest.raises(InvalidInput, match="ended"):
@@ -161,9 +165,9 @@ def test_l2_and_l3_hits_are_counted_once_across_chunks():
     a.prefill(warm, 2 * P)
     a.release(warm)
     c.poll()
-    c.write_through()
+    c.writes.write_through()
     c.poll()
-    assert c.evict(2 * P) == 2 * P
+    assert c.device_evictions.evict(2 * P) == 2 * P
     req = a.begin(pack_tokens(toks(1, 2, 3)), prefetched=P)
     a.prefill(req, P)
     a.prefill(req, 3 * P)

@@ -123,9 +123,9 @@ def test_a_lock_protects_the_state_at_its_end_and_only_the_window_before_it():
     serve(adm, 1, 2, 3, 4, 5)
     serve(adm, 1, 2, 3, 4, 5, 6, 7, 8)  # its window: pages 6 and 7 (0-based)
     long_key = cache.key(toks(1, 2, 3, 4, 5, 6, 7, 8))
-    m = cache.match_prefix(long_key)
+    m = cache.placement.match_prefix(long_key)
     assert m.device_tokens == 8 * P
-    cache.inc_lock_ref(m.last_device_node)
+    cache.placement.inc_lock_ref(m.last_device_node)
     end = m.last_device_node
     upper = end.parent
     assert end.sliding_locks and end.part_ref == 1
@@ -136,7 +136,7 @@ def test_a_lock_protects_the_state_at_its_end_and_only_the_window_before_it():
     assert upper.mamba is None and upper.sliding is None  # not needed by the lock: gone
     assert cache.parts.valid_end(end, cache.tree.pages)
     cache.check_integrity()
-    cache.dec_lock_ref(end)
+    cache.placement.dec_lock_ref(end)
     cache.check_integrity()
     assert cache.component_sizes()["sliding"].protected == 0
 
@@ -144,13 +144,13 @@ def test_a_lock_protects_the_state_at_its_end_and_only_the_window_before_it():
 def test_a_split_divides_the_sliding_locks_exactly():
     cache, adm = hybrid("sliding", device_pages=64)  # window 2 pages
     serve(adm, 1, 2, 3, 4)
-    m = cache.match_prefix(cache.key(toks(1, 2, 3, 4)))
-    cache.inc_lock_ref(m.last_device_node)
+    m = cache.placement.match_prefix(cache.key(toks(1, 2, 3, 4)))
+    cache.placement.inc_lock_ref(m.last_device_node)
     node = m.last_device_node
-    cache.match_prefix(cache.key(toks(1, 2, 3, 9)))  # splits the locked node after page 3
+    cache.placement.match_prefix(cache.key(toks(1, 2, 3, 9)))  # splits the locked node after page 3
     assert node.sliding_locks == {2: 1} and node.parent.sliding_locks == {1: 1}
     cache.check_integrity()
-    cache.dec_lock_ref(node)
+    cache.placement.dec_lock_ref(node)
     assert node.sliding_locks is None and node.parent.sliding_locks is None
     cache.check_integrity()
 
@@ -216,12 +216,14 @@ def test_components_go_to_l2_with_their_pages_and_come_back_with_a_load():
     node = cache.tree.root.children[("default", pack_tokens(toks(1)))]
     assert node.host_value is not None and node.host_mamba is not None
     assert node.host_sliding is not None and len(node.host_sliding) == len(node.sliding)
-    cache.evict(1 << 20)  # every unlocked leaf demoted: components leave L1, stay in L2
+    cache.device_evictions.evict(
+        1 << 20
+    )  # every unlocked leaf demoted: components leave L1, stay in L2
     assert node.device_value is None and node.sliding is None and node.mamba is None
     cache.check_integrity()
     # Served from L2: the load brings the components back with the pages.
     key = cache.key(toks(1, 2, 3))
-    m = cache.match_prefix(key)
+    m = cache.placement.match_prefix(key)
     assert m.device_tokens == 0 and m.host_tokens == 3 * P
     req = adm.begin(pack_tokens(toks(1, 2, 3, 4)))
     fill = adm.prefill(req, req.num_tokens)
@@ -231,8 +233,8 @@ def test_components_go_to_l2_with_their_pages_and_come_back_with_a_load():
     cache.check_integrity()
     # An L2 node deleted takes its components with it.
     cache.poll()  # the load completes: its lock goes
-    cache.evict(1 << 20)
-    cache.evict_host(1 << 20)
+    cache.device_evictions.evict(1 << 20)
+    cache.host_evictions.evict(1 << 20)
     cache.check_integrity()
     assert all(s.free == s.capacity for s in cache.component_sizes().values())
     assert cache.parts.host_mamba_pool.available_pages == cache.parts.host_mamba_pool.num_pages

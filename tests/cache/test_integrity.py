@@ -52,7 +52,7 @@ def _extra_host_ref(c: HiCache) -> None:
 
 
 def _lease_an_owned_page(c: HiCache) -> None:
-    c.leased.add(_leaf(c).device_value[0])
+    c.placement.leased.add(_leaf(c).device_value[0])
 
 
 def _lock_a_host_only_node(c: HiCache) -> None:

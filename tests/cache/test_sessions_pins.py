@@ -33,8 +33,8 @@ def test_a_device_session_keeps_its_turn_locked_in_l1_until_the_next_turn(clock)
     c, a = lifecycle(clock)
     req, why = turn(a, [*toks(1, 2), 9], session="s")
     assert why is None and req.node.lock_ref == 1 and c.sessions.held_tokens == 2 * P
-    assert not c.leased, "the unaligned tail page is freed at the end of the turn"
-    assert c.evict(8 * P) == 0, "a kept session is not evictable"
+    assert not c.placement.leased, "the unaligned tail page is freed at the end of the turn"
+    assert c.device_evictions.evict(8 * P) == 0, "a kept session is not evictable"
     nxt, why = turn(a, toks(1, 2, 3), session="s")
     assert nxt.device_hit == 2 * P and why is None
     assert req.node.lock_ref == 1, "only through the new turn's node now"
@@ -67,11 +67,11 @@ def test_a_host_session_keeps_its_turn_in_l2_while_l1_may_let_it_go(clock):
     c, a = lifecycle(clock, tier="host", immediate=True)
     req, why = turn(a, toks(1, 2), session="s")
     assert why is None and req.node.host_ref == 1
-    assert c.pending_writes[0].lock_node is req.node, "written to L2 at once"
+    assert c.writes.pending[0].lock_node is req.node, "written to L2 at once"
     c.poll()  # the write lands in L2
     assert req.node.lock_ref == 0
-    assert c.evict(8 * P) == 2 * P
-    assert c.evict_host(16 * P) == 0, "protected in L2"
+    assert c.device_evictions.evict(8 * P) == 2 * P
+    assert c.host_evictions.evict(16 * P) == 0, "protected in L2"
     c.check_integrity()
     nxt = a.begin(pack_tokens(toks(1, 2, 3)))
     a.prefill(nxt, 3 * P)
@@ -79,7 +79,7 @@ def test_a_host_session_keeps_its_turn_in_l2_while_l1_may_let_it_go(clock):
     a.release(nxt)
     a.end_session("s")
     c.poll()
-    assert c.evict(8 * P) == 3 * P and c.evict_host(16 * P) == 3 * P
+    assert c.device_evictions.evict(8 * P) == 3 * P and c.host_evictions.evict(16 * P) == 3 * P
     c.check_integrity()
 
 
@@ -88,13 +88,13 @@ def test_pins_from_a_client_are_refused_past_the_budget_and_unpinned(clock):
     turn(a, toks(1, 2, 3))
     turn(a, toks(4, 5))
     key = c.key(toks(1, 2, 3))
-    assert a.pin(key, 5).pinned_tokens == 3 * P and c.pinned_size == 3 * P
+    assert a.pin(key, 5).pinned_tokens == 3 * P and c.pins.pinned_size == 3 * P
     refused = a.pin(c.key(toks(4, 5)), 5)
     assert refused.pinned_tokens == 0 and "pin budget exhausted" in refused.reason
     assert a.unpin(c.key(toks(1))) == P, "only the prefix asked for: its node is split"
-    assert c.pinned_size == 2 * P
+    assert c.pins.pinned_size == 2 * P
     c.check_integrity()
-    assert a.unpin(key) == 2 * P and c.pinned_size == 0 and a.unpin(key) == 0
+    assert a.unpin(key) == 2 * P and c.pins.pinned_size == 0 and a.unpin(key) == 0
     assert a.pin(c.key(toks(4, 5)), 5).pinned_tokens == 2 * P
     c.check_integrity()
     with pytest.raises(InvalidInput, match="unpin takes a TokenKey"):
@@ -114,7 +114,7 @@ def test_an_expired_pin_gives_its_budget_back_without_an_eviction(clock):
     b_key = c.key(toks(7, 8), "tenant-b")
     assert "pin budget exhausted" in a.pin(b_key, 5).reason
     a.pin(c.key(toks(1, 2)), 1)  # splits the pinned node: its upper half is pinned too
-    assert c.pinned_size == 4 * P
+    assert c.pins.pinned_size == 4 * P
     clock.advance(6)
 
     def evicted() -> int:
@@ -122,11 +122,11 @@ def test_an_expired_pin_gives_its_budget_back_without_an_eviction(clock):
 
     before = evicted()
     assert a.pin(b_key, 5).pinned_tokens == 2 * P, "A's budget came back at its TTL"
-    assert c.pinned_size == 2 * P and evicted() == before, "no eviction was needed"
+    assert c.pins.pinned_size == 2 * P and evicted() == before, "no eviction was needed"
     c.check_integrity()
     clock.advance(6)
     a.expire()  # each step: expired pins go even when nobody pins again
-    assert c.pinned_size == 0
+    assert c.pins.pinned_size == 0
     c.check_integrity()
 
 
@@ -144,7 +144,7 @@ def test_one_tenant_pins_at_most_its_share_and_the_others_still_pin(clock):
     assert "tenant 'default' pin budget exhausted (8/16" in mine.reason
     assert c.pins.by_tenant == {"default": 2 * P}
     a.pin(c.key(toks(1, 2, 3, 4)), 60)
-    assert c.pins.by_tenant == {"default": 4 * P} and c.pinned_size == 4 * P
+    assert c.pins.by_tenant == {"default": 4 * P} and c.pins.pinned_size == 4 * P
     b = a.pin(c.key(toks(7, 8), "tenant-b"), 60)
     assert b.pinned_tokens == 2 * P and b.reason is None, "B is not refused for A's pins"
     assert c.pins.by_tenant == {"default": 4 * P, "tenant-b": 2 * P}
@@ -168,7 +168,7 @@ def test_one_tenant_s_sessions_push_out_its_own_not_another_tenant_s(clock):
     assert list(c.sessions.held) == ["b1", "a2", "a3"], "A's own oldest went, not B's"
     assert c.sessions.by_tenant == {"tenant-b": 2 * P, "default": 3 * P}
     c.check_integrity()
-    c.complete_writes(len(c.pending_writes))
+    c.writes.complete(len(c.writes.pending))
     req, why = turn(a, toks(1, 2, 3, 4, 5), session="a4")
     assert "exceeds tenant 'default''s session budget of 16" in why
     assert list(c.sessions.held) == ["b1", "a2", "a3"] and not req.node.lock_ref
@@ -192,12 +192,14 @@ def test_l1_eviction_keeps_a_node_a_session_protects_when_l2_has_no_room(clock):
     c, a = lifecycle(clock, tier="host", pin_budget_fraction=1.0)
     c.ctl.host = type(c.ctl.host)(2, P, "L2 host pool")  # L2 of two pages
     turn(a, toks(5, 6))
-    c.complete_writes(len(c.pending_writes))
+    c.writes.complete(len(c.writes.pending))
     assert a.pin(c.key(toks(5, 6)), 60).pinned_tokens == 2 * P  # L2 full, unevictable
     _, why = turn(a, toks(1, 2), session="s")
     assert why is None and c.ctl.host.available_pages == 0
     a.pin(c.key(toks(1, 2)), 60)  # a pin and the session on one L1-only node
     c.check_integrity()
-    assert c.evict(8 * P) == 0, "written nowhere, deleted never: the session keeps it"
-    assert c.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
+    assert c.device_evictions.evict(8 * P) == 0, (
+        "written nowhere, deleted never: the session keeps it"
+    )
+    assert c.placement.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
     c.check_integrity()

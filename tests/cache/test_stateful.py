@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric.cache.admission import Admission
 from fabric.cache.keys import chain_hashes, pack_tokens, unpack_tokens
-from fabric.cache.l3_queues import PrefetchState
+from fabric.cache.l3_transfers import PrefetchState
 from fabric.config import PrefetchConfig
 from policies import EVICTION_POLICIES
 from tests.helpers import (
@@ -91,7 +91,7 @@ class CacheMachine(RuleBasedStateMachine):
             ),
             **parts,
         )
-        self.cache.storage.attach()
+        self.cache.l3.attach()
         self.admission = Admission(self.cache)
         self.requests = []
         self.known: set[tuple[str, tuple[int, ...]]] = set()
@@ -161,25 +161,25 @@ class CacheMachine(RuleBasedStateMachine):
     def insert(self, ns, pages, priority):
         c = self.cache
         key = self.key(ns, pages)
-        m = c.match_prefix(key)
-        c.inc_lock_ref(m.last_device_node)
-        fresh = c.alloc_device(key.num_tokens - m.device_tokens)
-        c.dec_lock_ref(m.last_device_node)
+        m = c.placement.match_prefix(key)
+        c.placement.inc_lock_ref(m.last_device_node)
+        fresh = c.placement.alloc_device(key.num_tokens - m.device_tokens)
+        c.placement.dec_lock_ref(m.last_device_node)
         if fresh is None:
             return
-        m = c.match_prefix(key)
+        m = c.placement.match_prefix(key)
         if len(m.device_pages) + len(fresh) != key.num_pages:
-            c.free_device(fresh)  # eviction shortened our own match meanwhile
+            c.placement.free_device(fresh)  # eviction shortened our own match meanwhile
             return
-        last = c.insert(key, m.device_pages + fresh, priority).last_node
+        last = c.placement.insert(key, m.device_pages + fresh, priority).last_node
         self.remember(ns, pages)
         # A hybrid prefix whose components found no room is cached, not served.
         if c.parts is None or c.parts.valid_end(last, c.tree.pages):
-            assert c.match_prefix(key).device_tokens == key.num_tokens
+            assert c.placement.match_prefix(key).device_tokens == key.num_tokens
 
     @rule(ns=namespaces, pages=page_lists)
     def match(self, ns, pages):
-        m = self.cache.match_prefix(self.key(ns, pages))
+        m = self.cache.placement.match_prefix(self.key(ns, pages))
         n = m.matched_tokens // P
         assert n == 0 or (ns, tuple(pages[:n])) in self.known
         parts = self.cache.parts
@@ -190,59 +190,59 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(ns=namespaces, pages=page_lists)
     def lock(self, ns, pages):
-        m = self.cache.match_prefix(self.key(ns, pages))
+        m = self.cache.placement.match_prefix(self.key(ns, pages))
         if m.device_tokens:
-            self.cache.inc_lock_ref(m.last_device_node)
+            self.cache.placement.inc_lock_ref(m.last_device_node)
             self.locks.append((m.last_device_node, ns, tuple(pages[: m.device_tokens // P])))
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(0, 100))
     def unlock(self, i):
         node, _, _ = self.locks.pop(i % len(self.locks))
-        self.cache.dec_lock_ref(node)
+        self.cache.placement.dec_lock_ref(node)
 
     @rule(n=st.integers(0, 12))
     def evict(self, n):
-        self.cache.evict(n * P)
+        self.cache.device_evictions.evict(n * P)
 
     @rule(n=st.integers(0, 12))
     def evict_host(self, n):
-        self.cache.evict_host(n * P)
+        self.cache.host_evictions.evict(n * P)
 
     @rule(ns=namespaces, pages=page_lists, quota=st.none() | st.integers(0, 8))
     def load_back(self, ns, pages, quota):
-        m = self.cache.match_prefix(self.key(ns, pages))
+        m = self.cache.placement.match_prefix(self.key(ns, pages))
         if m.host_tokens:
-            self.cache.load_back(m.last_host_node, None if quota is None else quota * P)
+            self.cache.loads.load_back(m.last_host_node, None if quota is None else quota * P)
 
     @rule(data=st.data())
     def complete_writes(self, data):
-        pending = [op.op_id for op in self.cache.pending_writes]
+        pending = [op.op_id for op in self.cache.writes.pending]
         n = data.draw(st.integers(0, len(pending)))
         failed = data.draw(st.sets(st.sampled_from(pending))) if pending else set()
-        self.cache.complete_writes(n, failed)
+        self.cache.writes.complete(n, failed)
 
     @rule()
     def write_through(self):
-        self.cache.write_through()
+        self.cache.writes.write_through()
 
     @rule()
     def flush(self):
         c = self.cache
-        c.complete_writes(len(c.pending_writes))
-        c.complete_loads(len(c.pending_loads))
-        c.complete_backups(len(c.storage.backups))
+        c.writes.complete(len(c.writes.pending))
+        c.loads.complete(len(c.loads.pending))
+        c.l3.complete_backups(len(c.l3.backups))
 
     @rule(data=st.data())
     def complete_loads(self, data):
-        self.cache.complete_loads(data.draw(st.integers(0, len(self.cache.pending_loads))))
+        self.cache.loads.complete(data.draw(st.integers(0, len(self.cache.loads.pending))))
 
     @rule(data=st.data())
     def complete_backups(self, data):
-        pending = [op.op_id for op in self.cache.storage.backups]
+        pending = [op.op_id for op in self.cache.l3.backups]
         n = data.draw(st.integers(0, len(pending)))
         failed = data.draw(st.sets(st.sampled_from(pending))) if pending else set()
-        self.cache.complete_backups(n, failed)
+        self.cache.l3.complete_backups(n, failed)
 
     @rule(ns=namespaces, pages=page_lists, ttl=st.integers(1, 5))
     def pin(self, ns, pages, ttl):
@@ -256,18 +256,18 @@ class CacheMachine(RuleBasedStateMachine):
     def start_prefetch(self, ns, pages):
         key = self.key(ns, pages)
         self.next_req += 1
-        if self.cache.storage.start_prefetch(
-            self.next_req, key, self.cache.match_prefix(key)
+        if self.cache.l3.start_prefetch(
+            self.next_req, key, self.cache.placement.match_prefix(key)
         ).op_id:
             self.remember(ns, pages)
 
     @rule(data=st.data())
     def prefetch_event(self, data):
-        ops = list(self.cache.storage.by_op.values())
+        ops = list(self.cache.l3.by_op.values())
         if not ops:
             return
         op = data.draw(st.sampled_from(ops))
-        s = self.cache.storage
+        s = self.cache.l3
         if op.state is PrefetchState.QUERY:
             hit = data.draw(st.integers(0, op.num_pages))
             answer = data.draw(st.sampled_from(["none", "hashes", "bad"]))
@@ -287,7 +287,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(hit=st.integers(0, 6))
     def advance_all_prefetches(self, hit):
-        s = self.cache.storage
+        s = self.cache.l3
         for op in list(s.by_op.values()):
             if op.state is PrefetchState.QUERY:
                 s.complete_query(op.op_id, hit)
@@ -321,12 +321,12 @@ class CacheMachine(RuleBasedStateMachine):
             assert (req.tail_page is None) == (req.filled == req.cached_tokens)
             assert 0 <= req.filled - req.cached_tokens < P
             if req.tail_page is not None:
-                assert req.tail_page in self.cache.leased and req.tail_page not in tails
+                assert req.tail_page in self.cache.placement.leased and req.tail_page not in tails
                 tails.add(req.tail_page)
         self.events_match_the_tree()
 
     def events_match_the_tree(self):
-        self.router.apply(self.cache.take_events())
+        self.router.apply(self.cache.events.take())
         self.router.check(self.cache.tree)
 
 

@@ -7,7 +7,7 @@ from tests.helpers import P, RouterView, make_cache, put, toks
 
 
 def leaf(c, *pages):
-    return c.match_prefix(c.key(toks(*pages))).last_device_node
+    return c.placement.match_prefix(c.key(toks(*pages))).last_device_node
 
 
 @pytest.mark.parametrize(
@@ -32,16 +32,16 @@ def test_eviction_order_follows_the_policy(clock, policy, victim):
             clock.advance(1)
             put(c, toks(page), priority=prio)
     clock.advance(1)
-    c.match_prefix(c.key(toks(1)))
-    assert c.evict(P) == 0, "write_back: written to L2 first"
-    c.complete_writes(1)
-    left = {p for p in (1, 2, 3) if c.match_prefix(c.key(toks(p))).device_tokens}
+    c.placement.match_prefix(c.key(toks(1)))
+    assert c.device_evictions.evict(P) == 0, "write_back: written to L2 first"
+    c.writes.complete(1)
+    left = {p for p in (1, 2, 3) if c.placement.match_prefix(c.key(toks(p))).device_tokens}
     assert {1, 2, 3} - left == {victim}
     c.check_integrity()
 
 
 def _cached(c, *pages):
-    return c.match_prefix(c.key(toks(*pages))).device_tokens
+    return c.placement.match_prefix(c.key(toks(*pages))).device_tokens
 
 
 @pytest.mark.parametrize("policy", ["lru", "2q"])
@@ -67,7 +67,7 @@ def test_2q_protects_a_prompt_that_returns_while_its_ghost_remembers_it(clock):
     assert _cached(c, 1, 2) == 0
     clock.advance(1)
     put(c, toks(1, 2, 3))  # back, with one page more: its first page is remembered
-    node = c.match_prefix(c.key(toks(1, 2, 3))).last_device_node
+    node = c.placement.match_prefix(c.key(toks(1, 2, 3))).last_device_node
     assert node.hit_count == 2, "protected on return, as if hit before"
     for first in range(40, 60, 2):
         clock.advance(1)
@@ -91,19 +91,19 @@ def test_write_through_demotes_backed_up_leaves_and_write_back_writes_first():
     wt = make_cache()
     put(wt, toks(1, 2))
     assert wt.ctl.writes == [1]
-    assert wt.evict(2 * P) == 0, "a node whose write is in flight is locked"
-    wt.complete_writes(1)
-    assert wt.evict(2 * P) == 2 * P
-    node = wt.match_prefix(wt.key(toks(1, 2))).last_host_node
+    assert wt.device_evictions.evict(2 * P) == 0, "a node whose write is in flight is locked"
+    wt.writes.complete(1)
+    assert wt.device_evictions.evict(2 * P) == 2 * P
+    node = wt.placement.match_prefix(wt.key(toks(1, 2))).last_host_node
     assert node.device_value is None and tuple(node.host_value) == (0, 1)
     wt.check_integrity()
 
     wb = make_cache(write_policy="write_back")
     put(wb, toks(1, 2))
     assert wb.ctl.writes == []
-    assert wb.evict(2 * P) == 0 and wb.ctl.writes == [1]
-    wb.complete_writes(1)
-    m = wb.match_prefix(wb.key(toks(1, 2)))
+    assert wb.device_evictions.evict(2 * P) == 0 and wb.ctl.writes == [1]
+    wb.writes.complete(1)
+    m = wb.placement.match_prefix(wb.key(toks(1, 2)))
     assert m.device_tokens == 0 and m.host_tokens == 2 * P
     wb.check_integrity()
 
@@ -111,20 +111,20 @@ def test_write_through_demotes_backed_up_leaves_and_write_back_writes_first():
 def test_write_through_is_queued_once_per_step_not_inside_insert():
     c = make_cache()
     key = c.key(toks(1, 2))
-    c.insert(key, c.alloc_device(2 * P))
+    c.placement.insert(key, c.placement.alloc_device(2 * P))
     assert c.ctl.writes == [] and list(c.writes.candidates) == [
-        c.match_prefix(key).last_device_node
+        c.placement.match_prefix(key).last_device_node
     ]
-    assert c.write_through() == 2 * P and c.ctl.writes == [1]
-    assert c.write_through() == 0, "each candidate is written once"
+    assert c.writes.write_through() == 2 * P and c.ctl.writes == [1]
+    assert c.writes.write_through() == 0, "each candidate is written once"
 
 
 def test_write_through_skips_candidates_evicted_before_the_step():
     c = make_cache()
     key = c.key(toks(1, 2))
-    c.insert(key, c.alloc_device(2 * P))
-    assert c.evict(2 * P) == 2 * P
-    assert c.write_through() == 0 and c.ctl.writes == []
+    c.placement.insert(key, c.placement.alloc_device(2 * P))
+    assert c.device_evictions.evict(2 * P) == 2 * P
+    assert c.writes.write_through() == 0 and c.ctl.writes == []
     c.check_integrity()
 
 
@@ -134,7 +134,7 @@ def test_selective_write_through_waits_for_the_second_hit():
     assert c.ctl.writes == []
     put(c, toks(1))
     assert c.ctl.writes == [1]
-    c.complete_writes(1)
+    c.writes.complete(1)
     c.check_integrity()
 
 
@@ -142,10 +142,10 @@ def test_a_node_is_backed_up_only_with_its_parent():
     c = make_cache(write_policy="write_through_selective")
     put(c, toks(1))
     put(c, toks(1, 2))  # page 1: 2 hits -> written; page 2: 1 hit
-    c.complete_writes(1)
+    c.writes.complete(1)
     put(c, toks(1, 3))
     put(c, toks(1, 3))  # page 3 reaches 2 hits; its parent is already in L2
-    c.complete_writes(1)
+    c.writes.complete(1)
     n3 = leaf(c, 1, 3)
     assert n3.host_value is not None and n3.parent.host_value is not None
     c.check_integrity()
@@ -154,9 +154,9 @@ def test_a_node_is_backed_up_only_with_its_parent():
 def test_evicting_an_unbacked_leaf_deletes_it():
     c = make_cache(write_policy="write_through_selective")
     put(c, toks(1, 2))
-    assert c.evict(P) == 2 * P
+    assert c.device_evictions.evict(P) == 2 * P
     assert c.tree.walk() == []
-    removed = [e for e in c.take_events() if isinstance(e, BlockRemoved)]
+    removed = [e for e in c.events.take() if isinstance(e, BlockRemoved)]
     assert [e.medium for e in removed] == [Medium.DEVICE]
     c.check_integrity()
 
@@ -165,7 +165,7 @@ def test_failed_write_leaves_node_l1_only_and_frees_host_pages():
     c = make_cache()
     put(c, toks(1))
     put(c, toks(1, 2))
-    c.complete_writes(2, failed={1})
+    c.writes.complete(2, failed={1})
     n1, n2 = leaf(c, 1), leaf(c, 1, 2)
     assert n1.host_value is None and n2.host_value is None, "child's copy dropped with parent's"
     assert c.ctl.host.available_pages == 16
@@ -176,55 +176,55 @@ def test_failed_write_leaves_node_l1_only_and_frees_host_pages():
 def test_evict_host_removes_unprotected_l2_only_leaves():
     c = make_cache()
     put(c, toks(1, 2))
-    c.complete_writes(1)
-    c.evict(2 * P)
-    c.take_events()
-    node = c.match_prefix(c.key(toks(1, 2))).last_host_node
+    c.writes.complete(1)
+    c.device_evictions.evict(2 * P)
+    c.events.take()
+    node = c.placement.match_prefix(c.key(toks(1, 2))).last_host_node
     node.host_ref += 1
-    assert c.evict_host(P) == 0
+    assert c.host_evictions.evict(P) == 0
     node.host_ref -= 1
-    assert c.evict_host(P) == 2 * P
+    assert c.host_evictions.evict(P) == 2 * P
     assert c.tree.walk() == [] and c.ctl.host.available_pages == 16
-    assert [e.medium for e in c.take_events()] == [Medium.HOST]
+    assert [e.medium for e in c.events.take()] == [Medium.HOST]
     c.check_integrity()
 
 
 def test_load_back_is_all_or_nothing_with_threshold_and_quota():
     c = make_cache(load_back_threshold=3 * P)
     put(c, toks(1, 2))
-    c.complete_writes(1)
-    c.evict(8 * P)
-    node = c.match_prefix(c.key(toks(1, 2))).last_host_node
-    assert c.load_back(node) is None, "below threshold"
+    c.writes.complete(1)
+    c.device_evictions.evict(8 * P)
+    node = c.placement.match_prefix(c.key(toks(1, 2))).last_host_node
+    assert c.loads.load_back(node) is None, "below threshold"
     c2 = make_cache()
     put(c2, toks(1, 2))
-    c2.complete_writes(1)
-    c2.evict(8 * P)
-    node = c2.match_prefix(c2.key(toks(1, 2))).last_host_node
-    assert c2.load_back(node, mem_quota=P) is None, "over quota"
-    lb = c2.load_back(node)
+    c2.writes.complete(1)
+    c2.device_evictions.evict(8 * P)
+    node = c2.placement.match_prefix(c2.key(toks(1, 2))).last_host_node
+    assert c2.loads.load_back(node, mem_quota=P) is None, "over quota"
+    lb = c2.loads.load_back(node)
     assert lb.tokens == 2 * P and tuple(lb.device_pages) == (0, 1) and c2.ctl.loads == [lb.op_id]
     assert node.lock_ref == 1
-    c2.complete_loads(1)
+    c2.loads.complete(1)
     assert node.lock_ref == 0
-    assert tuple(c2.match_prefix(c2.key(toks(1, 2))).device_pages) == (0, 1)
+    assert tuple(c2.placement.match_prefix(c2.key(toks(1, 2))).device_pages) == (0, 1)
     c2.check_integrity()
 
 
 def test_load_back_evicts_l1_to_make_room_but_not_its_own_ancestor():
     c = make_cache(device_pages=4)
     put(c, toks(1, 2))
-    c.complete_writes(1)
+    c.writes.complete(1)
     put(c, toks(1, 2, 3, 4))
-    c.complete_writes(1)
-    c.evict(2 * P)  # pages 3,4 demoted
+    c.writes.complete(1)
+    c.device_evictions.evict(2 * P)  # pages 3,4 demoted
     put(c, toks(7, 8))
-    c.complete_writes(1)
-    node = c.match_prefix(c.key(toks(1, 2, 3, 4))).last_host_node
-    lb = c.load_back(node)
+    c.writes.complete(1)
+    node = c.placement.match_prefix(c.key(toks(1, 2, 3, 4))).last_host_node
+    lb = c.loads.load_back(node)
     assert lb is not None and lb.tokens == 2 * P
-    assert c.match_prefix(c.key(toks(7, 8))).device_tokens == 0
-    assert c.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
+    assert c.placement.match_prefix(c.key(toks(7, 8))).device_tokens == 0
+    assert c.placement.match_prefix(c.key(toks(1, 2))).device_tokens == 2 * P
     c.check_integrity()
 
 
@@ -234,16 +234,16 @@ def test_pin_keeps_prefix_in_l2_until_ttl_and_hits_refresh_it(clock):
     res = c.pin_prefix(c.key(toks(1, 2, 3)), ttl_s=10)
     assert res.pinned_tokens == 2 * P and "only 8 of 12" in res.reason
     assert c.ctl.writes == [1], "pinning writes the prefix through to L2"
-    c.complete_writes(1)
-    c.evict(2 * P)
-    assert c.evict_host(2 * P) == 0, "pinned"
+    c.writes.complete(1)
+    c.device_evictions.evict(2 * P)
+    assert c.host_evictions.evict(2 * P) == 0, "pinned"
     clock.advance(8)
-    c.match_prefix(c.key(toks(1, 2)))  # a hit refreshes the TTL to now + 10
+    c.placement.match_prefix(c.key(toks(1, 2)))  # a hit refreshes the TTL to now + 10
     clock.advance(8)
-    assert c.evict_host(2 * P) == 0
+    assert c.host_evictions.evict(2 * P) == 0
     clock.advance(3)
-    assert c.evict_host(2 * P) == 2 * P, "expired pins are cleared lazily"
-    assert c.pinned_size == 0
+    assert c.host_evictions.evict(2 * P) == 2 * P, "expired pins are cleared lazily"
+    assert c.pins.pinned_size == 0
     c.check_integrity()
 
 
@@ -253,32 +253,32 @@ def test_pin_budget_limits_and_reports_partial_pins():
     put(c, toks(1, 2, 3))
     res = c.pin_prefix(c.key(toks(1, 2, 3)), ttl_s=5)
     assert res.pinned_tokens == P and "budget exhausted" in res.reason
-    c.complete_writes(2)
+    c.writes.complete(2)
     c.check_integrity()
 
 
 def test_write_through_completion_emits_host_events():
     c = make_cache()
     put(c, toks(1))
-    c.take_events()
-    c.complete_writes(1)
-    (ev,) = c.take_events()
+    c.events.take()
+    c.writes.complete(1)
+    (ev,) = c.events.take()
     assert isinstance(ev, BlockStored) and ev.medium is Medium.HOST
 
 
 def test_reset_removes_exactly_what_l1_and_l2_held_per_medium():
     c = make_cache()
-    assert c.take_events() == [AllBlocksCleared("")]  # a new log: subscribers start over
+    assert c.events.take() == [AllBlocksCleared("")]  # a new log: subscribers start over
     view = RouterView()
     put(c, toks(1, 2))
     put(c, toks(3), namespace="tenant-b")
-    c.complete_writes(1)  # one node's L2 copy is confirmed, the other still in flight
-    view.apply(c.take_events())
+    c.writes.complete(1)  # one node's L2 copy is confirmed, the other still in flight
+    view.apply(c.events.take())
     view.check(c.tree)
     assert view.held[Medium.DEVICE] and view.held[Medium.HOST]
     c.reset()
     assert c.tree.walk() == [] and c.ctl.device.available_pages == 8
-    events = c.take_events()
+    events = c.events.take()
     assert events and all(isinstance(e, BlockRemoved) for e in events)
     assert {e.namespace for e in events} == {"default", "tenant-b"}
     view.apply(events)

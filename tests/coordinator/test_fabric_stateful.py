@@ -278,7 +278,7 @@ class FabricMachine(RuleBasedStateMachine):
         if detach:
             spec = f.storage.spec
             f.detach_storage()
-            self.router.apply([*f.core.events.take(1 << 30), *f.core.cache.take_events()])
+            self.router.apply([*f.core.events.take(1 << 30), *f.core.cache.events.take()])
             assert not self.router.held[Medium.STORAGE]
             f.attach_storage(*spec)
         else:
@@ -291,7 +291,7 @@ class FabricMachine(RuleBasedStateMachine):
         f = self.fabric
         f.core.cache.check_integrity()
         # The events so far, the coordinator's queue first: a router's view is the truth.
-        self.router.apply([*f.core.events.take(1 << 30), *f.core.cache.take_events()])
+        self.router.apply([*f.core.events.take(1 << 30), *f.core.cache.events.take()])
         l3 = f.core.cache.events.l3
         self.router.check(f.core.cache.tree, l3)
         if l3 and f.storage.backend is not None:  # what the router is told L3 holds, it holds

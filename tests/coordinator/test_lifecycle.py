@@ -14,7 +14,7 @@ from tests.helpers import FakeClock, prompt, small_config
 def held_nothing(f: LocalFabric) -> None:
     c = f.core.cache
     c.check_integrity()
-    assert not c.leased and c.tree.protected_size == 0
+    assert not c.placement.leased and c.tree.protected_size == 0
 
 
 def test_an_unaligned_prompt_is_served_whole_with_its_tail_in_a_page_of_its_own():

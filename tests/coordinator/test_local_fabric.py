@@ -60,11 +60,11 @@ def test_write_through_commits_only_when_the_slowest_rank_has_finished():
     assert f.core.rounds.on_round([rank.report() for rank in f.ranks]) == [], (
         "compute not done everywhere"
     )
-    assert len(f.core.cache.pending_writes) == 1, "MIN over ranks: not committed"
+    assert len(f.core.cache.writes.pending) == 1, "MIN over ranks: not committed"
     assert f.core.cache.stats.written_tokens == 0
     slow.run_pending()
     assert [r.request_id for r in f.step()] == [rid]
-    assert len(f.core.cache.pending_writes) == 0
+    assert len(f.core.cache.writes.pending) == 0
     assert f.core.cache.stats.written_tokens == 8
 
 
@@ -74,7 +74,9 @@ def test_a_write_failing_on_one_rank_fails_it_for_all():
     key_tokens = pack_tokens(prompt(1, pages=2))
     r = f.serve(key_tokens)
     f.step()
-    node = f.core.cache.match_prefix(f.core.cache.key(prompt(1, pages=2))).last_device_node
+    node = f.core.cache.placement.match_prefix(
+        f.core.cache.key(prompt(1, pages=2))
+    ).last_device_node
     assert node.host_value is None, "MAX over ranks: one failure fails the copy"
     assert f.core.cache.stats.failed_write_tokens == 8
     assert f.verify(r, key_tokens) == [True] * 4
@@ -187,7 +189,7 @@ def test_a_blocked_request_is_admitted_when_write_throughs_unlock_room():
             rank.run_pending()
     slow.run_one(block=False)  # the compute, not the write
     (first,) = f.core.rounds.on_round([r.report() for r in f.ranks])
-    assert first.request_id == a and len(f.core.cache.pending_writes) == 1
+    assert first.request_id == a and len(f.core.cache.writes.pending) == 1
     f.core.release(first.lease)
     b = f.core.submit(pack_tokens(prompt(2, pages=10)))
     f.step(run_ranks=False)  # blocked: A's pages are locked by its write
@@ -394,7 +396,7 @@ def test_a_hybrid_model_serves_verified_kv_and_hits_only_where_components_allow(
     assert parts.stats.mamba_evicted_states + parts.stats.sliding_evicted_pages > 0
     # Backups to L3 carry the components (``tests/l3/test_hybrid_l3.py``): none fails.
     f.settle()
-    l3 = f.core.cache.storage
+    l3 = f.core.cache.l3
     assert l3.stats.backed_up_tokens > 0 and l3.stats.failed_backups == 0
 
 

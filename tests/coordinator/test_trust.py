@@ -101,14 +101,14 @@ def test_a_message_limit_too_small_for_one_page_is_refused_at_start():
 def test_an_error_while_admitting_fails_that_request_only_and_serving_goes_on(monkeypatch):
     f = LocalFabric(small_config())
     cache = f.core.cache
-    real = cache.match_prefix
+    real = cache.placement.match_prefix
 
     def poisoned(key, held=None):
         if key.namespace == "poison":
             raise UnicodeEncodeError("utf-8", "x", 0, 1, "injected")
         return real(key, held)
 
-    monkeypatch.setattr(cache, "match_prefix", poisoned)
+    monkeypatch.setattr(cache.placement, "match_prefix", poisoned)
     good = [pack_tokens(prompt(s, pages=3)) for s in (1, 2)]
     rids = [f.core.submit(good[0]), f.core.submit(good[1], "poison"), f.core.submit(good[1])]
     results = _drive(f, rids)

@@ -45,7 +45,7 @@ def fill_l3(cfg, tokens: bytes) -> LocalFabric:
     assert f.verify(r, tokens) == [True] * 4
     f.core.release(r.lease)
     f.settle()
-    l3 = f.core.cache.storage
+    l3 = f.core.cache.l3
     assert l3.stats.backed_up_tokens == len(tokens) // 4 // P * P and not l3.stats.failed_backups
     return f
 

@@ -7,7 +7,7 @@ import pytest
 
 from fabric.cache.events import BlockStored
 from fabric.cache.keys import TokenKey, namespace_seed, pack_tokens
-from fabric.cache.l3_queues import PrefetchState
+from fabric.cache.l3_transfers import PrefetchState
 from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
@@ -32,7 +32,7 @@ def fill_l3(cfg, tokens: bytes) -> None:
     r = f.serve(tokens)
     f.core.release(r.lease)
     f.settle()
-    assert f.core.cache.storage.stats.backed_up_tokens == len(tokens) // 4 // P * P
+    assert f.core.cache.l3.stats.backed_up_tokens == len(tokens) // 4 // P * P
 
 
 def page_file(tmp_path, tokens: bytes, page: int, suffix: str, namespace: str = "default"):
@@ -149,7 +149,7 @@ def test_a_page_lost_mid_transfer_ends_the_prefetch_at_the_min_prefix(tmp_path):
     f = LocalFabric(cfg)
     rid = f.core.submit(tokens)
     f.step()  # hit query answered: 8 pages on every shard
-    (op,) = f.core.cache.storage.by_op.values()
+    (op,) = f.core.cache.l3.by_op.values()
     assert op.state is PrefetchState.LOADING and len(op.host_pages) == 8
     page_file(tmp_path, tokens, 5, "0-0-1").unlink()
     for _ in range(6):
@@ -158,7 +158,7 @@ def test_a_page_lost_mid_transfer_ends_the_prefetch_at_the_min_prefix(tmp_path):
     assert r.storage_hit_tokens == 20, "one rank stopped after page 4: MIN wins"
     assert f.verify(r, tokens) == [True] * 4
     f.settle()
-    assert not f.core.cache.storage.by_op and f.core.cache.storage.inflight_tokens == 0
+    assert not f.core.cache.l3.by_op and f.core.cache.l3.inflight_tokens == 0
     f.core.cache.check_integrity()
 
 

@@ -143,7 +143,7 @@ def test_components_written_to_l2_and_loaded_back_continue_as_no_cache(name):
     assert check(f, hf_config, model, a, [21]) == 0
     for _ in range(3):
         f.step()  # the write-through to L2 completes on every rank
-    f.core.cache.evict(1 << 20)  # L1 emptied: the pages and components stay in L2
+    f.core.cache.device_evictions.evict(1 << 20)  # L1 emptied: the pages and components stay in L2
     assert f.core.cache.device_sizes().evictable == 0
     for rank in f.ranks:  # as if other prompts had reused every L1 slot since
         for pool in (rank.l1, rank.sliding, rank.states):
@@ -163,7 +163,7 @@ def test_components_backed_up_to_l3_continue_as_no_cache_on_a_fresh_fabric(name,
     a = [(13 * t + 7) % 200 for t in range(24)]
     assert check(f, hf_config, model, a, [31]) == 0
     f.settle()  # the write-through to L2, then the backup to L3, on every rank
-    assert f.core.cache.storage.stats.backed_up_tokens == 24
+    assert f.core.cache.l3.stats.backed_up_tokens == 24
     g = fabric(name, *l3)  # a new coordinator and ranks: L1 and L2 empty, the same L3
     r = g.serve(pack_tokens(a))
     assert r.storage_hit_tokens == 24, "the pages and every component come from L3"

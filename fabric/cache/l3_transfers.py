@@ -110,7 +110,7 @@ class StorageStats:
     refusals: dict[str, int] = field(default_factory=dict)
 
 
-class L3Queues:
+class L3Transfers:
     """The prefetch and backup queues of one cache. Its collaborators: the tree, the
     controller (L2 slots, storage commands), the cache's event log, a way to evict
     L2 when a prefetch needs room, and the cache's operation ids."""
