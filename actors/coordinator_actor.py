@@ -25,12 +25,13 @@ from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.driver import CoordinatorDriver, Step
-from fabric.coordinator.figures import figures, snapshot
+from fabric.coordinator.figures import figures, status_view
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
 from fabric.l3 import parse_options
 from fabric.l3.service import backend_spec
+from fabric.observe.series import to_builtins
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,9 @@ class CoordinatorActor:
         return self.config_dict
 
     async def stats(self) -> dict[str, Any]:
-        out = snapshot(self.core)
+        """The coordinator's figures as plain data (``fabric.coordinator.figures``),
+        with L3's counters, the KV publisher's and the compiled rounds'."""
+        out = to_builtins(figures(self.core))
         out["l3"] = await self.storage.stats(10)
         if self.publisher is not None:
             out["kv_events"] = self.publisher.stats()
@@ -285,30 +288,7 @@ class CoordinatorActor:
             ),
         )
         l3 = await self.storage.stats(5)
-        latency = f["request_seconds"]
-        return {
-            "fabric": self.config.runtime.name,
-            "epoch": f["epoch"],
-            "actors": actors,
-            "tiers": f["pool"],
-            "inflight_transfers": f["inflight_transfers"],
-            "transfer_tokens": f["transfer_tokens"],
-            "requests": f["requests"],
-            "requests_now": f["requests_now"],
-            "prompt_tokens": f["prompt_tokens"],
-            "mean_latency_ms": round(1000 * latency.sum / latency.count, 2)
-            if latency.count
-            else None,
-            "leases": f["leases"],
-            "sessions": f["sessions"],
-            "pinned_tokens": f["pinned_tokens"],
-            "rounds": f["rounds"],
-            "resets": f["resets"],
-            "events_queue": {"queued": f["events_queued"], "dropped": f["events_dropped"]},
-            "stragglers": f["stragglers"],
-            "l3": l3,
-            "kv_events": self.publisher.stats() if self.publisher is not None else None,
-        }
+        return status_view(f, actors, l3, self.publisher.stats() if self.publisher else None)
 
     async def settle(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing is in flight (write-throughs, backups, prefetches);
@@ -510,12 +490,11 @@ class CoordinatorActor:
         if core is None:
             return "kvfabric coordinator (starting)"
         f = figures(core)
-        moved = f["transfer_tokens"]
-        dev = f["pool"]["device"]
+        moved, dev = f.transfer_tokens, f.device
         return (
-            f"kvfabric coordinator {self.config.runtime.name}: epoch {f['epoch']}, "
-            f"{f['rounds']} rounds, {f['requests']['finished']} served, "
-            f"L1 {dev['capacity'] - dev['free']}/{dev['capacity']} tokens, moved tokens "
+            f"kvfabric coordinator {f.fabric}: epoch {f.epoch}, "
+            f"{f.counters.rounds} rounds, {f.counters.finished} served, "
+            f"L1 {dev.capacity - dev.free}/{dev.capacity} tokens, moved tokens "
             f"L1>L2 {moved['device_to_host']} L2>L1 {moved['host_to_device']} "
             f"L2>L3 {moved['host_to_storage']} L3>L2 {moved['storage_to_host']}"
         )

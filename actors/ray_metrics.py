@@ -12,8 +12,8 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from fabric.cache.results import DIRECTIONS
+from fabric.coordinator.figures import Figures
 from fabric.observe.histogram import SECONDS
-from fabric.observe.metrics import OUTCOMES, TIERS
 
 
 class _Deltas:
@@ -83,23 +83,32 @@ class CoordinatorMetrics:
         )
         self.round_seconds.set_default_tags(base)
 
-    def update(self, f: Mapping[str, Any], l3: Mapping[str, Any] | None = None) -> None:
-        per_token = f["kv_bytes_per_token"]
-        self.resets.set(f["resets"])
+    def update(self, f: Figures, l3: Mapping[str, Any] | None = None) -> None:
+        c = f.counters
+        self.resets.set(c.resets)
         attached = bool(l3 and l3.get("attached"))
         for unit in ("bytes", "pages"):
             value = l3.get(unit) if attached and l3 else 0
             self.l3.set(value if isinstance(value, int | float) else 0, tags={"unit": unit})
-        self.prompt.update({(t,): f["prompt_tokens"].get(t, 0) for t in TIERS})
-        self.requests.update({(o,): f["requests"][o] for o in OUTCOMES})
-        self.transfer.update({(d,): f["transfer_tokens"][d] * per_token for d in DIRECTIONS})
-        self.evicted.update({(t,): f["evicted_tokens"][t] for t in ("device", "host")})
-        self.rounds.update({("step",): f["rounds"]})
-        pool = f["pool"]
-        for tier, states in pool.items():
-            for state, tokens in states.items():
-                if state != "capacity":
-                    self.pool.set(tokens, tags={"tier": tier, "state": state})
+        self.prompt.update({(t,): n for t, n in c.tokens.as_dict().items()})
+        self.requests.update(
+            {("finished",): c.finished, ("failed",): c.failed, ("aborted",): c.aborted}
+        )
+        per_token = f.kv_bytes_per_token
+        self.transfer.update({(d,): n * per_token for d, n in f.transfer_tokens.items()})
+        self.evicted.update(
+            {("device",): f.cache.device_evicted_tokens, ("host",): f.cache.host_evicted_tokens}
+        )
+        self.rounds.update({("step",): c.rounds})
+        dev, host = f.device, f.host
+        for tier, state, tokens in (
+            ("device", "free", dev.free),
+            ("device", "evictable", dev.evictable),
+            ("device", "protected", dev.protected),
+            ("host", "free", host.free),
+            ("host", "used", host.capacity - host.free),
+        ):
+            self.pool.set(tokens, tags={"tier": tier, "state": state})
 
 
 class RankMetrics:

@@ -54,8 +54,8 @@ def main() -> None:
     latencies = sorted(run.latencies_s)
     tiers = run.tokens.as_dict()
     elapsed = run.elapsed_s
-    finished = max(1, stats["requests"]["finished"])
-    overhead_ms = 1e3 * stats["core_time_s"] / finished
+    finished = max(1, stats["counters"]["finished"])
+    overhead_ms = 1e3 * stats["counters"]["core_time_s"] / finished
     mean_ms = 1e3 * sum(latencies) / max(1, len(latencies))
     result = {
         "source": args.trace or "synthetic",
@@ -68,7 +68,7 @@ def main() -> None:
         "coordinator_overhead_ms_per_request": round(overhead_ms, 3),
         "coordinator_share": round(overhead_ms / mean_ms, 3) if mean_ms else None,
         "tokens_by_tier": tiers,
-        "rounds": stats["rounds"],
+        "rounds": stats["counters"]["rounds"],
     }
     print(
         f"{result['served']} requests: {result['requests_per_s']} req/s, p50 {result['latency_ms_p50']} ms, "

@@ -9,7 +9,7 @@ of conversations, each driver cycling through it from its own point; mostly L1
 hits) for ``--seconds``. Reports
 per count: requests/s, latency p50/p99 (submit to result), the coordinator
 process's CPU per request (utime + stime from ``/proc``; the actor runs on this
-machine) and its core's time per request (``stats()["core_time_s"]``: every
+machine) and its core's time per request (``stats()["counters"]["core_time_s"]``: every
 core call the actor makes — submits, releases, each round's batch and commit),
 and their ratio: what the actor shell costs beyond the core's own work.
 
@@ -179,8 +179,8 @@ def phase(
         p.join(timeout=60)
     latencies = sorted(x for _, lat, _, _ in results for x in lat)
     n = len(latencies)
-    finished = after["requests"]["finished"] - before["requests"]["finished"]
-    core = after["core_time_s"] - before["core_time_s"]
+    finished = after["counters"]["finished"] - before["counters"]["finished"]
+    core = after["counters"]["core_time_s"] - before["counters"]["core_time_s"]
     tiers = {k: sum(t[k] for _, _, t, _ in results) for k in results[0][2]}
     failed = sum(f for *_, f in results)
     tokens = max(1, sum(tiers.values()))
@@ -195,7 +195,9 @@ def phase(
         "core_ms_per_request": round(1e3 * core / max(1, finished), 3),
         "coordinator_cpu_over_core": round(cpu / core, 2) if core else None,
         "coordinator_cpu_share": round(cpu / elapsed, 2),
-        "rounds_per_request": round((after["rounds"] - before["rounds"]) / max(1, finished), 3),
+        "rounds_per_request": round(
+            (after["counters"]["rounds"] - before["counters"]["rounds"]) / max(1, finished), 3
+        ),
         "l1_hit_fraction": round(tiers["device"] / tokens, 3),
     }
 

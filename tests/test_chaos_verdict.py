@@ -60,7 +60,11 @@ def clean_after(stats=None) -> dict:
         "settled": True,
         "integrity_errors": [],
         "l3_pages": {"valid": 10},
-        "stats": {"leases": 0, "resets": 2, "leases_reclaimed": 1, **(stats or {})},
+        "stats": {
+            "now": {"leases": 0},
+            "counters": {"resets": 2, "leases_reclaimed": 1},
+            **(stats or {}),
+        },
     }
 
 
@@ -74,7 +78,7 @@ def test_a_clean_run_is_no_loss_and_counters_sum_over_coordinators(tmp_path):
     c = harness(tmp_path, duration_s=20)
     served_run(c)
     c.faults = [Fault("coordinator_kill", 5.0, ended=5.0, injected=True)]
-    c.incarnations = [{"resets": 3, "leases_reclaimed": 4, "adopted_tokens": 64}]
+    c.incarnations = [{"counters": {"resets": 3, "leases_reclaimed": 4, "adopted_tokens": 64}}]
     report = c.report(20.0, clean_after())
     assert report["ok"] and report["loss"] == []
     assert report["resets"] == 5 and report["leases_reclaimed"] == 5
@@ -90,7 +94,7 @@ def test_a_clean_run_is_no_loss_and_counters_sum_over_coordinators(tmp_path):
         (lambda c, a: setattr(c.tally, "unverifiable", 5), "unverifiable"),
         (lambda c, a: c.tally.failed.update({"timeout": 30}), "requests failed"),
         (lambda c, a: setattr(c.tally, "wrong_pages", 1), "wrong pages"),
-        (lambda c, a: a["stats"].update(leases=1), "leases left held"),
+        (lambda c, a: a["stats"]["now"].update(leases=1), "leases left held"),
         (lambda c, a: a.update(serving_again_s=None), "never served again"),
     ],
 )

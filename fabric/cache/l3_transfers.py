@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Annotated
 
 from fabric.cache.allocator import Pages, as_pages
 from fabric.cache.controller import Completions, Controller, StorageParts
@@ -29,10 +30,11 @@ from fabric.cache.events import EventLog, Medium
 from fabric.cache.keys import TokenKey, answers_chain
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree, common_pages
-from fabric.cache.results import MatchResult, check_count
+from fabric.cache.results import MatchResult, check_count, transfer_series
 from fabric.config import PrefetchConfig
 from fabric.errors import InvalidInput
 from fabric.observe.histogram import Histogram
+from fabric.observe.series import Series
 from policies import get_prefetch_stop_policy
 from policies.prefetch import PrefetchTiming, TimeoutParams
 
@@ -99,15 +101,49 @@ class BackupOp:
     removal_tick: int = 0  # ``EventLog.removal_tick`` when queued
 
 
+# Why a prefetch was not started (each a series from the first scrape; others may come).
+PREFETCH_REFUSALS = ("below prefetch threshold", "no storage attached", "rate limited")
+
+
 @dataclass
 class StorageStats:
-    prefetch_started: int = 0
+    """The L3 side's counters. A field annotated with a ``Series`` is a Prometheus
+    series too (``fabric.observe.series``)."""
+
+    prefetch_started: Annotated[
+        int, Series("kvfabric_prefetches_started", "counter", "L3 -> L2 prefetches started.")
+    ] = 0
     prefetch_revoked: int = 0
-    prefetched_tokens: int = 0
-    backed_up_tokens: int = 0
-    failed_backups: int = 0
-    bad_answers: int = 0  # hit answers whose page hashes failed the check
-    refusals: dict[str, int] = field(default_factory=dict)
+    prefetched_tokens: Annotated[int, transfer_series("storage_to_host")] = 0
+    backed_up_tokens: Annotated[int, transfer_series("host_to_storage")] = 0
+    failed_backups: Annotated[
+        int,
+        Series(
+            "kvfabric_failed_backups",
+            "counter",
+            "L2 -> L3 backups that failed on some rank or in the storage actor.",
+        ),
+    ] = 0
+    # Hit answers whose page hashes failed the check.
+    bad_answers: Annotated[
+        int,
+        Series(
+            "kvfabric_bad_hit_answers",
+            "counter",
+            "Hit answers from the storage actor refused because their page hashes are "
+            "not the chain of the pages asked about (the prefetch is revoked).",
+        ),
+    ] = 0
+    refusals: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_prefetches_refused",
+            "counter",
+            "L3 prefetches not started, by reason.",
+            by="reason",
+            keys=PREFETCH_REFUSALS,
+        ),
+    ] = field(default_factory=dict)
 
 
 class L3Transfers:
@@ -156,15 +192,6 @@ class L3Transfers:
     def idle(self) -> bool:
         """No prefetch and no backup in flight."""
         return not self.by_op and not self.backups
-
-    def snapshot(self) -> dict:
-        """Counters and queue lengths for ``stats()``."""
-        return {
-            "attached": self.attached,
-            "inflight_prefetches": len(self.by_op),
-            "pending_backups": len(self.backups),
-            **vars(self.stats),
-        }
 
     def held_host_pages(self) -> int:
         """L2 pages allocated to prefetches and not yet in the tree."""
@@ -270,14 +297,14 @@ class L3Transfers:
             raise InvalidInput(f"request {req_id!r} already has a prefetch in flight")
         tree = self.tree
         if not self.attached:
-            return self._refuse("no storage attached")
+            return self._refuse(PREFETCH_REFUSALS[1])
         if key.num_tokens - match.matched_tokens < max(self.config.threshold_tokens, 1):
-            return self._refuse("below prefetch threshold")
+            return self._refuse(PREFETCH_REFUSALS[0])
         anchor = match.last_host_node
         start_page = tree.depth_pages(anchor)
         requested = (key.num_pages - start_page) * self.page_size
         if self.inflight_tokens + requested > self.max_inflight_tokens:
-            return self._refuse("rate limited")
+            return self._refuse(PREFETCH_REFUSALS[2])
         prev = tree.chain_hash(anchor, key.namespace)
         asked = key.data[start_page * tree.page_bytes :]
         op = PrefetchOp(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
 from fabric.cache.allocator import Pages
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
 from fabric.observe.histogram import TOKENS, Histogram
+from fabric.observe.series import Series
 
 # Where KV moves between tiers (metrics label them so).
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
@@ -72,17 +74,51 @@ class TierSizes:
     protected: int
 
 
+TRANSFER_HELP = "Tokens of KV copied between tiers, by direction (completed copies)."
+
+
+def transfer_series(direction: str) -> Series:
+    """A counter of tokens copied in ``direction`` (one series for every direction)."""
+    return Series("kvfabric_transfer_tokens", "counter", TRANSFER_HELP, (("direction", direction),))
+
+
+def _evicted(tier: str) -> Series:
+    return Series(
+        "kvfabric_evicted_tokens",
+        "counter",
+        "Tokens whose KV was evicted from a tier (device: L1, host: L2).",
+        (("tier", tier),),
+    )
+
+
 @dataclass
 class CacheStats:
-    device_evicted_tokens: int = 0
-    host_evicted_tokens: int = 0
-    written_tokens: int = 0
-    failed_write_tokens: int = 0
-    loaded_back_tokens: int = 0
+    """The cache's counters (they survive resets). A field annotated with a
+    ``Series`` is a Prometheus series too (``fabric.observe.series``)."""
+
+    device_evicted_tokens: Annotated[int, _evicted("device")] = 0
+    host_evicted_tokens: Annotated[int, _evicted("host")] = 0
+    written_tokens: Annotated[int, transfer_series("device_to_host")] = 0
+    failed_write_tokens: Annotated[
+        int,
+        Series(
+            "kvfabric_failed_write_tokens",
+            "counter",
+            "Tokens whose L1 -> L2 write-through failed on some rank (they stay L1-only).",
+        ),
+    ] = 0
+    loaded_back_tokens: Annotated[int, transfer_series("host_to_device")] = 0
     # Tokens per transfer, by direction (one observation per op).
-    transfer_sizes: dict[str, Histogram] = field(
-        default_factory=lambda: {d: Histogram(TOKENS) for d in DIRECTIONS}, repr=False
-    )
+    transfer_sizes: Annotated[
+        dict[str, Histogram],
+        Series(
+            "kvfabric_transfer_size_tokens",
+            "histogram",
+            "Tokens moved by one transfer operation, by direction.",
+            by="direction",
+            keys=DIRECTIONS,
+        ),
+    ] = field(default_factory=lambda: {d: Histogram(TOKENS) for d in DIRECTIONS}, repr=False)
 
     def counters(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}

@@ -1,147 +1,227 @@
-"""The coordinator's figures, read without walking the tree: ``snapshot`` for
-``stats()`` and ``figures`` for the metrics, ``status`` and the actor's line."""
+"""The coordinator's figures as one typed tree, made in one place (``figures``) and
+only rendered elsewhere: ``stats()`` (as plain data), the Prometheus endpoint and Ray's
+metrics, ``kvfabric status``, the actor's one-line description, the chaos report.
+
+Counters are defined (and annotated with their Prometheus ``Series``) where they are
+counted — ``FabricStats``, ``CacheStats``, ``StorageStats`` — and copied in here;
+gauges are read from the parts. Nothing here walks the tree: cheap enough for every
+scrape."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
+from fabric.cache.l3_transfers import StorageStats
+from fabric.cache.results import DIRECTIONS, CacheStats, TierSizes
 from fabric.coordinator.requests import FabricStats
+from fabric.observe.histogram import Histogram
+from fabric.observe.series import Series
 
 if TYPE_CHECKING:
     from fabric.coordinator.core import CoordinatorCore
 
-
-def snapshot(core: CoordinatorCore) -> dict:
-    """Counters and sizes for ``stats()``."""
-    s = core.stats
-    return {
-        "epoch": core.rounds.epoch,
-        "waiting": len(core.scheduler.waiting),
-        "running": len(core.scheduler.running),
-        "leases": len(core.leases),
-        "absent_ranks": core.rounds.names(sorted(core.rounds.absent)) if core.rounds.absent else "",
-        "requests": request_counts(core.stats),
-        "tokens": {"prompt": s.prompt_tokens, **s.tokens.as_dict()},
-        "mean_latency_s": s.latency_s_total / s.finished if s.finished else 0.0,
-        "resets": s.resets,
-        "reset_reasons": dict(s.by_reason),
-        "rounds": s.rounds,
-        "rounds_skipped": s.rounds_skipped,
-        "cache": core.cache.stats.counters(),
-        "prefetching": len(core.scheduler.prefetching),
-        "storage_ops": core.cache.l3.snapshot(),
-        "pending_writes": len(core.cache.writes.pending),
-        "pending_loads": len(core.cache.loads.pending),
-        "bad_messages": s.bad_messages,
-        "step_errors": s.step_errors,
-        "leases_expired": s.leases_expired,
-        "leases_reclaimed": s.leases_reclaimed,
-        "adopted_tokens": s.adopted_tokens,
-        "events_queued": len(core.events),
-        "events_dropped": s.events_dropped,
-        "stragglers": core.rounds.stragglers.status(),
-        "stragglers_named": core.rounds.stragglers.named,
-        "core_time_s": s.core_time_s,
-        "storage_errors": s.storage_errors,
-        "storage_restores": s.storage_restores,
-        "device": vars(core.cache.device_sizes()),
-        "host": vars(core.cache.host_sizes()),
-        "sessions": {
-            "held": len(core.cache.sessions.held),
-            "held_tokens": core.cache.sessions.held_tokens,
-            "budget_tokens": core.cache.sessions.budget,
-            "refused": s.sessions_refused,
-        },
-        "pinned_tokens": core.cache.pins.pinned_size,
-    }
+_STAGE = "Requests at the coordinator by stage (waiting, prefetching, running)."
 
 
-def request_counts(stats: FabricStats) -> dict[str, int]:
-    s = stats
-    return {
-        "submitted": s.submitted,
-        "finished": s.finished,
-        "failed": s.failed,
-        "aborted": s.aborted,
-        "retried": s.retried,
-        "gave_up": s.gave_up,
-    }
+def _stage(stage: str) -> Series:
+    return Series("kvfabric_requests_in_progress", "gauge", _STAGE, (("stage", stage),))
 
 
-def figures(core: CoordinatorCore) -> dict:
-    """What the metrics export: counters, gauges and histograms, read without
-    walking the tree (cheap enough for every scrape)."""
-    s, cache, l3 = core.stats, core.cache, core.cache.l3
-    device = cache.device_sizes()
-    host = cache.ctl.host
-    transfers = {
-        "device_to_host": cache.stats.written_tokens,
-        "host_to_device": cache.stats.loaded_back_tokens,
-        "host_to_storage": l3.stats.backed_up_tokens,
-        "storage_to_host": l3.stats.prefetched_tokens,
-    }
-    return {
-        "epoch": core.rounds.epoch,
-        "requests": request_counts(core.stats),
-        "prompt_tokens": s.tokens.as_dict(),
-        "evicted_tokens": {
-            "device": cache.stats.device_evicted_tokens,
-            "host": cache.stats.host_evicted_tokens,
-        },
-        "transfer_tokens": transfers,
-        "failed_write_tokens": cache.stats.failed_write_tokens,
-        "failed_backups": l3.stats.failed_backups,
-        "bad_hit_answers": l3.stats.bad_answers,
-        "transfer_sizes": cache.stats.transfer_sizes,
-        "kv_bytes_per_token": core.config.model.kv_bytes_per_token,
-        "request_seconds": s.request_seconds,
-        "round_seconds": s.round_seconds,
-        "rounds": s.rounds,
-        "resets": s.resets,
-        "bad_messages": s.bad_messages,
-        "step_errors": s.step_errors,
-        "storage_errors": s.storage_errors,
-        "leases_expired": s.leases_expired,
-        "leases_reclaimed": s.leases_reclaimed,
-        "adopted_tokens": s.adopted_tokens,
-        "events_queued": len(core.events),
-        "events_dropped": s.events_dropped,
-        "stragglers": core.rounds.stragglers.status(),
-        "stragglers_named": core.rounds.stragglers.named,
-        "rank_lag_seconds": dict(
-            zip(core.rounds.stragglers.names, core.rounds.stragglers.seconds, strict=True)
+@dataclass(frozen=True)
+class Now:
+    """What is going on at the moment."""
+
+    waiting: Annotated[int, _stage("waiting")]
+    prefetching: Annotated[int, _stage("prefetching")]
+    running: Annotated[int, _stage("running")]
+    leases: Annotated[int, Series("kvfabric_leases", "gauge", "Leases held by clients.")]
+    sessions: Annotated[int, Series("kvfabric_sessions", "gauge", "Sessions keeping their KV.")]
+    session_tokens: Annotated[
+        int, Series("kvfabric_session_tokens", "gauge", "Tokens held for sessions.")
+    ]
+    pinned_tokens: Annotated[
+        int, Series("kvfabric_pinned_tokens", "gauge", "Tokens pinned in the cache.")
+    ]
+    events_queued: Annotated[
+        int,
+        Series(
+            "kvfabric_events_queued",
+            "gauge",
+            "KV events queued for take_events (or the publisher).",
         ),
-        "sessions_refused": s.sessions_refused,
-        "core_seconds": s.core_time_s,
-        "prefetch_started": l3.stats.prefetch_started,
-        "prefetch_revoked": l3.stats.prefetch_revoked,
-        "prefetch_refusals": dict(l3.stats.refusals),
-        "pool": {
+    ]
+    inflight: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_transfers_in_flight",
+            "gauge",
+            "Copy operations sent to the ranks or the storage actor and not yet completed.",
+            by="direction",
+            keys=DIRECTIONS,
+        ),
+    ]
+    l3_attached: bool
+    absent_ranks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    up: Annotated[
+        dict[str, bool],
+        Series(
+            "kvfabric_rank_up",
+            "gauge",
+            "1 while a rank answers the coordinator's rounds, 0 while it is absent.",
+            by="rank",
+        ),
+    ]
+    lag_seconds: Annotated[
+        dict[str, Histogram],
+        Series(
+            "kvfabric_rank_lag_seconds",
+            "histogram",
+            "How long after the first rank a rank finished the commands it reported done "
+            "in a round (or replied to it, if later), by rank: a straggler's stand apart.",
+            by="rank",
+        ),
+    ]
+    stragglers: dict[str, dict]  # rank -> how late it is, while named
+    stragglers_named: Annotated[
+        int, Series("kvfabric_stragglers_named", "counter", "Times a rank was named a straggler.")
+    ]
+
+
+@dataclass(frozen=True)
+class HostPool:
+    capacity: int
+    free: int
+
+
+@dataclass(frozen=True)
+class Figures:
+    fabric: str
+    epoch: Annotated[
+        int, Series("kvfabric_epoch", "gauge", "The coordinator's epoch (rises on every restart).")
+    ]
+    counters: FabricStats
+    cache: CacheStats
+    l3_transfers: StorageStats
+    now: Now
+    device: TierSizes
+    host: HostPool
+    ranks: Ranks
+    session_budget_tokens: int
+    kv_bytes_per_token: int
+
+    @property
+    def transfer_tokens(self) -> dict[str, int]:
+        """Tokens copied between tiers, by direction (completed copies)."""
+        return {
+            "device_to_host": self.cache.written_tokens,
+            "host_to_device": self.cache.loaded_back_tokens,
+            "host_to_storage": self.l3_transfers.backed_up_tokens,
+            "storage_to_host": self.l3_transfers.prefetched_tokens,
+        }
+
+    @property
+    def mean_latency_s(self) -> float:
+        latency = self.counters.request_seconds
+        return latency.sum / latency.count if latency.count else 0.0
+
+
+def figures(core: CoordinatorCore) -> Figures:
+    """The coordinator's figures now (counters copied: the tree does not change
+    under its reader)."""
+    cache, l3, sched, rounds = core.cache, core.cache.l3, core.scheduler, core.rounds
+    stragglers = rounds.stragglers
+    host = cache.ctl.host
+    return Figures(
+        fabric=core.config.runtime.name,
+        epoch=rounds.epoch,
+        counters=copy.deepcopy(core.stats),
+        cache=copy.deepcopy(cache.stats),
+        l3_transfers=copy.deepcopy(l3.stats),
+        now=Now(
+            waiting=len(sched.waiting),
+            prefetching=len(sched.prefetching),
+            running=len(sched.running),
+            leases=len(core.leases),
+            sessions=len(cache.sessions.held),
+            session_tokens=cache.sessions.held_tokens,
+            pinned_tokens=cache.pins.pinned_size,
+            events_queued=len(core.events),
+            inflight={
+                "device_to_host": len(cache.writes.pending),
+                "host_to_device": len(cache.loads.pending),
+                "host_to_storage": len(l3.backups),
+                "storage_to_host": len(l3.by_op),
+            },
+            l3_attached=l3.attached,
+            absent_ranks=tuple(rounds.names([i]) for i in sorted(rounds.absent)),
+        ),
+        device=cache.device_sizes(),
+        host=HostPool(host.capacity_tokens, host.available_pages * cache.page_size),
+        ranks=Ranks(
+            up={str(r): i not in rounds.absent for i, r in enumerate(core.topology.ranks)},
+            lag_seconds=copy.deepcopy(dict(zip(stragglers.names, stragglers.seconds, strict=True))),
+            stragglers=stragglers.status(),
+            stragglers_named=stragglers.named,
+        ),
+        session_budget_tokens=cache.sessions.budget,
+        kv_bytes_per_token=core.config.model.kv_bytes_per_token,
+    )
+
+
+def status_view(
+    f: Figures,
+    actors: list[dict[str, Any]],
+    l3: Mapping[str, Any],
+    kv_events: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """What ``kvfabric status`` shows (and ``kvfabric top`` draws): the figures, every
+    actor's line, L3's counters and the KV publisher's."""
+    c = f.counters
+    latency = c.request_seconds
+    return {
+        "fabric": f.fabric,
+        "epoch": f.epoch,
+        "actors": actors,
+        "tiers": {
             "device": {
-                "capacity": device.capacity,
-                "free": device.free,
-                "evictable": device.evictable,
-                "protected": device.protected,
+                "capacity": f.device.capacity,
+                "free": f.device.free,
+                "evictable": f.device.evictable,
+                "protected": f.device.protected,
             },
-            "host": {
-                "capacity": host.capacity_tokens,
-                "free": host.available_pages * cache.page_size,
-            },
+            "host": {"capacity": f.host.capacity, "free": f.host.free},
+        },
+        "inflight_transfers": dict(f.now.inflight),
+        "transfer_tokens": f.transfer_tokens,
+        "requests": {
+            "submitted": c.submitted,
+            "finished": c.finished,
+            "failed": c.failed,
+            "aborted": c.aborted,
+            "retried": c.retried,
+            "gave_up": c.gave_up,
         },
         "requests_now": {
-            "waiting": len(core.scheduler.waiting),
-            "prefetching": len(core.scheduler.prefetching),
-            "running": len(core.scheduler.running),
+            "waiting": f.now.waiting,
+            "prefetching": f.now.prefetching,
+            "running": f.now.running,
         },
-        "inflight_transfers": {
-            "device_to_host": len(cache.writes.pending),
-            "host_to_device": len(cache.loads.pending),
-            "host_to_storage": len(l3.backups),
-            "storage_to_host": len(l3.by_op),
-        },
-        "leases": len(core.leases),
-        "sessions": len(cache.sessions.held),
-        "session_tokens": cache.sessions.held_tokens,
-        "pinned_tokens": cache.pins.pinned_size,
-        "ranks": {str(r): i not in core.rounds.absent for i, r in enumerate(core.topology.ranks)},
+        "prompt_tokens": c.tokens.as_dict(),
+        "mean_latency_ms": round(1000 * latency.sum / latency.count, 2) if latency.count else None,
+        "leases": f.now.leases,
+        "sessions": f.now.sessions,
+        "pinned_tokens": f.now.pinned_tokens,
+        "rounds": c.rounds,
+        "resets": c.resets,
+        "events_queue": {"queued": f.now.events_queued, "dropped": c.events_dropped},
+        "stragglers": f.ranks.stragglers,
+        "l3": dict(l3),
+        "kv_events": dict(kv_events) if kv_events is not None else None,
     }

@@ -571,11 +571,11 @@ class Chaos:
             self.stop.wait(hold)
             ray.get([s.set_faults.remote() for s in deployment.storages], timeout=10)
         elif kind == "slow_rank":  # every command late: a straggler, alive
-            named = fabric.stats().get("stragglers_named", 0)
+            named = fabric.stats()["ranks"]["stragglers_named"]
             self.rank_call(lambda: rank.set_faults.remote(delay_s=0.6), 10)
             self.stop.wait(max(hold, 6.0))
             self.rank_call(lambda: rank.set_faults.remote(), 10)
-            if fabric.stats().get("stragglers_named", 0) > named:
+            if fabric.stats()["ranks"]["stragglers_named"] > named:
                 fault.target += " (named a straggler)"
         else:
             # A duplicated message, or replies later than runtime.rank_timeout_s:
@@ -660,7 +660,7 @@ class Chaos:
             with contextlib.suppress(Exception):
                 stats = self.fabric.stats()
                 if stats["epoch"] > epoch:
-                    return int(stats.get("adopted_tokens", 0))
+                    return int(stats["counters"]["adopted_tokens"])
             time.sleep(0.2)
         return None
 
@@ -960,7 +960,7 @@ class Chaos:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                if fabric.stats()["leases"] == 0:
+                if fabric.stats()["now"]["leases"] == 0:
                     break
             time.sleep(0.5)
         try:
@@ -1002,19 +1002,12 @@ class Chaos:
         # At idle with every lease released, nothing holds an L1 page; L2 and L1
         # pages owned by nothing at all are integrity errors (free + owned == pool).
         assert self.config is not None
-        leaked_leases = int(stats.get("leases", 0))
+        now = stats.get("now", {})
+        leaked_leases = int(now.get("leases", 0))
         ps = self.config.cache.page_size
         leaked_slots = int(stats.get("device", {}).get("protected", 0)) // ps
-        storage_ops = stats.get("storage_ops", {})
-        stuck = (
-            int(stats.get("waiting", 0))
-            + int(stats.get("running", 0))
-            + int(stats.get("prefetching", 0))
-            + int(stats.get("pending_writes", 0))
-            + int(stats.get("pending_loads", 0))
-            + int(storage_ops.get("inflight_prefetches", 0))
-            + int(storage_ops.get("pending_backups", 0))
-        )
+        stuck = sum(int(now.get(stage, 0)) for stage in ("waiting", "running", "prefetching"))
+        stuck += sum(int(n) for n in now.get("inflight", {}).values())  # every direction
         unrecovered = [f.kind for f in injected if f.recovered_at is None]
         in_warmup = sum(1 for t in served if t < warm)
         report = {
@@ -1075,7 +1068,9 @@ class Chaos:
             # Whole-run counters: the coordinators killed during the run, and this one.
             "coordinators": len(self.incarnations) + 1,
             **{
-                name: sum(int(s.get(name, 0)) for s in (*self.incarnations, stats))
+                name: sum(
+                    int(s.get("counters", {}).get(name, 0)) for s in (*self.incarnations, stats)
+                )
                 for name in COUNTED
             },
             "placement": self.placed,

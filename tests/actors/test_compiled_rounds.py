@@ -83,7 +83,7 @@ def test_a_rank_killed_mid_traffic_drops_the_graph_and_a_new_one_is_compiled(fab
     assert wait_for(recompiled, timeout=60)
     c = _compiled(fabric)
     assert c["failures"] > before["failures"] and c["last_error"]
-    assert fabric.stats()["leases"] == 0
+    assert fabric.stats()["now"]["leases"] == 0
     fabric.check_integrity()
 
 

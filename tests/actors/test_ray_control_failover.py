@@ -83,7 +83,7 @@ def test_control_actors_come_back_on_another_control_node_and_adopt_l2(cluster):
         # The new coordinator opened a newer epoch and took back every rank's L2.
         after = a_pass(fabric, prompts)
         stats = fabric.stats()
-        assert stats["epoch"] > epoch and stats["adopted_tokens"] > 0, stats
+        assert stats["epoch"] > epoch and stats["counters"]["adopted_tokens"] > 0, stats
         assert after >= 0.95 * before, (after, before)
         fabric.check_integrity()
     finally:

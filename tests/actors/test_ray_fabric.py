@@ -73,18 +73,18 @@ def test_releases_ride_on_submits_and_submit_many_serves_a_batch(fabric):
     prompts = [prompt(seed, pages=2) for seed in range(500, 504)]
     held = fabric.submit_many(prompts[:2], timeout=60)
     assert [fabric.verify(r, p) for r, p in zip(held, prompts[:2], strict=True)] == [[True] * 4] * 2
-    leases = fabric.stats()["leases"]
+    leases = fabric.stats()["now"]["leases"]
     r = fabric.submit(prompts[2], timeout=60, release=[h.lease for h in held])
-    assert r.error is None and fabric.stats()["leases"] == leases - 1
-    skipped = fabric.stats()["rounds_skipped"]
+    assert r.error is None and fabric.stats()["now"]["leases"] == leases - 1
+    skipped = fabric.stats()["counters"]["rounds_skipped"]
     many = fabric.submit_many(prompts[3:] + prompts[:1], timeout=60, release=r.lease)
     assert [x.error for x in many] == [None, None] and fabric.verify(many[1], prompts[0])[0]
     with pytest.raises(InvalidInput, match="same lease twice"):
         fabric.submit_many(prompts[:1], release=[many[0].lease, many[0].lease])
-    assert fabric.stats()["leases"] == leases  # nothing released, nothing queued
+    assert fabric.stats()["now"]["leases"] == leases  # nothing released, nothing queued
     for x in many:
         assert fabric.release(x.lease)
-    assert wait_for(lambda: fabric.stats()["rounds_skipped"] > skipped, 10), (
+    assert wait_for(lambda: fabric.stats()["counters"]["rounds_skipped"] > skipped, 10), (
         "a release that admits nothing sends no round"
     )
 
@@ -208,7 +208,9 @@ def test_write_through_waits_for_the_slowest_rank(fabric):
         before = fabric.stats()["cache"]["written_tokens"]
         r = fabric.submit(prompt(50, pages=2), timeout=60)
         stats = fabric.stats()
-        assert stats["pending_writes"] >= 1, "3 of 4 ranks finished; MIN says not yet"
+        assert stats["now"]["inflight"]["device_to_host"] >= 1, (
+            "3 of 4 ranks finished; MIN says not yet"
+        )
         assert stats["cache"]["written_tokens"] == before
         assert wait_for(lambda: fabric.stats()["cache"]["written_tokens"] >= before + 8)
         fabric.release(r.lease)
@@ -297,12 +299,12 @@ def test_a_rank_restarted_by_ray_makes_the_coordinator_reset_and_keep_serving(fa
     p = prompt(80, pages=3)
     first = fabric.submit(p, timeout=60)
     fabric.release(first.lease)
-    resets = fabric.stats()["resets"]
+    resets = fabric.stats()["counters"]["resets"]
     old = ray.get(fabric._deployment.ranks[1].info.remote())
     ray.kill(fabric._deployment.ranks[1], no_restart=False)
     assert wait_for(lambda: _incarnation(fabric) not in (None, old["incarnation"]), timeout=120)
     again = fabric.submit(p, timeout=120)
-    assert fabric.stats()["resets"] > resets
+    assert fabric.stats()["counters"]["resets"] > resets
     assert again.error is None and again.device_hit_tokens == 0, "L1/L2 were dropped"
     assert fabric.verify(again, p) == [True] * 4
     fabric.release(again.lease)
@@ -339,7 +341,7 @@ def test_a_restarted_coordinator_adopts_what_the_ranks_hold_in_l2_and_serves_it(
     results = [fabric.result(ref, timeout=60) for ref in refs]
     stats = fabric.stats()
     assert stats["epoch"] > 1, "a newer epoch than any rank has seen"
-    assert stats["adopted_tokens"] > 0, "the L2 pages every rank still held"
+    assert stats["counters"]["adopted_tokens"] > 0, "the L2 pages every rank still held"
     assert [r.error for r in results] == [None] * 3
     assert all(r.device_hit_tokens + r.host_hit_tokens == 8 for r in results)
     assert any(r.host_hit_tokens == 8 for r in results), "served from the adopted L2"
@@ -359,10 +361,10 @@ def _coordinator_pid(fabric):
 def test_a_rank_answering_with_garbage_is_counted_and_serving_resumes(fabric):
     rank = fabric._deployment.ranks[2]
     nested = b"\x91" * 100_000 + b"\x00"
-    before = fabric.stats()["bad_messages"]
+    before = fabric.stats()["counters"]["bad_messages"]
     ray.get(rank.set_faults.remote(bad_report=nested))
     ref = fabric.submit_async(prompt(110, pages=2))
-    assert wait_for(lambda: fabric.stats()["bad_messages"] > before, 30)
+    assert wait_for(lambda: fabric.stats()["counters"]["bad_messages"] > before, 30)
     ray.get(rank.set_faults.remote())
     r = fabric.result(ref, timeout=60)
     assert r.error is None and fabric.verify(r, prompt(110, pages=2)) == [True] * 4
@@ -380,8 +382,8 @@ def test_a_client_timeout_aborts_the_request_and_holds_nothing(fabric):
             fabric.submit(prompt(120, pages=2), timeout=0.3)
     finally:
         ray.get(slow.set_faults.remote())
-    assert wait_for(lambda: fabric.stats()["running"] == 0, 30)
-    assert fabric.stats()["leases"] == 0
+    assert wait_for(lambda: fabric.stats()["now"]["running"] == 0, 30)
+    assert fabric.stats()["now"]["leases"] == 0
     fabric.check_integrity()
 
 
@@ -401,6 +403,6 @@ def test_the_leases_of_a_driver_that_exits_are_reclaimed(fabric):
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert wait_for(lambda: fabric.stats()["leases_reclaimed"] >= 1, 60)
-    assert fabric.stats()["leases"] == 0
+    assert wait_for(lambda: fabric.stats()["counters"]["leases_reclaimed"] >= 1, 60)
+    assert fabric.stats()["now"]["leases"] == 0
     fabric.check_integrity()

@@ -49,8 +49,8 @@ def test_requests_fail_naming_a_rank_that_is_gone_for_good(fabric):
     assert lost.error is not None and "rank pp0-cp0-tp1 (index 1) has not answered" in lost.error
     assert time.monotonic() - started < 30
     stats = fabric.stats()
-    assert stats["absent_ranks"] == "pp0-cp0-tp1"
-    assert stats["requests"]["failed"] >= 1 and stats["running"] == 0
+    assert stats["now"]["absent_ranks"] == ["pp0-cp0-tp1"]
+    assert stats["counters"]["failed"] >= 1 and stats["now"]["running"] == 0
 
 
 def test_the_coordinator_and_storage_take_the_head_nodes_resource(fabric):

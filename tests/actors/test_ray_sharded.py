@@ -113,7 +113,7 @@ def test_a_rank_killed_inside_a_collective_is_a_reset_and_a_new_group(fabric):
     assert waited < 100
     assert wait_for(lambda: ray.get(victim.where.remote(), timeout=30)[0] != old_pid, 60)
     stats = fabric.stats()
-    assert stats["epoch"] > epoch and stats["resets"] >= 1
+    assert stats["epoch"] > epoch and stats["counters"]["resets"] >= 1
     if result.error is None:
         fabric.release(result.lease)
     # The restarted rank and its peers formed the next group: computes are right.

@@ -59,7 +59,7 @@ def test_a_fresh_fabric_on_the_same_l3_serves_verified_pages(ray_session, tmp_pa
         r = first.submit(tokens, timeout=60)
         first.release(r.lease)
         assert first.settle(30)
-        assert first.stats()["storage_ops"]["backed_up_tokens"] == 32
+        assert first.stats()["l3_transfers"]["backed_up_tokens"] == 32
     finally:
         first.shutdown()
     second = make(tmp_path, "persist-b", *model)
@@ -123,8 +123,9 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
         assert wait_for(lambda: ray.get(storage.holding.remote()) > 0, 30)
         ray.kill(storage, no_restart=False)
         assert f.settle(60), "failed backups are acked; nothing stays pending"
-        s = f.stats()["storage_ops"]
-        assert s["pending_backups"] == 0 and s["failed_backups"] >= 1, f.stats()
+        s = f.stats()
+        assert s["now"]["inflight"]["host_to_storage"] == 0, s
+        assert s["l3_transfers"]["failed_backups"] >= 1, s
         f.check_integrity()
 
         # Store a prompt for real, then kill the actor while a fresh request prefetches it.
@@ -143,7 +144,7 @@ def test_storage_actor_killed_mid_backup_and_mid_prefetch(ray_session, tmp_path)
             assert g.verify(r, tokens) == [True] * 4
             g.release(r.lease)
             assert g.settle(60)
-            assert g.stats()["storage_ops"]["inflight_prefetches"] == 0
+            assert g.stats()["now"]["inflight"]["storage_to_host"] == 0
             g.check_integrity()
         finally:
             g.shutdown()
@@ -159,13 +160,13 @@ def test_a_restarted_storage_actor_keeps_a_backend_attached_at_runtime(ray_sessi
         assert f.attach_storage("file", f'{{"path": "{l3}"}}') == "attached"
         ray.kill(f._deployment.storage, no_restart=False)
         assert wait_for(lambda: f.stats()["l3"].get("attached") is True, 60)
-        assert f.stats()["storage_ops"]["attached"] is True
+        assert f.stats()["now"]["l3_attached"] is True
         tokens = prompt(6, pages=4)
         f.release(f.submit(tokens, timeout=60).lease)
         assert f.settle(60)
         s = f.stats()
         assert (
-            s["storage_ops"]["failed_backups"] == 0 and s["storage_ops"]["backed_up_tokens"] == 16
+            s["l3_transfers"]["failed_backups"] == 0 and s["l3_transfers"]["backed_up_tokens"] == 16
         )
         assert len(list(l3.rglob("*.kv"))) == 16, "the runtime backend, not the launch config's"
     finally:

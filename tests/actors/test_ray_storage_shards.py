@@ -34,7 +34,7 @@ def test_three_storage_actors_share_l3_and_survive_a_restart_of_one(tmp_path):
         r = first.submit(tokens, timeout=60)
         first.release(r.lease)
         assert first.settle(30)
-        assert first.stats()["storage_ops"]["backed_up_tokens"] == 40
+        assert first.stats()["l3_transfers"]["backed_up_tokens"] == 40
         written = per_actor(first, "set_pages")
         assert sum(written) == 40 and sum(map(bool, written)) >= 2, written
         assert first.stats()["l3"]["set_pages"] == 40, "the figures add up over the actors"

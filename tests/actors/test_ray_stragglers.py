@@ -70,7 +70,7 @@ def test_a_slow_rank_is_named_and_let_go_once_it_keeps_up(cluster):
         assert list(status["stragglers"]) == ["pp0-cp0-tp1"], status["stragglers"]
         assert status["stragglers"]["pp0-cp0-tp1"]["latency_s"] > 0.25
         assert "STRAGGLER rank pp0-cp0-tp1" in status_text({**status, "cluster": "here"}, "")
-        assert fabric.stats()["resets"] == 0, "report only: nothing is reset"
+        assert fabric.stats()["counters"]["resets"] == 0, "report only: nothing is reset"
         ray.get(slow.set_faults.remote())
         deadline = time.monotonic() + 60
         while fabric.status()["stragglers"] and time.monotonic() < deadline:
@@ -89,11 +89,13 @@ def test_the_restart_policy_restarts_a_straggler_and_the_fabric_keeps_serving(cl
         ray.get(slow.set_faults.remote(delay_s=0.6))
         started = time.monotonic()
         seed = 2
-        while fabric.stats()["stragglers_named"] == 0 and time.monotonic() - started < 60:
+        while fabric.stats()["ranks"]["stragglers_named"] == 0 and time.monotonic() - started < 60:
             serve(fabric, seed)
             seed += 1
-        assert fabric.stats()["stragglers_named"] == 1
-        assert wait_for(lambda: fabric.stats()["resets"] >= 1, 60), "treated as failed: reset"
+        assert fabric.stats()["ranks"]["stragglers_named"] == 1
+        assert wait_for(lambda: fabric.stats()["counters"]["resets"] >= 1, 60), (
+            "treated as failed: reset"
+        )
         # The restarted actor has no injected delay: requests are fast and verified again.
         for s in range(3):
             serve(fabric, 100 + s)

@@ -9,7 +9,7 @@ import pytest
 
 from fabric.cache.adopt import adopt_host, common_pages
 from fabric.cache.keys import pack_tokens
-from fabric.coordinator.figures import figures, snapshot
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from fabric.rank.index import PageIndex, PageName
@@ -41,7 +41,7 @@ def test_a_restarted_coordinator_serves_what_l2_held_as_l2_hits():
     assert r.host_hit_tokens == 24 and r.computed_tokens == 0
     r = serve_verified(f, pack_tokens(prompt(3, pages=4, shared=2)))
     assert r.device_hit_tokens == 8, "the shared prefix is a node of its own (loaded with a)"
-    assert snapshot(f.core)["adopted_tokens"] == 36 == figures(f.core)["adopted_tokens"]
+    assert figures(f.core).counters.adopted_tokens == 36
 
 
 def test_a_restarted_coordinator_hits_l2_not_l3(tmp_path):

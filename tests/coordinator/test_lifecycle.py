@@ -5,7 +5,7 @@ pins — each lease's KV verified on all four ranks (TP=2 x PP=2)."""
 import pytest
 
 from fabric.cache.keys import pack_tokens
-from fabric.coordinator.figures import snapshot
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from tests.helpers import FakeClock, prompt, small_config
@@ -112,8 +112,8 @@ def test_a_session_keeps_the_turn_in_l1_across_other_traffic_until_it_ends():
     assert r2.device_hit_tokens == 16
     assert f.verify(r2, turn2) == [True] * 4
     assert f.core.release(r2.lease, session="chat-1")
-    sessions = snapshot(f.core)["sessions"]
-    assert sessions["held"] == 1 and sessions["held_tokens"] == 20
+    now = figures(f.core).now
+    assert now.sessions == 1 and now.session_tokens == 20
     assert f.core.end_session("chat-1") and not f.core.end_session("chat-1")
     with pytest.raises(InvalidInput, match="session id"):
         f.core.release(r2.lease, session="")

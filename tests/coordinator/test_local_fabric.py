@@ -8,7 +8,7 @@ import pytest
 import fabric.cache.keys
 import fabric.cache.radix
 from fabric.cache.keys import pack_tokens
-from fabric.coordinator.figures import figures, snapshot
+from fabric.coordinator.figures import figures
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from fabric.messages import decode, encode
@@ -305,12 +305,11 @@ def test_kv_events_nobody_takes_are_dropped_oldest_first_and_counted(caplog):
         for seed in range(40):
             f.core.release(f.serve(pack_tokens(prompt(seed, pages=3))).lease)
         f.settle()
-    stats = snapshot(f.core)
-    assert stats["events_queued"] == 32 and stats["events_dropped"] > 0
-    assert figures(f.core)["events_dropped"] == stats["events_dropped"]
+    got = figures(f.core)
+    assert got.now.events_queued == 32 and got.counters.events_dropped > 0
     assert sum("nobody takes them" in r.message for r in caplog.records) == 1, "said once"
     assert len(f.core.events.take(limit=100)) == 32
-    assert snapshot(f.core)["events_queued"] == 0
+    assert figures(f.core).now.events_queued == 0
 
 
 def test_a_restarted_rank_applies_no_command_meant_for_its_old_incarnation():

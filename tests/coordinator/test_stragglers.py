@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fabric.cache.keys import pack_tokens
-from fabric.coordinator.figures import figures, snapshot
+from fabric.coordinator.figures import figures
 from fabric.coordinator.stragglers import Progress, Stragglers
 from fabric.driver.local import LocalFabric
 from fabric.errors import ConfigError
@@ -100,7 +100,7 @@ def test_a_rank_that_finishes_late_in_a_local_fabric_is_named_in_status_and_metr
         while rid not in f.results:
             f.step()
         f.core.release(f.results[rid].lease)
-    straggling = snapshot(f.core)["stragglers"]
+    straggling = figures(f.core).ranks.stragglers
     rank1 = str(f.core.topology.ranks[1])
     assert list(straggling) == [rank1] and straggling[rank1]["latency_s"] >= 1.0
     exporter = MetricsExporter()
@@ -110,7 +110,7 @@ def test_a_rank_that_finishes_late_in_a_local_fabric_is_named_in_status_and_metr
     assert "kvfabric_stragglers_named_total" in text
     for seed in range(4):  # every rank in step again: let go
         f.core.release(f.serve(pack_tokens(prompt(10 + seed, pages=2))).lease)
-    assert snapshot(f.core)["stragglers"] == {}
+    assert figures(f.core).ranks.stragglers == {}
 
 
 def test_the_straggler_settings_are_checked():

@@ -98,7 +98,7 @@ def test_a_hit_answer_for_other_pages_is_refused_and_the_request_computes(tmp_pa
     r = f.serve(tokens)
     assert r.error is None and r.storage_hit_tokens == 0 and r.computed_tokens == 32
     assert f.verify(r, tokens) == [True] * 4
-    assert figures(f.core)["bad_hit_answers"] == 1
+    assert figures(f.core).l3_transfers.bad_answers == 1
     f.storage.answer = real
     f.core.release(r.lease)
     f.settle()
