@@ -114,3 +114,26 @@ def test_the_readme_documents_every_metric_and_config_key():
     for key in describe_keys():
         _, field = key["key"].split(".")
         assert f"`{key['key']}`" in readme or f"`{field}`" in readme, f"README lacks {key['key']}"
+
+
+def test_a_counter_annotated_where_it_is_defined_is_exported_and_in_stats_with_no_other_change():
+    """What adding a counter takes: its field, with its Series, and the code that
+    counts it. The exporter and ``stats()`` find it by walking the figures."""
+    import dataclasses
+    from typing import Annotated
+
+    from fabric.coordinator.requests import FabricStats
+    from fabric.observe.series import Series, to_builtins
+
+    @dataclasses.dataclass
+    class WithWidgets(FabricStats):
+        widgets: Annotated[int, Series("kvfabric_widgets", "counter", "Widgets made.")] = 0
+
+    f = LocalFabric(small_config())
+    counted = WithWidgets(**vars(figures(f.core).counters))
+    counted.widgets += 3  # the code that counts
+    tree = dataclasses.replace(figures(f.core), counters=counted)
+    exporter = MetricsExporter()
+    exporter.update(tree)
+    assert value(scrape(exporter), "kvfabric_widgets_total") == 3
+    assert to_builtins(tree)["counters"]["widgets"] == 3
