@@ -134,8 +134,6 @@ LONG_FUNCTIONS = {
     "fabric/cache/components.py::violations": "each component invariant, recomputed",
     "fabric/cache/hicache.py::__init__": "the cache's parts wired in dependency order",
     "fabric/cache/l3_transfers.py::complete_query": "a hit query's answer, every case",
-    "fabric/cli/run.py::run": "options, the workload and its text in one command",
-    "fabric/cli/run.py::_chat": "options, the conversations and their text",
     "fabric/client.py::launch": "find or start Ray, deploy, wait for the actors, clean up",
     "fabric/rank/sharded.py::__init__": "a sharded model's layers and its groups",
     "fabric/rank/sharded.py::forward": "a pipeline stage's forward, with its exchanges",

@@ -14,6 +14,42 @@ def tiers_text(tokens: dict[str, int]) -> str:
     )
 
 
+def run_text(out: dict[str, Any], ranks: int) -> str:
+    """``kvfabric run``'s result: the tokens each tier served, refusals, latency."""
+    lines = [
+        f"kvfabric {__version__}: {out['served']} of {out['requests']} requests from "
+        f"{out['source']} served by {ranks} rank actors",
+        tiers_text(out["tokens_by_tier"]),
+    ]
+    lines += [
+        f"  refused   {n:>12,} requests: {reason}" for reason, n in sorted(out["refused"].items())
+    ]
+    lat = out["latency_ms"]
+    lines.append(
+        f"  latency   p50 {lat['p50']} ms, p99 {lat['p99']} ms; {out['requests_per_s']:,} requests/s"
+    )
+    return "\n".join(lines)
+
+
+def chat_text(out: dict[str, Any], checked: bool) -> str:
+    """``kvfabric run --model``'s result: tokens by tier and by rank, the check."""
+    m = out["model"]
+    by_rank = ", ".join(f"{r} {n}" for r, n in out["computed_tokens_by_rank"].items())
+    lines = [
+        f"kvfabric {__version__}: {m['turns']} turns of {m['conversations']} conversations "
+        f"with {m['model_id']}",
+        tiers_text(out["tokens_by_tier"]),
+        f"  computed tokens by rank: {by_rank}",
+    ]
+    if checked:
+        lines.append(
+            f"  checked   {m['checked_requests']} answers against generation without a cache: "
+            f"{m['mismatches']} mismatched (next-token logits at most "
+            f"{m['max_logits_diff']:.2g} apart)"
+        )
+    return "\n".join(lines)
+
+
 def status_text(st: dict[str, Any], dashboard: str) -> str:
     lines = [
         f"kvfabric {st['fabric']} on the Ray cluster at {st['cluster']}: epoch {st['epoch']}, "

@@ -16,7 +16,7 @@ from fabric.cli.options import (
     read_requests,
     workload_options,
 )
-from fabric.cli.render import tiers_text
+from fabric.cli.render import chat_text, run_text
 from fabric.config import FabricConfig, load_config
 from fabric.errors import FabricError
 from fabric.observe.progress import Progress
@@ -95,28 +95,16 @@ def run(
             stats = drive(fabric, prompts, inflight, progress.update)
         fabric.settle()  # the last backups reach L3 before the actors go
         fabric.check_integrity()
-        resets = fabric.stats()["resets"]
         out = result(
             "run",
             **workload(
                 source, len(reqs), stats.tokens.as_dict(), stats.refused, stats.elapsed_s,
                 stats.latencies_s,
             ),
-            resets=resets,
+            resets=fabric.stats()["counters"]["resets"],
         )  # fmt: skip
         if not as_json:
-            click.echo(
-                f"kvfabric {__version__}: {out['served']} of {len(reqs)} requests from {source} "
-                f"served by {topo.world_size} rank actors"
-            )
-            click.echo(tiers_text(out["tokens_by_tier"]))
-            for reason, n in sorted(stats.refused.items()):
-                click.echo(f"  refused   {n:>12,} requests: {reason}")
-            lat = out["latency_ms"]
-            click.echo(
-                f"  latency   p50 {lat['p50']} ms, p99 {lat['p99']} ms; "
-                f"{out['requests_per_s']:,} requests/s"
-            )
+            click.echo(run_text(out, topo.world_size))
         emit(out)
         if keep:
             _serve_until_interrupted(fabric)
@@ -207,19 +195,7 @@ def _chat(config_file, overrides, address, model, check, conversations, turns, n
         computed_tokens_by_rank=stats.computed_tokens_by_rank,
     )
     if not as_json:
-        click.echo(
-            f"kvfabric {__version__}: {stats.turns} turns of {conversations} conversations "
-            f"with {config.model.model_id}"
-        )
-        click.echo(tiers_text(out["tokens_by_tier"]))
-        by_rank = ", ".join(f"{r} {n}" for r, n in stats.computed_tokens_by_rank.items())
-        click.echo(f"  computed tokens by rank: {by_rank}")
-        if check:
-            click.echo(
-                f"  checked   {stats.checked} answers against generation without a cache: "
-                f"{stats.mismatches} mismatched (next-token logits at most "
-                f"{stats.max_logits_diff:.2g} apart)"
-            )
+        click.echo(chat_text(out, check))
     emit(out)
     if stats.mismatches:
         raise SystemExit(1)

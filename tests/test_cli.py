@@ -20,3 +20,19 @@ def test_config_lists_every_key_without_ray(capsys):
     assert "events.endpoint" in keys and "runtime.dashboard" in keys
     assert main(["config", "--set", "cache.nope=1"]) == 2
     assert "known in 'cache'" in capsys.readouterr().err
+
+
+def test_run_s_text_says_what_each_tier_served_what_was_refused_and_the_latency():
+    from fabric.cli.render import run_text
+    from fabric.observe.report import result, workload
+
+    out = result(
+        "run",
+        **workload("a trace", 5, {"device": 30, "computed": 10}, {"too long": 1}, 2.0, [0.1, 0.2]),
+        resets=0,
+    )
+    text = run_text(out, ranks=4)
+    assert text.startswith("kvfabric ") and "4 of 5 requests from a trace" in text
+    assert "4 rank actors" in text and "device" in text and "75.0%" in text
+    assert "refused              1 requests: too long" in text
+    assert "latency   p50 100.0 ms, p99 100.0 ms" in text
