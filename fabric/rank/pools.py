@@ -8,6 +8,8 @@ head_dim)`` (K/V first), so copies and token writes are written once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -77,6 +79,15 @@ class KVPool:
 
     def read_tokens(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.pages[:, pages, offsets]
+
+    def copy_to(self, dst: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+        copy_pages(self, src_pages, dst, dst_pages)
+
+    def rows(self, pages: Sequence[int]):
+        return pages_to_bytes(self, pages)
+
+    def put_rows(self, pages: Sequence[int], rows) -> None:
+        bytes_to_pages(self, pages, rows)
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -154,6 +165,17 @@ class StatePool:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def copy_to(self, dst: StatePool, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        src_idx = torch.as_tensor(list(src_slots), dtype=torch.long, device=self.buffer.device)
+        dst_idx = torch.as_tensor(list(dst_slots), dtype=torch.long, device=dst.buffer.device)
+        dst.buffer[dst_idx] = self.buffer[src_idx].to(dst.buffer.device)
+
+    def rows(self, slots: Sequence[int]):
+        return state_rows(self, slots)
+
+    def put_rows(self, slots: Sequence[int], rows) -> None:
+        rows_to_states(self, slots, rows)
+
 
 def state_rows(pool: StatePool, slots: Sequence[int]):
     """Mamba states as rows of bytes (``numpy`` uint8, one row per slot)."""
@@ -175,3 +197,61 @@ def rows_to_states(pool: StatePool, slots: Sequence[int], rows) -> None:
     values = flat.view(torch.float32).view((len(slots), *pool.buffer.shape[1:]))
     idx = torch.as_tensor(list(slots), dtype=torch.long, device=pool.buffer.device)
     pool.buffer[idx] = values.to(pool.buffer.device)
+
+
+class Pool(Protocol):
+    """What a rank does with any of its pools: copy slots into another pool of the
+    same kind, and read or write slots as rows of bytes (L3's pages)."""
+
+    buffer: torch.Tensor
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def copy_to(self, dst, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None: ...
+
+    def rows(self, slots: Sequence[int]): ...
+
+    def put_rows(self, slots: Sequence[int], rows) -> None: ...
+
+
+@dataclass
+class Tiers:
+    """One component's pools: L1 on the rank's device, L2 in (pinned) host memory."""
+
+    device: Pool
+    host: Pool
+
+    def copy(self, src: Sequence[int], dst: Sequence[int], to_host: bool) -> None:
+        """Copy slots L1 -> L2 (``to_host``) or L2 -> L1."""
+        if to_host:
+            self.device.copy_to(self.host, src, dst)
+        else:
+            self.host.copy_to(self.device, src, dst)
+
+
+class RankPools:
+    """A rank's pools by component: ``full`` (every full-attention layer), and a
+    hybrid model's ``sliding`` (the sliding-window layers' pages) and ``mamba``
+    (the mamba layers' states)."""
+
+    def __init__(self) -> None:
+        self.by_component: dict[str, Tiers] = {}
+
+    def add(self, component: str, device: Pool, host: Pool) -> Tiers:
+        self.by_component[component] = tiers = Tiers(device, host)
+        return tiers
+
+    def __contains__(self, component: str) -> bool:
+        return component in self.by_component
+
+    def __getitem__(self, component: str) -> Tiers:
+        tiers = self.by_component.get(component)
+        if tiers is None:
+            raise ValueError(f"{component} slots for a model without {component} layers")
+        return tiers
+
+    def device(self, component: str) -> Pool | None:
+        """``component``'s L1 pool, or ``None`` for a model without it."""
+        tiers = self.by_component.get(component)
+        return None if tiers is None else tiers.device

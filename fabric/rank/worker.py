@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -41,16 +41,7 @@ from fabric.messages import (
 from fabric.rank.index import PageIndex
 from fabric.rank.mesh import Board, Mesh, MeshError
 from fabric.rank.model import within
-from fabric.rank.pools import (
-    KVPool,
-    StatePool,
-    bytes_to_pages,
-    copy_pages,
-    pages_to_bytes,
-    pick_device,
-    rows_to_states,
-    state_rows,
-)
+from fabric.rank.pools import KVPool, RankPools, StatePool, Tiers, pick_device
 from fabric.rank.producer import ConstantKV, KVFiller, SyntheticKV, SyntheticStates
 from fabric.rank.shared_l2 import SharedL2
 from fabric.topology import Shard, Topology, kind_layers
@@ -127,11 +118,13 @@ class RankWorker:
                 KVPool(l2_pages, self.shard, model, host, pin_memory=cuda, layers=layers),
             )
 
-        # The full-attention layers' pools (every layer's, for a full-attention model).
+        # The pools by component: the full-attention layers' (every layer's, for a
+        # full-attention model), and a hybrid model's sliding and mamba ones.
+        self.pools = RankPools()
         full = kind_layers(self.shard, model, "full")
         self.shared_l2: SharedL2 | None = None
         if l2_path is None or set(model.components) != {"full"}:
-            self.l1, self.l2 = pools(cache.device_pages, cache.host_pages, len(full))
+            self.pools.add("full", *pools(cache.device_pages, cache.host_pages, len(full)))
         else:
             # L2 outside this process (a hybrid model's other pools stay inside:
             # without them its pages could not be adopted anyway).
@@ -155,31 +148,36 @@ class RankWorker:
                     return torch.zeros(shape, dtype=dtype)
                 return torch.frombuffer(self.shared_l2.pool, dtype=dtype, count=numel).view(shape)
 
-            self.l1 = KVPool(cache.device_pages, self.shard, model, self.device, layers=len(full))
-            self.l2 = KVPool(
+            l2 = KVPool(
                 cache.host_pages, self.shard, model, host, layers=len(full), allocate=shared
+            )
+            self.pools.add(
+                "full",
+                KVPool(cache.device_pages, self.shard, model, self.device, layers=len(full)),
+                l2,
             )
             if cuda:  # page-locked for the copy engines, as a pinned pool would be
                 with contextlib.suppress(Exception):
-                    buf = self.l2.buffer
+                    buf = l2.buffer
                     torch.cuda.cudart().cudaHostRegister(
                         buf.data_ptr(), buf.numel() * buf.element_size(), 0
                     )
         self.producer = SyntheticKV(self.shard, model, cache.page_size, full)
         # A hybrid model's other components (``fabric.cache.components``).
-        self.sliding: KVPool | None = None
-        self.states: StatePool | None = None
         self.state_elems = model.mamba_elems(config.topology.tp)
         if "sliding" in model.components:
             ids = kind_layers(self.shard, model, "sliding")
-            self.sliding, self.sliding_host = pools(
-                cache.sliding_pages, cache.host_sliding_pages, len(ids)
+            self.pools.add(
+                "sliding", *pools(cache.sliding_pages, cache.host_sliding_pages, len(ids))
             )
             self.sliding_producer = SyntheticKV(self.shard, model, cache.page_size, ids)
         if "mamba" in model.components:
             ids, elems = kind_layers(self.shard, model, "mamba"), self.state_elems
-            self.states = StatePool(cache.mamba_slots, len(ids), elems, self.device)
-            self.states_host = StatePool(cache.host_mamba_slots, len(ids), elems, host)
+            self.pools.add(
+                "mamba",
+                StatePool(cache.mamba_slots, len(ids), elems, self.device),
+                StatePool(cache.host_mamba_slots, len(ids), elems, host),
+            )
             self.state_producer = SyntheticStates(self.shard, ids, elems)
         if filler is None and model.filler == "constant":
             filler = ConstantKV(self.shard, model, cache.page_size)
@@ -229,13 +227,29 @@ class RankWorker:
         self._reset_counters()
         # Bytes this rank copied, by direction, since it started (never reset):
         # what its actor's repr and Ray metrics show.
-        self.page_bytes = self.l1.nbytes // max(1, self.l1.num_pages)
+        l1 = self.l1
+        self.page_bytes = l1.nbytes // max(1, l1.num_pages)
         self.moved_bytes = dict.fromkeys(
             ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"), 0
         )
         # (direction, seconds) of each finished copy (a merged L1<->L2 group, a
         # backup, a prefetch batch), for a latency histogram; the oldest go first.
         self.transfer_seconds: deque[tuple[str, float]] = deque(maxlen=4096)
+
+    @property
+    def l1(self) -> KVPool:
+        """The full-attention layers' L1 pool (what a filler computes into)."""
+        return cast(KVPool, self.pools["full"].device)
+
+    @property
+    def sliding(self) -> KVPool | None:
+        """A hybrid model's L1 pool of sliding-window pages, if it has one."""
+        return cast("KVPool | None", self.pools.device("sliding"))
+
+    @property
+    def states(self) -> StatePool | None:
+        """A hybrid model's L1 pool of mamba states, if it has one."""
+        return cast("StatePool | None", self.pools.device("mamba"))
 
     def _reset_counters(self) -> None:
         self.queue: deque[Message] = deque()
@@ -429,13 +443,13 @@ class RankWorker:
                     names.forget_host(host)
                     if self.faults.fail_writes:
                         return False
-                    self._copy(self.l1, device, self.l2, host)
+                    self._copy(self.pools["full"], device, host, to_host=True)
                     names.copied(names.device, device, names.host, host)
                 else:
                     host = [p for c in group for p in c.host_pages]  # type: ignore[attr-defined]
                     device = [p for c in group for p in c.device_pages]  # type: ignore[attr-defined]
                     names.forget_device(device)
-                    self._copy(self.l2, host, self.l1, device)
+                    self._copy(self.pools["full"], host, device, to_host=False)
                     names.copied(names.host, host, names.device, device)
                 self._copy_parts(group, isinstance(first, Write))
             if self.stream is not None:
@@ -583,14 +597,13 @@ class RankWorker:
             with self.lock:  # read the pages only while they are still this epoch's
                 if epoch != self.epoch:
                     return False
-                rows = pages_to_bytes(self.l2, cmd.host_pages) if cmd.host_pages else None
+                pools = self.pools
+                rows = pools["full"].host.rows(cmd.host_pages) if cmd.host_pages else None
                 sliding = states = None
                 if cmd.sliding_pages:
-                    assert self.sliding is not None, "sliding backup for a model without them"
-                    sliding = pages_to_bytes(self.sliding_host, cmd.sliding_pages)
+                    sliding = pools["sliding"].host.rows(cmd.sliding_pages)
                 if cmd.mamba_slots:
-                    assert self.states is not None, "mamba backup for a model without them"
-                    states = state_rows(self.states_host, cmd.mamba_slots)
+                    states = pools["mamba"].host.rows(cmd.mamba_slots)
             link, ok = self.storage, True
             if rows is not None:
                 ok = bool(link.store(self.suffix, list(cmd.page_hashes), rows))
@@ -622,11 +635,9 @@ class RankWorker:
                 if epoch != self.epoch or cmd.op_id not in self.prefetch_ops:
                     return False
                 if sliding is not None:
-                    assert self.sliding is not None, "sliding prefetch for a model without them"
-                    bytes_to_pages(self.sliding_host, cmd.sliding_pages, sliding)
+                    self.pools["sliding"].host.put_rows(cmd.sliding_pages, sliding)
                 if states is not None:
-                    assert self.states is not None, "mamba prefetch for a model without them"
-                    rows_to_states(self.states_host, cmd.mamba_slots, states)
+                    self.pools["mamba"].host.put_rows(cmd.mamba_slots, states)
             return True
         except Exception:
             log.exception("rank %s: prefetch %d lost its components", self.shard.rank, cmd.op_id)
@@ -666,7 +677,7 @@ class RankWorker:
                     if got:
                         slots = cmd.host_pages[done : done + got]
                         self.names.forget_host(slots)
-                        bytes_to_pages(self.l2, slots, rows)
+                        self.pools["full"].host.put_rows(slots, rows)
                         if cmd.tokens:
                             self.names.prefetched(cmd, done, got)
                         self.moved_bytes["storage_to_host"] += got * self.page_bytes
@@ -695,12 +706,14 @@ class RankWorker:
                 )
                 entry[1], entry[2] = True, terminated
 
-    def _copy(self, src: KVPool, src_pages, dst: KVPool, dst_pages) -> None:
+    def _copy(self, tiers: Tiers, src: list[int], dst: list[int], to_host: bool) -> None:
+        """One component's copy L1 -> L2 (``to_host``) or L2 -> L1, on the copy stream
+        where there is one."""
         if self.stream is None:
-            copy_pages(src, src_pages, dst, dst_pages)
+            tiers.copy(src, dst, to_host)
             return
         with torch.cuda.stream(self.stream):
-            copy_pages(src, src_pages, dst, dst_pages)
+            tiers.copy(src, dst, to_host)
         self.stream.synchronize()
 
     # -- checks ----------------------------------------------------------------------
@@ -727,21 +740,9 @@ class RankWorker:
         s_dst = [p for c in group for p in c.sliding_dst]  # type: ignore[attr-defined]
         m_src = [p for c in group for p in c.mamba_src]  # type: ignore[attr-defined]
         m_dst = [p for c in group for p in c.mamba_dst]  # type: ignore[attr-defined]
-        if s_src:
-            assert self.sliding is not None, "sliding copies for a model without sliding layers"
-            pools = (
-                (self.sliding, self.sliding_host) if to_host else (self.sliding_host, self.sliding)
-            )
-            self._copy(pools[0], s_src, pools[1], s_dst)
-        if m_src:
-            assert self.states is not None, "mamba copies for a model without mamba layers"
-            src, dst = (
-                (self.states, self.states_host) if to_host else (self.states_host, self.states)
-            )
-            index = torch.tensor(m_src)
-            dst.buffer[torch.tensor(m_dst)] = src.buffer[index.to(src.buffer.device)].to(
-                dst.buffer.device
-            )
+        for component, src, dst in (("sliding", s_src, s_dst), ("mamba", m_src, m_dst)):
+            if src:
+                self._copy(self.pools[component], src, dst, to_host)
 
     def _store_parts(self, cmd: Compute) -> None:
         """Store a hybrid compute's other components: each sliding page's KV of the

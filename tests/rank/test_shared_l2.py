@@ -153,10 +153,14 @@ def test_a_slot_being_written_when_the_rank_died_is_not_adopted(tmp_path):
 def test_the_l2_pool_is_a_view_of_the_file(tmp_path):
     f = LocalFabric(small_config(), l2_dir=tmp_path)
     rank = f.ranks[0]
-    rank.l2.buffer.view(-1)[0] = 3.0
+    rank.pools["full"].host.buffer.view(-1)[0] = 3.0
     at = rank.shared_l2.pool_at
-    on_file = (tmp_path / "rank-0.l2").read_bytes()[at : at + rank.l2.buffer.element_size()]
-    assert on_file == rank.l2.buffer.view(-1)[:1].view(torch.uint8).numpy().tobytes()
+    on_file = (tmp_path / "rank-0.l2").read_bytes()[
+        at : at + rank.pools["full"].host.buffer.element_size()
+    ]
+    assert (
+        on_file == rank.pools["full"].host.buffer.view(-1)[:1].view(torch.uint8).numpy().tobytes()
+    )
     f.close()
 
 
