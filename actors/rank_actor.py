@@ -303,7 +303,7 @@ class RankActor:
             "incarnation": w.incarnation,
             "device": str(w.device),
             "l1_bytes": w.l1.nbytes,
-            "l2_bytes": w.l2.nbytes,
+            "l2_bytes": w.pools["full"].host.nbytes,
             "pid": os.getpid(),
             "computed_tokens": w.computed_tokens,
         }
