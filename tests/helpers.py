@@ -23,22 +23,23 @@ HYPOTHESIS_PROFILE = os.environ.get("KVFABRIC_HYPOTHESIS", "ci")
 _PROFILES = ("quick", "ci", "deep")
 
 
-def machine_settings(examples: int, steps: int) -> settings:
-    """Settings of a Hypothesis state machine: ``examples`` under the ci profile, a
-    quarter (at least 10) under ``quick``, at least 2,000 (and 10x as many) under
-    ``deep``."""
+def example_count(ci: int, deep: int) -> int:
+    """How many examples a property runs: ``ci`` under the ci profile, a quarter of it
+    (at least 10) under ``quick``, ``deep`` under ``deep``."""
     if HYPOTHESIS_PROFILE not in _PROFILES:
         raise ValueError(
             f"KVFABRIC_HYPOTHESIS={HYPOTHESIS_PROFILE!r} is refused: allowed is "
             + ", ".join(_PROFILES)
         )
-    max_examples = {
-        "quick": min(examples, max(10, examples // 4)),
-        "ci": examples,
-        "deep": max(2000, 10 * examples),
-    }[HYPOTHESIS_PROFILE]
+    return {"quick": min(ci, max(10, ci // 4)), "ci": ci, "deep": deep}[HYPOTHESIS_PROFILE]
+
+
+def machine_settings(examples: int, steps: int) -> settings:
+    """Settings of a Hypothesis state machine: ``examples`` under the ci profile, a
+    quarter (at least 10) under ``quick``, at least 2,000 (and 10x as many) under
+    ``deep``."""
     return settings(
-        max_examples=max_examples,
+        max_examples=example_count(examples, max(2000, 10 * examples)),
         stateful_step_count=steps,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabric.cli import main
-from tests.helpers import HYPOTHESIS_PROFILE
+from tests.helpers import example_count
 
-EXAMPLES = 3000 if HYPOTHESIS_PROFILE == "deep" else 150
+EXAMPLES = example_count(150, 3000)
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 json_values = st.recursive(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from collections import Counter
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -380,7 +381,8 @@ class ShardedFabricMachine(FabricMachine):
 
 
 ShardedFabricMachine.TestCase.settings = machine_settings(examples=8, steps=25)
-TestShardedFabricMachine = ShardedFabricMachine.TestCase
+# A sharded model computing on every rank, every step: seconds, not the fast tier.
+TestShardedFabricMachine = pytest.mark.slow(ShardedFabricMachine.TestCase)
 
 
 def test_the_sharded_machine_verifies_a_decode_its_ranks_computed_from_the_cache():

@@ -28,7 +28,7 @@ from fabric.l3.shards import (
     owner,
     positions,
 )
-from tests.helpers import HYPOTHESIS_PROFILE, prompt, small_config
+from tests.helpers import example_count, prompt, small_config
 
 HYBRIDS = {
     "full": (),
@@ -107,7 +107,7 @@ class KeySet:
         return [k in self.keys for k in keys]
 
 
-@settings(max_examples=150 if HYPOTHESIS_PROFILE == "ci" else 3000, deadline=None)
+@settings(max_examples=example_count(150, 3000), deadline=None)
 @given(
     kind=st.sampled_from(sorted(HYBRIDS)),
     shards=st.integers(2, 5),

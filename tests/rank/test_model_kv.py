@@ -59,6 +59,7 @@ SHAPES = {
 }
 
 
+@pytest.mark.slow  # a real model's forward passes on every rank: seconds each
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_generation_from_fabric_kv_equals_generation_without_a_cache(tmp_path, shape):
     topology = SHAPES[shape]
