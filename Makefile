@@ -3,7 +3,7 @@
 PYTHON ?= python3
 FAST := not (ray or slow or chaos or browser or interop)
 
-.PHONY: help lint format test-fast test-ray test-interop test deep bench-tree
+.PHONY: help lint format test-fast test-ray test-interop test deep deep-sharded bench-tree
 
 help:
 	@echo "make lint          ruff check and ruff format --check"
@@ -12,7 +12,8 @@ help:
 	@echo "make test-ray      the tests that start Ray (actors, chaos, dashboard)"
 	@echo "make test-interop  the engines' own code (bash tests/interop/setup_engines.sh first)"
 	@echo "make test          every tier: what CI runs (the README's test command)"
-	@echo "make deep          the Hypothesis state machines under the deep profile"
+	@echo "make deep          the Hypothesis state machines and CLI fuzzing, deep profile"
+	@echo "make deep-sharded  the sharded-model state machine, deep profile (about 50 minutes)"
 	@echo "make bench-tree    the tree core's speed against SGLang-style radix (bench/tree_ops.py)"
 
 lint:
@@ -36,7 +37,10 @@ test:
 	$(PYTHON) -m pytest tests
 
 deep:
-	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "Machine or cli_fuzz" --hypothesis-show-statistics
+	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "(Machine and not Sharded) or cli_fuzz" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM
+
+deep-sharded:
+	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "Sharded and Machine" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM
 
 bench-tree:
 	$(PYTHON) bench/tree_ops.py
