@@ -1,5 +1,6 @@
 # Everyday commands (CONTRIBUTING.md). Run them inside the project's virtualenv; the
 # README's "Two commands" make one.
+SHELL := /bin/bash
 PYTHON ?= python3
 FAST := not (ray or slow or chaos or browser or interop)
 
