@@ -46,7 +46,7 @@ class InProcessController(Controller):
 
     With ``immediate=True`` every queued operation is reported finished at the
     next ``take_completions``; otherwise nothing is, and the test tells the
-    cache of completions itself (``HiCache.complete_writes`` and the rest).
+    cache of completions itself (``Writes.complete`` and the rest).
     ``storage`` stands in for L3: the set of page hashes that backups stored
     (and ``(component, hash)`` pairs for a hybrid model's other components: set
     ``components`` to the cache's, so hit queries find the deepest end where

@@ -1,7 +1,8 @@
 """Where a request's KV sits in L1: the longest cached prefix of a key (for a
 hybrid model, the deepest end every component can serve), L1 pages leased for
-new KV, and placing them in the tree (``insert``, ``extend``). ``HiCache``
-owns one ``Placement`` and answers these calls through it."""
+new KV, placing them in the tree (``insert``, ``extend``), and the locks that
+keep a matched path in L1. ``HiCache`` builds one ``Placement``; its callers use
+it directly (``cache.placement``)."""
 
 from __future__ import annotations
 

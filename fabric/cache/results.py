@@ -23,7 +23,7 @@ class MatchResult:
     (``device_tokens`` long). ``host_tokens``: the L2-only tail after it.
     ``last_device_node``: the deepest matched node on device (root if none);
     ``last_host_node``: the deepest matched node with a finished host copy
-    (root if none) — pass it to ``load_back`` when ``host_tokens > 0``.
+    (root if none) — pass it to ``LoadBacks.load_back`` when ``host_tokens > 0``.
     """
 
     device_pages: Pages

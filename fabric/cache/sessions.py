@@ -56,7 +56,7 @@ class Sessions:
         self.tier = tier
         self.clock = clock
         self.write_backup = write_backup
-        # Drops a request's lock (``HiCache.dec_lock_ref``: its components' too).
+        # Drops a request's lock (``Placement.dec_lock_ref``: its components' too).
         self.unlock = unlock or tree.dec_lock_ref
         self.reset()
 
