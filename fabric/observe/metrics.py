@@ -102,7 +102,7 @@ DERIVED: tuple[Derived, ...] = (
             "gauge",
             "Tokens of a tier's pool by state: free; on device also evictable (cached, "
             "unlocked) and protected (locked or leased); on host used.",
-            (("tier", ""),),
+            (("tier", ""),),  # two labels; each sample of ``_pool`` gives both values
             by="state",
         ),
         _pool,
