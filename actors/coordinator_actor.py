@@ -25,7 +25,7 @@ from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.driver import CoordinatorDriver, Step
-from fabric.coordinator.figures import figures, status_view
+from fabric.coordinator.figures import Figures, figures, status_view
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
@@ -277,7 +277,7 @@ class CoordinatorActor:
                 "role": "coordinator",
                 "name": str(self.config.runtime.name),
                 "alive": True,
-                "describe": self.describe(),
+                "describe": self.describe(f),
             }
         ]
         actors += await asyncio.gather(
@@ -484,12 +484,14 @@ class CoordinatorActor:
                 log.warning("Ray metrics not updated", exc_info=True)
             await asyncio.sleep(1.0)
 
-    def describe(self) -> str:
-        """This actor's role and live figures, in one line (`kvfabric status`)."""
-        core = getattr(self, "core", None)
-        if core is None:
-            return "kvfabric coordinator (starting)"
-        f = figures(core)
+    def describe(self, f: Figures | None = None) -> str:
+        """This actor's role and live figures (``f``, or the core's now), in one line
+        (`kvfabric status`)."""
+        if f is None:
+            core = getattr(self, "core", None)
+            if core is None:
+                return "kvfabric coordinator (starting)"
+            f = figures(core)
         moved, dev = f.transfer_tokens, f.device
         return (
             f"kvfabric coordinator {f.fabric}: epoch {f.epoch}, "

@@ -120,9 +120,6 @@ class CacheStats:
         ),
     ] = field(default_factory=lambda: {d: Histogram(TOKENS) for d in DIRECTIONS}, repr=False)
 
-    def counters(self) -> dict[str, int]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
-
 
 def check_count(kind: str, n: int, pending: int) -> None:
     """Refuse a completion count that is not an int in ``[0, pending]``."""

@@ -126,11 +126,6 @@ class Figures:
             "storage_to_host": self.l3_transfers.prefetched_tokens,
         }
 
-    @property
-    def mean_latency_s(self) -> float:
-        latency = self.counters.request_seconds
-        return latency.sum / latency.count if latency.count else 0.0
-
 
 def figures(core: CoordinatorCore) -> Figures:
     """The coordinator's figures now (counters copied: the tree does not change

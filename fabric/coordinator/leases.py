@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from fabric.cache.admission import Admission, RequestKV
 from fabric.coordinator.requests import FabricStats, HeldLease, Lease, ServingRequest
@@ -34,9 +34,6 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self.by_token)
-
-    def __iter__(self) -> Iterator[HeldLease]:
-        return iter(self.by_token.values())
 
     def __contains__(self, token: object) -> bool:
         return token in self.by_token

@@ -242,9 +242,6 @@ class RankPools:
         self.by_component[component] = tiers = Tiers(device, host)
         return tiers
 
-    def __contains__(self, component: str) -> bool:
-        return component in self.by_component
-
     def __getitem__(self, component: str) -> Tiers:
         tiers = self.by_component.get(component)
         if tiers is None:
