@@ -8,7 +8,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,7 +153,7 @@ class RankActor:
             threading.Thread(target=self._loop, args=(run,), name=name, daemon=True)
             for name, run in (
                 ("kv-transfers", self.worker.run_one),
-                ("kv-storage", self.worker.run_storage_one),
+                ("kv-storage", self.worker.storage_io.run_one),
             )
         ]
         self._threads.append(
@@ -166,9 +166,9 @@ class RankActor:
         """Ray's metrics from this rank's transfer counters, each second."""
         while not self._stop.wait(1.0):
             try:
-                times = self.worker.transfer_seconds
+                times = self.worker.ledger.transfer_seconds
                 taken = [times.popleft() for _ in range(len(times))]
-                self.metrics.update(dict(self.worker.moved_bytes), taken)
+                self.metrics.update(dict(self.worker.ledger.moved_bytes), taken)
             except Exception:  # metrics never cost the rank anything else
                 log.warning("Ray metrics not updated", exc_info=True)
 
@@ -183,11 +183,11 @@ class RankActor:
         message = decode(batch, self.max_bytes)
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
-        seen = self.worker.news_seq  # what finishes from here on is news for this reply
+        seen = self.worker.ledger.news_seq  # what finishes from here on is news for this reply
         self.worker.accept(message)
         if self._duplicate:  # chaos: the same message delivered twice
             self.worker.accept(message)
-        self.worker.wait_for_news(self.config.runtime.round_wait_s, since=seen)
+        self.worker.ledger.wait_for_news(self.config.runtime.round_wait_s, since=seen)
         if self._reply_delay_s:
             time.sleep(self._reply_delay_s)
         if self._bad_report is not None:
@@ -199,10 +199,10 @@ class RankActor:
         worker = getattr(self, "worker", None)
         if worker is None:
             return "kvfabric rank (starting)"
-        moved = {k: v >> 20 for k, v in worker.moved_bytes.items()}
+        moved = {k: v >> 20 for k, v in worker.ledger.moved_bytes.items()}
         return (
             f"kvfabric rank {worker.shard.rank} of {self.config.runtime.name} on "
-            f"{worker.device}: epoch {worker.epoch}, moved MiB L1>L2 {moved['device_to_host']} "
+            f"{worker.device}: epoch {worker.ledger.epoch}, moved MiB L1>L2 {moved['device_to_host']} "
             f"L2>L1 {moved['host_to_device']} L2>L3 {moved['host_to_storage']} "
             f"L3>L2 {moved['storage_to_host']}"
         )
@@ -254,16 +254,16 @@ class RankActor:
         namespace: str,
         tokens: bytes,
         pages: list[int],
-        sliding: list[tuple[int, int]] = (),  # type: ignore[assignment]
-        mamba: list[tuple[int, int]] = (),  # type: ignore[assignment]
+        sliding: Sequence[tuple[int, int]] = (),
+        mamba: Sequence[tuple[int, int]] = (),
         epoch: int | None = None,
     ) -> bool | None:
         """The full KV in ``pages`` and a hybrid model's ``sliding`` / ``mamba`` parts;
         ``None`` when this rank is not in ``epoch`` (the lease's) any more."""
         worker = self.worker
-        if epoch is not None and epoch != worker.epoch:
+        if epoch is not None and epoch != worker.ledger.epoch:
             return None
-        return worker.verify(namespace, tokens, pages) and worker.verify_parts(
+        return worker.verify(namespace, tokens, pages) and worker.parts.verify(
             namespace, tokens, list(sliding), list(mamba)
         )
 

@@ -61,7 +61,7 @@ class LocalRanks:
         for i in running:
             if threads is None:
                 ranks[i].run_pending()
-            ranks[i].run_storage_pending()
+            ranks[i].storage_io.run_pending()
         return Replies([encode(r.report()) for r in ranks], [None] * len(ranks))
 
     def restart(self, index: int) -> None:
@@ -252,6 +252,6 @@ class LocalFabric:
         cached = tokens[: lease.tokens * 4]
         return [
             r.verify(lease.namespace, cached, list(lease.device_pages))
-            and r.verify_parts(lease.namespace, cached, list(lease.sliding), list(lease.mamba))
+            and r.parts.verify(lease.namespace, cached, list(lease.sliding), list(lease.mamba))
             for r in self.ranks
         ]

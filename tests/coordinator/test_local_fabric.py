@@ -236,7 +236,7 @@ def test_a_new_epoch_waits_for_the_copy_in_flight():
     assert started.wait(5)
     accepted = threading.Event()
     threading.Thread(
-        target=lambda: (rank.accept(Batch(rank.epoch + 1, ())), accepted.set())
+        target=lambda: (rank.accept(Batch(rank.ledger.epoch + 1, ())), accepted.set())
     ).start()
     assert not accepted.wait(0.3), "the new epoch waits while the old copy runs"
     release.set()
@@ -420,8 +420,8 @@ def test_a_hybrid_lease_names_its_components_and_every_rank_checks_them():
     # Stage 0 holds the sliding layer, stage 1 the mamba layer: a wrong value in
     # either is caught by the ranks that hold it.
     (_, sliding_page), (_, slot) = lease.sliding[0], lease.mamba[0]
-    f.ranks[0].sliding.pages[:, sliding_page] += 1
-    f.ranks[3].states.buffer[slot] += 1
+    f.ranks[0].parts.sliding.pages[:, sliding_page] += 1
+    f.ranks[3].parts.states.buffer[slot] += 1
     assert f.verify(again, p) == [False, True, True, False]
 
 

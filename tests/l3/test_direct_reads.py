@@ -32,7 +32,7 @@ def serve(cfg, tokens=TOKENS):
 
 def read_by(f: LocalFabric) -> tuple[int, int]:
     """Pages the ranks read themselves, and through the storage service."""
-    links = [w.storage for w in f.ranks]
+    links = [w.storage_io.link for w in f.ranks]
     assert all(isinstance(link, DirectReads) for link in links)
     return sum(x.direct_pages for x in links), sum(x.relayed_pages for x in links)
 
@@ -54,7 +54,7 @@ def test_without_direct_reads_the_pages_come_through_the_storage_service(tmp_pat
     fill_l3(cfg, TOKENS)
     f, r = serve(cfg)
     assert r.storage_hit_tokens == 32
-    assert not any(isinstance(w.storage, DirectReads) for w in f.ranks)
+    assert not any(isinstance(w.storage_io.link, DirectReads) for w in f.ranks)
     assert "direct_pages" not in f.storage.stats()
 
 
@@ -68,7 +68,7 @@ def test_a_damaged_page_read_directly_is_refused_and_counted_by_the_store(tmp_pa
     f, r = serve(cfg)
     assert r.storage_hit_tokens < 32 and r.computed_tokens > 0
     assert f.storage.stats()["refused_checksum"] >= 1
-    assert sum(w.storage.refused.get("checksum", 0) for w in f.ranks) >= 1
+    assert sum(w.storage_io.link.refused.get("checksum", 0) for w in f.ranks) >= 1
 
 
 def test_a_page_file_that_vanished_after_the_query_is_a_short_prefetch(tmp_path, monkeypatch):

@@ -135,12 +135,12 @@ def test_a_rank_holds_its_reply_until_it_has_news_or_nothing_in_flight():
 
     f = LocalFabric(small_config("storage.backend=none"))
     rank = f.ranks[0]
-    rank.wait_for_news(30)  # nothing in flight: returns at once (else this test hangs)
+    rank.ledger.wait_for_news(30)  # nothing in flight: returns at once (else this test hangs)
     f.core.submit(pack_tokens(prompt(1, pages=2)))
     rank.accept(f.core.next_batch())
-    assert rank.queue, "a compute is queued"
+    assert rank.ledger.queue, "a compute is queued"
     before = rank.report()
-    waiter = threading.Thread(target=rank.wait_for_news, args=(60,), daemon=True)
+    waiter = threading.Thread(target=rank.ledger.wait_for_news, args=(60,), daemon=True)
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive(), "it waits while the compute has not run"
@@ -150,5 +150,5 @@ def test_a_rank_holds_its_reply_until_it_has_news_or_nothing_in_flight():
     assert rank.report() != before
     f.core.submit(pack_tokens(prompt(2, pages=2)))
     rank.accept(f.core.next_batch())
-    rank.wait_for_news(0.01)  # nobody runs it: the bound ends the wait
-    assert rank.queue
+    rank.ledger.wait_for_news(0.01)  # nobody runs it: the bound ends the wait
+    assert rank.ledger.queue

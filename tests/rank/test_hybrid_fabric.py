@@ -68,7 +68,7 @@ def served_cache(f: LocalFabric, lease, hf_config, model):
     flat = {}
     for rank in f.ranks:
         shard, kv = rank.read(tokens, list(lease.device_pages))
-        _, skv, states = rank.read_parts(list(lease.sliding), list(lease.mamba))
+        _, skv, states = rank.parts.read(list(lease.sliding), list(lease.mamba))
         span = range(shard.layer_start, shard.layer_start + shard.layers)
         heads = (shard.head_start, shard.head_start + shard.heads)
         for j, layer in enumerate(i for i in span if kinds[i] == "full"):
@@ -146,7 +146,7 @@ def test_components_written_to_l2_and_loaded_back_continue_as_no_cache(name):
     f.core.cache.device_evictions.evict(1 << 20)  # L1 emptied: the pages and components stay in L2
     assert f.core.cache.device_sizes().evictable == 0
     for rank in f.ranks:  # as if other prompts had reused every L1 slot since
-        for pool in (rank.l1, rank.sliding, rank.states):
+        for pool in (rank.l1, rank.parts.sliding, rank.parts.states):
             if pool is not None:
                 pool.buffer.zero_()
     r = f.serve(pack_tokens(a))
