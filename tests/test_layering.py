@@ -125,7 +125,6 @@ LONG_MODULES = {
     "fabric/config.py": "every section of the config with its allowed values",
     "fabric/engines/sglang.py": "SGLang's HiCacheStorage interface, method for method",
     "fabric/l3/segment.py": "the segment store: layout, index, writers and readers",
-    "fabric/tools/chaos.py": "the chaos harness: faults, the load, the verdict",
     "actors/coordinator_actor.py": "the coordinator's Ray shell, to be thinned (issue 29)",
 }
 LONG_FUNCTIONS = {
@@ -136,9 +135,6 @@ LONG_FUNCTIONS = {
     "fabric/client.py::launch": "find or start Ray, deploy, wait for the actors, clean up",
     "fabric/rank/sharded.py::__init__": "a sharded model's layers and its groups",
     "fabric/rank/sharded.py::forward": "a pipeline stage's forward, with its exchanges",
-    "fabric/tools/chaos.py::inject": "one branch per fault kind",
-    "fabric/tools/chaos.py::settle": "waiting out every fault before the verdict",
-    "fabric/tools/chaos.py::report": "the verdict's figures",
     "fabric/tools/chat.py::converse": "conversations, with the uncached check",
     "actors/factory.py::deploy": "every actor with its options, in order",
 }

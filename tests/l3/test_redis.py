@@ -225,7 +225,8 @@ def test_an_outage_costs_one_attempt_then_fails_fast_until_redis_is_back(monkeyp
 def test_the_chaos_audit_reads_every_redis_page_and_names_a_damaged_one(redis_port, tmp_path):
     """``kvfabric chaos`` on the Redis backend: its L3 audit lists the pages (SCAN)
     and reads each as a prefetch would; a damaged value is named, not a crash."""
-    from fabric.tools.chaos import Chaos, ChaosOptions, chaos_config
+    from fabric.tools.chaos import ChaosOptions, chaos_config
+    from fabric.tools.chaos.environment import scan_l3
 
     opts = ChaosOptions(
         overrides=(
@@ -233,19 +234,18 @@ def test_the_chaos_audit_reads_every_redis_page_and_names_a_damaged_one(redis_po
             f'storage.options={{"port": {redis_port}, "prefix": "chaos:"}}',
         )
     )
-    c = Chaos(opts, progress=lambda line: None)
-    c.config = chaos_config(opts, str(tmp_path))
-    f = LocalFabric(c.config)
+    config = chaos_config(opts, str(tmp_path))
+    f = LocalFabric(config)
     f.core.release(f.serve(pack_tokens(prompt(3, pages=4))).lease)
     f.settle()
     f.close()
-    audit = c.scan_l3()
+    audit = scan_l3(config)
     assert audit["valid"] > 0 and set(audit) == {"valid"}, audit
     store = backend(redis_port, "chaos:")
     name = f"chaos:{store.page_keys()[0]}"
     value = bytearray(store.client.get(name))
     value[-1] ^= 1
     store.client.set(name, bytes(value))
-    damaged = c.scan_l3()
+    damaged = scan_l3(config)
     assert damaged["checksum"] == 1 and damaged["valid"] == audit["valid"] - 1
     store.clear()
