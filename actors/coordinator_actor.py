@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from actors.calls import dead_jobs
+from actors.coordinator_metrics import feed_metrics, prometheus_exporter
 from actors.rank_group import RayRankGroup
 from actors.ray_metrics import CoordinatorMetrics, node_ip
 from actors.storage_group import StorageGroup
@@ -25,7 +27,7 @@ from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
 from fabric.coordinator.driver import CoordinatorDriver, Step
-from fabric.coordinator.figures import Figures, figures, status_view
+from fabric.coordinator.figures import figures, one_line, status_view
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import InvalidInput
@@ -41,23 +43,10 @@ OWNER_CHECK_S = 2.0
 STORAGE_CHECK_S = 1.0
 
 
-async def _await(ref: Any) -> Any:
-    return await ref
-
-
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise InvalidInput(f"timeout_s={value!r} is refused: allowed is a number >= 0")
     return float(value)
-
-
-def _dead_jobs() -> set[str]:
-    """Ray job ids of drivers that have exited (empty if Ray cannot say)."""
-    try:
-        from ray._private.state import jobs
-    except ImportError:  # pragma: no cover - a Ray without the private state API
-        return set()
-    return {job["JobID"] for job in jobs() if job.get("IsDead")}
 
 
 class CoordinatorActor:
@@ -79,7 +68,6 @@ class CoordinatorActor:
         self._storage_sync: asyncio.Task | None = None
         self.publisher: KVEventPublisher | None = None
         self.ray_metrics: CoordinatorMetrics | None = None
-        self._ray_metrics_task: asyncio.Task | None = None
         self._starting: asyncio.Lock | None = None
         self.driver = self._driver()
 
@@ -116,13 +104,16 @@ class CoordinatorActor:
             self._storage_spec = await self.storage.spec()
             await self.driver.start(self._storage_spec is not None)
             self._task = asyncio.get_running_loop().create_task(self._loop())
-            if self._ray_metrics_task is None:  # once: a core started afresh keeps them
+            if self._metrics_task is None:  # once: a core started afresh keeps them
                 self.ray_metrics = CoordinatorMetrics(self.config.runtime.name)
-                self._ray_metrics_task = asyncio.get_running_loop().create_task(
-                    self._feed_ray_metrics()
+                feed = feed_metrics(
+                    lambda: figures(self.core),
+                    self.storage,
+                    self.ray_metrics,
+                    prometheus_exporter(self.config.runtime),
+                    lambda: self.publisher.stats() if self.publisher is not None else None,
                 )
-            if self.config.runtime.metrics_port and self._metrics_task is None:
-                self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+                self._metrics_task = asyncio.get_running_loop().create_task(feed)
 
     async def submit(
         self,
@@ -263,32 +254,17 @@ class CoordinatorActor:
         the epoch, per-tier usage, transfers in flight, L3 usage. Cheap: counters
         the core keeps and one short call per actor."""
         f = figures(self.core)
-
-        async def line(role: str, name: str, actor: Any) -> dict[str, Any]:
-            try:
-                text = await asyncio.wait_for(_await(actor.describe.remote()), 5)
-                return {"role": role, "name": name, "alive": True, "describe": text}
-            except Exception as exc:
-                return {"role": role, "name": name, "alive": False, "describe": type(exc).__name__}
-
-        ranks = [str(r) for r in self.core.topology.ranks]
-        actors = [
-            {
-                "role": "coordinator",
-                "name": str(self.config.runtime.name),
-                "alive": True,
-                "describe": self.describe(f),
-            }
-        ]
-        actors += await asyncio.gather(
-            *(line("rank", name, a) for name, a in zip(ranks, self.ranks.handles, strict=True)),
-            *(
-                line("storage", name, h)
-                for name, h in zip(self.storage.names(), self.storage.handles, strict=True)
-            ),
+        me = {
+            "role": "coordinator",
+            "name": str(self.config.runtime.name),
+            "alive": True,
+            "describe": one_line(f),
+        }
+        ranks, storages, l3 = await asyncio.gather(
+            self.ranks.describe(), self.storage.describe(), self.storage.stats(5)
         )
-        l3 = await self.storage.stats(5)
-        return status_view(f, actors, l3, self.publisher.stats() if self.publisher else None)
+        events = self.publisher.stats() if self.publisher else None
+        return status_view(f, [me, *ranks, *storages], l3, events)
 
     async def settle(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing is in flight (write-throughs, backups, prefetches);
@@ -401,7 +377,7 @@ class CoordinatorActor:
             self._next_owner_check = now + OWNER_CHECK_S
             owners = self.core.owners()
             if owners:
-                for owner in owners & await asyncio.to_thread(_dead_jobs):
+                for owner in owners & await asyncio.to_thread(dead_jobs):
                     log.warning("driver %s exited: reclaiming its leases", owner)
                     self._deliver(self.core.reclaim(owner))
         if not self.core.idle:
@@ -447,59 +423,9 @@ class CoordinatorActor:
             await asyncio.sleep(0.05)
         await asyncio.sleep(self.config.runtime.step_interval_s)
 
-    async def _export_metrics(self) -> None:
-        """Serve Prometheus metrics (localhost unless configured): the core's
-        figures each second, the storage actor's counters every few seconds."""
-        from fabric.observe.metrics import MetricsExporter
-
-        exporter = MetricsExporter()
-        exporter.serve(self.config.runtime.metrics_port, self.config.runtime.metrics_host)
-        l3: dict[str, Any] = {}
-        next_l3 = 0.0
-        while True:
-            if time.monotonic() >= next_l3:
-                next_l3 = time.monotonic() + 5.0
-                got = await self.storage.stats(5)
-                if "error" not in got:
-                    l3 = got
-            events = self.publisher.stats() if self.publisher is not None else None
-            exporter.update(figures(self.core), l3, events)
-            await asyncio.sleep(1.0)
-
-    async def _feed_ray_metrics(self) -> None:
-        """Ray's metrics (``ray.util.metrics``) from the core's figures each second,
-        and L3's size from the storage actor every few seconds."""
-        l3: dict[str, Any] = {}
-        next_l3 = 0.0
-        while True:
-            if time.monotonic() >= next_l3:
-                next_l3 = time.monotonic() + 5.0
-                l3 = await self.storage.stats(5)
-                if "error" in l3:
-                    l3 = {}
-            try:
-                if self.ray_metrics is not None:
-                    self.ray_metrics.update(figures(self.core), l3)
-            except Exception:
-                log.warning("Ray metrics not updated", exc_info=True)
-            await asyncio.sleep(1.0)
-
-    def describe(self, f: Figures | None = None) -> str:
-        """This actor's role and live figures (``f``, or the core's now), in one line
-        (`kvfabric status`)."""
-        if f is None:
-            core = getattr(self, "core", None)
-            if core is None:
-                return "kvfabric coordinator (starting)"
-            f = figures(core)
-        moved, dev = f.transfer_tokens, f.device
-        return (
-            f"kvfabric coordinator {f.fabric}: epoch {f.epoch}, "
-            f"{f.counters.rounds} rounds, {f.counters.finished} served, "
-            f"L1 {dev.capacity - dev.free}/{dev.capacity} tokens, moved tokens "
-            f"L1>L2 {moved['device_to_host']} L2>L1 {moved['host_to_device']} "
-            f"L2>L3 {moved['host_to_storage']} L3>L2 {moved['storage_to_host']}"
-        )
+    def describe(self) -> str:
+        """This actor's role and live figures in one line (``kvfabric status``)."""
+        return one_line(figures(self.core))
 
     def __repr__(self) -> str:
         """What the Ray dashboard shows for this actor: Ray reads the repr once, as

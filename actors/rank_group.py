@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from actors.calls import awaited, described
 from actors.compiled_rounds import CompiledRounds
 from fabric.config import FabricConfig
 from fabric.coordinator.driver import Replies
@@ -22,10 +23,6 @@ from fabric.coordinator.requests import Lease
 from fabric.messages import Report, decode
 
 log = logging.getLogger(__name__)
-
-
-async def _await(ref: Any) -> Any:
-    return await ref
 
 
 class RayRankGroup:
@@ -45,7 +42,7 @@ class RayRankGroup:
 
     async def inventories(self, epoch: int) -> list[Any]:
         return list(
-            await asyncio.gather(*(_await(a.inventory.remote(epoch)) for a in self.handles))
+            await asyncio.gather(*(awaited(a.inventory.remote(epoch)) for a in self.handles))
         )
 
     async def round(self, batch: bytes) -> Replies:
@@ -59,7 +56,7 @@ class RayRankGroup:
             if replies is not None:  # a compiled round has no reply time per rank
                 return Replies(list(replies), [None] * len(replies))
         sent = time.perf_counter()
-        calls = [asyncio.ensure_future(_await(rank.step.remote(batch))) for rank in self.handles]
+        calls = [asyncio.ensure_future(awaited(rank.step.remote(batch))) for rank in self.handles]
         replied: dict[int, float] = {}
         for index, call in enumerate(calls):  # when each reply came (stragglers)
             call.add_done_callback(lambda _, i=index: replied.setdefault(i, time.perf_counter()))
@@ -119,6 +116,14 @@ class RayRankGroup:
         pages = list(lease.device_pages)
         return list(
             await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.handles))
+        )
+
+    async def describe(self) -> list[dict[str, Any]]:
+        """Every rank's line in ``kvfabric status``."""
+        return list(
+            await asyncio.gather(
+                *(described("rank", n, a) for n, a in zip(self.names, self.handles, strict=True))
+            )
         )
 
     async def infos(self) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from actors.calls import awaited, described
 from fabric.config import FabricConfig
 from fabric.l3.shards import merge_stats, union
 
@@ -69,7 +70,7 @@ class StorageGroup:
         did not answer (a restarting actor asks for it itself)."""
         restored = failed = 0
         for outcome in await asyncio.gather(
-            *(asyncio.wait_for(_await(h.ensure.remote(spec)), timeout_s) for h in self.handles),
+            *(asyncio.wait_for(awaited(h.ensure.remote(spec)), timeout_s) for h in self.handles),
             return_exceptions=True,
         ):
             if isinstance(outcome, BaseException):
@@ -83,14 +84,14 @@ class StorageGroup:
         found = []
         for h in self.handles:
             with contextlib.suppress(Exception):
-                found.append(await asyncio.wait_for(_await(h.take_removed.remote()), timeout_s))
+                found.append(await asyncio.wait_for(awaited(h.take_removed.remote()), timeout_s))
         return union(found)
 
     async def stats(self, timeout_s: float) -> dict[str, Any]:
         """L3's figures as one store's (``merge_stats``); an ``error`` when an actor
         does not answer."""
         got = await asyncio.gather(
-            *(asyncio.wait_for(_await(h.stats.remote()), timeout_s) for h in self.handles),
+            *(asyncio.wait_for(awaited(h.stats.remote()), timeout_s) for h in self.handles),
             return_exceptions=True,
         )
         bad = [g for g in got if isinstance(g, BaseException)]
@@ -98,12 +99,19 @@ class StorageGroup:
             return {"error": type(bad[0]).__name__}
         return merge_stats(got)  # type: ignore[arg-type]
 
+    async def describe(self) -> list[dict[str, Any]]:
+        """Every storage actor's line in ``kvfabric status``."""
+        return list(
+            await asyncio.gather(
+                *(
+                    described("storage", n, h)
+                    for n, h in zip(self.names(), self.handles, strict=True)
+                )
+            )
+        )
+
     def names(self) -> list[str]:
         """How ``kvfabric status`` names each actor."""
         if len(self.handles) == 1:
             return ["storage"]
         return [f"storage-{i}" for i in range(len(self.handles))]
-
-
-async def _await(ref: Any) -> Any:
-    return await ref

@@ -125,7 +125,6 @@ LONG_MODULES = {
     "fabric/config.py": "every section of the config with its allowed values",
     "fabric/engines/sglang.py": "SGLang's HiCacheStorage interface, method for method",
     "fabric/l3/segment.py": "the segment store: layout, index, writers and readers",
-    "actors/coordinator_actor.py": "the coordinator's Ray shell, to be thinned (issue 29)",
 }
 LONG_FUNCTIONS = {
     "fabric/cache/admission.py::_fill_pages": "one pass over a prefill's pages per tier",

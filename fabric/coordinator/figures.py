@@ -170,6 +170,18 @@ def figures(core: CoordinatorCore) -> Figures:
     )
 
 
+def one_line(f: Figures) -> str:
+    """The coordinator's role and live figures in one line (``kvfabric status``)."""
+    moved, dev = f.transfer_tokens, f.device
+    return (
+        f"kvfabric coordinator {f.fabric}: epoch {f.epoch}, "
+        f"{f.counters.rounds} rounds, {f.counters.finished} served, "
+        f"L1 {dev.capacity - dev.free}/{dev.capacity} tokens, moved tokens "
+        f"L1>L2 {moved['device_to_host']} L2>L1 {moved['host_to_device']} "
+        f"L2>L3 {moved['host_to_storage']} L3>L2 {moved['storage_to_host']}"
+    )
+
+
 def status_view(
     f: Figures,
     actors: list[dict[str, Any]],
