@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric.cache.keys import pack_tokens
-from fabric.config import FabricConfig
+from fabric.config import FabricConfig, RuntimeConfig
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.driver import cluster
 from fabric.errors import FabricError
@@ -398,34 +398,9 @@ def launch(
     path = str(Path(config.storage.path).expanduser().resolve())
     config = config.replace(storage={**config.storage.model_dump(), "path": path})
     runtime = config.runtime
-    owns = False
-    reason = "this process's Ray"
+    owns, reason = False, "this process's Ray"
     if not ray.is_initialized():
-        from actors.factory import HEAD_RESOURCE
-
-        target = cluster.resolve(
-            address if address is not None else runtime.address,
-            runtime.name,
-            runtime.ray_namespace,
-            "--address / runtime.address",
-        )
-        reason = target.reason
-        local = {
-            # A private Ray is its own head node (a cluster's comes from cluster.yaml).
-            "resources": {HEAD_RESOURCE: 1000},
-            "include_dashboard": runtime.dashboard,
-            "dashboard_host": runtime.dashboard_host,
-            # Another local Ray (a second kvfabric run) may hold the port: take a free one.
-            "dashboard_port": cluster.free_port(runtime.dashboard_host, runtime.dashboard_port),
-        }
-        cluster.init_ray(
-            target.address if target.address is not None else "local",
-            runtime.ray_namespace,
-            runtime.log_to_driver,
-            f"--address / runtime.address ({target.reason})",
-            **({} if target.address else local),
-        )
-        owns = target.address is None
+        owns, reason = _start_ray(runtime, address)
     try:
         deployment = deploy(config)
     except FabricError:
@@ -442,6 +417,36 @@ def launch(
             flush=True,
         )
     return fabric
+
+
+def _start_ray(runtime: RuntimeConfig, address: str | None) -> tuple[bool, str]:
+    """Connect to the Ray ``launch`` is to use, or start a private local one: whether
+    this process started it (then it shuts it down with the fabric), and why
+    that Ray (``fabric.driver.cluster.resolve``)."""
+    from actors.factory import HEAD_RESOURCE
+
+    target = cluster.resolve(
+        address if address is not None else runtime.address,
+        runtime.name,
+        runtime.ray_namespace,
+        "--address / runtime.address",
+    )
+    local = {
+        # A private Ray is its own head node (a cluster's comes from cluster.yaml).
+        "resources": {HEAD_RESOURCE: 1000},
+        "include_dashboard": runtime.dashboard,
+        "dashboard_host": runtime.dashboard_host,
+        # Another local Ray (a second kvfabric run) may hold the port: take a free one.
+        "dashboard_port": cluster.free_port(runtime.dashboard_host, runtime.dashboard_port),
+    }
+    cluster.init_ray(
+        target.address if target.address is not None else "local",
+        runtime.ray_namespace,
+        runtime.log_to_driver,
+        f"--address / runtime.address ({target.reason})",
+        **({} if target.address else local),
+    )
+    return target.address is None, target.reason
 
 
 def connect(

@@ -127,14 +127,9 @@ LONG_MODULES = {
     "fabric/l3/segment.py": "the segment store: layout, index, writers and readers",
 }
 LONG_FUNCTIONS = {
-    "fabric/cache/admission.py::_fill_pages": "one pass over a prefill's pages per tier",
-    "fabric/cache/components.py::violations": "each component invariant, recomputed",
     "fabric/cache/hicache.py::__init__": "the cache's parts wired in dependency order",
-    "fabric/cache/l3_transfers.py::complete_query": "a hit query's answer, every case",
-    "fabric/client.py::launch": "find or start Ray, deploy, wait for the actors, clean up",
     "fabric/rank/sharded.py::__init__": "a sharded model's layers and its groups",
     "fabric/rank/sharded.py::forward": "a pipeline stage's forward, with its exchanges",
-    "fabric/tools/chat.py::converse": "conversations, with the uncached check",
     "actors/factory.py::deploy": "every actor with its options, in order",
 }
 

@@ -310,14 +310,7 @@ class Admission:
         if tail is not None and not adopt:
             cache.placement.free_device((tail,))  # the tree had that page: ours was a duplicate
         first_new = max(req.filled, base)
-        hits = first_new - req.filled
-        from_l2 = min(loaded_tokens, hits)
-        from_l3 = min(req.prefetched, from_l2)
-        req.prefetched -= from_l3
-        req.storage_hit += from_l3
-        req.host_hit += from_l2 - from_l3
-        req.device_hit += hits - from_l2
-        req.computed += upto - first_new
+        _count_hits(req, first_new - req.filled, loaded_tokens, upto - first_new)
         req.node = node
         req.pages = match.device_pages + given
         req.tail_page = new_tail
@@ -330,3 +323,16 @@ class Admission:
             # pending when this request ends); its lock keeps these.
             req.parts_held = cache.parts.held(node, cache.tree.pages, len(req.pages))
         return Fill(base, first_new, upto, pages, match.last_device_node, parts)
+
+
+def _count_hits(req: RequestKV, hits: int, loaded: int, computed: int) -> None:
+    """Where a fill's ``hits`` tokens came from: of those L1 had, ``loaded`` came
+    back from L2 just now — of which what the request prefetched from L3 counts
+    as L3's — and the rest were in L1 already; ``computed`` tokens were not hits."""
+    from_l2 = min(loaded, hits)
+    from_l3 = min(req.prefetched, from_l2)
+    req.prefetched -= from_l3
+    req.storage_hit += from_l3
+    req.host_hit += from_l2 - from_l3
+    req.device_hit += hits - from_l2
+    req.computed += computed

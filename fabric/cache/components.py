@@ -502,6 +502,17 @@ class Components:
     ) -> list[str]:
         """What is wrong with the components (for ``check_integrity``);
         ``in_flight``: the L2 sliding pages and mamba slots prefetches hold."""
+        return [
+            *self._pool_violations(nodes, in_flight),
+            *self._node_violations(nodes, pages),
+            *self._lock_violations(nodes, pages),
+        ]
+
+    def _pool_violations(
+        self, nodes: list[TreeNode], in_flight: tuple[list[int], list[int]]
+    ) -> list[str]:
+        """Each pool: its own accounting, and every slot owned once, by a node or a
+        prefetch, none of them free."""
         out: list[str] = []
         for pool, name, owned in (
             (self.sliding_pool, "sliding", [p for n in nodes if n.sliding for p in n.sliding]),
@@ -527,6 +538,14 @@ class Components:
                     f"{name}: {pool.available_pages} free + {len(owned)} owned != "
                     f"{pool.num_pages} slots"
                 )
+        return out
+
+    def _node_violations(
+        self, nodes: list[TreeNode], pages: Callable[[TreeNode], int]
+    ) -> list[str]:
+        """Each node: components only with their full pages in the same tier, a
+        sliding tail within the window, queue membership as its locks say."""
+        out: list[str] = []
         for node in nodes:
             if (node.sliding is not None or node.mamba is not None) and node.device_value is None:
                 out.append(f"{node}: a component without the full pages on device")
@@ -543,8 +562,18 @@ class Components:
             want_m = node.mamba is not None and node.part_ref == 0
             if want_m != (node in self.mamba_lru):
                 out.append(f"{node}: mamba queue membership is {not want_m}")
-        # A component lock goes with a full lock at the same node (writes and loads
-        # take full locks alone); the sliding counts follow from the part_refs.
+        if len(self.sliding_lru.queued()) != len(self.sliding_lru):
+            out.append("sliding queue: a member has no heap entry")
+        if len(self.mamba_lru.queued()) != len(self.mamba_lru):
+            out.append("mamba queue: a member has no heap entry")
+        return out
+
+    def _lock_violations(
+        self, nodes: list[TreeNode], pages: Callable[[TreeNode], int]
+    ) -> list[str]:
+        """A component lock goes with a full lock at the same node (writes and loads
+        take full locks alone); the sliding counts follow from the part_refs."""
+        out: list[str] = []
         want: dict[TreeNode, dict[int, int]] = {}
         for node in nodes:
             direct = node.lock_ref - sum(c.lock_ref for c in node.children.values())
@@ -561,8 +590,4 @@ class Components:
                 out.append(
                     f"{node}: sliding_locks={node.sliding_locks}, recomputed {want.get(node)}"
                 )
-        if len(self.sliding_lru.queued()) != len(self.sliding_lru):
-            out.append("sliding queue: a member has no heap entry")
-        if len(self.mamba_lru.queued()) != len(self.mamba_lru):
-            out.append("mamba queue: a member has no heap entry")
         return out

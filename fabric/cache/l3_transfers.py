@@ -346,31 +346,13 @@ class L3Transfers:
         if op is None or op.state is not PrefetchState.QUERY:
             return
         key, pb = op.key, self.tree.page_bytes
-        if hashes:
-            if not answers_chain(op.prev_hash, op.asked, pb, hashes):
-                self.stats.bad_answers += 1
-                log.warning(
-                    "hit query %d: the answer's %d page hashes are not the chain of the "
-                    "%d pages asked about; prefetch revoked",
-                    op_id,
-                    len(hashes),
-                    op.num_pages,
-                )
-                self._revoke(op)
-                return
-            key.keep_hashes(op.start_page, hashes)
+        if hashes and not self._accept_hashes(op, hashes):
+            return
         size = self.page_size
         pages = max(0, min(int(hit_pages), op.num_pages))
         if hashes and pages > 0 and op.generation == self.events.l3_generation:
             # The store holds these (no clear since it was asked): a router may learn of them.
-            self.events.stored_hashes(
-                tuple(hashes[:pages]),
-                Medium.STORAGE,
-                key.namespace,
-                op.prev_hash if op.start_page else None,
-                op.asked[: pages * self.tree.page_bytes],
-                op.removal_tick,
-            )
+            self._announce_stored(op, hashes[:pages])
         # A hybrid prefix serves only at the end the query found: all or nothing.
         whole = self.tree.parts is not None
         cap = self.ctl.max_prefetch_pages
@@ -384,14 +366,11 @@ class L3Transfers:
         got = host.alloc(pages)
         if got is None:
             self.evict_host((pages - host.available_pages) * size)
-            if whole and host.available_pages < pages:
+            fits = min(pages, host.available_pages)
+            if (whole and fits < pages) or (fits - op.cached_pages) * size < threshold:
                 self._revoke(op)
                 return
-            pages = min(pages, host.available_pages)
-            if (pages - op.cached_pages) * size < threshold:
-                self._revoke(op)
-                return
-            got = host.alloc(pages)
+            pages, got = fits, host.alloc(fits)
             assert got is not None
         op.page_hashes = key.chain_from(op.start_page, op.prev_hash)  # kept, or hashed here
         if whole:
@@ -406,6 +385,34 @@ class L3Transfers:
         tokens = op.asked[: pages * pb]
         names = (key.namespace, op.prev_hash, tokens)
         self.ctl.prefetch(op.op_id, got, op.page_hashes[:pages], op.parts, names)
+
+    def _accept_hashes(self, op: PrefetchOp, hashes: Sequence[bytes]) -> bool:
+        """Keep an answer's page hashes on the key if they are the chain of the pages
+        asked about; else count a bad answer and revoke the prefetch."""
+        if answers_chain(op.prev_hash, op.asked, self.tree.page_bytes, hashes):
+            op.key.keep_hashes(op.start_page, hashes)
+            return True
+        self.stats.bad_answers += 1
+        log.warning(
+            "hit query %d: the answer's %d page hashes are not the chain of the "
+            "%d pages asked about; prefetch revoked",
+            op.op_id,
+            len(hashes),
+            op.num_pages,
+        )
+        self._revoke(op)
+        return False
+
+    def _announce_stored(self, op: PrefetchOp, hashes: Sequence[bytes]) -> None:
+        """KV events for the pages a hit query found in L3, ``hashes`` of them."""
+        self.events.stored_hashes(
+            tuple(hashes),
+            Medium.STORAGE,
+            op.key.namespace,
+            op.prev_hash if op.start_page else None,
+            op.asked[: len(hashes) * self.tree.page_bytes],
+            op.removal_tick,
+        )
 
     def _alloc_parts(self, hashes: list[bytes]) -> StorageParts | None:
         """L2 slots for the components of the end after ``hashes`` (the sliding pages

@@ -137,12 +137,7 @@ def converse(
             )
             answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
             if check:
-                stats.checked += 1
-                served, fresh = next_logits(hf, prompt, kv[:, :, :, :-1]), next_logits(hf, prompt)
-                diff = float((served - fresh).abs().max())
-                stats.max_logits_diff = max(stats.max_logits_diff, diff)
-                close = within(served, fresh, LOGITS_ATOL, LOGITS_RTOL)
-                stats.mismatches += answer != generate(hf, prompt, new_tokens) or not close
+                _check(stats, hf, prompt, kv[:, :, :, :-1], answer)
             lease = result.lease
             for token in answer:  # the answer's KV joins the cache
                 step = fabric.append(lease, [token])
@@ -159,6 +154,18 @@ def converse(
         fabric.end_session(f"chat-{seed}-{c}")
     stats.computed_tokens_by_rank = fabric.computed_tokens_by_rank()
     return stats
+
+
+def _check(
+    stats: ChatStats, hf: Any, prompt: list[int], kv: torch.Tensor, answer: list[int]
+) -> None:
+    """The uncached check of one turn: the answer and the next token's logits from
+    the served KV against the model run without a cache."""
+    stats.checked += 1
+    served, fresh = next_logits(hf, prompt, kv), next_logits(hf, prompt)
+    stats.max_logits_diff = max(stats.max_logits_diff, float((served - fresh).abs().max()))
+    close = within(served, fresh, LOGITS_ATOL, LOGITS_RTOL)
+    stats.mismatches += answer != generate(hf, prompt, len(answer)) or not close
 
 
 def next_logits(hf: Any, ids: list[int], kv: torch.Tensor | None = None) -> torch.Tensor:
