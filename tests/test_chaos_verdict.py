@@ -136,3 +136,11 @@ def test_bounds_are_fractions_and_a_broken_harness_exits_3(monkeypatch, capsys):
     assert main(["chaos", "--duration", "1"]) == 3
     err = capsys.readouterr().err
     assert "the harness failed, no verdict: RuntimeError: the audit fell over" in err
+
+
+def test_every_fault_kind_has_one_injector_and_every_injector_a_kind():
+    from fabric.tools.chaos.faults import INJECTORS
+    from fabric.tools.chaos.options import FAULTS, OVERLAPPABLE
+
+    assert set(INJECTORS) == set(FAULTS) - {"overlapping"}  # two at once: `overlap`
+    assert set(OVERLAPPABLE) <= set(INJECTORS)
