@@ -11,8 +11,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from fabric.messages import Command, PrefetchProgress, Report
+
+
+def run_all(run_one: Callable[..., bool]) -> int:
+    """Call ``run_one(block=False)`` until it finds nothing queued: how many ran."""
+    n = 0
+    while run_one(block=False):
+        n += 1
+    return n
+
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
 

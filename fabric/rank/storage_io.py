@@ -17,7 +17,7 @@ import numpy as np
 from fabric.config import FabricConfig
 from fabric.messages import Backup, Command, Prefetch
 from fabric.rank.index import PageIndex
-from fabric.rank.ledger import Ledger
+from fabric.rank.ledger import Ledger, run_all
 from fabric.rank.pools import RankPools
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,8 @@ class StorageIO:
         self.faults, self.rank, self.suffix = faults, rank, suffix
 
     def run_pending(self) -> int:
-        n = 0
-        while self.run_one(block=False):
-            n += 1
-        return n
+        """Run every queued backup and prefetch now (tests and single-thread use)."""
+        return run_all(self.run_one)
 
     def run_one(self, block: bool = True, timeout: float | None = None) -> bool:
         """Run the next backup or prefetch. A prefetch moves in batches, reporting

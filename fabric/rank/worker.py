@@ -36,7 +36,7 @@ from fabric.messages import (
 )
 from fabric.rank.build import build_filler, build_pools
 from fabric.rank.index import PageIndex
-from fabric.rank.ledger import Ledger
+from fabric.rank.ledger import Ledger, run_all
 from fabric.rank.mesh import Board, Mesh, MeshError
 from fabric.rank.model import within
 from fabric.rank.parts import Parts
@@ -197,10 +197,7 @@ class RankWorker:
 
     def run_pending(self) -> int:
         """Apply every queued command now (tests and single-thread use)."""
-        n = 0
-        while self.run_one(block=False):
-            n += 1
-        return n
+        return run_all(self.run_one)
 
     def run_one(self, block: bool = True, timeout: float | None = None) -> bool:
         """Apply the next command — with any copies of the same kind queued right
@@ -271,6 +268,16 @@ class RankWorker:
             return self._sharded_compute(cmd)
         if self.faults.fail_computes:
             return False
+        self._fill(cmd)
+        self.parts.store(self.filler, cmd)
+        if cmd.pages:
+            self.names.computed(cmd.namespace, cmd.prev_hash, cmd.tokens, list(cmd.pages))
+        self._synchronize()
+        return True
+
+    def _fill(self, cmd: Compute) -> None:
+        """The filler computes (or makes) a compute's KV into L1; a rank that keeps
+        a page's first ``cmd.keep`` tokens computes only those after them."""
         self.filler.fill(
             self.l1,
             cmd.namespace,
@@ -280,12 +287,8 @@ class RankWorker:
             list(cmd.pages),
             cmd.prefix,
             list(cmd.prefix_pages),
+            cmd.keep,
         )
-        self.parts.store(self.filler, cmd)
-        if cmd.pages:
-            self.names.computed(cmd.namespace, cmd.prev_hash, cmd.tokens, list(cmd.pages))
-        self._synchronize()
-        return True
 
     def _move(self, group: list[Write] | list[Load], to_host: bool) -> None:
         """A group of writes (L1 -> L2, ``to_host``) or loads (L2 -> L1) as one copy
@@ -339,17 +342,7 @@ class RankWorker:
             if cmd.tokens:
                 mesh = self._mesh(key) if self.needs_mesh else None
                 self.filler.attach(mesh)  # type: ignore[attr-defined]
-            self.filler.fill(
-                self.l1,
-                cmd.namespace,
-                cmd.prev_hash,
-                cmd.tokens,
-                cmd.start_token,
-                list(cmd.pages),
-                cmd.prefix,
-                list(cmd.prefix_pages),
-                cmd.keep,
-            )
+            self._fill(cmd)
         except Exception as exc:
             self._break_mesh(key)
             if isinstance(exc, MeshError):
