@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fabric.cli import main
+from fabric.errors import InvalidInput
 from fabric.tools import chaos as chaos_module
 from fabric.tools.chaos import Chaos, ChaosOptions, Fault, chaos_config, percentile
 
@@ -144,3 +145,32 @@ def test_every_fault_kind_has_one_injector_and_every_injector_a_kind():
 
     assert set(INJECTORS) == set(FAULTS) - {"overlapping"}  # two at once: `overlap`
     assert set(OVERLAPPABLE) <= set(INJECTORS)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3"])
+def test_max_faults_is_a_whole_number_from_one(bad, capsys):
+    with pytest.raises(InvalidInput, match=f"max_faults={bad!r}"):
+        ChaosOptions(max_faults=bad)
+    assert ChaosOptions(max_faults=1).max_faults == 1
+
+
+def test_the_cli_refuses_max_faults_zero_before_any_ray(capsys):
+    assert main(["chaos", "--max-faults", "0"]) == 2
+    assert "max_faults=0" in capsys.readouterr().err
+
+
+def test_the_killer_stops_after_max_faults(tmp_path, monkeypatch):
+    import time
+
+    from fabric.tools.chaos import harness as harness_module
+
+    c = harness(tmp_path, duration_s=20, max_faults=2, warmup_fraction=0.0, fault_every_s=0.01)
+    c.t0 = time.monotonic()
+
+    def inject(run, fault, index=None):  # recovered at once: a request served after it
+        run.tally.spans.append((run.now() + 1.0, run.now() + 1.0))
+
+    monkeypatch.setattr(harness_module, "inject", inject)
+    c.killer()
+    assert [f.injected for f in c.faults] == [True, True]
+    assert not c.stop.is_set(), "the killer returns; run() then stops the load"

@@ -43,11 +43,28 @@ from fabric.tools.chaos import FAULTS
 @click.option(
     "--hold", type=float, default=3.0, show_default=True, help="Seconds a lasting fault lasts."
 )
+@click.option(
+    "--max-faults",
+    type=int,
+    default=None,
+    help="End the run once this many faults were injected and recovered from "
+    "(default: run the whole duration).",
+)
 @click.option("--clients", type=int, default=2, show_default=True, help="Concurrent clients.")
 @click.option("--set", "overrides", multiple=True, help="A config override for the fabric.")
 @json_option
 def chaos(
-    seed, duration, nodes, address, faults, fault_every, hold, clients, overrides, as_json
+    seed,
+    duration,
+    nodes,
+    address,
+    faults,
+    fault_every,
+    hold,
+    max_faults,
+    clients,
+    overrides,
+    as_json,
 ) -> None:
     """Inject seeded faults into a fabric under load and prove nothing was lost.
 
@@ -67,6 +84,7 @@ def chaos(
         faults=kinds,
         fault_every_s=fault_every,
         fault_hold_s=hold,
+        max_faults=max_faults,
         clients=clients,
         overrides=tuple(overrides),
     )

@@ -23,7 +23,8 @@ def test_a_short_seeded_chaos_run_loses_nothing():
     report = run_chaos(
         ChaosOptions(
             seed=7,
-            duration_s=45,
+            duration_s=45,  # at most: it ends after its fifth fault
+            max_faults=5,
             nodes=2,
             fault_every_s=1.0,
             fault_hold_s=2.0,
@@ -105,7 +106,8 @@ def test_a_node_lost_for_good_is_refused_fast_and_served_again_when_capacity_ret
     report = run_chaos(
         ChaosOptions(
             seed=3,
-            duration_s=50,
+            duration_s=50,  # at most: it ends once its fault was recovered from
+            max_faults=1,
             nodes=2,
             fault_every_s=30.0,
             faults=("node_lost_for_good",),

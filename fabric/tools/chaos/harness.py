@@ -228,6 +228,8 @@ class Chaos(RunState):
             # The next fault comes once this one is recovered from (a request
             # submitted after it ended was served; at most a minute) and a seeded gap.
             self.wait_served_after(fault.ended, 60.0)
+            if opts.max_faults is not None and len(self.faults) >= opts.max_faults:
+                break  # enough: the run ends here (the finally of ``run`` stops it)
             gap = self.rng.expovariate(1.0 / opts.fault_every_s)
             if self.stop.wait(max(0.5, gap)):
                 break

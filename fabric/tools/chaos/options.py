@@ -79,6 +79,10 @@ class ChaosOptions:
     # and requests that failed, each a share of those tried.
     max_unverifiable_fraction: float = 0.05
     max_failed_fraction: float = 0.2
+    # End the run once this many faults were tried and each waited out (recovered
+    # from, or a minute passed), if that comes before ``duration_s`` (none: the
+    # whole duration).
+    max_faults: int | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS))
@@ -95,6 +99,14 @@ class ChaosOptions:
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise InvalidInput(f"{name}={value!r} refused: allowed is a number in [0, 1]")
+        if self.max_faults is not None and (
+            isinstance(self.max_faults, bool)
+            or not isinstance(self.max_faults, int)
+            or self.max_faults < 1
+        ):
+            raise InvalidInput(
+                f"max_faults={self.max_faults!r} refused: allowed is a whole number >= 1, or none"
+            )
         if self.address is None and self.nodes < 2:
             raise InvalidInput(
                 f"nodes={self.nodes} refused: a local cluster needs at least 2 (the head "
