@@ -1,10 +1,15 @@
 """``kvfabric simulate``: block-level bounds on hand-made traces, and the command."""
 
 import json
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fabric.cli import main
 from fabric.tools.simulate import belady_hit_rate, infinite_hit_rate, lru_hit_rate
 from fabric.tools.workload import BLOCK_TOKENS, Request
+from tests.helpers import example_count
 
 B = BLOCK_TOKENS
 
@@ -14,11 +19,12 @@ def trace(*blocks: tuple[int, ...]) -> list[Request]:
 
 
 def test_bounds_on_a_trace_where_lru_evicts_what_comes_back():
-    # Capacity 2 blocks: A B, then C, then A B again. LRU lost A and B to C;
-    # Belady keeps them (C is never used again); an infinite cache hits them too.
+    # Capacity 2 blocks: A B, then C, then A B again. LRU lost the leaf B to C
+    # (as a tree would: never A before B); Belady keeps both (C is never used
+    # again); an infinite cache hits them too.
     t = trace((1, 2), (3,), (1, 2))
     total = 5 * B
-    assert lru_hit_rate(t, 2) == 0
+    assert lru_hit_rate(t, 2) == B / total
     assert belady_hit_rate(t, 2) == 2 * B / total
     assert infinite_hit_rate(t) == 2 * B / total
 
@@ -28,6 +34,88 @@ def test_a_hit_is_the_leading_run_of_cached_blocks_and_stops_at_the_prompt():
     assert infinite_hit_rate(t) == B / (3 * B + 7), "block 2 follows a miss: no hit"
     t = [Request(0, 2 * B, 0, (1, 2)), Request(1, B + 7, 0, (1, 2))]
     assert infinite_hit_rate(t) == (B + 7) / (3 * B + 7), "capped at the prompt's length"
+
+
+def test_a_block_id_after_another_prefix_is_another_block():
+    # A RAG document's block (7) recurs after different questions: a radix cache
+    # shares it only where everything before it matches.
+    t = trace((1, 7), (7,), (2, 7), (1, 7))
+    assert infinite_hit_rate(t) == 2 * B / (7 * B), "only the last request's (1, 7) hits"
+    assert lru_hit_rate(t, 100) == belady_hit_rate(t, 100) == infinite_hit_rate(t)
+
+
+# Brute force, independent of ``prefix_keys``: a block is the tuple of ids up to
+# and including it; evictions as the bounds define them (LRU: a request uses its
+# blocks deepest first; Belady: furthest next use, ties to the block seen last).
+
+
+def _hits(r: Request, held) -> int:
+    leading = 0
+    while leading < len(r.hash_ids) and held(r.hash_ids[: leading + 1]):
+        leading += 1
+    return min(leading * B, r.input_length)
+
+
+def _blocks(r: Request) -> list[tuple[int, ...]]:
+    return [r.hash_ids[: i + 1] for i in range(len(r.hash_ids))]
+
+
+def _infinite(t: list[Request]) -> float:
+    seen: set[tuple[int, ...]] = set()
+    hit = 0
+    for r in t:
+        hit += _hits(r, seen.__contains__)
+        seen.update(_blocks(r))
+    return hit / max(1, sum(r.input_length for r in t))
+
+
+def _lru(t: list[Request], capacity: int) -> float:
+    cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    hit = 0
+    for r in t:
+        hit += _hits(r, cache.__contains__)
+        for b in reversed(_blocks(r)):
+            cache.pop(b, None)
+            cache[b] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hit / max(1, sum(r.input_length for r in t))
+
+
+def _belady(t: list[Request], capacity: int) -> float:
+    first_seen: dict[tuple[int, ...], int] = {}
+    for r in t:
+        for b in _blocks(r):
+            first_seen.setdefault(b, len(first_seen))
+
+    def next_use(b: tuple[int, ...], after: int) -> int:
+        return next((j for j in range(after + 1, len(t)) if b in _blocks(t[j])), len(t) + 1)
+
+    cache: set[tuple[int, ...]] = set()
+    hit = 0
+    for i, r in enumerate(t):
+        hit += _hits(r, cache.__contains__)
+        cache.update(_blocks(r))
+        while len(cache) > capacity:
+            cache.remove(max(cache, key=lambda b: (next_use(b, i), first_seen[b])))
+        # Whole prefixes only, as in a tree: a block's prefix is held with it.
+        assert all(b[:-1] in cache for b in cache if len(b) > 1)
+    return hit / max(1, sum(r.input_length for r in t))
+
+
+@settings(max_examples=example_count(300, 5000), deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(0, 3), min_size=0, max_size=5).map(tuple), min_size=1, max_size=10
+    ),
+    st.integers(1, 8),
+)
+def test_the_bounds_equal_a_brute_force_keyed_by_whole_prefixes(blocks, capacity):
+    t = trace(*blocks)
+    assert infinite_hit_rate(t) == _infinite(t)
+    assert lru_hit_rate(t, capacity) == _lru(t, capacity)
+    assert belady_hit_rate(t, capacity) == _belady(t, capacity)
+    assert max(lru_hit_rate(t, capacity), belady_hit_rate(t, capacity)) <= infinite_hit_rate(t)
 
 
 def test_simulate_prints_the_core_by_tier_and_the_bounds(capsys):

@@ -3,11 +3,18 @@ the core would give at given sizes and policies (``CoreReplay``, the request
 lifecycle itself), next to block-level bounds at given capacities:
 
 - **LRU**: one cache of trace blocks, least recently used evicted;
-- **Belady**: the offline optimum (evict the block whose next use is furthest);
+- **Belady**: the block whose next use is furthest evicted (the offline optimum
+  of a block cache);
 - **infinite**: every block ever seen stays.
 
-A request hits the leading run of its blocks that the cache holds (a prefix,
-as in the tree); its blocks are then cached. Hit rates count prompt tokens.
+A block is keyed by its whole prefix — the block and every block before it —
+as a radix tree keys it: the same block id after a different prefix is another
+block. A request hits the leading run of its blocks that the cache holds; its
+blocks are then cached. Both evictions take a block before its prefix (LRU
+counts a prefix as used after the blocks under it; Belady, whose prefix is
+never used later than the blocks under it, breaks ties towards the block seen
+last), so the cache always holds whole prefixes, as a radix tree does. Hit
+rates count prompt tokens.
 """
 
 from __future__ import annotations
@@ -34,13 +41,33 @@ class Bounds:
     infinite: float
 
 
-def _hit_tokens(request: Request, held: Callable[[int], bool], block: int) -> int:
+def prefix_keys(requests: Sequence[Request]) -> list[tuple[int, ...]]:
+    """Each request's blocks as ids of their prefix chains: two blocks get one id
+    only where they and everything before them are the same ids."""
+    ids: dict[tuple[int, int], int] = {}
+    out = []
+    for r in requests:
+        prev, chain = -1, []
+        for h in r.hash_ids:
+            prev = ids.setdefault((prev, h), len(ids))
+            chain.append(prev)
+        out.append(tuple(chain))
+    return out
+
+
+def _hit_tokens(
+    request: Request, keys: tuple[int, ...], held: Callable[[int], bool], block: int
+) -> int:
     leading = 0
-    for h in request.hash_ids:
-        if not held(h):
+    for k in keys:
+        if not held(k):
             break
         leading += 1
     return min(leading * block, request.input_length)
+
+
+def _prompt_tokens(requests: Sequence[Request]) -> int:
+    return max(1, sum(r.input_length for r in requests))
 
 
 def lru_hit_rate(
@@ -48,49 +75,50 @@ def lru_hit_rate(
 ) -> float:
     cache: OrderedDict[int, None] = OrderedDict()
     hit = 0
-    for r in requests:
-        hit += _hit_tokens(r, cache.__contains__, block)
-        for h in r.hash_ids:
-            if h in cache:
-                cache.move_to_end(h)
+    for r, keys in zip(requests, prefix_keys(requests), strict=True):
+        hit += _hit_tokens(r, keys, cache.__contains__, block)
+        for k in reversed(keys):  # a block is used after its children: leaves go first
+            if k in cache:
+                cache.move_to_end(k)
             else:
-                cache[h] = None
+                cache[k] = None
                 if len(cache) > capacity_blocks:
                     cache.popitem(last=False)
-    return hit / max(1, sum(r.input_length for r in requests))
+    return hit / _prompt_tokens(requests)
 
 
 def belady_hit_rate(
     requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS
 ) -> float:
+    keyed = prefix_keys(requests)
     next_use: list[list[int]] = [[] for _ in requests]
     later: dict[int, int] = {}
     for i in range(len(requests) - 1, -1, -1):
-        next_use[i] = [later.get(h, NEVER) for h in requests[i].hash_ids]
-        for h in requests[i].hash_ids:
-            later[h] = i
+        next_use[i] = [later.get(k, NEVER) for k in keyed[i]]
+        for k in keyed[i]:
+            later[k] = i
     cache: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
     hit = 0
     for i, r in enumerate(requests):
-        hit += _hit_tokens(r, cache.__contains__, block)
-        for h, n in zip(r.hash_ids, next_use[i], strict=True):
-            cache[h] = n
-            heapq.heappush(heap, (-n, h))
+        hit += _hit_tokens(r, keyed[i], cache.__contains__, block)
+        for k, n in zip(keyed[i], next_use[i], strict=True):
+            cache[k] = n
+            heapq.heappush(heap, (-n, -k))  # of equal next use, the block seen last
         while len(cache) > capacity_blocks:
-            n, h = heapq.heappop(heap)
-            if cache.get(h) == -n:
-                del cache[h]
-    return hit / max(1, sum(r.input_length for r in requests))
+            n, k = heapq.heappop(heap)
+            if cache.get(-k) == -n:
+                del cache[-k]
+    return hit / _prompt_tokens(requests)
 
 
 def infinite_hit_rate(requests: Sequence[Request], block: int = BLOCK_TOKENS) -> float:
     seen: set[int] = set()
     hit = 0
-    for r in requests:
-        hit += _hit_tokens(r, seen.__contains__, block)
-        seen.update(r.hash_ids)
-    return hit / max(1, sum(r.input_length for r in requests))
+    for r, keys in zip(requests, prefix_keys(requests), strict=True):
+        hit += _hit_tokens(r, keys, seen.__contains__, block)
+        seen.update(keys)
+    return hit / _prompt_tokens(requests)
 
 
 def bounds(requests: Sequence[Request], capacities_tokens: Iterable[int]) -> list[Bounds]:
