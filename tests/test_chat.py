@@ -61,6 +61,15 @@ def test_bad_model_arguments_are_refused_naming_the_value(capsys):
     assert "--turns 0 is refused" in capsys.readouterr().err
 
 
+def test_options_of_the_other_kind_of_run_are_refused_not_ignored(capsys):
+    # A model run serves --conversations x --turns turns: --requests would be ignored.
+    assert main(["run", "--model", "tiny-llama", "--requests", "24", "--inflight", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--requests, --inflight refused with --model" in err and "--turns" in err
+    assert main(["run", "--conversations", "2"]) == 2
+    assert "--conversations refused without --model" in capsys.readouterr().err
+
+
 def test_a_model_directory_sets_the_shape_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 3,'

@@ -230,3 +230,25 @@ def test_simulate_refuses_an_unknown_policy_naming_it(capsys):
     assert main(["simulate", "--requests", "10", "--policies", "lru,bogus"]) == 2
     err = capsys.readouterr().err
     assert "bogus" in err and "2q" in err
+
+
+def test_the_core_and_the_bounds_count_the_same_requests_and_the_refused_beside(tmp_path, capsys):
+    # L1 holds 4 blocks: the 8-block prompt is refused by the core, so it is in
+    # neither the hit rate nor the bounds (it would have put blocks 3-8 in them).
+    rows = [(1, 2), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3), (1, 2, 3, 4), (1, 2, 3)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": len(ids) * B, "hash_ids": list(ids)}) + "\n"
+            for i, ids in enumerate(rows)
+        )
+    )
+    args = ["simulate", "--trace", str(path), "--set", f"cache.device_tokens={4 * B}"]
+    assert main([*args, "--capacities", "2K,1M", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["refused_requests"] == 1
+    served = [r for i, r in enumerate(trace(*rows)) if i != 1]
+    assert out["bounds"][-1]["infinite"] == round(infinite_hit_rate(served), 4)
+    assert out["hit_rate"] <= out["bounds"][-1]["infinite"]
+    assert main([*args, "--capacities", "1M"]) == 0
+    assert "the 4 requests the core served, not the 1 refused" in capsys.readouterr().out

@@ -168,6 +168,7 @@ class ReplayStats:
     requests: int = 0
     prompt_tokens: int = 0
     refused_requests: int = 0
+    refused_at: list[int] = field(default_factory=list)  # each refused prompt's index
     tokens: TierTokens = field(default_factory=TierTokens)
     tree_us: list[float] = field(default_factory=list)
     request_us: list[float] = field(default_factory=list)
@@ -210,7 +211,7 @@ class CoreReplay:
         stats.requests += 1
         stats.prompt_tokens += key.num_tokens
         if key.num_tokens > cache.config.device_tokens:
-            stats.refused_requests += 1
+            self._refuse()
             return
         prefetched = 0
         if self.admission.start_prefetch(stats.requests, key):
@@ -228,7 +229,7 @@ class CoreReplay:
             req = adm.begin(packed, self.namespace, prefetched=prefetched, key=key)
             fill = adm.prefill(req, req.num_tokens)
         if fill is None:
-            stats.refused_requests += 1
+            self._refuse()
             return
         device, host, storage = req.device_hit, req.host_hit, req.storage_hit
         if answer and key.num_tokens + len(answer) // 4 <= cache.config.device_tokens:
@@ -242,6 +243,11 @@ class CoreReplay:
         stats.tree_us.append((t2 - t1) * 1e6)
         stats.request_us.append((time.perf_counter() - t0) * 1e6)
         stats.stand_in_us.append((self.ctl.busy_s - busy) * 1e6)
+
+    def _refuse(self) -> None:
+        """The prompt being served (the ``requests``-th) is refused."""
+        self.stats.refused_requests += 1
+        self.stats.refused_at.append(self.stats.requests - 1)
 
     def run(
         self, prompts: Iterable[bytes], progress: Callable[[int], None] | None = None

@@ -123,8 +123,11 @@ def simulate_text(out: dict[str, Any]) -> str:
             "  the core by eviction policy: "
             + ", ".join(f"{k} {v:.1%}" for k, v in out["policies"].items())
         )
+    served = out["requests"] - out["refused_requests"]
     lines.append(
-        f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks)"
+        f"  {'capacity':>14}  {'LRU':>6}  {'Belady':>6}  {'infinite':>8}   (512-token blocks; "
+        f"the {served} requests the core served"
+        + (f", not the {out['refused_requests']} refused)" if out["refused_requests"] else ")")
     )
     lines += [
         f"  {b['capacity_tokens']:>14,}  {b['lru']:6.1%}  {b['belady']:6.1%}  {b['infinite']:8.1%}"

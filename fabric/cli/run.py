@@ -74,6 +74,7 @@ def run(
 
     if name is not None:
         overrides = (*overrides, f"runtime.name={name}")
+    _refuse_unused(model is not None)
     if model is not None:
         _chat(
             config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json
@@ -146,6 +147,33 @@ def _serve_until_interrupted(fabric) -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         click.echo("kvfabric: stopping", err=True)
+
+
+# The options that mean something only with --model, and those only without it.
+_MODEL_ONLY = ("check", "conversations", "turns", "new_tokens")
+_WORKLOAD_ONLY = ("trace", "requests", "inflight", "keep")
+
+
+def _refuse_unused(with_model: bool) -> None:
+    """Refuse an option given on the command line that this kind of run would not
+    use (a model run serves --conversations x --turns turns, not --requests),
+    rather than ignore it."""
+    ctx = click.get_current_context()
+    unused = _WORKLOAD_ONLY if with_model else _MODEL_ONLY
+    given = [
+        "--" + name.replace("_", "-")
+        for name in unused
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given:
+        raise FabricError(
+            f"{', '.join(given)} refused "
+            + (
+                "with --model: it serves --conversations x --turns turns"
+                if with_model
+                else "without --model: they set a model's conversations"
+            )
+        )
 
 
 def _chat(config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json):

@@ -58,8 +58,8 @@ def _policies(text: str | None) -> list[str]:
 @config_options
 @click.option(
     "--capacities",
-    help="Capacities in tokens for the bounds, comma-separated, K and M allowed "
-    "(default: L1, and L1 + L2 of the config, 2M and 20M).",
+    help="Capacities in tokens for the bounds, comma-separated; K is 1024 tokens and M "
+    "1024 K (default: L1, and L1 + L2 of the config, 2M and 20M).",
 )
 @click.option(
     "--policies",
@@ -116,7 +116,10 @@ def _what_if(config: FabricConfig, reqs, source: str, caps: list[int], others: l
                 by_policy[name] = hit_rate(
                     core_replay(reqs, variant, progress.update).tokens.as_dict()
                 )
-    limits = bounds(reqs, caps)
+    # The bounds on the requests the core served: a refused request is in neither.
+    refused_at = set(stats.refused_at)
+    served = [r for i, r in enumerate(reqs) if i not in refused_at]
+    limits = bounds(served, caps, config.cache.page_size)
     refused = (
         {"larger than L1 (raise cache.device_tokens)": stats.refused_requests}
         if stats.refused_requests

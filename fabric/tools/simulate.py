@@ -56,27 +56,32 @@ def prefix_keys(requests: Sequence[Request]) -> list[tuple[int, ...]]:
 
 
 def _hit_tokens(
-    request: Request, keys: tuple[int, ...], held: Callable[[int], bool], block: int
+    request: Request, keys: tuple[int, ...], held: Callable[[int], bool], block: int, page: int
 ) -> int:
     leading = 0
     for k in keys:
         if not held(k):
             break
         leading += 1
-    return min(leading * block, request.input_length)
+    return min(leading * block, _whole_pages(request, page))
 
 
-def _prompt_tokens(requests: Sequence[Request]) -> int:
-    return max(1, sum(r.input_length for r in requests))
+def _whole_pages(request: Request, page: int) -> int:
+    """The prompt's tokens a cache of ``page``-token pages can hold: its whole pages."""
+    return request.input_length - request.input_length % page
+
+
+def _prompt_tokens(requests: Sequence[Request], page: int) -> int:
+    return max(1, sum(_whole_pages(r, page) for r in requests))
 
 
 def lru_hit_rate(
-    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS
+    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS, page: int = 1
 ) -> float:
     cache: OrderedDict[int, None] = OrderedDict()
     hit = 0
     for r, keys in zip(requests, prefix_keys(requests), strict=True):
-        hit += _hit_tokens(r, keys, cache.__contains__, block)
+        hit += _hit_tokens(r, keys, cache.__contains__, block, page)
         for k in reversed(keys):  # a block is used after its children: leaves go first
             if k in cache:
                 cache.move_to_end(k)
@@ -84,11 +89,11 @@ def lru_hit_rate(
                 cache[k] = None
                 if len(cache) > capacity_blocks:
                     cache.popitem(last=False)
-    return hit / _prompt_tokens(requests)
+    return hit / _prompt_tokens(requests, page)
 
 
 def belady_hit_rate(
-    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS
+    requests: Sequence[Request], capacity_blocks: int, block: int = BLOCK_TOKENS, page: int = 1
 ) -> float:
     keyed = prefix_keys(requests)
     next_use: list[list[int]] = [[] for _ in requests]
@@ -101,7 +106,7 @@ def belady_hit_rate(
     heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
     hit = 0
     for i, r in enumerate(requests):
-        hit += _hit_tokens(r, keyed[i], cache.__contains__, block)
+        hit += _hit_tokens(r, keyed[i], cache.__contains__, block, page)
         for k, n in zip(keyed[i], next_use[i], strict=True):
             cache[k] = n
             heapq.heappush(heap, (-n, -k))  # of equal next use, the block seen last
@@ -109,26 +114,36 @@ def belady_hit_rate(
             n, k = heapq.heappop(heap)
             if cache.get(-k) == -n:
                 del cache[-k]
-    return hit / _prompt_tokens(requests)
+    return hit / _prompt_tokens(requests, page)
 
 
-def infinite_hit_rate(requests: Sequence[Request], block: int = BLOCK_TOKENS) -> float:
+def infinite_hit_rate(
+    requests: Sequence[Request], block: int = BLOCK_TOKENS, page: int = 1
+) -> float:
     seen: set[int] = set()
     hit = 0
     for r, keys in zip(requests, prefix_keys(requests), strict=True):
-        hit += _hit_tokens(r, keys, seen.__contains__, block)
+        hit += _hit_tokens(r, keys, seen.__contains__, block, page)
         seen.update(keys)
-    return hit / _prompt_tokens(requests)
+    return hit / _prompt_tokens(requests, page)
 
 
-def bounds(requests: Sequence[Request], capacities_tokens: Iterable[int]) -> list[Bounds]:
-    """LRU, Belady and infinite block-level hit rates at each capacity."""
-    infinite = infinite_hit_rate(requests)
+def bounds(
+    requests: Sequence[Request], capacities_tokens: Iterable[int], page: int = 1
+) -> list[Bounds]:
+    """LRU, Belady and infinite block-level hit rates at each capacity, counting
+    each prompt's whole ``page``-token pages (as the core counts them)."""
+    infinite = infinite_hit_rate(requests, page=page)
     out = []
     for cap in capacities_tokens:
         blocks = cap // BLOCK_TOKENS
         out.append(
-            Bounds(cap, lru_hit_rate(requests, blocks), belady_hit_rate(requests, blocks), infinite)
+            Bounds(
+                cap,
+                lru_hit_rate(requests, blocks, page=page),
+                belady_hit_rate(requests, blocks, page=page),
+                infinite,
+            )
         )
     return out
 
