@@ -38,7 +38,7 @@ test:
 	$(PYTHON) -m pytest tests
 
 deep:
-	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "(Machine and not Sharded) or cli_fuzz" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM
+	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "(Machine and not Sharded) or cli_fuzz or verify_never_fails" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM
 
 deep-sharded:
 	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "Sharded and Machine" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM

@@ -246,7 +246,8 @@ class HybridKV(ShardPositions):
     page-aligned ends (this rank's TP share of each: ``mamba_share``).
     Each rank runs the whole model over the whole prefix: simple and exact on CPU."""
 
-    tolerance = 1e-4
+    tolerance = 1e-4  # with ``rtol``: as ``LlamaKV``'s, for the same float32 reasons
+    rtol = 1e-4
 
     def __init__(
         self, shard: Shard, model: ModelConfig, page_size: int, elems: int, tp: int

@@ -26,9 +26,11 @@ _MASK = (1 << 31) - 1
 class KVFiller(Protocol):
     """Fills L1 with the KV of new tokens (the prefill of the missing part), and
     recomputes it for checks: stored KV matches a recomputation within
-    ``tolerance`` (absolute; 0: bit for bit)."""
+    ``tolerance + rtol * max|expected|`` (``fabric.rank.model.within``; both 0:
+    bit for bit)."""
 
     tolerance: float
+    rtol: float
 
     def fill(
         self,
@@ -71,7 +73,7 @@ class KVFiller(Protocol):
 class ShardPositions:
     """Which token positions a shard holds, and where in its pages they go."""
 
-    tolerance = 0.0
+    tolerance = rtol = 0.0  # synthetic KV: a recomputation is bit for bit the same
 
     def __init__(self, shard: Shard, page_size: int) -> None:
         self.shard = shard

@@ -413,7 +413,7 @@ class RankWorker:
     def verify(self, namespace: str, tokens: bytes, pages: list[int]) -> bool:
         """Whether L1 ``pages`` hold this shard's KV of the packed prefix ``tokens``
         (one page per page of it, the last maybe partial) as a fresh computation
-        by this rank's filler gives it (within its ``tolerance``)."""
+        by this rank's filler gives it (within its ``tolerance`` and ``rtol``)."""
         seed = namespace_seed(namespace)
         dtype = self.l1.buffer.dtype
         positions, expected = self.filler.expected(seed, tokens, 0, dtype)
@@ -421,9 +421,10 @@ class RankWorker:
             return True
         page_idx, offsets = self.filler.locate(positions, 0, pages)
         actual = self.l1.read_tokens(page_idx.to(self.device), offsets.to(self.device)).cpu()
-        if not self.filler.tolerance:
+        atol, rtol = self.filler.tolerance, self.filler.rtol
+        if not (atol or rtol):
             return bool(torch.equal(actual, expected))
-        return within(actual, expected, self.filler.tolerance, getattr(self.filler, "rtol", 0.0))
+        return within(actual, expected, atol, rtol)
 
     def read(self, tokens: int, pages: list[int]) -> tuple[Shard, torch.Tensor]:
         """This rank's shard of the KV of the first ``tokens`` positions held in L1
