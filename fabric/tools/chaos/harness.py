@@ -15,12 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fabric.tools.chaos.environment import (
-    mount_l3,
-    placement,
-    scan_l3,
-    unmount_l3,
-)
+from fabric.tools.chaos.environment import mount_l3, placement, scan_l3, unmount_l3
 from fabric.tools.chaos.faults import inject
 from fabric.tools.chaos.options import (
     ABSENT,
@@ -49,10 +44,9 @@ class Chaos(RunState):
         opts = self.opts
         self.config = chaos_config(opts, l3_path)  # a bad --set is refused before any Ray
         if opts.address is None:  # a local cluster: L3's file system can be our own
-            self.l3_mount = mount_l3(l3_path)
-        if opts.address is None:
             from ray.cluster_utils import Cluster
 
+            self.l3_mount = mount_l3(l3_path)
             # The head runs the coordinator and the storage actor (no CPU for
             # ranks); the ranks run on the worker nodes, a stage packed on one.
             self.cluster = Cluster(
