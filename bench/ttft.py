@@ -17,6 +17,16 @@ against the uncached model's, and the answer is generated and decoded into the
 fabric. Turn 1 of each conversation has nothing cached and is left out of the
 ratios.
 
+**By tier** (``tiers``, for each shape): time to first token of a follow-up
+prompt whose prefix the fabric holds in one tier — L1, L2 (loaded back), L3
+(prefetched) *cold*: a new fabric over the same L3 directory, its first reads of
+those pages; and L3 *warm*: the same fabric again after its L1 and L2 were
+emptied — each ``--repeats`` times on its own conversation, against the same
+ranks' uncached prefill of the same prompt. Before any timing, one untimed
+conversation warms every path up (kernels, groups, allocators). Figures are
+medians with the 25th-75th percentile spread; the hit tokens each tier served
+are reported beside them, so a row is what it says it is.
+
     python3 bench/ttft.py                 # hidden 512, 8 layers: ~20M parameters, 5 shapes
     python3 bench/ttft.py --shape tp1,tp2 --quick
 """
@@ -91,9 +101,19 @@ class Uncached:
         self.pool.shutdown()
 
 
-def config_for(shape: str, hidden: int, layers: int) -> FabricConfig:
+def config_for(shape: str, hidden: int, layers: int, l3: str | None = None) -> FabricConfig:
+    """A fabric of ``shape`` over a Llama model of ``hidden`` x ``layers``; with
+    ``l3``, a file L3 in that directory that every page is backed up to."""
     tp, pp, cp = SHAPES[shape]
     heads = hidden // 64
+    storage = ["storage.backend=none"]
+    if l3 is not None:
+        storage = [
+            "storage.backend=file",
+            f"storage.path={l3}",
+            "cache.write_policy=write_through",
+            "prefetch.threshold_tokens=16",
+        ]
     return FabricConfig().with_overrides(
         [
             "model.filler=llama",
@@ -108,7 +128,7 @@ def config_for(shape: str, hidden: int, layers: int) -> FabricConfig:
             "cache.page_size=16",
             "cache.device_tokens=16384",
             "cache.host_tokens=32768",
-            "storage.backend=none",
+            *storage,
         ]
     )
 
@@ -124,6 +144,12 @@ def run_shape(shape: str, args, hidden: int, layers: int) -> tuple[dict, int]:
     def message(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
+    # Warm-up, untimed: the fabric's paths, the uncached ranks and the model once.
+    warm = message(args.system)
+    f.core.release(f.serve(pack_tokens(warm), max_steps=1000).lease)
+    uncached.prefill(warm)
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([warm]))
     prompts = [message(args.system) for _ in range(args.conversations)]
     rows = []
     for turn in range(args.turns):
@@ -198,16 +224,123 @@ def collective_costs(f: LocalFabric) -> dict:
     return out
 
 
+def spread(xs: list[float], digits: int = 1) -> dict:
+    """The median of ``xs`` and its 25th-75th percentile range."""
+    if len(xs) == 1:
+        return {
+            "median": round(xs[0], digits),
+            "p25": round(xs[0], digits),
+            "p75": round(xs[0], digits),
+        }
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": round(q2, digits), "p25": round(q1, digits), "p75": round(q3, digits)}
+
+
 def summary(part: list[dict]) -> dict:
-    mean = {k: statistics.fmean(r[k] for r in part) for k in part[0] if k != "turn"}
+    """Turns of the conversation run: medians with spread, the ratio per turn."""
+    hit = sum(r["hit_tokens"] for r in part) / sum(r["prompt_tokens"] for r in part)
     return {
         "turns": len(part),
-        "prompt_tokens": round(mean["prompt_tokens"], 1),
-        "hit_share": round(mean["hit_tokens"] / mean["prompt_tokens"], 3),
-        "fabric_ms": round(mean["fabric_ms"], 1),
-        "uncached_ms": round(mean["uncached_ms"], 1),
-        "hf_uncached_ms": round(mean["hf_uncached_ms"], 1),
-        "fabric_over_uncached": round(mean["fabric_ms"] / mean["uncached_ms"], 3),
+        "prompt_tokens": round(statistics.median(r["prompt_tokens"] for r in part), 1),
+        "hit_share": round(hit, 3),
+        "fabric_ms": spread([r["fabric_ms"] for r in part]),
+        "uncached_ms": spread([r["uncached_ms"] for r in part]),
+        "hf_uncached_ms": spread([r["hf_uncached_ms"] for r in part]),
+        "fabric_over_uncached": spread([r["fabric_ms"] / r["uncached_ms"] for r in part], 3),
+    }
+
+
+TIERS = ("L1", "L2", "L3 cold", "L3 warm")
+
+
+def run_tiers(shape: str, args, hidden: int, layers: int) -> dict:
+    """Time to first token of a follow-up prompt whose prefix one tier holds (see
+    the module docstring), ``args.repeats`` times per tier."""
+    import tempfile
+
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory(prefix="kvfabric-ttft-l3-") as l3:
+        config = config_for(shape, hidden, layers, l3)
+        vocab = config.model.vocab_size
+
+        def message(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(n)]
+
+        def stored(f: LocalFabric, prompt: list[int]) -> None:
+            # The prefix computed, its lease released, backed up to L2 and L3.
+            f.core.release(f.serve(pack_tokens(prompt), max_steps=1000).lease)
+            f.settle(1000)
+
+        def emptied(f: LocalFabric, tiers: str) -> None:
+            cache = f.core.cache
+            cache.device_evictions.evict(config.cache.device_tokens)  # demoted to L2
+            if tiers == "L1 and L2":
+                cache.host_evictions.evict(config.cache.host_tokens)
+            f.settle(1000)
+
+        f = LocalFabric(config)
+        uncached = Uncached(f)
+        warm = message(args.system)  # warm-up, untimed: every path once
+        stored(f, warm)
+        uncached.prefill(warm + message(args.message))
+        rows: dict[str, list[dict]] = {tier: [] for tier in TIERS}
+        prefixes = [message(args.system) for _ in range(args.repeats)]
+        for tier in ("L1", "L2"):
+            for prefix in prefixes:
+                stored(f, prefix)
+                if tier == "L2":
+                    emptied(f, "L1")
+                rows[tier].append(timed(f, uncached, prefix + message(args.message)))
+        # L3 cold: a new fabric over the same directory, nothing in its L1 or L2.
+        uncached.close()
+        f.close()
+        f = LocalFabric(config)
+        uncached = Uncached(f)
+        stored(f, warm)
+        for prefix in prefixes:
+            rows["L3 cold"].append(timed(f, uncached, prefix + message(args.message)))
+        # L3 warm: the same prefixes again, once this fabric's L1 and L2 are empty.
+        emptied(f, "L1 and L2")
+        for prefix in prefixes:
+            emptied(f, "L1 and L2")
+            rows["L3 warm"].append(timed(f, uncached, prefix + message(args.message)))
+        uncached.close()
+        f.close()
+    return {tier: tier_summary(part) for tier, part in rows.items()}
+
+
+def timed(f: LocalFabric, uncached: Uncached, prompt: list[int]) -> dict:
+    """One follow-up prompt: the fabric's time to serve it, the same ranks' uncached
+    prefill of it, and the tokens each tier served."""
+    t0 = time.perf_counter()
+    result = f.serve(pack_tokens(prompt), max_steps=1000)
+    t1 = time.perf_counter()
+    uncached.prefill(prompt)
+    t2 = time.perf_counter()
+    if result.error is not None:
+        raise SystemExit(f"a follow-up prompt failed: {result.error}")
+    f.core.release(result.lease)
+    f.settle(1000)
+    return {
+        "prompt_tokens": len(prompt),
+        "L1_hit": result.device_hit_tokens,
+        "L2_hit": result.host_hit_tokens,
+        "L3_hit": result.storage_hit_tokens,
+        "fabric_ms": (t1 - t0) * 1e3,
+        "uncached_ms": (t2 - t1) * 1e3,
+    }
+
+
+def tier_summary(part: list[dict]) -> dict:
+    return {
+        "repeats": len(part),
+        "prompt_tokens": round(statistics.median(r["prompt_tokens"] for r in part)),
+        "hit_tokens": {
+            k: round(statistics.median(r[k] for r in part)) for k in ("L1_hit", "L2_hit", "L3_hit")
+        },
+        "fabric_ms": spread([r["fabric_ms"] for r in part]),
+        "uncached_ms": spread([r["uncached_ms"] for r in part]),
+        "fabric_over_uncached": spread([r["fabric_ms"] / r["uncached_ms"] for r in part], 3),
     }
 
 
@@ -226,23 +359,30 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=512, help="first prompt tokens (default 512)")
     ap.add_argument("--message", type=int, default=64, help="new tokens per turn (default 64)")
     ap.add_argument("--answer", type=int, default=32, help="answer tokens (default 32)")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="follow-up prompts timed per tier (default 5)"
+    )
     args = ap.parse_args()
     shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not shapes:
         ap.error(f"--shape {args.shape!r} is refused: allowed is a list of {', '.join(SHAPES)}")
     hidden, layers = 512, 8
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} is refused: allowed is an int >= 1")
     if args.quick:
         hidden, layers, args.conversations, args.turns, args.system = 256, 2, 2, 3, 128
+        args.repeats = min(args.repeats, 3)
     by_shape, params = {}, 0
     for shape in shapes:
         by_shape[shape], params = run_shape(shape, args, hidden, layers)
-        figures = by_shape[shape].get("later_turns")
-        if figures:
+        by_shape[shape]["tiers"] = run_tiers(shape, args, hidden, layers)
+        for tier, figures in by_shape[shape]["tiers"].items():
+            ratio = figures["fabric_over_uncached"]
             print(
-                f"{shape}: later turns {figures['uncached_ms']} ms uncached vs "
-                f"{figures['fabric_ms']} ms with the fabric ({figures['hit_share']:.0%} hit) "
-                f"-> {figures['fabric_over_uncached']}",
+                f"{shape} {tier:<8}: {figures['fabric_ms']['median']} ms with the fabric vs "
+                f"{figures['uncached_ms']['median']} ms uncached -> {ratio['median']} "
+                f"({ratio['p25']}-{ratio['p75']}); hits {figures['hit_tokens']}",
                 file=sys.stderr,
             )
     out = {
