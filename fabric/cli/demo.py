@@ -24,13 +24,13 @@ from fabric.observe.report import result, workload
 @workload_options(2000)
 @config_options
 @json_option
-def demo(trace, requests, config_file, overrides, as_json) -> None:
+def demo(trace, workload_kind, requests, config_file, overrides, as_json) -> None:
     """Serve a workload through the cache core alone (no Ray, an in-memory L3)."""
     from fabric.cache.inprocess import CoreReplay
     from fabric.tools.workload import iter_packed
 
     config = load(config_file, overrides)
-    reqs, source = read_requests(trace, requests)
+    reqs, source = read_requests(trace, requests, workload_kind)
     replay = CoreReplay(config)
     started = time.perf_counter()
     with Progress(len(reqs), "requests", "core") as progress:

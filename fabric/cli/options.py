@@ -39,10 +39,17 @@ def workload_options(default_requests: int) -> Callable:
             show_default=True,
             help="Requests to replay" + (" (0: all of a trace)." if not default_requests else "."),
         )(f)
+        f = click.option(
+            "--workload",
+            "workload_kind",
+            metavar="KIND",
+            help="Without --trace: a generated workload, chat (the default), agent, rag "
+            "or mixed (fabric/tools/workloads.py).",
+        )(f)
         return click.option(
             "--trace",
             type=click.Path(dir_okay=False),
-            help="A Mooncake-format JSONL trace (default: synthetic conversations).",
+            help="A Mooncake-format JSONL trace (default: generated chat conversations).",
         )(f)
 
     return wrap
@@ -82,16 +89,25 @@ def load(config_file: str | None, overrides: tuple[str, ...]) -> FabricConfig:
     return config.with_overrides(list(overrides))
 
 
-def read_requests(trace: str | None, n: int, whole_trace_ok: bool = False):
-    from fabric.tools.workload import read_trace, synthetic_trace
+def read_requests(
+    trace: str | None, n: int, workload: str | None = None, whole_trace_ok: bool = False
+):
+    """The requests to replay and where they came from: the first ``n`` of
+    ``trace`` (0: all, where allowed), or ``n`` of a generated ``workload``."""
+    from fabric.tools.workload import read_trace
+    from fabric.tools.workloads import generated
 
     if n < (0 if whole_trace_ok else 1):
         raise FabricError(
             f"--requests {n} is refused: allowed is an int >= {0 if whole_trace_ok else 1}"
         )
+    if trace and workload:
+        raise FabricError(f"--workload {workload} refused with --trace: the trace is the workload")
     if trace:
         return read_trace(trace, n or None), trace
-    return synthetic_trace(n or 3000), "synthetic conversations"
+    kind = workload or "chat"
+    source = "synthetic conversations" if kind == "chat" else f"generated {kind} workload"
+    return generated(kind, n or 3000), source
 
 
 def emit(obj: dict[str, Any]) -> None:

@@ -59,8 +59,8 @@ from fabric.observe.report import result, workload
 )
 @json_option
 def run(
-    trace, requests, config_file, overrides, address, name, inflight, keep, model, check,
-    conversations, turns, new_tokens, as_json,
+    trace, workload_kind, requests, config_file, overrides, address, name, inflight, keep, model,
+    check, conversations, turns, new_tokens, as_json,
 ) -> None:  # fmt: skip
     """Launch a fabric and serve a workload through it.
 
@@ -81,7 +81,7 @@ def run(
         )
         return
     config = load(config_file, overrides)
-    reqs, source = read_requests(trace, requests)
+    reqs, source = read_requests(trace, requests, workload_kind)
     if inflight < 1:
         raise FabricError(f"--inflight {inflight} is refused: allowed is an int >= 1")
     topo = config.topology
@@ -151,7 +151,7 @@ def _serve_until_interrupted(fabric) -> None:
 
 # The options that mean something only with --model, and those only without it.
 _MODEL_ONLY = ("check", "conversations", "turns", "new_tokens")
-_WORKLOAD_ONLY = ("trace", "requests", "inflight", "keep")
+_WORKLOAD_ONLY = ("trace", "workload_kind", "requests", "inflight", "keep")
 
 
 def _refuse_unused(with_model: bool) -> None:
@@ -160,8 +160,9 @@ def _refuse_unused(with_model: bool) -> None:
     rather than ignore it."""
     ctx = click.get_current_context()
     unused = _WORKLOAD_ONLY if with_model else _MODEL_ONLY
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
     given = [
-        "--" + name.replace("_", "-")
+        flags[name]
         for name in unused
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
     ]

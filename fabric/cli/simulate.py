@@ -73,7 +73,9 @@ def _policies(text: str | None) -> list[str]:
     help="Also draw hit rate against capacity (pip install 'kvfabric[plot]').",
 )
 @json_option
-def simulate(trace, requests, config_file, overrides, capacities, policies, plot, as_json) -> None:
+def simulate(
+    trace, workload_kind, requests, config_file, overrides, capacities, policies, plot, as_json
+) -> None:
     """What-if on a trace, with no Ray and no KV bytes.
 
     Serves the trace through the core at the configured sizes and policies and
@@ -86,7 +88,7 @@ def simulate(trace, requests, config_file, overrides, capacities, policies, plot
 
     config = load(config_file, overrides)
     others = _policies(policies)
-    reqs, source = read_requests(trace, requests, whole_trace_ok=True)
+    reqs, source = read_requests(trace, requests, workload_kind, whole_trace_ok=True)
     out, limits = _what_if(config, reqs, source, _capacities(capacities, config), others)
     if not as_json:
         click.echo(simulate_text(out))
