@@ -31,6 +31,9 @@ class EvictionPolicy:
     # Whether the policy wants ``admitted``/``evicted`` calls (a tree skips naming
     # a node's content for policies that keep no history).
     remembers = False
+    # Bumped whenever keys may have decreased (an adaptive policy changed its
+    # mind): an eviction queue built earlier must be rebuilt.
+    version = 0
 
     def key(self, node: EvictableNode) -> tuple[Any, ...]:
         raise NotImplementedError
@@ -152,8 +155,85 @@ class TwoQ(EvictionPolicy):
             self.ghost_tokens -= ghost.popitem(last=False)[1]
 
 
+class AdaptiveTwoQ(EvictionPolicy):
+    """2Q whose split between recency and frequency is learned, ARC-style.
+
+    ARC (Megiddo and Modha, FAST '03) keeps a recency list T1 and a frequency
+    list T2 and moves its target between them on ghost hits: a page that comes
+    back after leaving T1 says T1 was too small; one that comes back after
+    leaving T2 says T2 was. On the tree's leaves that target is a time
+    ``credit``: a protected leaf (used by two requests or more, or back from
+    the ghost) is ordered as if last used ``credit`` later, probation leaves at
+    their own time, least recently used first. ``credit`` 0 is LRU; an
+    unbounded one is 2Q. It starts at 0 and moves by a tenth of the recent
+    victims' age per ghost hit: up when a protected leaf comes back (keep the
+    frequent longer), down when a probation leaf does (give newcomers longer).
+    The ghost remembers the first page of every leaf that left L1 and whether
+    it was protected then, for ``ghost_factor`` times L1's tokens.
+    """
+
+    name = "a2q"
+    remembers = True
+    ghost_factor = 4
+    step = 0.5
+
+    def __init__(self) -> None:
+        self.ghost: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
+        self.ghost_tokens = 0
+        self.ghost_kind = {False: 0, True: 0}  # ghost tokens by: was it protected
+        self.ghost_capacity = 0
+        self.credit = 0.0
+        self.now = 0.0  # the latest access seen
+        self.victim_age = 0.0  # the recent victims' age (since their last use), averaged
+
+    def key(self, node: EvictableNode) -> tuple[Any, ...]:
+        credit = self.credit if node.hit_count >= 2 else 0.0
+        return (node.last_access + credit, node.id)
+
+    def host_order(self) -> Callable[[EvictableNode], tuple[Any, ...]]:
+        return LRU().key
+
+    def bind(self, capacity_tokens: int) -> None:
+        self.ghost_capacity = self.ghost_factor * capacity_tokens
+
+    def admitted(self, node: EvictableNode, name: Hashable) -> None:
+        self.now = max(self.now, node.last_access)
+        entry = self.ghost.pop(name, None)
+        if entry is None:
+            return
+        tokens, was_protected = entry
+        self.ghost_tokens -= tokens
+        self.ghost_kind[was_protected] -= tokens
+        node.hit_count += 1
+        # As ARC's: the rarer kind of ghost hit moves the target further.
+        mine, other = self.ghost_kind[was_protected] + tokens, self.ghost_kind[not was_protected]
+        move = self.step * self.victim_age * max(1.0, other / max(1, mine))
+        if was_protected:
+            self.credit += move  # keys only grow: the eviction queue stays exact
+        elif self.credit > 0:
+            self.credit = max(0.0, self.credit - move)
+            self.version += 1
+
+    def evicted(self, node: EvictableNode, name: Hashable, tokens: int) -> None:
+        self.now = max(self.now, node.last_access)
+        self.victim_age += 0.05 * (self.now - node.last_access - self.victim_age)
+        ghost, kind = self.ghost, self.ghost_kind
+        old = ghost.pop(name, None)
+        if old is not None:
+            self.ghost_tokens -= old[0]
+            kind[old[1]] -= old[0]
+        protected = node.hit_count >= 2
+        ghost[name] = (tokens, protected)
+        self.ghost_tokens += tokens
+        kind[protected] += tokens
+        while self.ghost_tokens > self.ghost_capacity and ghost:
+            gone, was = ghost.popitem(last=False)[1]
+            self.ghost_tokens -= gone
+            kind[was] -= gone
+
+
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRU, MRU, LFU, FIFO, FILO, Priority, SLRU, TwoQ)
+    cls.name: cls for cls in (LRU, MRU, LFU, FIFO, FILO, Priority, SLRU, TwoQ, AdaptiveTwoQ)
 }
 
 

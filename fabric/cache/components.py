@@ -121,8 +121,9 @@ class Components:
             self.host_mamba_pool,
         ):
             pool.reset()
-        self.sliding_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
-        self.mamba_lru = LeafQueue(self.eviction.key, self.eviction.monotone)
+        policy = self.eviction
+        self.sliding_lru = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
+        self.mamba_lru = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
 
     # -- validity ------------------------------------------------------------------
 

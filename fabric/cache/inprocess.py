@@ -177,6 +177,20 @@ class ReplayStats:
     components: dict = field(default_factory=dict)
 
 
+class ReplayClock:
+    """A replay's clock: each reading a microsecond after the last, the same on
+    every run. (On a real clock a run's figures would depend on its timing: an
+    adaptive eviction policy measures ages with it.) A replay reads it far less
+    than a million times a second of any timeout it could trip."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
 class CoreReplay:
     """One ``HiCache`` with an immediate in-process controller and, with
     ``storage=True``, an in-memory L3 that backups fill. Each prompt goes through
@@ -192,7 +206,7 @@ class CoreReplay:
     def __init__(self, config: FabricConfig, storage: bool = True, namespace: str = "default"):
         cc = config.cache
         self.ctl = InProcessController(cc.device_pages, cc.host_pages, cc.page_size)
-        self.cache = HiCache(cc, self.ctl, config.prefetch, model=config.model)
+        self.cache = HiCache(cc, self.ctl, config.prefetch, ReplayClock(), config.model)
         self.admission = Admission(self.cache)
         self.ctl.components = self.cache.parts
         if storage:

@@ -20,9 +20,18 @@ _COMPACT_SLACK = 64
 
 
 class LeafQueue:
-    def __init__(self, key: Callable[[TreeNode], tuple[Any, ...]], monotone: bool) -> None:
+    def __init__(
+        self,
+        key: Callable[[TreeNode], tuple[Any, ...]],
+        monotone: bool,
+        version: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """``version()``: a number that changes when keys may have decreased (an
+        adaptive policy's ``version``); the heap is rebuilt at the next ``begin``."""
         self.key = key
         self.monotone = monotone
+        self.version = version
+        self._seen = version()
         self.members: set[TreeNode] = set()
         self._heap: list[tuple[tuple[Any, ...], TreeNode]] = []
 
@@ -46,9 +55,15 @@ class LeafQueue:
     def begin(self) -> None:
         """Call before a run of ``pop``: rebuilds the heap when it cannot be trusted
         (non-monotone keys) or has gathered too many stale entries."""
-        if not self.monotone or len(self._heap) > 2 * len(self.members) + _COMPACT_SLACK:
+        version = self.version()
+        if (
+            not self.monotone
+            or version != self._seen
+            or len(self._heap) > 2 * len(self.members) + _COMPACT_SLACK
+        ):
             self._heap = [(self.key(n), n) for n in self.members]
             heapq.heapify(self._heap)
+            self._seen = version
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, its heap entry removed (it stays a

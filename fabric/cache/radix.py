@@ -56,7 +56,8 @@ class RadixTree:
         self.root = TreeNode(b"", "", None, 0.0)
         self.evictable_size = 0
         self.protected_size = 0
-        self.device_leaves = LeafQueue(self.eviction.key, self.eviction.monotone)
+        policy = self.eviction
+        self.device_leaves = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
         self.host_leaves = LeafQueue(self.eviction.host_order(), self.eviction.monotone)
         if self.parts is not None:
             self.parts.clear(self.root)

@@ -21,6 +21,7 @@ def leaf(c, *pages):
         ("priority", 2),
         ("slru", 1),
         ("2q", 1),
+        ("a2q", 2),  # no ghost hit yet: its credit is 0, and that is LRU
     ],
 )
 def test_eviction_order_follows_the_policy(clock, policy, victim):
@@ -84,6 +85,52 @@ def test_2q_ghost_is_bounded_by_its_factor_of_l1():
     assert ghost.ghost_capacity == ghost.ghost_factor * 8 * P
     assert 0 < ghost.ghost_tokens <= ghost.ghost_capacity
     assert ghost.ghost_tokens == sum(ghost.ghost.values())
+    c.check_integrity()
+
+
+def test_a2q_learns_from_which_leaves_come_back(clock):
+    """A protected leaf back from the ghost raises the credit (the frequent are
+    kept longer); a probation leaf back from it lowers the credit, and the
+    eviction queue, built under the higher one, is rebuilt."""
+    c = make_cache(device_pages=8, host_pages=1, clock=clock, eviction_policy="a2q")
+    policy = c.eviction
+    for _ in range(2):  # protected: used by two requests
+        clock.advance(1)
+        put(c, toks(1, 2))
+    for first in range(10, 30, 2):  # a scan flushes it (credit 0: LRU)
+        clock.advance(1)
+        put(c, toks(first, first + 1))
+    assert _cached(c, 1, 2) == 0 and policy.credit == 0
+    clock.advance(1)
+    put(c, toks(1, 2))  # back while the ghost remembers it was protected
+    raised = policy.credit
+    assert raised > 0
+    assert policy.key(leaf(c, 1, 2))[0] == leaf(c, 1, 2).last_access + raised
+    version = policy.version
+    clock.advance(1)
+    put(c, toks(10, 11))  # a single-use prompt of the scan comes back
+    assert 0 <= policy.credit < raised and policy.version == version + 1
+    # The queue follows the lowered credit: the next victim is the least recent
+    # leaf as the policy orders now, not as the heap had it.
+    leaves = c.tree.device_leaves
+    leaves.begin()
+    victim = leaves.pop()
+    assert victim is min(leaves.members, key=policy.key)
+    leaves.requeue(victim)
+    c.check_integrity()
+
+
+def test_a2q_ghost_counts_each_kind_of_leaf_it_remembers():
+    c = make_cache(device_pages=8, host_pages=1, eviction_policy="a2q")
+    for first in range(0, 400, 2):
+        put(c, toks(first + 1000, first + 1001))
+        if first % 20 == 0:
+            put(c, toks(first + 1000, first + 1001))  # some protected
+    ghost = c.eviction
+    assert 0 < ghost.ghost_tokens <= ghost.ghost_capacity
+    assert ghost.ghost_tokens == sum(t for t, _ in ghost.ghost.values())
+    for kind in (False, True):
+        assert ghost.ghost_kind[kind] == sum(t for t, p in ghost.ghost.values() if p == kind)
     c.check_integrity()
 
 
@@ -284,3 +331,23 @@ def test_reset_removes_exactly_what_l1_and_l2_held_per_medium():
     view.apply(events)
     assert view.held == {Medium.DEVICE: set(), Medium.HOST: set(), Medium.STORAGE: set()}
     c.check_integrity()
+
+
+def test_a_leaf_queue_rebuilds_when_the_policy_says_keys_went_down():
+    from fabric.cache.leaves import LeafQueue
+    from fabric.cache.node import TreeNode
+
+    keys: dict[TreeNode, float] = {}
+    version = [0]
+    q = LeafQueue(lambda n: (keys[n], n.id), monotone=True, version=lambda: version[0])
+    a, b = TreeNode(b"a", "default", None, 0.0), TreeNode(b"b", "default", None, 0.0)
+    keys.update({a: 5.0, b: 3.0})
+    q.add(a)
+    q.add(b)
+    keys[a] = 1.0  # a's key went down: the heap still has it at 5
+    q.begin()
+    assert q.pop() is b, "without a new version the heap is trusted (monotone keys)"
+    q.requeue(b)
+    version[0] += 1
+    q.begin()
+    assert q.pop() is a, "a new version: rebuilt, in the keys' order now"
