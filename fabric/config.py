@@ -131,7 +131,7 @@ class CacheConfig(_Section):
     page_size: PositiveInt = 16
     device_tokens: PositiveInt = 32768
     host_tokens: PositiveInt = 131072
-    eviction_policy: str = _one_of(EVICTION_POLICIES, "lru")
+    eviction_policy: str = _one_of(EVICTION_POLICIES, "a2q")
     write_policy: str = _one_of(WRITE_POLICIES, "write_through")
     load_back_threshold: NonNegativeInt = 16
     pin_budget_fraction: Fraction = 0.2

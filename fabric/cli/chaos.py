@@ -73,7 +73,7 @@ def chaos(
     L3 page the audit refused, too many unverifiable leases or failed requests)
     or when it never served again, and 3 when the harness itself broke (no
     verdict); the last line is the report as one JSON object."""
-    from fabric.tools.chaos import ChaosOptions, run_chaos, summary
+    from fabric.tools.chaos import ChaosOptions, summary
 
     kinds = FAULTS if faults == "all" else tuple(k.strip() for k in faults.split(",") if k.strip())
     opts = ChaosOptions(
@@ -88,14 +88,25 @@ def chaos(
         clients=clients,
         overrides=tuple(overrides),
     )
-    # Progress goes to stderr, and so does whatever the Ray nodes the run starts
-    # and stops print (a removed node's raylet dumps its state): stdout keeps
-    # only the summary and the report.
+    report = _run(opts)
+    if not as_json:
+        click.echo(summary(report))
+    emit(report)
+    if not report["ok"]:
+        raise SystemExit(1)
+
+
+def _run(opts) -> dict:
+    """Run the chaos test: its report. Progress goes to stderr, and so does
+    whatever the Ray nodes the run starts and stops print (a removed node's
+    raylet dumps its state): stdout keeps only the summary and the report."""
+    from fabric.tools.chaos import run_chaos
+
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        report = run_chaos(opts, progress=lambda line: click.echo(line, err=True))
+        return run_chaos(opts, progress=lambda line: click.echo(line, err=True))
     except (FabricError, OSError):
         raise  # a setting or the machine: one line, exit 2
     except Exception as exc:  # the harness broke: no verdict either way
@@ -109,8 +120,3 @@ def chaos(
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
-    if not as_json:
-        click.echo(summary(report))
-    emit(report)
-    if not report["ok"]:
-        raise SystemExit(1)
