@@ -300,7 +300,6 @@ def run_tiers(shape: str, args, hidden: int, layers: int) -> dict:
         for prefix in prefixes:
             rows["L3 cold"].append(timed(f, uncached, prefix + message(args.message)))
         # L3 warm: the same prefixes again, once this fabric's L1 and L2 are empty.
-        emptied(f, "L1 and L2")
         for prefix in prefixes:
             emptied(f, "L1 and L2")
             rows["L3 warm"].append(timed(f, uncached, prefix + message(args.message)))

@@ -165,9 +165,10 @@ class AdaptiveTwoQ(EvictionPolicy):
     ``credit``: a protected leaf (used by two requests or more, or back from
     the ghost) is ordered as if last used ``credit`` later, probation leaves at
     their own time, least recently used first. ``credit`` 0 is LRU; an
-    unbounded one is 2Q. It starts at 0 and moves by a tenth of the recent
-    victims' age per ghost hit: up when a protected leaf comes back (keep the
-    frequent longer), down when a probation leaf does (give newcomers longer).
+    unbounded one is 2Q. It starts at 0 and moves by half the recent victims'
+    age per ghost hit, times ARC's ratio (the rarer kind of ghost hit moves it
+    further): up when a protected leaf comes back (keep the frequent longer),
+    down when a probation leaf does (give newcomers longer).
     The ghost remembers the first page of every leaf that left L1 and whether
     it was protected then, for ``ghost_factor`` times L1's tokens.
     """
@@ -179,12 +180,15 @@ class AdaptiveTwoQ(EvictionPolicy):
 
     def __init__(self) -> None:
         self.ghost: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
-        self.ghost_tokens = 0
         self.ghost_kind = {False: 0, True: 0}  # ghost tokens by: was it protected
         self.ghost_capacity = 0
         self.credit = 0.0
         self.now = 0.0  # the latest access seen
         self.victim_age = 0.0  # the recent victims' age (since their last use), averaged
+
+    @property
+    def ghost_tokens(self) -> int:
+        return self.ghost_kind[False] + self.ghost_kind[True]
 
     def key(self, node: EvictableNode) -> tuple[Any, ...]:
         credit = self.credit if node.hit_count >= 2 else 0.0
@@ -202,7 +206,6 @@ class AdaptiveTwoQ(EvictionPolicy):
         if entry is None:
             return
         tokens, was_protected = entry
-        self.ghost_tokens -= tokens
         self.ghost_kind[was_protected] -= tokens
         node.hit_count += 1
         # As ARC's: the rarer kind of ghost hit moves the target further.
@@ -220,15 +223,12 @@ class AdaptiveTwoQ(EvictionPolicy):
         ghost, kind = self.ghost, self.ghost_kind
         old = ghost.pop(name, None)
         if old is not None:
-            self.ghost_tokens -= old[0]
             kind[old[1]] -= old[0]
         protected = node.hit_count >= 2
         ghost[name] = (tokens, protected)
-        self.ghost_tokens += tokens
         kind[protected] += tokens
         while self.ghost_tokens > self.ghost_capacity and ghost:
             gone, was = ghost.popitem(last=False)[1]
-            self.ghost_tokens -= gone
             kind[was] -= gone
 
 
