@@ -26,10 +26,16 @@ up the tree (``prune``). Removing a node's full pages takes its components with
 it (``drop``).
 
 L2 holds components too: a write to L2 copies a node's components with its
-pages (``to_host``; all or none with them), a load-back brings them to L1
-(``to_device``), and an L2 node deleted takes its components (``drop_host``).
-A hybrid match may end at an L2 node whose components are valid there. L3 holds
-no components yet: a hybrid cache neither backs up to L3 nor prefetches.
+pages (``to_host``), a load-back brings them to L1 (``to_device``), and an L2
+node deleted takes its components (``drop_host``). A hybrid match may end at an
+L2 node whose components are valid there. Each component's L2 pool has its own
+eviction order (``host_sliding_lru``, ``host_mamba_lru``): it holds exactly the
+nodes whose value of that component is in L2 only (not in L1 as well), and a
+component short of L2 room evicts from it alone (``evict_host``), leaving an L2
+tombstone; the node's full pages stay. Backups, prefetch anchors, pins and
+locks (``host_ref``, ``lock_ref``) protect an L2 component as they protect its
+pages. L3 keeps components too: a backup copies a node's L2 components, a
+prefetch brings those of the end it reads for.
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ class ComponentStats:
 
     sliding_evicted_pages: int = 0
     mamba_evicted_states: int = 0
+    # Evicted from L2 alone (their node's full pages stayed there).
+    host_sliding_evicted_pages: int = 0
+    host_mamba_evicted_states: int = 0
     tombstones_removed: int = 0
     sliding_alloc_failures: int = 0
     mamba_alloc_failures: int = 0
@@ -122,8 +131,9 @@ class Components:
         ):
             pool.reset()
         policy = self.eviction
-        self.sliding_lru = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
-        self.mamba_lru = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
+        queue = lambda: LeafQueue(policy.key, policy.monotone, lambda: policy.version)  # noqa: E731
+        self.sliding_lru, self.mamba_lru = queue(), queue()
+        self.host_sliding_lru, self.host_mamba_lru = queue(), queue()
 
     # -- validity ------------------------------------------------------------------
 
@@ -209,15 +219,18 @@ class Components:
         self.refresh(lower)
 
     def refresh(self, node: TreeNode) -> None:
-        """Recompute ``node``'s membership of the two component eviction queues."""
-        if node.sliding is not None and not node.sliding_locks:
-            self.sliding_lru.add(node)
-        else:
-            self.sliding_lru.discard(node)
-        if node.mamba is not None and node.part_ref == 0:
-            self.mamba_lru.add(node)
-        else:
-            self.mamba_lru.discard(node)
+        """Recompute ``node``'s membership of the four component eviction queues: L1's
+        (unlocked values) and L2's (values in L2 only)."""
+        for queue, member in (
+            (self.sliding_lru, node.sliding is not None and not node.sliding_locks),
+            (self.mamba_lru, node.mamba is not None and node.part_ref == 0),
+            (self.host_sliding_lru, node.host_sliding is not None and node.sliding is None),
+            (self.host_mamba_lru, node.host_mamba is not None and node.mamba is None),
+        ):
+            if member:
+                queue.add(node)
+            else:
+                queue.discard(node)
 
     def drop(self, node: TreeNode) -> None:
         """Free every component value of ``node`` (its full pages are leaving L1)."""
@@ -225,26 +238,28 @@ class Components:
         if node.sliding is not None:
             self.sliding_pool.release(node.sliding)
             node.sliding = None
-            self.sliding_lru.discard(node)
         if node.mamba is not None:
             self.mamba_pool.release((node.mamba,))
             node.mamba = None
-            self.mamba_lru.discard(node)
+        self.refresh(node)  # what it has in L2 is there only now
 
     # -- L2 ------------------------------------------------------------------------
 
     def to_host(self, node: TreeNode, copy: list[list[int]]) -> None:
-        """``node``'s L1 components get L2 copies (its full pages are being written):
-        L2 slots are taken now and the copies added to ``copy`` (sliding src, dst,
-        mamba src, dst). A pool without room leaves that component out of L2."""
+        """``node``'s L1 components get L2 copies (its full pages are in L2 or being
+        written): L2 slots are taken now, evicting L2-only values of the same
+        component if short (never on ``node``'s path), and the copies added to
+        ``copy`` (sliding src, dst, mamba src, dst). A pool without room even then
+        leaves that component out of L2."""
         if node.sliding is not None and node.host_sliding is None:
-            got = self.host_sliding_pool.alloc(len(node.sliding))
+            n = len(node.sliding)
+            got = self._alloc(self.host_sliding_pool, n, self.evict_host_sliding, node)
             if got is not None:
                 node.host_sliding = got
                 copy[0].extend(node.sliding)
                 copy[1].extend(got)
         if node.mamba is not None and node.host_mamba is None:
-            got = self.host_mamba_pool.alloc(1)
+            got = self._alloc(self.host_mamba_pool, 1, self.evict_host_mamba, node)
             if got is not None:
                 node.host_mamba = got[0]
                 copy[2].append(node.mamba)
@@ -258,6 +273,18 @@ class Components:
         if node.host_mamba is not None:
             self.host_mamba_pool.release((node.host_mamba,))
             node.host_mamba = None
+        self.refresh(node)
+
+    def drop_host_slots(self, node: TreeNode, sliding: Collection[int], mamba: Collection[int]):
+        """Take from ``node`` the L2 components that hold any of ``sliding`` / ``mamba``
+        (a copy into them failed: they hold nothing), back to their pools."""
+        if node.host_sliding is not None and set(sliding) & set(node.host_sliding):
+            self.host_sliding_pool.release(node.host_sliding)
+            node.host_sliding = None
+        if node.host_mamba is not None and node.host_mamba in mamba:
+            self.host_mamba_pool.release((node.host_mamba,))
+            node.host_mamba = None
+        self.refresh(node)
 
     def to_device(self, node: TreeNode, copy: list[list[int]]) -> None:
         """``node`` (just loaded back to L1, locked) gets its L2 components in L1,
@@ -268,14 +295,13 @@ class Components:
                 node.sliding = got
                 copy[0].extend(node.host_sliding)
                 copy[1].extend(got)
-                self.refresh(node)
         if node.host_mamba is not None and node.mamba is None:
             got = self._alloc(self.mamba_pool, 1, self.evict_mamba, node)
             if got is not None:
                 node.mamba = got[0]
                 copy[2].append(node.host_mamba)
                 copy[3].append(got[0])
-                self.refresh(node)
+        self.refresh(node)  # what it had in L2 only is in L1 as well now
 
     # -- locks ---------------------------------------------------------------------
 
@@ -408,7 +434,9 @@ class Components:
         """Free at least ``num_states`` mamba slots if possible, in policy order."""
         return self._evict(self.mamba_lru, num_states, keep, self._evict_state)
 
-    def _evict(self, queue: LeafQueue, n: int, keep: TreeNode | None, one) -> int:
+    def _evict(
+        self, queue: LeafQueue, n: int, keep: TreeNode | None, one, host: bool = False
+    ) -> int:
         spared = set()
         x = keep
         while x is not None:
@@ -420,11 +448,12 @@ class Components:
             node = queue.pop()
             if node is None:
                 break
-            if node in spared:
+            if node in spared or (host and (node.host_ref or node.lock_ref)):
                 kept.append(node)
                 continue
             freed += one(node)
-            self.prune(node, spared)
+            if not host:  # an L2 tombstone still serves longer matches from L2
+                self.prune(node, spared)
         for node in kept:
             queue.requeue(node)
         return freed
@@ -434,7 +463,7 @@ class Components:
         assert tail is not None and not node.sliding_locks
         self.sliding_pool.release(tail)
         node.sliding = None
-        self.sliding_lru.discard(node)
+        self.refresh(node)  # an L2 copy of the tail is the only one now
         self.stats.sliding_evicted_pages += len(tail)
         return len(tail)
 
@@ -442,8 +471,42 @@ class Components:
         assert node.mamba is not None and node.part_ref == 0
         self.mamba_pool.release((node.mamba,))
         node.mamba = None
-        self.mamba_lru.discard(node)
+        self.refresh(node)
         self.stats.mamba_evicted_states += 1
+        return 1
+
+    def evict_host(self, component: str, n: int, keep: TreeNode | None = None) -> int:
+        """Free at least ``n`` of ``component``'s L2 pool (``sliding`` pages or
+        ``mamba`` states) from values held in L2 only, in policy order, never one
+        protected (``host_ref``, ``lock_ref``) or on ``keep``'s path; their nodes'
+        full pages stay (L2 tombstones). Returns what was freed."""
+        if component == "sliding":
+            return self.evict_host_sliding(n, keep)
+        if component == "mamba":
+            return self.evict_host_mamba(n, keep)
+        raise ValueError(f"component {component!r} is refused: allowed are sliding, mamba")
+
+    def evict_host_sliding(self, num_pages: int, keep: TreeNode | None = None) -> int:
+        return self._evict(self.host_sliding_lru, num_pages, keep, self._evict_host_tail, True)
+
+    def evict_host_mamba(self, num_states: int, keep: TreeNode | None = None) -> int:
+        return self._evict(self.host_mamba_lru, num_states, keep, self._evict_host_state, True)
+
+    def _evict_host_tail(self, node: TreeNode) -> int:
+        tail = node.host_sliding
+        assert tail is not None and node.sliding is None
+        self.host_sliding_pool.release(tail)
+        node.host_sliding = None
+        self.refresh(node)
+        self.stats.host_sliding_evicted_pages += len(tail)
+        return len(tail)
+
+    def _evict_host_state(self, node: TreeNode) -> int:
+        assert node.host_mamba is not None and node.mamba is None
+        self.host_mamba_pool.release((node.host_mamba,))
+        node.host_mamba = None
+        self.refresh(node)
+        self.stats.host_mamba_evicted_states += 1
         return 1
 
     def prune(self, node: TreeNode, spared: Collection[TreeNode] = ()) -> None:
@@ -563,10 +626,27 @@ class Components:
             want_m = node.mamba is not None and node.part_ref == 0
             if want_m != (node in self.mamba_lru):
                 out.append(f"{node}: mamba queue membership is {not want_m}")
-        if len(self.sliding_lru.queued()) != len(self.sliding_lru):
-            out.append("sliding queue: a member has no heap entry")
-        if len(self.mamba_lru.queued()) != len(self.mamba_lru):
-            out.append("mamba queue: a member has no heap entry")
+            # The reference's invariant: an L2-only value is in its component's L2
+            # queue and nowhere else; one also in L1 is not in it.
+            for name, queue, host, device in (
+                ("sliding", self.host_sliding_lru, node.host_sliding, node.sliding),
+                ("mamba", self.host_mamba_lru, node.host_mamba, node.mamba),
+            ):
+                want_h = host is not None and device is None
+                if want_h != (node in queue):
+                    out.append(f"{node}: L2 {name} queue membership is {not want_h}")
+        present = set(nodes)
+        for queue, name in (
+            (self.sliding_lru, "sliding"),
+            (self.mamba_lru, "mamba"),
+            (self.host_sliding_lru, "L2 sliding"),
+            (self.host_mamba_lru, "L2 mamba"),
+        ):
+            if len(queue.queued()) != len(queue):
+                out.append(f"{name} queue: a member has no heap entry")
+            stale = [n for n in queue if n not in present]
+            if stale:
+                out.append(f"{name} queue: {len(stale)} node(s) no longer in the tree")
         return out
 
     def _lock_violations(

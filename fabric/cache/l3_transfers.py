@@ -374,7 +374,7 @@ class L3Transfers:
             assert got is not None
         op.page_hashes = key.chain_from(op.start_page, op.prev_hash)  # kept, or hashed here
         if whole:
-            op.parts = self._alloc_parts(op.page_hashes[:pages])
+            op.parts = self._alloc_parts(op.page_hashes[:pages], op.anchor)
             if op.parts is None:
                 host.free(got)
                 self._revoke(op)
@@ -414,14 +414,16 @@ class L3Transfers:
             op.removal_tick,
         )
 
-    def _alloc_parts(self, hashes: list[bytes]) -> StorageParts | None:
+    def _alloc_parts(self, hashes: list[bytes], anchor: TreeNode) -> StorageParts | None:
         """L2 slots for the components of the end after ``hashes`` (the sliding pages
-        of the window before it that these pages reach, the mamba state there),
-        evicting L2 once if short; ``None`` when there is no room."""
+        of the window before it that these pages reach, the mamba state there).
+        Short, it evicts L2-only values of the component short of room, then L2's
+        full leaves (which take their components); never on ``anchor``'s path, whose
+        tails the window before the end may need. ``None`` when there is no room."""
         parts = self.tree.parts
         assert parts is not None
         n = min(parts.window_pages, len(hashes)) if parts.sliding else 0
-        for attempt in range(2):
+        for attempt in range(3):
             sliding = parts.host_sliding_pool.alloc(n) if n else as_pages()
             mamba = parts.host_mamba_pool.alloc(1) if parts.mamba else as_pages()
             if sliding is not None and mamba is not None:
@@ -436,6 +438,12 @@ class L3Transfers:
             if mamba:
                 parts.host_mamba_pool.release(mamba)
             if attempt == 0:
+                if sliding is None and n <= parts.host_sliding_pool.num_pages:
+                    short = n - parts.host_sliding_pool.available_pages
+                    parts.evict_host_sliding(short, anchor)
+                if mamba is None:
+                    parts.evict_host_mamba(1, anchor)
+            elif attempt == 1:
                 self.evict_host(len(hashes) * self.page_size)
         self.stats.refusals["no L2 room for components"] = (
             self.stats.refusals.get("no L2 room for components", 0) + 1
@@ -623,6 +631,7 @@ class L3Transfers:
         spare_states = list(parts.mamba_slots)
         if end is not None and spare_states and end.host_mamba is None:
             end.host_mamba = spare_states.pop()
+            comps.refresh(end)
         tail, spare = list(parts.sliding_pages), []
         x = end
         while tail and x is not None and x is not self.tree.root:
@@ -630,6 +639,7 @@ class L3Transfers:
             mine, tail = tail[len(tail) - take :], tail[: len(tail) - take]
             if x.host_sliding is None and x.host_value is not None:
                 x.host_sliding = as_pages(mine)
+                comps.refresh(x)
             else:
                 spare.extend(mine)
             x = x.parent

@@ -194,12 +194,7 @@ class Writes:
             if ok:
                 self.backup(x, parts_only=True)
                 continue
-            if x.host_sliding is not None and set(op.part_slots[0]) & set(x.host_sliding):
-                parts.host_sliding_pool.release(x.host_sliding)
-                x.host_sliding = None
-            if x.host_mamba is not None and x.host_mamba in op.part_slots[1]:
-                parts.host_mamba_pool.release((x.host_mamba,))
-                x.host_mamba = None
+            parts.drop_host_slots(x, *op.part_slots)
 
     @staticmethod
     def _holding(node: TreeNode, slots: tuple[tuple[int, ...], tuple[int, ...]]):

@@ -153,6 +153,8 @@ def _components_text(comp: dict[str, Any]) -> list[str]:
         f"  L1 memory {comp['bytes'] / 2**30:.2f} GiB; every attention layer as full "
         f"attention: {comp['all_full_attention_bytes'] / 2**30:.2f} GiB; "
         f"{n['truncated_matches']} matches stopped short of a component, "
-        f"{n['tombstones_removed']} dead leaves removed"
+        f"{n['tombstones_removed']} dead leaves removed; evicted from L2 alone: "
+        f"{n['host_sliding_evicted_pages']} sliding pages, "
+        f"{n['host_mamba_evicted_states']} mamba states"
     )
     return lines

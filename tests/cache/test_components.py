@@ -238,3 +238,115 @@ def test_components_go_to_l2_with_their_pages_and_come_back_with_a_load():
     cache.check_integrity()
     assert all(s.free == s.capacity for s in cache.component_sizes().values())
     assert cache.parts.host_mamba_pool.available_pages == cache.parts.host_mamba_pool.num_pages
+
+
+def node_of(cache, *pages: int):
+    """The node whose key ends after ``pages`` (whole pages from the root)."""
+    node, data = cache.tree.root, pack_tokens(toks(*pages))
+    while data:
+        child = node.children[("default", data[: cache.tree.page_bytes])]
+        data = data[len(child.key) :]
+        node = child
+    return node
+
+
+def test_an_l2_only_component_is_in_its_l2_queue_and_nowhere_else():
+    cache, adm = hybrid("both", immediate=True)
+    serve(adm, 1, 2, 3)
+    cache.poll()
+    node = node_of(cache, 1, 2, 3)
+    parts = cache.parts
+    # In L1 and L2: in L1's queues only.
+    assert node.host_mamba is not None and node in parts.mamba_lru
+    assert node not in parts.host_mamba_lru and node not in parts.host_sliding_lru
+    parts._evict_state(node)  # L1's state evicted alone: L2's is the only one
+    assert node in parts.host_mamba_lru and node not in parts.mamba_lru
+    cache.check_integrity()
+    cache.device_evictions.evict(1 << 20)  # demoted: every L2 value is L2-only
+    assert node in parts.host_sliding_lru and node in parts.host_mamba_lru
+    cache.check_integrity()
+    req = adm.begin(pack_tokens(toks(1, 2, 3, 4)))  # loaded back: in L1 again
+    adm.prefill(req, req.num_tokens)
+    assert req.host_hit == 3 * P and node.mamba is not None
+    assert node not in parts.host_mamba_lru and node not in parts.host_sliding_lru
+    adm.release(req)
+    cache.check_integrity()
+
+
+def test_integrity_names_an_l2_only_component_missing_from_its_queue():
+    cache, adm = hybrid("mamba", immediate=True)
+    serve(adm, 1, 2)
+    cache.poll()
+    cache.device_evictions.evict(1 << 20)
+    node = node_of(cache, 1, 2)
+    cache.parts.host_mamba_lru.discard(node)
+    with pytest.raises(AssertionError, match="L2 mamba queue membership is False"):
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("kinds", ["mamba", "sliding"])
+def test_a_component_short_of_l2_evicts_its_own_l2_only_values_in_lru_order(kinds):
+    # L2 has room for every prompt's pages, its component pool for two prompts'.
+    room = {"host_mamba_states": 2} if kinds == "mamba" else {"host_sliding_tokens": 4 * P}
+    cache, adm = hybrid(kinds, immediate=True, **room)
+    parts = cache.parts
+    for first in (1, 2):
+        serve(adm, first, 10 + first)
+        cache.poll()
+    cache.device_evictions.evict(1 << 20)  # both L2-only now, 1 the older
+    old, newer = node_of(cache, 1, 11), node_of(cache, 2, 12)
+    serve(adm, 3, 13)
+    cache.poll()  # its write needs a slot: the oldest L2-only value goes
+    new = node_of(cache, 3, 13)
+    cache.check_integrity()
+    if kinds == "mamba":
+        assert old.host_mamba is None and newer.host_mamba is not None
+        assert new.host_mamba is not None and parts.stats.host_mamba_evicted_states == 1
+    else:
+        assert old.host_sliding is None and newer.host_sliding is not None
+        assert new.host_sliding is not None and parts.stats.host_sliding_evicted_pages == 2
+    # Only the component left L2: the full pages stay, and serve longer prompts
+    # through the L2 tombstone, not as an end.
+    assert old.host_value is not None and old in cache.tree.host_leaves
+    m = cache.placement.match_prefix(cache.key(toks(1, 11)))
+    assert m.device_tokens == 0 and m.host_tokens == 0
+
+
+def test_protected_l2_components_are_not_evicted():
+    cache, adm = hybrid("mamba", immediate=True, host_mamba_states=1, pin_budget_fraction=0.5)
+    serve(adm, 1, 2)
+    cache.poll()
+    cache.device_evictions.evict(1 << 20)
+    held = node_of(cache, 1, 2)
+    assert cache.pin_prefix(cache.key(toks(1, 2)), 60).pinned_tokens == 2 * P
+    assert held.host_ref and cache.parts.evict_host("mamba", 1) == 0
+    serve(adm, 3, 4)
+    cache.poll()  # no slot for the new node's state in L2: it stays out of L2
+    assert held.host_mamba is not None and node_of(cache, 3, 4).host_mamba is None
+    assert cache.pins.unpin(cache.key(toks(1, 2))) == 2 * P
+    assert cache.parts.evict_host("mamba", 1) == 1 and held.host_mamba is None
+    cache.check_integrity()
+    with pytest.raises(ValueError, match="component 'full' is refused"):
+        cache.parts.evict_host("full", 1)
+
+
+def test_l2_component_eviction_spares_the_path_being_written():
+    # Window of two pages: a one-page leaf's window reaches into its parent's tail.
+    # Under write-back, L2 gets a node only when asked.
+    cache, adm = hybrid(
+        "sliding", immediate=True, host_sliding_tokens=2 * P, write_policy="write_back"
+    )
+    serve(adm, 1, 2)
+    parent = node_of(cache, 1, 2)
+    assert cache.writes.write_backup(parent) == 2 * P
+    cache.poll()
+    serve(adm, 1, 2, 3)
+    child = node_of(cache, 1, 2, 3)
+    cache.parts._evict_tail(parent)  # the parent's tail is in L2 only: evictable there
+    assert parent in cache.parts.host_sliding_lru and child.host_value is None
+    assert cache.writes.write_backup(child) == P  # its tail finds L2's pool full
+    cache.poll()
+    cache.check_integrity()
+    # The parent's tail is part of the child's window: not evicted for it.
+    assert parent.host_sliding is not None and child.host_sliding is None
+    assert cache.parts.evict_host("sliding", 1) == 2  # unprotected otherwise

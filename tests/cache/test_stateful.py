@@ -53,6 +53,7 @@ class CacheMachine(RuleBasedStateMachine):
         session_tier=st.sampled_from(["device", "host"]),
         hybrid=st.sampled_from([None, "sliding", "mamba", "both"]),
         window=st.sampled_from([2, 6, 10]),
+        tight_l2=st.booleans(),
     )
     def setup(
         self,
@@ -62,10 +63,12 @@ class CacheMachine(RuleBasedStateMachine):
         session_tier="device",
         hybrid=None,
         window=6,
+        tight_l2=False,
     ):
         self.clock = FakeClock()
         # A hybrid model's component pools are small, so components are evicted
-        # apart from the full pages (tombstones, dead leaves).
+        # apart from the full pages (tombstones, dead leaves); with ``tight_l2`` its
+        # L2 component pools too (L2 tombstones, the per-component L2 queues).
         parts = {}
         if hybrid is not None:
             parts = {
@@ -73,6 +76,8 @@ class CacheMachine(RuleBasedStateMachine):
                 "sliding_tokens": 6 * P,
                 "mamba_states": 3,
             }
+            if tight_l2:
+                parts |= {"host_sliding_tokens": 4 * P, "host_mamba_states": 2}
         self.cache = make_cache(
             device_pages=10,
             host_pages=20,
@@ -208,6 +213,21 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 12))
     def evict_host(self, n):
         self.cache.host_evictions.evict(n * P)
+
+    @rule(component=st.sampled_from(["sliding", "mamba"]), n=st.integers(0, 4))
+    def evict_host_component(self, component, n):
+        parts = self.cache.parts
+        if parts is None or not getattr(parts, component):
+            return
+        sliding = component == "sliding"
+        queue = parts.host_sliding_lru if sliding else parts.host_mamba_lru
+        free = [x for x in queue if not (x.host_ref or x.lock_ref)]
+        evictable = sum(len(x.host_sliding) if sliding else 1 for x in free)
+        before = {x: (x.host_value, x.sliding, x.mamba) for x in self.cache.tree.walk()}
+        freed = parts.evict_host(component, n)
+        assert min(n, evictable) <= freed <= evictable
+        # Only L2-only values of the component went: full pages and L1 values stayed.
+        assert {x: (x.host_value, x.sliding, x.mamba) for x in self.cache.tree.walk()} == before
 
     @rule(ns=namespaces, pages=page_lists, quota=st.none() | st.integers(0, 8))
     def load_back(self, ns, pages, quota):
