@@ -221,6 +221,13 @@ class CoordinatorActor:
         self._held(lease)
         return await self.ranks.read(lease)
 
+    async def read_parts(self, lease: Lease) -> list:
+        """Every rank's shard of a held lease's other components (a hybrid model's
+        sliding-window KV and mamba states): ``(Shard, sliding, states)`` triples
+        for ``fabric.rank.hybrid.served_states``. Call while holding the lease."""
+        self._held(lease)
+        return await self.ranks.read_parts(lease)
+
     def _held(self, lease: Lease) -> None:
         """Raise ``InvalidInput`` unless ``lease`` is one the coordinator holds."""
         if self.core.leases.check(lease) is None:

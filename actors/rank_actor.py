@@ -271,6 +271,10 @@ class RankActor:
         """This rank's shard of the KV of ``tokens`` positions held in L1 ``pages``."""
         return self.worker.read(tokens, pages)
 
+    def read_parts(self, sliding: list, mamba: list) -> tuple:
+        """This rank's shard of a hybrid prefix's sliding pages and mamba states."""
+        return self.worker.parts.read(sliding, mamba)
+
     def set_faults(
         self,
         delay_s: float = 0.0,

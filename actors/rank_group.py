@@ -118,6 +118,13 @@ class RayRankGroup:
             await asyncio.gather(*(r.read.remote(lease.tokens, pages) for r in self.handles))
         )
 
+    async def read_parts(self, lease: Lease) -> list:
+        """Every rank's shard of the lease's other components."""
+        sliding, mamba = list(lease.sliding), list(lease.mamba)
+        return list(
+            await asyncio.gather(*(r.read_parts.remote(sliding, mamba) for r in self.handles))
+        )
+
     async def describe(self) -> list[dict[str, Any]]:
         """Every rank's line in ``kvfabric status``."""
         return list(

@@ -266,6 +266,12 @@ class Fabric:
         ``to_cache`` makes a ``transformers`` cache of it."""
         return self._call(self.coordinator.read_kv, lease)
 
+    def read_parts(self, lease: Lease) -> list:
+        """For a hybrid model: every rank's shard of the other components a held
+        lease covers, as ``(Shard, sliding KV, mamba states)`` triples;
+        ``fabric.rank.hybrid.served_states`` joins them with ``read_kv``'s."""
+        return self._call(self.coordinator.read_parts, lease)
+
     def computed_tokens_by_rank(self) -> dict[str, int]:
         """Tokens each rank has run through its share of the model (or made, with
         the synthetic producer) since it started, by rank (``pp0-cp0-tp1``)."""

@@ -7,7 +7,7 @@ from fabric.cli import main
 from fabric.driver.local import LocalFabric
 from fabric.errors import InvalidInput
 from fabric.tools.chat import converse, model_overrides
-from tests.helpers import small_config
+from tests.helpers import small_config, storage_options
 
 
 class InProcess:
@@ -31,6 +31,9 @@ class InProcess:
     def read_kv(self, lease):
         return self.f.read_kv(lease)
 
+    def read_parts(self, lease):
+        return self.f.read_parts(lease)
+
     def computed_tokens_by_rank(self):
         return self.f.computed_tokens_by_rank()
 
@@ -52,6 +55,34 @@ def test_conversations_hit_through_earlier_answers_and_match_uncached_generation
     assert stats.tokens.device > 0 and stats.tokens.computed > 0
     assert not f.core.leases and not f.core.cache.sessions.held
     f.core.cache.check_integrity()
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-bamba"])
+def test_hybrid_conversations_continue_from_served_state_through_every_tier(model, tmp_path):
+    """Tiny L1 and L2 (prompts outgrow them: components are evicted, demoted and
+    loaded back), L3 on; a second fabric over the same L3 serves the first turns
+    from it. Every answer continued from the served state is the uncached one."""
+    config = small_config(
+        *model_overrides(model),
+        "topology.pp=1",
+        "cache.page_size=8",
+        "cache.device_tokens=96",
+        "cache.host_tokens=96",
+        "prefetch.threshold_tokens=8",
+        *storage_options(tmp_path),
+    )
+    tiers = []
+    for _ in range(2):
+        f = LocalFabric(config)
+        stats = converse(InProcess(f), config, conversations=3, turns=3, new_tokens=3, check=True)
+        assert stats.turns == stats.checked == 9 and stats.mismatches == 0
+        assert stats.unserved == 0 and stats.max_logits_diff < 1e-4
+        f.settle()
+        f.core.cache.check_integrity()
+        assert not f.core.leases
+        tiers.append(stats.tokens)
+    assert tiers[0].device > 0 and tiers[0].host > 0, "hits from L1 and L2 loaded back"
+    assert tiers[1].storage > 0, "the fresh fabric's first turns come from L3"
 
 
 def test_bad_model_arguments_are_refused_naming_the_value(capsys):

@@ -47,6 +47,11 @@ def chat_text(out: dict[str, Any], checked: bool) -> str:
             f"{m['mismatches']} mismatched (next-token logits at most "
             f"{m['max_logits_diff']:.2g} apart)"
         )
+    if m.get("unserved_turns"):
+        lines.append(
+            f"  {m['unserved_turns']} turns found a component missing at their lease's end "
+            "(no room in L1) and were continued from no cache"
+        )
     return "\n".join(lines)
 
 

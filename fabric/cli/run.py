@@ -46,8 +46,9 @@ from fabric.observe.report import result, workload
 )
 @click.option(
     "--model",
-    help="Multi-turn conversations through a real model: tiny-llama (seeded random "
-    "weights) or a local Hugging Face model directory (pip install 'kvfabric[model]').",
+    help="Multi-turn conversations through a real model: tiny-llama, tiny-gemma3 (sliding "
+    "window) or tiny-bamba (Mamba2), all with seeded random weights, or a local Hugging "
+    "Face model directory (pip install 'kvfabric[model]').",
 )
 @click.option(
     "--check", is_flag=True, help="With --model: also generate without a cache and compare."
@@ -217,6 +218,7 @@ def _chat(config_file, overrides, address, model, check, conversations, turns, n
             "turns": stats.turns,
             "checked_requests": stats.checked,
             "mismatches": stats.mismatches,
+            "unserved_turns": stats.unserved,
             "max_logits_diff": stats.max_logits_diff,
             "generated_tokens": stats.generated_tokens,
         },

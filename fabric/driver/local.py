@@ -245,6 +245,10 @@ class LocalFabric:
         """Every rank's shard of the lease's KV (see ``fabric.rank.model.assemble``)."""
         return [r.read(lease.tokens, list(lease.device_pages)) for r in self.ranks]
 
+    def read_parts(self, lease: Lease) -> list:
+        """Every rank's shard of the lease's other components (a hybrid model's)."""
+        return [r.parts.read(list(lease.sliding), list(lease.mamba)) for r in self.ranks]
+
     def verify(self, result: RequestResult, tokens: bytes) -> list[bool]:
         """Per rank: does L1 hold exactly the fresh KV of the leased prefix?"""
         lease = result.lease

@@ -319,3 +319,82 @@ class HybridKV(ShardPositions):
             states.buffer[part.slot] = torch.stack(
                 [mamba_share(c, layers[i], tp_rank, self.tp) for i in self.mamba]  # type: ignore[arg-type]
             )
+
+
+# -- a served prefix back as a model's cache ---------------------------------------
+
+
+def served_states(
+    model: ModelConfig,
+    hf_config: Any,
+    page_size: int,
+    end_page: int,
+    full: list[tuple[Shard, torch.Tensor]],
+    parts: list[tuple[Shard, torch.Tensor | None, torch.Tensor | None]],
+    sliding: list[tuple[int, int]],
+) -> list[LayerState]:
+    """Every layer's state after the first ``end_page`` pages of a served prefix,
+    put together from every rank's shard: ``full`` as ``RankWorker.read`` returns
+    it (the full-attention layers' KV of the prefix's positions), ``parts`` as
+    ``Parts.read`` returns it for the lease's ``sliding`` ``(key page, pool
+    page)`` pages and the mamba states of the lease's slots, the last one at
+    ``end_page``. ``rebuild`` makes the
+    cache a model continues from at position ``end_page * page_size``. Raises
+    ``InvalidInput`` when a rank's share of a layer is missing (the lease did
+    not hold a component there)."""
+    kinds = list(model.kinds)
+    cut = end_page * page_size
+    window = range(max(0, cut - max(0, model.sliding_window - 1)), cut)
+    kv: dict[int, dict[int, torch.Tensor]] = {}  # layer -> position -> (2, kv_heads, dim)
+    states: dict[int, dict[int, torch.Tensor]] = {}  # mamba layer -> TP rank -> share
+    for (shard, values), (_, skv, mamba) in zip(full, parts, strict=True):
+        span = range(shard.layer_start, shard.layer_start + shard.layers)
+        heads = slice(shard.head_start, shard.head_start + shard.heads)
+        at = ShardPositions(shard, page_size)
+        positions = at.positions(0, cut)
+        for j, layer in enumerate(i for i in span if kinds[i] == "full"):
+            _put(kv, layer, positions, values[:, : len(positions), j], heads, model)
+        if skv is not None:
+            spos = torch.cat([at.positions(k * page_size, (k + 1) * page_size) for k, _ in sliding])
+            for j, layer in enumerate(i for i in span if kinds[i] == "sliding"):
+                _put(kv, layer, spos, skv[:, :, j], heads, model)
+        for j, layer in enumerate(i for i in span if kinds[i] == "mamba"):
+            if mamba is None or not len(mamba):
+                raise InvalidInput(f"no mamba state for layer {layer} at page {end_page}")
+            states.setdefault(layer, {})[shard.rank.tp] = mamba[-1, j]
+    out: list[LayerState] = []
+    kernel = getattr(hf_config, "mamba_d_conv", 0)
+    for i, kind in enumerate(kinds):
+        if kind == "mamba":
+            shares = states.get(i, {})
+            if len(shares) != len({shard.rank.tp for shard, _ in full}):
+                raise InvalidInput(f"layer {i} (mamba) lacks a TP rank's share of its state")
+            out.append(mamba_from_shares(hf_config, [shares[t] for t in sorted(shares)], kernel))
+            continue
+        want = range(cut) if kind == "full" else window
+        got = kv.get(i, {})
+        if any(p not in got for p in want):
+            raise InvalidInput(f"layer {i} ({kind}) lacks positions of the first {cut} tokens")
+        stacked = torch.stack([got[p] for p in want], dim=2)  # (2, kv_heads, T, dim)
+        if bool(stacked.isnan().any()):
+            raise InvalidInput(f"layer {i} ({kind}) lacks some heads' KV")
+        k, v = stacked[0].unsqueeze(0), stacked[1].unsqueeze(0)
+        out.append(SlidingKV(k, v, cut) if kind == "sliding" else FullKV(k, v))
+    return out
+
+
+def _put(
+    kv: dict[int, dict[int, torch.Tensor]],
+    layer: int,
+    positions: torch.Tensor,
+    values: torch.Tensor,  # (2, T, heads, dim) over ``positions``
+    heads: slice,
+    model: ModelConfig,
+) -> None:
+    """Place one rank's heads of ``layer`` at ``positions``."""
+    rows = kv.setdefault(layer, {})
+    for n, p in enumerate(positions.tolist()):
+        row = rows.get(p)
+        if row is None:
+            row = rows[p] = torch.full((2, model.kv_heads, model.head_dim), float("nan"))
+        row[:, heads] = values[:, n].float()

@@ -23,6 +23,7 @@ import torch
 from fabric.cache.results import TierTokens
 from fabric.config import FabricConfig
 from fabric.errors import InvalidInput
+from fabric.rank.hybrid import build_hybrid, rebuild, served_states
 from fabric.rank.model import assemble, build_model, to_cache, within
 
 # ``--model tiny-llama``: 4 layers, hidden 256, 4 heads, 2 KV heads, vocab 1000,
@@ -39,16 +40,47 @@ TINY_LLAMA = [
 ]
 
 
+# ``--model tiny-gemma3`` / ``tiny-bamba``: hybrid models (``model.filler=hybrid``,
+# ``fabric.rank.hybrid.build_hybrid``), 4 layers, hidden 64, seeded random
+# weights: Gemma 3 with three sliding-window layers (window 7) before a full one,
+# Bamba with Mamba2 layers between full ones.
+_TINY_HYBRID = [
+    "model.filler=hybrid",
+    "model.dtype=float32",
+    "model.layers=4",
+    "model.kv_heads=2",
+    "model.head_dim=16",
+    "model.attention_heads=4",
+    "model.vocab_size=200",
+]
+TINY_MODELS = {
+    "tiny-llama": TINY_LLAMA,
+    "tiny-gemma3": [
+        *_TINY_HYBRID,
+        "model.model_id=tiny-gemma3",
+        "model.layer_kinds=[sliding, sliding, sliding, full]",
+        "model.sliding_window=7",
+    ],
+    "tiny-bamba": [
+        *_TINY_HYBRID,
+        "model.model_id=tiny-bamba",
+        "model.layer_kinds=[mamba, full, mamba, full]",
+        "model.mamba_state_bytes=11264",  # a Mamba2 layer's conv and SSM state, float32
+    ],
+}
+
+
 def model_overrides(model: str) -> list[str]:
-    """Config overrides for ``--model``: ``tiny-llama``, or a local Hugging Face
-    model directory (its shape read from its ``config.json``)."""
-    if model == "tiny-llama":
-        return list(TINY_LLAMA)
+    """Config overrides for ``--model``: ``tiny-llama``, ``tiny-gemma3``,
+    ``tiny-bamba``, or a local Hugging Face model directory (its shape read from
+    its ``config.json``)."""
+    if model in TINY_MODELS:
+        return list(TINY_MODELS[model])
     path = Path(model)
     if not (path / "config.json").is_file():
         raise InvalidInput(
-            f"--model {model!r} is refused: allowed is tiny-llama or a local model "
-            "directory with a config.json"
+            f"--model {model!r} is refused: allowed is {', '.join(TINY_MODELS)} or a local "
+            "model directory with a config.json"
         )
     import json
 
@@ -93,6 +125,9 @@ class ChatStats:
     generated_tokens: int = 0
     # The largest difference between the two runs' next-token logits (checked turns).
     max_logits_diff: float = 0.0
+    # Hybrid models: turns whose lease lacked a component at its end (no room
+    # for it in L1), continued from no cache as an engine would recompute.
+    unserved: int = 0
     # Tokens each rank ran through its share of the model, over the whole run.
     computed_tokens_by_rank: dict[str, int] = field(default_factory=dict)
 
@@ -109,9 +144,12 @@ def converse(
 ) -> ChatStats:
     """Run ``conversations`` x ``turns`` turns through ``fabric`` (a ``Fabric`` client
     or anything with its methods), ``new_tokens`` generated per turn."""
-    if config.model.filler != "llama":
-        raise InvalidInput("conversations need model.filler=llama (kvfabric run --model ...)")
-    hf = build_model(config.model)
+    if config.model.filler not in ("llama", "hybrid"):
+        raise InvalidInput(
+            "conversations need model.filler=llama or hybrid (kvfabric run --model ...)"
+        )
+    hybrid = config.model.filler == "hybrid"
+    hf = build_hybrid(config.model) if hybrid else build_model(config.model)
     rng = random.Random(seed)
     vocab = config.model.vocab_size
 
@@ -123,7 +161,10 @@ def converse(
     for turn in range(turns):
         for c in range(conversations):
             prompt = prompts[c]
-            result = fabric.submit(prompt)
+            # A hybrid model's state after the last prompt token cannot give that
+            # token's logits: its cache is asked for the prompt but its last token.
+            asked = prompt[:-1] if hybrid else prompt
+            result = fabric.submit(asked)
             if result.error is not None:
                 raise InvalidInput(f"turn {turn} of conversation {c} failed: {result.error}")
             stats.tokens.add(
@@ -132,14 +173,19 @@ def converse(
                 result.storage_hit_tokens,
                 result.computed_tokens,
             )
-            kv = assemble(
-                fabric.read_kv(result.lease), config.model, config.cache.page_size, len(prompt)
-            )
-            answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
-            if check:
-                _check(stats, hf, prompt, kv[:, :, :, :-1], answer)
+            if hybrid:
+                answer = _hybrid_turn(
+                    fabric, config, hf, prompt, result.lease, new_tokens, stats, check
+                )
+            else:
+                kv = assemble(
+                    fabric.read_kv(result.lease), config.model, config.cache.page_size, len(prompt)
+                )
+                answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
+                if check:
+                    _check(stats, hf, prompt, kv[:, :, :, :-1], answer)
             lease = result.lease
-            for token in answer:  # the answer's KV joins the cache
+            for token in prompt[len(asked) :] + answer:  # the answer's KV joins the cache
                 step = fabric.append(lease, [token])
                 if step.error is not None:
                     raise InvalidInput(f"decode of conversation {c} failed: {step.error}")
@@ -166,6 +212,67 @@ def _check(
     stats.max_logits_diff = max(stats.max_logits_diff, float((served - fresh).abs().max()))
     close = within(served, fresh, LOGITS_ATOL, LOGITS_RTOL)
     stats.mismatches += answer != generate(hf, prompt, len(answer)) or not close
+
+
+def _hybrid_turn(
+    fabric: Any,
+    config: FabricConfig,
+    hf: tuple[Any, Any],
+    prompt: list[int],
+    lease: Any,
+    new_tokens: int,
+    stats: ChatStats,
+    check: bool,
+) -> list[int]:
+    """One turn of a hybrid model: continue greedily from every layer's state the
+    fabric served (after the lease's last whole page: full-attention KV, the
+    sliding window before it, the mamba states there), the rest of the prompt run
+    through the model; with ``check``, also from no cache, and compare."""
+    hf_config, model = hf
+    page = config.cache.page_size
+    end_page = lease.tokens // page
+    cache = None
+    if end_page:
+        try:
+            full, parts = fabric.read_kv(lease), fabric.read_parts(lease)
+            states = served_states(
+                config.model, hf_config, page, end_page, full, parts, list(lease.sliding)
+            )
+            cache = rebuild(states, hf_config)
+        except InvalidInput:
+            stats.unserved += 1
+            end_page = 0
+    cut = end_page * page
+    answer, logits = greedy(model, prompt[cut:], cache, cut, new_tokens)
+    if check:
+        stats.checked += 1
+        want, fresh = greedy(model, prompt, None, 0, new_tokens)
+        stats.max_logits_diff = max(stats.max_logits_diff, float((logits - fresh).abs().max()))
+        close = within(logits, fresh, LOGITS_ATOL, LOGITS_RTOL)
+        stats.mismatches += answer != want or not close
+    return answer
+
+
+def greedy(
+    model: Any, ids: list[int], cache: Any, start: int, n: int
+) -> tuple[list[int], torch.Tensor]:
+    """``n`` greedy tokens after ``ids`` fed at position ``start`` onto ``cache`` (a
+    rebuilt hybrid cache, or ``None``), and the first one's logits. Positions are
+    explicit: a rebuilt Mamba cache needs them."""
+    out, pos, first = [], start, None
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            positions = torch.arange(pos, pos + x.shape[1]).unsqueeze(0)
+            o = model(x, cache=cache, use_cache=True, position_ids=positions)
+            pos += x.shape[1]
+            cache = o.past_key_values
+            logits = o.logits[0, -1]
+            first = logits if first is None else first
+            out.append(int(logits.argmax()))
+            x = torch.tensor([[out[-1]]])
+    assert first is not None
+    return out, first
 
 
 def next_logits(hf: Any, ids: list[int], kv: torch.Tensor | None = None) -> torch.Tensor:

@@ -171,6 +171,40 @@ def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric):
     )
 
 
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-bamba"])
+def test_run_a_hybrid_model_with_check_ends_with_no_mismatch(fabric, model, tmp_path):
+    """``kvfabric run --model tiny-gemma3|tiny-bamba --check --json`` under a tiny
+    L1 and L2 with L3 on: every answer continued from what the fabric served (full
+    pages, sliding window, mamba states) is the answer generated without a cache."""
+    pytest.importorskip("transformers")
+    address = ray.get_runtime_context().gcs_address
+    options = {
+        "runtime.name": f"kvfabric-cli-{model}",
+        "runtime.ray_namespace": NS,
+        "cache.device_tokens": 128,
+        "cache.host_tokens": 128,
+        "prefetch.threshold_tokens": 16,
+        "storage.backend": "file",
+        "storage.path": tmp_path / "l3",
+    }
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "fabric.cli", "run", "--address", address),
+            *("--model", model, "--check", "--json", "--conversations", "3", "--turns", "3"),
+            *(a for k, v in options.items() for a in ("--set", f"{k}={v}")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = last_json(done)
+    m = out["model"]
+    assert m["model_id"] == model and m["checked_requests"] == m["turns"] == 9
+    assert m["mismatches"] == 0 and m["unserved_turns"] == 0
+    assert out["tokens_by_tier"]["device"] + out["tokens_by_tier"]["host"] > 0
+
+
 def test_connect_hands_back_the_running_fabric_s_own_config(fabric):
     other = connect(NAME, "auto", NS)
     assert other.config == fabric.config

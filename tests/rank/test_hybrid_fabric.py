@@ -13,14 +13,12 @@ transformers = pytest.importorskip("transformers")
 from fabric.cache.keys import pack_tokens  # noqa: E402
 from fabric.driver.local import LocalFabric  # noqa: E402
 from fabric.rank.hybrid import (  # noqa: E402
-    FullKV,
     MambaState,
-    SlidingKV,
     build_hybrid,
     extract,
     layer_kinds,
-    mamba_from_shares,
     rebuild,
+    served_states,
 )
 from tests.helpers import small_config, storage_options  # noqa: E402
 from tests.rank.test_hybrid import greedy  # noqa: E402
@@ -54,46 +52,18 @@ def fabric(name: str, *extra: str) -> LocalFabric:
 def served_cache(f: LocalFabric, lease, hf_config, model):
     """The transformers cache the fabric's pages make for ``lease``'s prefix."""
     cfg = f.config.model
-    kinds = list(cfg.kinds)
-    tokens = lease.tokens
-    window = cfg.sliding_window - 1
+    full = [rank.read(lease.tokens, list(lease.device_pages)) for rank in f.ranks]
+    parts = [rank.parts.read(list(lease.sliding), list(lease.mamba)) for rank in f.ranks]
+    page = f.config.cache.page_size
+    states = served_states(cfg, hf_config, page, lease.tokens // page, full, parts, lease.sliding)
     probe = model(torch.tensor([[1]]), use_cache=True, position_ids=torch.tensor([[0]]))
-    shapes = {
-        i: (s.conv.shape, s.recurrent.shape, s.kernel)
-        for i, s in enumerate(extract(probe.past_key_values, layer_kinds(hf_config)))
-        if isinstance(s, MambaState)
-    }
-    full = {}
-    sliding = {}
-    flat = {}
-    for rank in f.ranks:
-        shard, kv = rank.read(tokens, list(lease.device_pages))
-        _, skv, states = rank.parts.read(list(lease.sliding), list(lease.mamba))
-        span = range(shard.layer_start, shard.layer_start + shard.layers)
-        heads = (shard.head_start, shard.head_start + shard.heads)
-        for j, layer in enumerate(i for i in span if kinds[i] == "full"):
-            full.setdefault(layer, {})[heads] = kv[:, :, j]  # (2, T, heads, dim)
-        for j, layer in enumerate(i for i in span if kinds[i] == "sliding"):
-            sliding.setdefault(layer, {})[heads] = skv[:, :, j]
-        for j, layer in enumerate(i for i in span if kinds[i] == "mamba"):
-            flat.setdefault(layer, {})[shard.rank.tp] = states[0, j]
-    positions = [k * 4 + t for k, _ in lease.sliding for t in range(4)]
-    keep = [positions.index(p) for p in range(max(0, tokens - window), tokens)]
-    layers = []
-    for i, kind in enumerate(kinds):
-        if kind == "mamba":  # each TP rank holds its heads' and groups' channels
-            shares = [flat[i][tp] for tp in sorted(flat[i])]
-            state = mamba_from_shares(hf_config, shares, shapes[i][2])
-            assert state.conv.shape == shapes[i][0] and state.recurrent.shape == shapes[i][1]
-            layers.append(state)
-            continue
-        parts = full[i] if kind == "full" else sliding[i]
-        kv = torch.cat([parts[h] for h in sorted(parts)], dim=2)  # (2, T, kv_heads, dim)
-        if kind == "sliding":
-            kv = kv[:, keep]
-        k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in kv)  # (1, heads, T, dim)
-        layers.append(SlidingKV(k, v, tokens) if kind == "sliding" else FullKV(k, v))
-    return rebuild(layers, hf_config)
+    for want, got in zip(
+        extract(probe.past_key_values, layer_kinds(hf_config)), states, strict=True
+    ):
+        if isinstance(want, MambaState):  # each TP rank's share put back in place
+            assert want.conv.shape == got.conv.shape
+            assert want.recurrent.shape == got.recurrent.shape
+    return rebuild(states, hf_config)
 
 
 def check(f: LocalFabric, hf_config, model, prompt: list[int], more: list[int]) -> int:
