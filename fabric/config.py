@@ -159,6 +159,13 @@ class CacheConfig(_Section):
         description="an integer >= 0, a multiple of page_size (0: as many as host_tokens)",
     )
     host_mamba_states: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per L2 page)")
+    # A mamba state saved every this many tokens inside a filled prefix (a node is
+    # split there), so prefixes ending between node ends are served from the last
+    # checkpoint before them. Checkpoints take free L1 state slots only.
+    mamba_checkpoint_tokens: NonNegativeInt = Field(
+        0,
+        description="an integer >= 0, a multiple of page_size (0: states at node ends only)",
+    )
 
     @model_validator(mode="after")
     def _whole_pages(self) -> CacheConfig:
@@ -168,6 +175,7 @@ class CacheConfig(_Section):
             "chunk_tokens",
             "sliding_tokens",
             "host_sliding_tokens",
+            "mamba_checkpoint_tokens",
         ):
             self._multiple(name, self.page_size, "page_size")
         return self
@@ -558,6 +566,11 @@ class FabricConfig(BaseModel):
                 f"model.filler={model.filler!r} is refused for model.layer_kinds="
                 f"{list(model.layer_kinds)}: allowed is synthetic, or hybrid for a model "
                 "with sliding or mamba layers, llama for full attention only"
+            )
+        if cache.mamba_checkpoint_tokens and "mamba" not in model.components:
+            raise ValueError(
+                f"cache.mamba_checkpoint_tokens={cache.mamba_checkpoint_tokens} is refused for a "
+                "model without mamba layers (model.layer_kinds): allowed is 0"
             )
         if self.events.enabled and not cache.kv_events:
             raise ValueError(

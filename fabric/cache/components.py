@@ -80,6 +80,10 @@ class ComponentStats:
     sliding_alloc_failures: int = 0
     mamba_alloc_failures: int = 0
     truncated_matches: int = 0
+    # Checkpoint ends (``checkpoint_pages``) given a mamba state, and those that
+    # found no free slot (checkpoints never evict).
+    checkpoints_saved: int = 0
+    checkpoints_skipped: int = 0
     # Over requests' admission matches (L1 and L2): the prompt tokens each
     # component alone could have served (``full``, ``sliding``, ``mamba``) and
     # those all of them together could (``all``).
@@ -101,6 +105,7 @@ class Components:
         eviction: EvictionPolicy,
         host_sliding_pages: int = 0,
         host_mamba_slots: int = 0,
+        checkpoint_pages: int = 0,
     ) -> None:
         self.sliding = "sliding" in components
         self.mamba = "mamba" in components
@@ -115,6 +120,8 @@ class Components:
         )
         self.host_mamba_pool = PagedAllocator(host_mamba_slots if self.mamba else 0, 1, "L2 mamba")
         self.eviction = eviction
+        # Mamba states inside filled prefixes, every this many pages (0: off).
+        self.checkpoint_pages = checkpoint_pages if self.mamba else 0
         self.stats = ComponentStats()
         self.remove: Callable[[TreeNode], bool] = lambda node: False
         self.root: TreeNode | None = None
@@ -344,25 +351,41 @@ class Components:
 
     # -- filling -------------------------------------------------------------------
 
+    def checkpoints(self, start_page: int, end_page: int) -> list[int]:
+        """The checkpoint ends strictly inside pages ``(start_page, end_page)``, deepest
+        first."""
+        k = self.checkpoint_pages
+        if not k:
+            return []
+        return list(range((end_page - 1) // k * k, start_page, -k))
+
     def fill(
         self,
         node: TreeNode,
         end_page: int,
         pages: Callable[[TreeNode], int],
         out: PartFill | None = None,
+        checkpoint: bool = False,
     ) -> PartFill:
         """Give the prefix ending at ``node`` (page ``end_page`` of the key) every
         component it lacks, evicting other component values if a pool is short: the
-        mamba state at its end and the sliding tails of the window before it. What
-        cannot be allocated stays missing (a tombstone); returns (adds to ``out``)
-        what the caller's KV fill must write."""
+        mamba state at its end and the sliding tails of the window before it. A
+        ``checkpoint`` end takes free slots only (it is an extra: it never evicts).
+        What cannot be allocated stays missing (a tombstone); returns (adds to
+        ``out``) what the caller's KV fill must write."""
         out = PartFill() if out is None else out
         if node is self.root:
             return out
+        evict_mamba, evict_sliding = self.evict_mamba, self.evict_sliding
+        if checkpoint:
+            evict_mamba = evict_sliding = lambda n, keep: 0
         if self.mamba and node.mamba is None:
-            slot = self._alloc(self.mamba_pool, 1, self.evict_mamba, node)
+            slot = self._alloc(self.mamba_pool, 1, evict_mamba, node)
+            if checkpoint:
+                self.stats.checkpoints_skipped += slot is None
+                self.stats.checkpoints_saved += slot is not None
             if slot is None:
-                self.stats.mamba_alloc_failures += 1
+                self.stats.mamba_alloc_failures += not checkpoint
             else:
                 node.mamba = slot[0]
                 out.mamba_at.append(end_page)
@@ -374,9 +397,9 @@ class Components:
             want = min(n, need)
             have = 0 if x.sliding is None else len(x.sliding)
             if have < want:
-                got = self._alloc(self.sliding_pool, want - have, self.evict_sliding, node)
+                got = self._alloc(self.sliding_pool, want - have, evict_sliding, node)
                 if got is None:
-                    self.stats.sliding_alloc_failures += 1
+                    self.stats.sliding_alloc_failures += not checkpoint
                     break
                 x.sliding = got if x.sliding is None else got + x.sliding
                 out.sliding_at.extend(range(end - want, end - have))

@@ -140,6 +140,7 @@ class HiCache:
             self.eviction,
             config.host_sliding_pages,
             config.host_mamba_slots,
+            config.mamba_checkpoint_tokens // self.page_size,
         )
 
     def _init_state(self) -> None:

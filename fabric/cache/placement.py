@@ -165,17 +165,21 @@ class Placement:
         so a later request that stops there is served."""
         if self.parts is None:
             return None
-        tree = self.tree
+        tree, parts = self.tree, self.parts
         stop = node.parent if stop is None else stop
         ends, x = [], node
         end = tree.depth_pages(node)
         while x is not stop and x is not tree.root:
-            ends.append((x, end))
-            end -= tree.pages(x)
+            ends.append((x, end, False))
+            start = end - tree.pages(x)
+            for cut in parts.checkpoints(start, end):  # split at each, deepest first
+                x = tree.split(x, (cut - start) * tree.page_bytes)
+                ends.append((x, cut, True))
+            end = start
             x = x.parent  # type: ignore[assignment]
         out = PartFill()
-        for x, end in reversed(ends):  # ancestors first: filling a deeper end spares them
-            self.parts.fill(x, end, tree.pages, out)
+        for x, end, checkpoint in reversed(ends):  # ancestors first: a deeper end spares them
+            parts.fill(x, end, tree.pages, out, checkpoint)
             self.writes.on_parts(x)
         return out
 

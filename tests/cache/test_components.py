@@ -350,3 +350,54 @@ def test_l2_component_eviction_spares_the_path_being_written():
     # The parent's tail is part of the child's window: not evicted for it.
     assert parent.host_sliding is not None and child.host_sliding is None
     assert cache.parts.evict_host("sliding", 1) == 2  # unprotected otherwise
+
+
+def test_checkpoints_keep_states_inside_long_prefixes_and_matches_use_the_nearest():
+    cache, adm = hybrid("mamba", mamba_checkpoint_tokens=2 * P)
+    hit, fill = serve(adm, *range(1, 8))  # seven pages: checkpoints after 2, 4 and 6
+    assert hit == 0 and fill.parts.mamba_at == [2, 4, 6, 7]
+    assert cache.parts.stats.checkpoints_saved == 3
+    assert serve(adm, *range(1, 8))[0] == 7 * P
+    # Branching after page 5: served up to the checkpoint after page 4.
+    hit, fill = serve(adm, 1, 2, 3, 4, 5, 20)
+    assert hit == 4 * P and fill.parts.mamba_at == [5, 6]
+    assert serve(adm, 1, 2, 3)[0] == 2 * P
+    # Without checkpoints the same branch finds no state inside the long node.
+    cache, adm = hybrid("mamba")
+    serve(adm, *range(1, 8))
+    assert serve(adm, 1, 2, 3, 4, 5, 20)[0] == 0
+
+
+def test_checkpoints_take_free_state_slots_only():
+    cache, adm = hybrid("mamba", mamba_states=3, mamba_checkpoint_tokens=P)
+    serve(adm, 30)
+    serve(adm, 31)  # two states cached; one slot free
+    _hit, fill = serve(adm, 1, 2, 3, 4)  # checkpoints after 1, 2, 3; its end after 4
+    stats = cache.parts.stats
+    # The shallowest checkpoint got the free slot; the end evicted for its own.
+    assert fill.parts.mamba_at == [1, 4]
+    assert stats.checkpoints_saved == 1 and stats.checkpoints_skipped == 2
+    assert stats.mamba_evicted_states == 1 and stats.mamba_alloc_failures == 0
+    assert serve(adm, 1, 2, 9)[0] == P  # served from the checkpoint after page 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [
+                "model.layer_kinds=[full, sliding]",
+                "model.sliding_window=4",
+                "cache.mamba_checkpoint_tokens=32",
+            ],
+            "cache.mamba_checkpoint_tokens=32 is refused for a model without mamba layers",
+        ),
+        (
+            ["model.layer_kinds=[full, mamba]", "cache.mamba_checkpoint_tokens=20"],
+            "cache.mamba_checkpoint_tokens=20 is refused",
+        ),
+    ],
+)
+def test_bad_checkpoint_intervals_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        FabricConfig().with_overrides(["model.layers=2", *overrides])

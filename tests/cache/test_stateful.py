@@ -54,6 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
         hybrid=st.sampled_from([None, "sliding", "mamba", "both"]),
         window=st.sampled_from([2, 6, 10]),
         tight_l2=st.booleans(),
+        checkpoint_pages=st.sampled_from([0, 1, 2]),
     )
     def setup(
         self,
@@ -64,6 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
         hybrid=None,
         window=6,
         tight_l2=False,
+        checkpoint_pages=0,
     ):
         self.clock = FakeClock()
         # A hybrid model's component pools are small, so components are evicted
@@ -78,6 +80,8 @@ class CacheMachine(RuleBasedStateMachine):
             }
             if tight_l2:
                 parts |= {"host_sliding_tokens": 4 * P, "host_mamba_states": 2}
+            if hybrid in ("mamba", "both"):  # mamba states inside long prefixes
+                parts["mamba_checkpoint_tokens"] = checkpoint_pages * P
         self.cache = make_cache(
             device_pages=10,
             host_pages=20,

@@ -143,3 +143,16 @@ def test_components_backed_up_to_l3_continue_as_no_cache_on_a_fresh_fabric(name,
     assert got == want
     assert g.core.release(r.lease)
     g.core.cache.check_integrity()
+
+
+def test_a_checkpoint_state_inside_a_long_prompt_continues_as_no_cache():
+    f = fabric("bamba-mamba2", "cache.mamba_checkpoint_tokens=8")
+    hf_config, model = build_hybrid(f.config.model)
+    a = [(17 * t + 9) % 200 for t in range(24)]  # six pages: checkpoints after 2 and 4
+    assert check(f, hf_config, model, a, [41]) == 0
+    assert f.core.cache.parts.stats.checkpoints_saved == 2
+    # Prefixes ending at a checkpoint, and one ending between two (served up to
+    # the first), continue from the state the ranks saved there.
+    assert check(f, hf_config, model, a[:8], [42]) == 8
+    assert check(f, hf_config, model, a[:16], [43]) == 16
+    assert check(f, hf_config, model, [*a[:12], 7, 7, 7, 7], [44]) == 8
