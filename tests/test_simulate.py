@@ -3,6 +3,7 @@
 import json
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +195,37 @@ def test_simulate_reports_each_component_of_a_hybrid_model(capsys):
     assert rates["mamba"] < rates["sliding"]
     assert "could serve alone" in text
     assert "L1 sliding" in text and "every attention layer as full attention" in text
+
+
+@pytest.mark.parametrize("interval", [0, 64])
+def test_simulate_reports_a_mamba_model_with_checkpoints_on_and_off(interval, capsys):
+    # RAG prompts share documents after different questions: a prefix often ends
+    # inside a cached node, where only a checkpoint has a state.
+    args = ["simulate", "--requests", "300", "--workload", "rag", "--capacities", "64K"]
+    for option in (
+        "cache.device_tokens=65536",
+        "model.layer_kinds=[full, mamba, mamba, mamba]",
+        "storage.backend=none",
+        f"cache.mamba_checkpoint_tokens={interval}",
+    ):
+        args += ["--set", option]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    comp = out["core"]["components"]
+    cp = comp["checkpoints"]
+    assert cp["interval_tokens"] == (interval or 128)  # 8 pages when the config has none
+    on, off = cp["on"], cp["off"]
+    # The core's own replay is the one its config asks for.
+    assert (on if interval else off)["hit_rate"] == out["hit_rate"]
+    assert on["saved"] > 0 and off["saved"] == off["skipped"] == 0
+    assert on["hit_rates"]["mamba"] > off["hit_rates"]["mamba"]
+    assert on["hit_rate"] > off["hit_rate"]
+    # A state every few pages: mamba serves (nearly) whatever full attention does.
+    assert on["hit_rates"]["full"] - on["hit_rates"]["mamba"] < (
+        off["hit_rates"]["full"] - off["hit_rates"]["mamba"]
+    )
+    assert main(args) == 0
+    assert "mamba checkpoints every" in capsys.readouterr().out
 
 
 def test_simulate_compares_eviction_policies_and_2q_resists_a_scan(tmp_path, capsys):

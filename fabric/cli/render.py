@@ -153,6 +153,17 @@ def _components_text(comp: dict[str, Any]) -> list[str]:
         + ", ".join(f"{k} {v:.1%}" for k, v in rates.items() if k != "all")
         + f"; every component together {rates.get('all', 0):.1%}"
     )
+    if "checkpoints" in comp:
+        cp = comp["checkpoints"]
+        lines.append(
+            f"  mamba checkpoints every {cp['interval_tokens']:,} tokens: "
+            + "; ".join(
+                f"{k} hit rate {cp[k]['hit_rate']:.1%} (mamba alone "
+                f"{cp[k]['hit_rates'].get('mamba', 0):.1%}, {cp[k]['saved']:,} saved, "
+                f"{cp[k]['skipped']:,} skipped for want of a free slot)"
+                for k in ("on", "off")
+            )
+        )
     n = comp["counters"]
     lines.append(
         f"  L1 memory {comp['bytes'] / 2**30:.2f} GiB; every attention layer as full "

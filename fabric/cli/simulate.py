@@ -99,6 +99,37 @@ def simulate(
     emit(out)
 
 
+# Mamba checkpoints compared with none when the config has none: every 8 pages.
+CHECKPOINT_PAGES = 8
+
+
+def _checkpoints(config: FabricConfig, reqs, stats) -> dict:
+    """A mamba model's core with state checkpoints inside long prefixes and without:
+    the hit rate and per-component rates of each (the replay already run is one of
+    them; the other runs here). The interval is the config's, or ``CHECKPOINT_PAGES``
+    pages when it has none."""
+    from fabric.tools.simulate import core_replay
+
+    cache = config.cache
+    every = cache.mamba_checkpoint_tokens or CHECKPOINT_PAGES * cache.page_size
+    other = 0 if cache.mamba_checkpoint_tokens else every
+    variant = config.with_overrides([f"cache.mamba_checkpoint_tokens={other}"])
+    with Progress(len(reqs), "requests", "checkpoints " + ("off" if other == 0 else "on")) as p:
+        second = core_replay(reqs, variant, p.update)
+    on, off = (second, stats) if other else (stats, second)
+
+    def figures(s) -> dict:
+        n = s.components["counters"]
+        return {
+            "hit_rate": hit_rate(s.tokens.as_dict()),
+            "hit_rates": s.components["hit_rates"],
+            "saved": n["checkpoints_saved"],
+            "skipped": n["checkpoints_skipped"],
+        }
+
+    return {"interval_tokens": every, "on": figures(on), "off": figures(off)}
+
+
 def _what_if(config: FabricConfig, reqs, source: str, caps: list[int], others: list[str]):
     """The core's replay of ``reqs`` (and under each of ``others``' eviction policies)
     and the bounds at ``caps``: the command's result, and the bounds for a chart."""
@@ -108,6 +139,8 @@ def _what_if(config: FabricConfig, reqs, source: str, caps: list[int], others: l
     with Progress(len(reqs), "requests", "core") as progress:
         stats = core_replay(reqs, config, progress.update)
     elapsed = time.perf_counter() - started
+    if "mamba" in config.model.components:
+        stats.components["checkpoints"] = _checkpoints(config, reqs, stats)
     cache = config.cache
     tokens = stats.tokens.as_dict()
     by_policy = {cache.eviction_policy: hit_rate(tokens)}
