@@ -68,7 +68,8 @@ class Compute(_Message, frozen=True):
     it: a compute carries only its own tokens — and, for a model that needs them
     (``model.filler``), the ``prefix`` tokens before them and the L1 pages that
     hold their KV (``prefix_pages``), which ranks that compute from the cache
-    reuse. ``keep``: the first page already holds the KV of its first ``keep``
+    reuse; for a hybrid model, ``from_state``: the L1 mamba slot holding the state
+    at ``start_token`` (the cache's: a rank forks a copy of it). ``keep``: the first page already holds the KV of its first ``keep``
     tokens (a request's own partial page, grown by a decode step): such a rank
     computes the tokens after them only."""
 
@@ -84,6 +85,7 @@ class Compute(_Message, frozen=True):
     sliding: tuple[SlidingPart, ...] = ()
     mamba: tuple[MambaPart, ...] = ()
     keep: Count = 0
+    from_state: tuple[Count, ...] = ()
 
 
 class Write(_Message, frozen=True):

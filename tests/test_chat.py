@@ -85,6 +85,33 @@ def test_hybrid_conversations_continue_from_served_state_through_every_tier(mode
     assert tiers[1].storage > 0, "the fresh fabric's first turns come from L3"
 
 
+def test_a_rank_holding_the_whole_mamba_model_computes_from_the_cache(tmp_path):
+    """At TP = PP = 1 a tiny-bamba rank forks each cached state and runs only the new
+    tokens (decode steps rerun their partial page): the same conversations, the
+    same answers, every one as without a cache, and far fewer tokens through the
+    model than a rank that runs the whole prefix for every value."""
+    config = small_config(
+        *model_overrides("tiny-bamba"),
+        "topology.tp=1",
+        "topology.pp=1",
+        "cache.page_size=8",
+        "cache.mamba_checkpoint_tokens=16",
+    )
+    runs = []
+    for from_cache in (True, False):
+        f = LocalFabric(config)
+        kv = f.ranks[0].filler
+        if not from_cache:
+            kv.forks = None
+        stats = converse(InProcess(f), config, conversations=2, turns=3, new_tokens=3, check=True)
+        assert stats.mismatches == 0 and stats.unserved == 0
+        f.core.cache.check_integrity()
+        runs.append((kv.run_tokens, stats.tokens.as_dict(), stats.max_logits_diff))
+    (cached, tiers, _), (scratch, same_tiers, _) = runs
+    assert tiers == same_tiers and tiers["device"] > 0
+    assert cached < scratch / 2
+
+
 def test_bad_model_arguments_are_refused_naming_the_value(capsys):
     assert main(["run", "--model", "no-such-model"]) == 2
     assert "--model 'no-such-model' is refused" in capsys.readouterr().err

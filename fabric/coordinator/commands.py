@@ -202,6 +202,7 @@ class FabricController(Controller):
         sliding: Sequence[SlidingPart] = (),
         mamba: Sequence[MambaPart] = (),
         keep: int = 0,
+        from_state: Sequence[int] = (),
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -213,7 +214,8 @@ class FabricController(Controller):
         ``prefix``: the tokens before ``start_token``, and ``prefix_pages`` the L1
         pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
         hybrid model's other components to store, in commands of their own after
-        the tokens' (as many as the message limit needs).
+        the tokens' (as many as the message limit needs); ``from_state``: the L1
+        mamba slot of the state at ``start_token``, for the first command.
         Returns the command ids."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
@@ -230,9 +232,20 @@ class FabricController(Controller):
                 held = tuple(prefix_pages) + tuple(pages[:offset])
             first = start_token + offset * self.page_size
             cmd = self._cmd_id()
-            kept = keep if offset == 0 else 0
+            kept, state = (keep, tuple(from_state)) if offset == 0 else (0, ())
             self._send(
-                Compute(cmd, namespace, chain, tokens, first, chunk, before, held, keep=kept)
+                Compute(
+                    cmd,
+                    namespace,
+                    chain,
+                    tokens,
+                    first,
+                    chunk,
+                    before,
+                    held,
+                    keep=kept,
+                    from_state=state,
+                )
             )
             self.computes.append(cmd)
             cmds.append(cmd)

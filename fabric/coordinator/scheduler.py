@@ -174,9 +174,19 @@ class Scheduler:
             sliding,
             mamba,
             fill.first_new - fill.start,
+            self._state_at(fill),
         )
         self.running[req.rid] = req
         return True
+
+    def _state_at(self, fill: Fill) -> tuple[int, ...]:
+        """A hybrid fill's L1 mamba slot holding the state where it starts (ranks
+        that compute from the cache fork it); empty when there is none. Ranks run
+        commands in order: a later reuse of the slot comes after this compute."""
+        node = fill.prefix_node
+        if self.cache.parts is None or node.mamba is None or not fill.start:
+            return ()
+        return (node.mamba,)
 
     def _parts(self, kv: RequestKV, fill: Fill) -> tuple[list[SlidingPart], list[MambaPart]]:
         """A hybrid fill's other components as command parts: each sliding page with

@@ -244,7 +244,9 @@ class HybridKV(ShardPositions):
     the full-attention layers' KV of its positions and heads, and for a compute's
     parts the sliding layers' KV of whole pages and the mamba layers' states at
     page-aligned ends (this rank's TP share of each: ``mamba_share``).
-    Each rank runs the whole model over the whole prefix: simple and exact on CPU."""
+    A rank holding the whole model of full and mamba layers computes from the
+    cache (``fabric.rank.hybrid_fork``: it forks the cached state and runs the new
+    tokens only); other ranks run the whole model over the whole prefix."""
 
     tolerance = 1e-4  # with ``rtol``: as ``LlamaKV``'s, for the same float32 reasons
     rtol = 1e-4
@@ -272,6 +274,22 @@ class HybridKV(ShardPositions):
                 f"allowed is {4 * floats} (a layer's conv and recurrent state in float32, "
                 "split evenly over topology.tp)"
             )
+        # Tokens run through the model: the whole prefix for each computed
+        # value, the new tokens only for a compute from the cache.
+        self.run_tokens = 0
+        from fabric.rank.hybrid_fork import Forks
+
+        self.forks = Forks(self) if Forks.eligible(self, model.layers, model.kv_heads) else None
+
+    def attach_states(self, states: Any) -> None:
+        """The rank's L1 mamba slots, which a compute from the cache forks."""
+        if self.forks is not None:
+            self.forks.attach(states)
+
+    def compute(self, pool: Any, cmd: Any) -> bool:
+        """Compute ``cmd`` from the cache where this rank can; ``False``: the caller
+        fills from the whole prefix."""
+        return self.forks is not None and self.forks.run(pool, cmd)
 
     def _run(self, ids: list[int]) -> Any:
         """The model's cache after ``ids``: every position's K and V in each attention
@@ -280,6 +298,7 @@ class HybridKV(ShardPositions):
 
         cache = DynamicCache(config=self.hf_config) if "mamba" in self.kinds else DynamicCache()
         positions = torch.arange(len(ids)).unsqueeze(0)
+        self.run_tokens += len(ids)
         with torch.no_grad():
             x = torch.tensor([ids], dtype=torch.long)
             out = self.model(x, cache=cache, use_cache=True, position_ids=positions)
@@ -314,6 +333,10 @@ class HybridKV(ShardPositions):
                 sliding_pool.write_tokens(page_idx, offsets, values)
         c, tp_rank = self.hf_config, self.shard.rank.tp
         for part in cmd.mamba if self.mamba else ():
+            kept = None if self.forks is None else self.forks.take(part.chain_hash)
+            if kept is not None:  # the state a compute from the cache passed there
+                states.buffer[part.slot] = kept
+                continue
             cache = self._run(ids[: part.end_page * ps])
             layers = extract(cache, self.kinds)
             states.buffer[part.slot] = torch.stack(

@@ -100,6 +100,9 @@ class RankWorker:
             config.model.mamba_elems(config.topology.tp),
             self.device,
         )
+        attach_states = getattr(self.filler, "attach_states", None)
+        if attach_states is not None:  # a hybrid filler forks cached states
+            attach_states(self.parts.states)
         # The collective groups of a sharded model's ranks, one generation at a time.
         self.board = board
         self.world = Topology(config.topology).world_size
@@ -277,7 +280,11 @@ class RankWorker:
 
     def _fill(self, cmd: Compute) -> None:
         """The filler computes (or makes) a compute's KV into L1; a rank that keeps
-        a page's first ``cmd.keep`` tokens computes only those after them."""
+        a page's first ``cmd.keep`` tokens computes only those after them. A filler
+        that computes from the cache where it can (``compute``) goes first."""
+        compute = getattr(self.filler, "compute", None)
+        if compute is not None and compute(self.l1, cmd):
+            return
         self.filler.fill(
             self.l1,
             cmd.namespace,

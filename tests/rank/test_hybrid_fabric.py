@@ -156,3 +156,27 @@ def test_a_checkpoint_state_inside_a_long_prompt_continues_as_no_cache():
     assert check(f, hf_config, model, a[:8], [42]) == 8
     assert check(f, hf_config, model, a[:16], [43]) == 16
     assert check(f, hf_config, model, [*a[:12], 7, 7, 7, 7], [44]) == 8
+
+
+def test_requests_forking_one_cached_mamba_state_each_get_their_own_copy():
+    """A rank holding the whole model computes from the cache: a request continuing
+    a cached prefix forks the mamba state there and runs its new tokens only; the
+    cached slot stays as it was, for the next request and for the prefix itself."""
+    f = fabric("bamba-mamba2", "topology.tp=1", "topology.pp=1")
+    hf_config, model = build_hybrid(f.config.model)
+    (rank,) = f.ranks
+    kv = rank.filler
+    assert kv.forks is not None
+    a = [(19 * t + 2) % 200 for t in range(12)]  # three pages
+    assert check(f, hf_config, model, a, [51]) == 0
+    r = f.serve(pack_tokens(a))
+    ((end, slot),) = r.lease.mamba
+    assert end == 3 and f.core.release(r.lease)
+    cached = rank.parts.states.buffer[slot].clone()
+    for more, token in (([5, 6, 7, 8, 9, 10, 11, 12], 52), ([90, 80, 70, 60, 50, 40, 30, 20], 53)):
+        forked, ran = kv.forks.forked, kv.run_tokens
+        assert check(f, hf_config, model, a + more, [token]) == 12
+        assert kv.forks.forked == forked + 1, "started from the cached state slot"
+        assert kv.run_tokens == ran + 8, "only the new tokens ran, the new state kept from them"
+        assert torch.equal(rank.parts.states.buffer[slot], cached), "the cached state is unchanged"
+    assert check(f, hf_config, model, a, [54]) == 12  # the prefix itself is still served

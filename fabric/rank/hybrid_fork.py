@@ -1,0 +1,157 @@
+"""A hybrid model's compute from the cache, on a rank that holds the whole model
+(TP = PP = CP = 1) of full-attention and mamba layers.
+
+A compute starts where the request's cached prefix ends. Its first command names
+the L1 mamba state slot at that end (``Compute.from_state``); the rank forks it:
+the request's run gets its own copy of the state (with the prefix's full
+attention KV from L1) and advances that copy through the new tokens only. The
+slot is the cache's and is never written by the run, so it keeps serving its
+prefix — to this request's later turns and to any other request forking from it
+(copy-on-write, as an engine forks a running request's state slot from a cached
+one).
+
+While it runs, the rank keeps the state at each whole page's end by its page-hash
+chain (``snapshots``): the commands that follow store the states the cache asked
+for (node ends, checkpoints) from there instead of running the prefix again. A
+compute cut in chunks continues from the run the chunk before left (``running``,
+by the chain hash where it stopped; a first chunk always forks the cached slot). Both are bounded; a state not found there
+is computed from the whole prefix, as ranks of other shapes do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
+from fabric.messages import Compute
+from fabric.rank.pools import KVPool, StatePool
+
+if TYPE_CHECKING:
+    from fabric.rank.hybrid import HybridKV, LayerState
+
+
+class Forks:
+    # Runs kept between the chunks of one compute, and states kept for its parts.
+    RUNNING = 2
+    SNAPSHOTS = 1024
+
+    def __init__(self, kv: HybridKV) -> None:
+        self.kv = kv
+        self.states: StatePool | None = None  # the rank's L1 mamba slots (``attach``)
+        self.running: OrderedDict[bytes, Any] = OrderedDict()
+        self.snapshots: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.forked = 0  # computes that started from a cached state slot
+
+    @staticmethod
+    def eligible(kv: HybridKV, layers: int, kv_heads: int) -> bool:
+        """Whether ``kv``'s rank holds the whole model and the model has no sliding
+        layers (whose KV a model cache keeps only a window of)."""
+        shard = kv.shard
+        return (
+            shard.layers == layers
+            and shard.heads == kv_heads
+            and shard.page_tokens == kv.page_size
+            and not kv.sliding
+        )
+
+    def attach(self, states: StatePool | None) -> None:
+        self.states = states
+
+    def fork(self, slot: int) -> list[Any]:
+        """The request's own copy of each mamba layer's state in ``slot``."""
+        from fabric.rank.hybrid import mamba_from_shares
+
+        assert self.states is not None
+        flat = self.states.buffer[slot].detach().to("cpu", torch.float32, copy=True)
+        c = self.kv.hf_config
+        return [mamba_from_shares(c, [flat[j]], c.mamba_d_conv) for j in range(len(self.kv.mamba))]
+
+    def _start(self, pool: KVPool, cmd: Compute) -> Any | None:
+        """The model's cache at ``cmd.start_token``, the request's own; ``None`` when
+        there is no cached state to start from."""
+        from transformers import DynamicCache
+
+        from fabric.rank.hybrid import FullKV, rebuild
+
+        kv, start = self.kv, cmd.start_token
+        if start == 0:
+            return DynamicCache(config=kv.hf_config)
+        if not cmd.from_state:  # a later chunk of a compute: the run the one before left
+            return self.running.pop(cmd.prev_hash, None)
+        ps = kv.page_size
+        held = list(cmd.prefix_pages)[: start // ps]
+        if self.states is None or len(held) * ps < start:
+            return None
+        mamba = iter(self.fork(cmd.from_state[0]))
+        page_idx, offsets = kv.locate(torch.arange(start), 0, held)
+        full = pool.read_tokens(page_idx.to(pool.buffer.device), offsets.to(pool.buffer.device))
+        full = full.to("cpu", torch.float32)  # (2, T, full layers, heads, dim)
+        states: list[LayerState] = []
+        for kind in kv.kinds:
+            if kind == "full":
+                j = sum(isinstance(s, FullKV) for s in states)
+                k, v = (full[n, :, j].permute(1, 0, 2).unsqueeze(0) for n in (0, 1))
+                states.append(FullKV(k, v))
+            else:
+                states.append(next(mamba))
+        self.forked += 1
+        return rebuild(states, kv.hf_config)
+
+    def run(self, pool: KVPool, cmd: Compute) -> bool:
+        """Compute ``cmd``'s tokens from the cache into its pages (a decode step's
+        partial page runs from its start again: only the state at a page end is
+        kept, so the tokens before ``cmd.keep`` run too, and are not written);
+        ``False`` (nothing done) when there is no cached state to start from."""
+        kv, ps = self.kv, self.kv.page_size
+        if not cmd.tokens:
+            return False
+        cache = self._start(pool, cmd)
+        if cache is None:
+            return False
+        ids = unpack_tokens(cmd.tokens)
+        whole = len(ids) // ps
+        hashes = chain_hashes(cmd.prev_hash, cmd.tokens[: whole * ps * TOKEN_BYTES], ps * 4)
+        pos = cmd.start_token
+        with torch.no_grad():
+            for i in range(0, len(ids), ps):
+                page = ids[i : i + ps]
+                positions = torch.arange(pos, pos + len(page)).unsqueeze(0)
+                x = torch.tensor([page], dtype=torch.long)
+                out = kv.model(x, cache=cache, use_cache=True, position_ids=positions)
+                cache = out.past_key_values
+                pos += len(page)
+                if len(page) == ps:
+                    self._keep(self.snapshots, hashes[i // ps], self.snapshot(cache))
+        positions = torch.arange(cmd.start_token + cmd.keep, pos)
+        values = kv._kv(cache, kv.full, positions)
+        page_idx, offsets = kv.locate(positions, cmd.start_token, list(cmd.pages))
+        pool.write_tokens(page_idx, offsets, values)
+        if len(ids) == whole * ps:
+            self._keep(self.running, hashes[-1], cache)
+        kv.computed_tokens += len(ids) - cmd.keep
+        kv.run_tokens += len(ids)
+        return True
+
+    def snapshot(self, cache: Any) -> torch.Tensor:
+        """Every mamba layer's state in ``cache`` as a slot holds it (copied)."""
+        from fabric.rank.hybrid import MambaState, mamba_share
+
+        c, out = self.kv.hf_config, []
+        for i in self.kv.mamba:
+            layer = cache.layers[i]
+            state = MambaState(layer.conv_states[0], layer.recurrent_states[0], c.mamba_d_conv)
+            out.append(mamba_share(c, state, 0, 1).clone())
+        return torch.stack(out)
+
+    def take(self, chain_hash: bytes) -> torch.Tensor | None:
+        """The state a run kept at the page end ``chain_hash``, if it is still kept."""
+        return self.snapshots.pop(chain_hash, None)
+
+    def _keep(self, kept: OrderedDict, key: bytes, value: Any) -> None:
+        kept[key] = value
+        kept.move_to_end(key)
+        while len(kept) > (self.RUNNING if kept is self.running else self.SNAPSHOTS):
+            kept.popitem(last=False)
