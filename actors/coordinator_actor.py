@@ -208,30 +208,24 @@ class CoordinatorActor:
     async def verify(self, lease: Lease, tokens: bytes) -> list[bool | None]:
         """Per rank, whether the lease's pages hold exactly the producer's KV of
         ``tokens`` (``None`` from a rank no longer in the lease's epoch — restarted
-        since, its pages gone; the coordinator ends the lease when it sees that).
-        Call while holding the lease."""
+        since, its pages gone; the coordinator ends the lease when it sees that)."""
         if not isinstance(tokens, bytes):
             raise InvalidInput(f"tokens must be packed bytes, got {type(tokens).__name__}")
-        self._held(lease)
-        return await self.ranks.verify(lease, tokens)
+        return await self.ranks.verify(self._held(lease), tokens)
 
     async def read_kv(self, lease: Lease) -> list:
-        """Every rank's shard of a held lease's KV: ``(Shard, tensor)`` pairs for
-        ``fabric.rank.model.assemble``. Call while holding the lease."""
-        self._held(lease)
-        return await self.ranks.read(lease)
+        """Every rank's shard of a held lease's KV (``Fabric.read_kv``)."""
+        return await self.ranks.read(self._held(lease))
 
     async def read_parts(self, lease: Lease) -> list:
-        """Every rank's shard of a held lease's other components (a hybrid model's
-        sliding-window KV and mamba states): ``(Shard, sliding, states)`` triples
-        for ``fabric.rank.hybrid.served_states``. Call while holding the lease."""
-        self._held(lease)
-        return await self.ranks.read_parts(lease)
+        """Every rank's shard of a held lease's other components (``Fabric.read_parts``)."""
+        return await self.ranks.read_parts(self._held(lease))
 
-    def _held(self, lease: Lease) -> None:
-        """Raise ``InvalidInput`` unless ``lease`` is one the coordinator holds."""
+    def _held(self, lease: Lease) -> Lease:
+        """``lease``, if the coordinator holds it; ``InvalidInput`` otherwise."""
         if self.core.leases.check(lease) is None:
             raise InvalidInput(f"lease {lease.request_id!r} is not held")
+        return lease
 
     async def computed_tokens_by_rank(self) -> dict[str, int]:
         """Tokens each rank has run through its share of the model since it started."""

@@ -228,6 +228,9 @@ MODEL_FILLERS = ("llama", "hybrid")
 # component), KV for the last ``sliding_window - 1`` tokens (``sliding``), or one
 # fixed-size recurrent state (``mamba``).
 LAYER_KINDS = ("full", "sliding", "mamba")
+# The family of a hybrid model's recurrent (``mamba``) layers, for
+# ``model.filler=hybrid``: Mamba2 (Bamba) or a gated delta net (Qwen3-Next).
+RECURRENT_LAYERS = ("mamba2", "gated_delta_net")
 
 
 class ModelConfig(_Section):
@@ -265,6 +268,7 @@ class ModelConfig(_Section):
     mamba_state_bytes: PositiveInt = Field(
         65536, description="an integer >= 1: one mamba layer's state (conv + SSM) in bytes"
     )
+    recurrent_layer: str = _one_of(RECURRENT_LAYERS, "mamba2")
 
     @model_validator(mode="after")
     def _kinds(self) -> ModelConfig:

@@ -47,8 +47,9 @@ from fabric.observe.report import result, workload
 @click.option(
     "--model",
     help="Multi-turn conversations through a real model: tiny-llama, tiny-gemma3 (sliding "
-    "window) or tiny-bamba (Mamba2), all with seeded random weights, or a local Hugging "
-    "Face model directory (pip install 'kvfabric[model]').",
+    "window), tiny-bamba (Mamba2) or tiny-qwen3next (gated delta net), all with seeded "
+    "random weights, or a local Hugging Face model directory (pip install "
+    "'kvfabric[model]').",
 )
 @click.option(
     "--check", is_flag=True, help="With --model: also generate without a cache and compare."

@@ -232,20 +232,9 @@ class FabricController(Controller):
                 held = tuple(prefix_pages) + tuple(pages[:offset])
             first = start_token + offset * self.page_size
             cmd = self._cmd_id()
-            kept, state = (keep, tuple(from_state)) if offset == 0 else (0, ())
+            first_only = {"keep": keep, "from_state": tuple(from_state)} if offset == 0 else {}
             self._send(
-                Compute(
-                    cmd,
-                    namespace,
-                    chain,
-                    tokens,
-                    first,
-                    chunk,
-                    before,
-                    held,
-                    keep=kept,
-                    from_state=state,
-                )
+                Compute(cmd, namespace, chain, tokens, first, chunk, before, held, **first_only)
             )
             self.computes.append(cmd)
             cmds.append(cmd)

@@ -101,12 +101,14 @@ def _shared_l2_pools(
 
 
 def build_filler(
-    config: FabricConfig, shard: Shard, device: torch.device, given: KVFiller | None
+    config: FabricConfig, shard: Shard, pools: RankPools, given: KVFiller | None
 ) -> tuple[KVFiller, SyntheticKV]:
     """The rank's filler (``given``, else the one ``model.filler`` names) and the
     synthetic producer of its full-attention layers (the default filler, and
-    where a rank's token positions come from)."""
+    where a rank's token positions come from), on the device of ``pools`` (the
+    rank's); a hybrid filler gets its L1 mamba slots: it forks cached states."""
     model, page_size = config.model, config.cache.page_size
+    device = pools["full"].device.buffer.device
     producer = SyntheticKV(shard, model, page_size, kind_layers(shard, model, "full"))
     if given is not None:
         return given, producer
@@ -120,5 +122,7 @@ def build_filler(
         from fabric.rank.hybrid import HybridKV  # transformers: an optional extra
 
         elems = model.mamba_elems(config.topology.tp)
-        return HybridKV(shard, model, page_size, elems, config.topology.tp), producer
+        kv = HybridKV(shard, model, page_size, elems, config.topology.tp)
+        kv.attach_states(pools.device("mamba"))
+        return kv, producer
     return producer, producer

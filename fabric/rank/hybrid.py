@@ -1,25 +1,13 @@
-"""What a hybrid model's cache holds per layer, taken out of a transformers
-cache and put back: the data-plane half of hybrid support (docs/hybrid-design.md).
-
-A layer is one of three kinds (``layer_kinds``), each a cache component:
-
-- ``full`` (full attention): K and V of every token;
-- ``sliding`` (sliding-window attention): K and V of the last ``window - 1``
-  tokens only, and the prefix length they end — transformers records it as the
-  layer's ``cumulative_length``, and a rebuilt layer serves correctly only if
-  it is restored;
-- ``mamba`` (a recurrent / linear-attention layer: Mamba2, gated delta net):
-  one conv state and one recurrent state at the prefix's end.
-
-``extract`` clones (the cache updates its tensors in place as it runs on);
-``rebuild`` makes a cache a model continues from as if it had run the prefix.
-Needs the ``model`` extra (transformers).
+"""A real hybrid model behind the ranks (docs/hybrid-design.md): ``build_hybrid``
+makes one, ``HybridKV`` fills a rank's pools with what it computes, and
+``served_states`` puts a served prefix back together as the model's cache. The
+layer states themselves are in ``fabric.rank.layer_state``; the split of a
+recurrent state over TP ranks in ``fabric.rank.state_layout``. Needs the
+``model`` extra (transformers).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,124 +15,54 @@ import torch
 from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
 from fabric.config import ModelConfig
 from fabric.errors import ConfigError, InvalidInput
+from fabric.rank.hybrid_fork import Forks
+from fabric.rank.layer_state import (
+    KINDS,
+    FullKV,
+    LayerState,
+    MambaState,
+    SlidingKV,
+    component_bytes,
+    extract,
+    layer_kinds,
+    rebuild,
+)
 from fabric.rank.producer import ShardPositions
+from fabric.rank.state_layout import StateLayout
 from fabric.topology import Shard
 
-KINDS = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "mamba"}
-
-
-@dataclass(frozen=True)
-class FullKV:
-    keys: torch.Tensor  # (batch, kv_heads, tokens, head_dim)
-    values: torch.Tensor
-
-
-@dataclass(frozen=True)
-class SlidingKV:
-    keys: torch.Tensor  # the last window - 1 tokens
-    values: torch.Tensor
-    length: int  # the prefix length they end
-
-
-@dataclass(frozen=True)
-class MambaState:
-    conv: torch.Tensor  # (batch, channels, kernel)
-    recurrent: torch.Tensor  # (batch, heads, head_dim, state) or the model's own layout
-    kernel: int
-
-
-LayerState = FullKV | SlidingKV | MambaState
-
-
-def layer_kinds(hf_config: Any) -> list[str]:
-    """``full``, ``sliding`` or ``mamba`` for each layer of a transformers config."""
-    types = getattr(hf_config, "layer_types", None)
-    if types is None:  # an attention-only model without per-layer types
-        return ["full"] * hf_config.num_hidden_layers
-    unknown = sorted({t for t in types if t not in KINDS})
-    if unknown:
-        raise InvalidInput(
-            f"layer type(s) {', '.join(map(repr, unknown))} are not supported: allowed are "
-            f"{', '.join(sorted(KINDS))}"
-        )
-    return [KINDS[t] for t in types]
-
-
-def extract(cache: Any, kinds: list[str]) -> list[LayerState]:
-    """Each layer's state in ``cache`` (a transformers ``DynamicCache`` after a
-    prefix), cloned."""
-    if len(cache.layers) != len(kinds):
-        raise InvalidInput(f"the cache has {len(cache.layers)} layers, the model {len(kinds)}")
-    out: list[LayerState] = []
-    for layer, kind in zip(cache.layers, kinds, strict=True):
-        if kind == "mamba":
-            out.append(
-                MambaState(
-                    layer.conv_states[0].clone(),
-                    layer.recurrent_states[0].clone(),
-                    int(layer.conv_kernel_size[0]),
-                )
-            )
-        elif kind == "sliding":
-            out.append(
-                SlidingKV(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length))
-            )
-        else:
-            out.append(FullKV(layer.keys.clone(), layer.values.clone()))
-    return out
-
-
-def rebuild(states: list[LayerState], hf_config: Any) -> Any:
-    """A ``DynamicCache`` holding ``states``: a model run on it continues the
-    prefix they were extracted after (pass explicit ``position_ids`` from the
-    prefix length on)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_config)
-    if len(cache.layers) != len(states):
-        raise InvalidInput(f"{len(states)} layer states for a model of {len(cache.layers)} layers")
-    for layer, state in zip(cache.layers, states, strict=True):
-        if isinstance(state, MambaState):
-            layer.lazy_initialization(
-                conv_states=state.conv,
-                recurrent_states=state.recurrent,
-                conv_kernel_size=state.kernel,
-            )
-            layer.conv_states[0] = state.conv.clone()
-            layer.recurrent_states[0] = state.recurrent.clone()
-            layer.has_previous_state[0] = True
-        else:
-            layer.lazy_initialization(state.keys, state.values)
-            layer.keys, layer.values = state.keys.clone(), state.values.clone()
-            if isinstance(state, SlidingKV):
-                layer.cumulative_length = state.length
-    return cache
-
-
-def component_bytes(states: list[LayerState]) -> dict[str, int]:
-    """Bytes each component holds for one prefix (what the cache must keep)."""
-    out: Counter[str] = Counter({"full": 0, "sliding": 0, "mamba": 0})
-    for s in states:
-        if isinstance(s, MambaState):
-            tensors, kind = (s.conv, s.recurrent), "mamba"
-        else:
-            tensors, kind = (s.keys, s.values), "sliding" if isinstance(s, SlidingKV) else "full"
-        out[kind] += sum(t.numel() * t.element_size() for t in tensors)
-    return dict(out)
-
-
-# -- a real hybrid model behind the ranks ------------------------------------------
+__all__ = [
+    "KINDS",
+    "FullKV",
+    "HybridKV",
+    "LayerState",
+    "MambaState",
+    "SlidingKV",
+    "build_hybrid",
+    "component_bytes",
+    "extract",
+    "layer_kinds",
+    "rebuild",
+    "served_states",
+]
 
 
 def build_hybrid(model: ModelConfig) -> tuple[Any, Any]:
     """A tiny seeded-random transformers model whose layers follow
     ``model.layer_kinds``: Gemma 3 for full + sliding layers (window
-    ``model.sliding_window``), Bamba (Mamba2) for full + mamba layers. Returns
-    ``(hf_config, model)`` in float32 eval mode."""
+    ``model.sliding_window``); for full + mamba layers Bamba (Mamba2), or
+    Qwen3-Next (gated delta nets, with its mixture of experts) when
+    ``model.recurrent_layer`` is ``gated_delta_net``. Returns ``(hf_config,
+    model)`` in float32 eval mode."""
     from fabric.rank.model import _transformers
 
     tf = _transformers()
     kinds = list(model.kinds)
+    if "mamba" in kinds and "sliding" in kinds:
+        raise ConfigError(
+            "model.filler=hybrid is refused for sliding and mamba layers together: allowed is "
+            "full with sliding layers (Gemma 3) or full with mamba layers (Bamba, Qwen3-Next)"
+        )
     heads = model.attention_heads or 2 * model.kv_heads
     hidden = heads * model.head_dim
     common = {
@@ -157,12 +75,17 @@ def build_hybrid(model: ModelConfig) -> tuple[Any, Any]:
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,  # tied, greedy output degenerates at this size
     }
-    if "mamba" in kinds and "sliding" in kinds:
-        raise ConfigError(
-            "model.filler=hybrid is refused for sliding and mamba layers together: allowed is "
-            "full with sliding layers (Gemma 3) or full with mamba layers (Bamba)"
+    if "mamba" not in kinds:
+        cfg = tf.Gemma3TextConfig(
+            **common,
+            head_dim=model.head_dim,
+            sliding_window=max(2, model.sliding_window),
+            layer_types=[f"{k}_attention" for k in kinds],
         )
-    if "mamba" in kinds:
+        cls = tf.Gemma3ForCausalLM
+    elif model.recurrent_layer == "gated_delta_net":
+        cfg, cls = _qwen3_next(tf, model, common), tf.Qwen3NextForCausalLM
+    else:
         cfg = tf.BambaConfig(
             **common,
             attn_layer_indices=[i for i, k in enumerate(kinds) if k == "full"],
@@ -174,68 +97,50 @@ def build_hybrid(model: ModelConfig) -> tuple[Any, Any]:
             mamba_expand=2,
         )
         cls = tf.BambaForCausalLM
-    else:
-        cfg = tf.Gemma3TextConfig(
-            **common,
-            head_dim=model.head_dim,
-            sliding_window=max(2, model.sliding_window),
-            layer_types=[f"{k}_attention" for k in kinds],
-        )
-        cls = tf.Gemma3ForCausalLM
     torch.manual_seed(model.seed)
     return cfg, cls(cfg).eval()
 
 
+def _qwen3_next(tf: Any, model: ModelConfig, common: dict[str, Any]) -> Any:
+    """A Qwen3-Next config: gated delta nets where ``model.kinds`` says ``mamba``,
+    key heads as many as the KV heads (so they split over TP ranks the same way)."""
+    hidden = common["hidden_size"]
+    return tf.Qwen3NextConfig(
+        **common,
+        head_dim=model.head_dim,
+        layer_types=["full_attention" if k == "full" else "linear_attention" for k in model.kinds],
+        linear_num_key_heads=model.kv_heads,
+        linear_num_value_heads=2 * model.kv_heads,
+        linear_key_head_dim=model.head_dim,
+        linear_value_head_dim=model.head_dim,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden,
+        shared_expert_intermediate_size=hidden,
+        decoder_sparse_step=1,
+    )
+
+
 def mamba_state_floats(hf_config: Any) -> int:
-    """float32 values of one mamba layer's state (conv + recurrent) in a Bamba model."""
-    c = hf_config
-    inner = c.mamba_expand * c.hidden_size
-    conv = (inner + 2 * c.mamba_n_groups * c.mamba_d_state) * c.mamba_d_conv
-    return conv + c.mamba_n_heads * c.mamba_d_head * c.mamba_d_state
-
-
-def _conv_channels(c: Any, tp_rank: int, tp: int) -> torch.Tensor:
-    """The conv state channels TP rank ``tp_rank`` of ``tp`` holds in a Mamba2 layer:
-    its heads' share of the ``x`` channels and its groups' share of ``B`` and ``C``
-    (the channel order ``[x | B | C]`` of the layer's in-projection)."""
-    inner, groups, ds = c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
-    x = torch.arange(inner).view(tp, -1)[tp_rank]
-    b = inner + torch.arange(groups * ds).view(tp, -1)[tp_rank]
-    return torch.cat([x, b, b + groups * ds])
+    """float32 values of one recurrent layer's state (conv + recurrent)."""
+    return StateLayout.of(hf_config).floats
 
 
 def check_mamba_tp(c: Any, tp: int) -> None:
-    """A Mamba2 layer splits over ``tp`` ranks only by whole heads and groups."""
-    if c.mamba_n_heads % tp or c.mamba_n_groups % tp:
-        raise ConfigError(
-            f"topology.tp={tp} is refused for this model's mamba layers: allowed is a "
-            f"divisor of both its {c.mamba_n_heads} heads and {c.mamba_n_groups} groups"
-        )
+    """A recurrent layer splits over ``tp`` ranks only by whole heads and groups."""
+    StateLayout.of(c).check_tp(tp)
 
 
 def mamba_share(c: Any, state: MambaState, tp_rank: int, tp: int) -> torch.Tensor:
-    """TP rank ``tp_rank``'s share of one layer's state, flat: the conv state of
-    its channels (``_conv_channels``), then the recurrent state of its heads —
+    """TP rank ``tp_rank``'s share of one layer's state, flat (``StateLayout.share``):
     what that rank of a TP engine computes and holds."""
-    heads = c.mamba_n_heads // tp
-    conv = state.conv[0, _conv_channels(c, tp_rank, tp)]
-    recurrent = state.recurrent[0, tp_rank * heads : (tp_rank + 1) * heads]
-    return torch.cat([conv.flatten(), recurrent.flatten()])
+    return StateLayout.of(c).share(state.conv, state.recurrent, tp_rank, tp)
 
 
 def mamba_from_shares(c: Any, shares: list[torch.Tensor], kernel: int) -> MambaState:
     """One layer's state put back together from every TP rank's ``mamba_share``."""
-    tp = len(shares)
-    inner, groups, ds = c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
-    channels = inner + 2 * groups * ds
-    conv = torch.empty(1, channels, kernel)
-    recurrent = torch.empty(1, c.mamba_n_heads, c.mamba_d_head, ds)
-    heads = c.mamba_n_heads // tp
-    for r, flat in enumerate(shares):
-        idx = _conv_channels(c, r, tp)
-        n = len(idx) * kernel
-        conv[0, idx] = flat[:n].view(len(idx), kernel)
-        recurrent[0, r * heads : (r + 1) * heads] = flat[n:].view(heads, c.mamba_d_head, ds)
+    conv, recurrent = StateLayout.of(c).from_shares(shares)
     return MambaState(conv, recurrent, kernel)
 
 
@@ -277,8 +182,6 @@ class HybridKV(ShardPositions):
         # Tokens run through the model: the whole prefix for each computed
         # value, the new tokens only for a compute from the cache.
         self.run_tokens = 0
-        from fabric.rank.hybrid_fork import Forks
-
         self.forks = Forks(self) if Forks.eligible(self, model.layers, model.kv_heads) else None
 
     def attach_states(self, states: Any) -> None:
@@ -386,7 +289,7 @@ def served_states(
                 raise InvalidInput(f"no mamba state for layer {layer} at page {end_page}")
             states.setdefault(layer, {})[shard.rank.tp] = mamba[-1, j]
     out: list[LayerState] = []
-    kernel = getattr(hf_config, "mamba_d_conv", 0)
+    kernel = StateLayout.of(hf_config).kernel if "mamba" in kinds else 0
     for i, kind in enumerate(kinds):
         if kind == "mamba":
             shares = states.get(i, {})

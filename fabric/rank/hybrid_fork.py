@@ -21,16 +21,15 @@ is computed from the whole prefix, as ranks of other shapes do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fabric.cache.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
 from fabric.messages import Compute
+from fabric.rank.layer_state import FullKV, LayerState, MambaState, rebuild
 from fabric.rank.pools import KVPool, StatePool
-
-if TYPE_CHECKING:
-    from fabric.rank.hybrid import HybridKV, LayerState
+from fabric.rank.state_layout import StateLayout
 
 
 class Forks:
@@ -38,7 +37,8 @@ class Forks:
     RUNNING = 2
     SNAPSHOTS = 1024
 
-    def __init__(self, kv: HybridKV) -> None:
+    def __init__(self, kv: Any) -> None:
+        """``kv``: the rank's ``HybridKV`` (its model, layers and positions)."""
         self.kv = kv
         self.states: StatePool | None = None  # the rank's L1 mamba slots (``attach``)
         self.running: OrderedDict[bytes, Any] = OrderedDict()
@@ -46,7 +46,7 @@ class Forks:
         self.forked = 0  # computes that started from a cached state slot
 
     @staticmethod
-    def eligible(kv: HybridKV, layers: int, kv_heads: int) -> bool:
+    def eligible(kv: Any, layers: int, kv_heads: int) -> bool:
         """Whether ``kv``'s rank holds the whole model and the model has no sliding
         layers (whose KV a model cache keeps only a window of)."""
         shard = kv.shard
@@ -62,19 +62,18 @@ class Forks:
 
     def fork(self, slot: int) -> list[Any]:
         """The request's own copy of each mamba layer's state in ``slot``."""
-        from fabric.rank.hybrid import mamba_from_shares
-
         assert self.states is not None
         flat = self.states.buffer[slot].detach().to("cpu", torch.float32, copy=True)
-        c = self.kv.hf_config
-        return [mamba_from_shares(c, [flat[j]], c.mamba_d_conv) for j in range(len(self.kv.mamba))]
+        layout = StateLayout.of(self.kv.hf_config)
+        return [
+            MambaState(*layout.from_shares([flat[j]]), layout.kernel)
+            for j in range(len(self.kv.mamba))
+        ]
 
     def _start(self, pool: KVPool, cmd: Compute) -> Any | None:
         """The model's cache at ``cmd.start_token``, the request's own; ``None`` when
         there is no cached state to start from."""
         from transformers import DynamicCache
-
-        from fabric.rank.hybrid import FullKV, rebuild
 
         kv, start = self.kv, cmd.start_token
         if start == 0:
@@ -137,13 +136,10 @@ class Forks:
 
     def snapshot(self, cache: Any) -> torch.Tensor:
         """Every mamba layer's state in ``cache`` as a slot holds it (copied)."""
-        from fabric.rank.hybrid import MambaState, mamba_share
-
-        c, out = self.kv.hf_config, []
+        layout, out = StateLayout.of(self.kv.hf_config), []
         for i in self.kv.mamba:
             layer = cache.layers[i]
-            state = MambaState(layer.conv_states[0], layer.recurrent_states[0], c.mamba_d_conv)
-            out.append(mamba_share(c, state, 0, 1).clone())
+            out.append(layout.share(layer.conv_states[0], layer.recurrent_states[0], 0, 1).clone())
         return torch.stack(out)
 
     def take(self, chain_hash: bytes) -> torch.Tensor | None:

@@ -91,7 +91,7 @@ class RankWorker:
         self.suffix = self.shard.rank.suffix
         self.device = pick_device(config.runtime.device)
         self.pools, self.shared_l2 = build_pools(config, self.shard, self.device, l2_path)
-        self.filler, self.producer = build_filler(config, self.shard, self.device, filler)
+        self.filler, self.producer = build_filler(config, self.shard, self.pools, filler)
         self.parts = Parts(
             self.shard,
             config.model,
@@ -100,9 +100,6 @@ class RankWorker:
             config.model.mamba_elems(config.topology.tp),
             self.device,
         )
-        attach_states = getattr(self.filler, "attach_states", None)
-        if attach_states is not None:  # a hybrid filler forks cached states
-            attach_states(self.parts.states)
         # The collective groups of a sharded model's ranks, one generation at a time.
         self.board = board
         self.world = Topology(config.topology).world_size

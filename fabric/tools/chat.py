@@ -43,7 +43,8 @@ TINY_LLAMA = [
 # ``--model tiny-gemma3`` / ``tiny-bamba``: hybrid models (``model.filler=hybrid``,
 # ``fabric.rank.hybrid.build_hybrid``), 4 layers, hidden 64, seeded random
 # weights: Gemma 3 with three sliding-window layers (window 7) before a full one,
-# Bamba with Mamba2 layers between full ones.
+# Bamba with Mamba2 layers between full ones, Qwen3-Next with gated delta nets
+# between full ones (and its mixture of experts).
 _TINY_HYBRID = [
     "model.filler=hybrid",
     "model.dtype=float32",
@@ -66,6 +67,13 @@ TINY_MODELS = {
         "model.model_id=tiny-bamba",
         "model.layer_kinds=[mamba, full, mamba, full]",
         "model.mamba_state_bytes=11264",  # a Mamba2 layer's conv and SSM state, float32
+    ],
+    "tiny-qwen3next": [
+        *_TINY_HYBRID,
+        "model.model_id=tiny-qwen3next",
+        "model.layer_kinds=[mamba, full, mamba, full]",
+        "model.recurrent_layer=gated_delta_net",
+        "model.mamba_state_bytes=6144",  # a gated delta net's conv and recurrent state
     ],
 }
 
@@ -160,46 +168,73 @@ def converse(
     stats = ChatStats()
     for turn in range(turns):
         for c in range(conversations):
-            prompt = prompts[c]
-            # A hybrid model's state after the last prompt token cannot give that
-            # token's logits: its cache is asked for the prompt but its last token.
-            asked = prompt[:-1] if hybrid else prompt
-            result = fabric.submit(asked)
-            if result.error is not None:
-                raise InvalidInput(f"turn {turn} of conversation {c} failed: {result.error}")
-            stats.tokens.add(
-                result.device_hit_tokens,
-                result.host_hit_tokens,
-                result.storage_hit_tokens,
-                result.computed_tokens,
-            )
-            if hybrid:
-                answer = _hybrid_turn(
-                    fabric, config, hf, prompt, result.lease, new_tokens, stats, check
+            try:
+                answer = _turn(
+                    fabric,
+                    config,
+                    hf,
+                    prompts[c],
+                    new_tokens,
+                    stats,
+                    check,
+                    hybrid,
+                    f"chat-{seed}-{c}",
                 )
-            else:
-                kv = assemble(
-                    fabric.read_kv(result.lease), config.model, config.cache.page_size, len(prompt)
-                )
-                answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
-                if check:
-                    _check(stats, hf, prompt, kv[:, :, :, :-1], answer)
-            lease = result.lease
-            for token in prompt[len(asked) :] + answer:  # the answer's KV joins the cache
-                step = fabric.append(lease, [token])
-                if step.error is not None:
-                    raise InvalidInput(f"decode of conversation {c} failed: {step.error}")
-                lease = step.lease
-            fabric.release(lease, session=f"chat-{seed}-{c}")
-            stats.turns += 1
-            stats.generated_tokens += len(answer)
-            prompts[c] = prompt + answer + message()
+            except InvalidInput as exc:
+                raise InvalidInput(f"turn {turn} of conversation {c}: {exc}") from None
+            prompts[c] = prompts[c] + answer + message()
             if progress is not None:
                 progress(stats.turns)
     for c in range(conversations):
         fabric.end_session(f"chat-{seed}-{c}")
     stats.computed_tokens_by_rank = fabric.computed_tokens_by_rank()
     return stats
+
+
+def _turn(
+    fabric: Any,
+    config: FabricConfig,
+    hf: Any,
+    prompt: list[int],
+    new_tokens: int,
+    stats: ChatStats,
+    check: bool,
+    hybrid: bool,
+    session: str,
+) -> list[int]:
+    """One turn: the prompt served, the answer generated from what was served, its
+    KV appended; returns the answer."""
+    # A hybrid model's state after the last prompt token cannot give that token's
+    # logits: its cache is asked for the prompt but its last token.
+    asked = prompt[:-1] if hybrid else prompt
+    result = fabric.submit(asked)
+    if result.error is not None:
+        raise InvalidInput(f"failed: {result.error}")
+    stats.tokens.add(
+        result.device_hit_tokens,
+        result.host_hit_tokens,
+        result.storage_hit_tokens,
+        result.computed_tokens,
+    )
+    if hybrid:
+        answer = _hybrid_turn(fabric, config, hf, prompt, result.lease, new_tokens, stats, check)
+    else:
+        kv = assemble(
+            fabric.read_kv(result.lease), config.model, config.cache.page_size, len(prompt)
+        )
+        answer = generate(hf, prompt, new_tokens, kv[:, :, :, :-1])
+        if check:
+            _check(stats, hf, prompt, kv[:, :, :, :-1], answer)
+    lease = result.lease
+    for token in prompt[len(asked) :] + answer:  # the answer's KV joins the cache
+        step = fabric.append(lease, [token])
+        if step.error is not None:
+            raise InvalidInput(f"decode failed: {step.error}")
+        lease = step.lease
+    fabric.release(lease, session=session)
+    stats.turns += 1
+    stats.generated_tokens += len(answer)
+    return answer
 
 
 def _check(

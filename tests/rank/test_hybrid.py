@@ -164,3 +164,43 @@ def test_a_mamba_state_splits_over_tp_ranks_by_heads_and_groups_and_back():
     assert torch.equal(back.conv, state.conv) and torch.equal(back.recurrent, state.recurrent)
     with pytest.raises(ConfigError, match="topology.tp=4"):
         check_mamba_tp(cfg, 4)  # two groups do not split over four ranks
+
+
+def test_a_gated_delta_net_state_splits_over_tp_ranks_by_key_and_value_heads():
+    from fabric.config import ModelConfig
+    from fabric.errors import ConfigError
+    from fabric.rank.hybrid import build_hybrid, check_mamba_tp, mamba_from_shares, mamba_share
+
+    model_cfg = ModelConfig(
+        layers=2,
+        layer_kinds=("mamba", "full"),
+        kv_heads=2,
+        head_dim=16,
+        recurrent_layer="gated_delta_net",
+    )
+    cfg, model = build_hybrid(model_cfg)
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    with torch.no_grad():
+        out = model(
+            torch.tensor([[5, 6, 7, 8]]), use_cache=True, position_ids=torch.arange(4)[None]
+        )
+    state = extract(out.past_key_values, ["mamba", "full"])[0]
+    kd = cfg.linear_key_head_dim * cfg.linear_num_key_heads  # q's and k's channels
+    vd = cfg.linear_value_head_dim * cfg.linear_num_value_heads
+    shares = [mamba_share(cfg, state, r, 2) for r in range(2)]
+    conv = state.conv[0]
+    # Rank 1: key head 1's q and k channels, value heads 2 and 3's v channels and
+    # recurrent states.
+    want = torch.cat(
+        [
+            conv[kd // 2 : kd].flatten(),
+            conv[kd + kd // 2 : 2 * kd].flatten(),
+            conv[2 * kd + vd // 2 :].flatten(),
+            state.recurrent[0, cfg.linear_num_value_heads // 2 :].flatten(),
+        ]
+    )
+    assert torch.equal(shares[1], want)
+    back = mamba_from_shares(cfg, shares, state.kernel)
+    assert torch.equal(back.conv, state.conv) and torch.equal(back.recurrent, state.recurrent)
+    with pytest.raises(ConfigError, match="topology.tp=4 is refused .* 2 key heads"):
+        check_mamba_tp(cfg, 4)

@@ -29,6 +29,11 @@ MODELS = {
         "model.layer_kinds=[mamba, full, mamba, full]",
         "model.mamba_state_bytes=11264",
     ],
+    "qwen3next-gdn": [
+        "model.layer_kinds=[mamba, full, mamba, full]",
+        "model.recurrent_layer=gated_delta_net",
+        "model.mamba_state_bytes=6144",
+    ],
 }
 
 
