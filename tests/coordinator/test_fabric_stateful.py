@@ -39,7 +39,11 @@ SETUP = {
 
 
 class FabricMachine(RuleBasedStateMachine):
-    @initialize(**SETUP, hybrid=st.sampled_from([None, "[full, sliding]", "[full, mamba]"]))
+    @initialize(
+        **SETUP,
+        hybrid=st.sampled_from([None, "[full, sliding]", "[full, mamba]"]),
+        tight_l2=st.booleans(),
+    )
     def setup(
         self,
         write_policy,
@@ -50,9 +54,18 @@ class FabricMachine(RuleBasedStateMachine):
         session_tier="device",
         shared_l2=False,
         hybrid=None,
+        tight_l2=False,
     ):
         self._setup(
-            write_policy, stop_policy, storage, chunk, chunk_tokens, session_tier, hybrid, shared_l2
+            write_policy,
+            stop_policy,
+            storage,
+            chunk,
+            chunk_tokens,
+            session_tier,
+            hybrid,
+            shared_l2,
+            tight_l2,
         )
 
     # Options a subclass adds to every config (``ShardedFabricMachine``).
@@ -68,6 +81,7 @@ class FabricMachine(RuleBasedStateMachine):
         session_tier,
         hybrid,
         shared_l2=False,
+        tight_l2=False,
     ):
         self.tmp = tempfile.TemporaryDirectory()
         options = [
@@ -93,6 +107,11 @@ class FabricMachine(RuleBasedStateMachine):
                 "cache.sliding_tokens=24",
                 "cache.mamba_states=5",
             ]
+        if hybrid is not None and tight_l2:
+            # Small L2 component pools (evicted per component there), and mamba
+            # states inside long prefixes.
+            options += ["cache.host_sliding_tokens=12", "cache.host_mamba_states=3"]
+            options += ["cache.mamba_checkpoint_tokens=8"] if "mamba" in hybrid else []
         self.config = small_config(*options, *self.extra_options)
         self.clock = FakeClock()
         self.l2_dir = tempfile.TemporaryDirectory() if shared_l2 else None
