@@ -57,7 +57,9 @@ def test_conversations_hit_through_earlier_answers_and_match_uncached_generation
     f.core.cache.check_integrity()
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-bamba", "tiny-qwen3next"])
+@pytest.mark.parametrize(
+    "model", ["tiny-gemma3", "tiny-bamba", pytest.param("tiny-qwen3next", marks=pytest.mark.slow)]
+)
 def test_hybrid_conversations_continue_from_served_state_through_every_tier(model, tmp_path):
     """Tiny L1 and L2 (prompts outgrow them: components are evicted, demoted and
     loaded back), L3 on; a second fabric over the same L3 serves the first turns
@@ -85,7 +87,9 @@ def test_hybrid_conversations_continue_from_served_state_through_every_tier(mode
     assert tiers[1].storage > 0, "the fresh fabric's first turns come from L3"
 
 
-@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-qwen3next"])
+@pytest.mark.parametrize(
+    "model", ["tiny-bamba", pytest.param("tiny-qwen3next", marks=pytest.mark.slow)]
+)
 def test_a_rank_holding_the_whole_mamba_model_computes_from_the_cache(model):
     """At TP = PP = 1 a rank of a Mamba2 or gated-delta-net model forks each cached state and runs only the new
     tokens (decode steps rerun their partial page): the same conversations, the

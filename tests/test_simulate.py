@@ -201,7 +201,7 @@ def test_simulate_reports_each_component_of_a_hybrid_model(capsys):
 def test_simulate_reports_a_mamba_model_with_checkpoints_on_and_off(interval, capsys):
     # RAG prompts share documents after different questions: a prefix often ends
     # inside a cached node, where only a checkpoint has a state.
-    args = ["simulate", "--requests", "300", "--workload", "rag", "--capacities", "64K"]
+    args = ["simulate", "--requests", "150", "--workload", "rag", "--capacities", "64K"]
     for option in (
         "cache.device_tokens=65536",
         "model.layer_kinds=[full, mamba, mamba, mamba]",
