@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
-from fabric.driver.local import LocalFabric
+from fabric.driver.local import LocalClient, LocalFabric
 from fabric.tools.chat import converse, model_overrides
 
 
@@ -76,40 +76,12 @@ def forks(model: str, page: int, prefix: int, n: int, new: int, from_cache: bool
     return time.perf_counter() - started, kv.run_tokens - ran
 
 
-class _InProcess:
-    """The client calls ``converse`` makes, on a ``LocalFabric``."""
-
-    def __init__(self, f: LocalFabric) -> None:
-        self.f = f
-
-    def submit(self, tokens):
-        return self.f.serve(pack_tokens(tokens))
-
-    def append(self, lease, tokens):
-        return self.f.append(lease, pack_tokens(tokens))
-
-    def release(self, lease, session=None):
-        return self.f.core.release(lease, session)
-
-    def end_session(self, session):
-        return self.f.core.end_session(session)
-
-    def read_kv(self, lease):
-        return self.f.read_kv(lease)
-
-    def read_parts(self, lease):
-        return self.f.read_parts(lease)
-
-    def computed_tokens_by_rank(self):
-        return self.f.computed_tokens_by_rank()
-
-
 def chat(model: str, page: int, conversations: int, turns: int, from_cache: bool):
     """Seconds for the conversations (serving, generating from what was served,
     appending the answers) and the tokens the rank ran through the model."""
     f = make(model, page, from_cache)
     started = time.perf_counter()
-    converse(_InProcess(f), f.config, conversations, turns, 8, check=False)
+    converse(LocalClient(f), f.config, conversations, turns, 8, check=False)
     return time.perf_counter() - started, f.ranks[0].filler.run_tokens
 
 

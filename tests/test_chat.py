@@ -2,40 +2,11 @@
 
 import pytest
 
-from fabric.cache.keys import pack_tokens
 from fabric.cli import main
-from fabric.driver.local import LocalFabric
+from fabric.driver.local import LocalClient, LocalFabric
 from fabric.errors import InvalidInput
 from fabric.tools.chat import converse, model_overrides
 from tests.helpers import small_config, storage_options
-
-
-class InProcess:
-    """The client calls ``converse`` makes, on a ``LocalFabric``."""
-
-    def __init__(self, fabric: LocalFabric) -> None:
-        self.f = fabric
-
-    def submit(self, tokens):
-        return self.f.serve(pack_tokens(tokens))
-
-    def append(self, lease, tokens):
-        return self.f.append(lease, pack_tokens(tokens))
-
-    def release(self, lease, session=None):
-        return self.f.core.release(lease, session)
-
-    def end_session(self, session):
-        return self.f.core.end_session(session)
-
-    def read_kv(self, lease):
-        return self.f.read_kv(lease)
-
-    def read_parts(self, lease):
-        return self.f.read_parts(lease)
-
-    def computed_tokens_by_rank(self):
-        return self.f.computed_tokens_by_rank()
 
 
 def test_conversations_hit_through_earlier_answers_and_match_uncached_generation():
@@ -48,7 +19,7 @@ def test_conversations_hit_through_earlier_answers_and_match_uncached_generation
         "cache.session_budget_fraction=0.5",
     )
     f = LocalFabric(config)
-    stats = converse(InProcess(f), config, conversations=2, turns=3, new_tokens=4, check=True)
+    stats = converse(LocalClient(f), config, conversations=2, turns=3, new_tokens=4, check=True)
     assert stats.turns == stats.checked == 6 and stats.mismatches == 0
     assert stats.generated_tokens == 24
     # Turns 2 and 3 hit every whole page of the previous prompt and answer.
@@ -76,7 +47,7 @@ def test_hybrid_conversations_continue_from_served_state_through_every_tier(mode
     tiers = []
     for _ in range(2):
         f = LocalFabric(config)
-        stats = converse(InProcess(f), config, conversations=3, turns=3, new_tokens=3, check=True)
+        stats = converse(LocalClient(f), config, conversations=3, turns=3, new_tokens=3, check=True)
         assert stats.turns == stats.checked == 9 and stats.mismatches == 0
         assert stats.unserved == 0 and stats.max_logits_diff < 1e-4
         f.settle()
@@ -108,7 +79,7 @@ def test_a_rank_holding_the_whole_mamba_model_computes_from_the_cache(model):
         kv = f.ranks[0].filler
         if not from_cache:
             kv.forks = None
-        stats = converse(InProcess(f), config, conversations=2, turns=3, new_tokens=3, check=True)
+        stats = converse(LocalClient(f), config, conversations=2, turns=3, new_tokens=3, check=True)
         assert stats.mismatches == 0 and stats.unserved == 0
         f.core.cache.check_integrity()
         runs.append((kv.run_tokens, stats.tokens.as_dict(), stats.max_logits_diff))

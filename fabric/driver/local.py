@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fabric.cache.keys import pack_tokens
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import Answer, Query
 from fabric.coordinator.core import CoordinatorCore
@@ -259,3 +260,33 @@ class LocalFabric:
             and r.parts.verify(lease.namespace, cached, list(lease.sliding), list(lease.mamba))
             for r in self.ranks
         ]
+
+
+class LocalClient:
+    """A ``LocalFabric`` behind the calls a driver makes on a ``Fabric`` client
+    (``submit`` of token ids, ``append``, ``release``, ``read_kv``, ...): what
+    ``fabric.tools.chat.converse`` drives, in one process."""
+
+    def __init__(self, fabric: LocalFabric) -> None:
+        self.f = fabric
+
+    def submit(self, tokens: Sequence[int]) -> RequestResult:
+        return self.f.serve(pack_tokens(tokens))
+
+    def append(self, lease: Lease, tokens: Sequence[int]) -> RequestResult:
+        return self.f.append(lease, pack_tokens(tokens))
+
+    def release(self, lease: Lease, session: str | None = None) -> bool:
+        return self.f.core.release(lease, session)
+
+    def end_session(self, session: str) -> bool:
+        return self.f.core.end_session(session)
+
+    def read_kv(self, lease: Lease) -> list:
+        return self.f.read_kv(lease)
+
+    def read_parts(self, lease: Lease) -> list:
+        return self.f.read_parts(lease)
+
+    def computed_tokens_by_rank(self) -> dict[str, int]:
+        return self.f.computed_tokens_by_rank()

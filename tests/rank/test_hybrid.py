@@ -17,6 +17,7 @@ from fabric.rank.hybrid import (  # noqa: E402
     layer_kinds,
     rebuild,
 )
+from fabric.tools.chat import greedy as chat_greedy  # noqa: E402
 
 WINDOW = 8
 
@@ -62,19 +63,9 @@ def bamba():
 
 
 def greedy(model, ids, cache, n, start):
-    """``n`` greedy tokens after ``ids`` fed at position ``start`` (explicit
-    position ids: Bamba needs them with a rebuilt cache)."""
-    out, pos = [], start
-    with torch.no_grad():
-        for _ in range(n):
-            positions = torch.arange(pos, pos + ids.shape[1]).unsqueeze(0)
-            o = model(ids, cache=cache, use_cache=True, position_ids=positions)
-            pos += ids.shape[1]
-            cache = o.past_key_values
-            token = int(o.logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.tensor([[token]])
-    return out
+    """``n`` greedy tokens after ``ids`` (a ``(1, T)`` tensor) fed at position
+    ``start`` (explicit position ids: Bamba needs them with a rebuilt cache)."""
+    return chat_greedy(model, ids[0].tolist(), cache, start, n)[0]
 
 
 def prefix_states(model, cfg, prompt, n):
