@@ -33,7 +33,8 @@ from fabric.rank.state_layout import StateLayout
 
 
 class Forks:
-    # Runs kept between the chunks of one compute, and states kept for its parts.
+    # Runs kept between the chunks of one compute, and states kept for its parts
+    # (one compute's page ends at a time; the oldest go first past the bound).
     RUNNING = 2
     SNAPSHOTS = 1024
 
@@ -110,6 +111,10 @@ class Forks:
         cache = self._start(pool, cmd)
         if cache is None:
             return False
+        if cmd.start_token == 0 or cmd.from_state:
+            # A compute's first command: the one before has stored its states (its
+            # commands came in order), so what it kept is no longer asked for.
+            self.snapshots.clear()
         ids = unpack_tokens(cmd.tokens)
         whole = len(ids) // ps
         hashes = chain_hashes(cmd.prev_hash, cmd.tokens[: whole * ps * TOKEN_BYTES], ps * 4)
