@@ -183,9 +183,11 @@ class Scheduler:
         """A hybrid fill's L1 mamba slot holding the state where it starts (ranks
         that compute from the cache fork it); empty when there is none. Ranks run
         commands in order: a later reuse of the slot comes after this compute."""
-        node = fill.prefix_node
+        node, tree = fill.prefix_node, self.cache.tree
         if self.cache.parts is None or node.mamba is None or not fill.start:
             return ()
+        if tree.depth_pages(node) * tree.page_size != fill.start:
+            return ()  # not the state at the fill's start: the ranks compute without one
         return (node.mamba,)
 
     def _parts(self, kv: RequestKV, fill: Fill) -> tuple[list[SlidingPart], list[MambaPart]]:
