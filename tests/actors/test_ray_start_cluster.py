@@ -154,11 +154,15 @@ def keep(c: Cluster, *args: str) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops ``kvfabric run --keep``. Its fabric's shutdown on a
+    ``ray start`` cluster took over a minute twice in whole-suite CI runs on a
+    loaded 2-core machine (well under one alone): two minutes before a kill."""
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
 
 
 def quiet(stderr: str) -> None:
