@@ -161,6 +161,18 @@ def stop(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
+        # Where it hangs, for the failure message (py-spy comes with Ray's extra).
+        spy = Path(sys.executable).with_name("py-spy")
+        try:
+            dump = subprocess.run(
+                [str(spy), "dump", "--pid", str(proc.pid)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            proc.stack = dump.stdout + dump.stderr  # type: ignore[attr-defined]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc.stack = f"no stack: {exc}"  # type: ignore[attr-defined]
         proc.kill()
         proc.wait()
 
@@ -223,7 +235,9 @@ def test_fabrics_side_by_side_a_taken_name_refused_and_status_names_its_cluster(
         one_line_refusal(missing, "no fabric named 'nobody'", ray_cluster.address)
     finally:
         stop(first)
-    assert first.returncode == 0, first.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    assert first.returncode == 0, (
+        first.log.read_text()[-3000:] + getattr(first, "stack", "")[-6000:]  # type: ignore[attr-defined]
+    )
 
 
 def test_a_private_fabric_beside_the_cluster_and_auto_tells_them_apart(ray_cluster):
