@@ -146,6 +146,10 @@ def keep(c: Cluster, *args: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=open(log, "w"),  # noqa: SIM115 - the process keeps it
         cwd=c.tmp,
+        # Ctrl-C works as in a terminal even when the tests run in the background
+        # of a shell without job control, which starts them with SIGINT ignored
+        # (and an ignored signal stays ignored in every child).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     proc.log = log  # type: ignore[attr-defined]
     assert wait_for(lambda: "keeps running" in log.read_text() or proc.poll() is not None, 180)
@@ -154,12 +158,10 @@ def keep(c: Cluster, *args: str) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C, as a user stops ``kvfabric run --keep``. Its fabric's shutdown on a
-    ``ray start`` cluster took over a minute twice in whole-suite CI runs on a
-    loaded 2-core machine (well under one alone): two minutes before a kill."""
+    """Ctrl-C, as a user stops ``kvfabric run --keep``; a minute before a kill."""
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=120)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         # Where it hangs, for the failure message (py-spy comes with Ray's extra).
         spy = Path(sys.executable).with_name("py-spy")
