@@ -40,7 +40,7 @@ TINY_LLAMA = [
 ]
 
 
-# ``--model tiny-gemma3`` / ``tiny-bamba``: hybrid models (``model.filler=hybrid``,
+# ``--model tiny-gemma3`` / ``tiny-bamba`` / ``tiny-qwen3next``: hybrid models (``model.filler=hybrid``,
 # ``fabric.rank.hybrid.build_hybrid``), 4 layers, hidden 64, seeded random
 # weights: Gemma 3 with three sliding-window layers (window 7) before a full one,
 # Bamba with Mamba2 layers between full ones, Qwen3-Next with gated delta nets
@@ -79,9 +79,8 @@ TINY_MODELS = {
 
 
 def model_overrides(model: str) -> list[str]:
-    """Config overrides for ``--model``: ``tiny-llama``, ``tiny-gemma3``,
-    ``tiny-bamba``, or a local Hugging Face model directory (its shape read from
-    its ``config.json``)."""
+    """Config overrides for ``--model``: one of ``TINY_MODELS``, or a local Hugging
+    Face model directory (its shape read from its ``config.json``)."""
     if model in TINY_MODELS:
         return list(TINY_MODELS[model])
     path = Path(model)
