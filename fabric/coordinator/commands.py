@@ -214,13 +214,15 @@ class FabricController(Controller):
         ``prefix``: the tokens before ``start_token``, and ``prefix_pages`` the L1
         pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
         hybrid model's other components to store, in commands of their own after
-        the tokens' (as many as the message limit needs); ``from_state``: the L1
-        mamba slot of the state at ``start_token``, for the first command.
+        the tokens' (as many as the message limit needs), each token command
+        naming the mamba parts' ends in its span (``states_at``); ``from_state``:
+        the L1 mamba slot of the state at ``start_token``, for the first command.
         Returns the command ids."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
         whole = len(data) - len(data) % pb
         hashes = chain_hashes(prev, data[:whole], pb) if len(pages) > step else []
+        ends = sorted({part.end_page for part in mamba})
         cmds = []
         for offset in range(0, max(len(pages), 1), step):
             chunk = tuple(pages[offset : offset + step])
@@ -233,8 +235,21 @@ class FabricController(Controller):
             first = start_token + offset * self.page_size
             cmd = self._cmd_id()
             first_only = {"keep": keep, "from_state": tuple(from_state)} if offset == 0 else {}
+            page = first // self.page_size
+            states_at = tuple(e for e in ends if page < e <= page + len(chunk))
             self._send(
-                Compute(cmd, namespace, chain, tokens, first, chunk, before, held, **first_only)
+                Compute(
+                    cmd,
+                    namespace,
+                    chain,
+                    tokens,
+                    first,
+                    chunk,
+                    before,
+                    held,
+                    states_at=states_at,
+                    **first_only,
+                )
             )
             self.computes.append(cmd)
             cmds.append(cmd)

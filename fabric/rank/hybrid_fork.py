@@ -10,9 +10,10 @@ prefix — to this request's later turns and to any other request forking from i
 (copy-on-write, as an engine forks a running request's state slot from a cached
 one).
 
-While it runs, the rank keeps the state at each whole page's end by its page-hash
-chain (``snapshots``): the commands that follow store the states the cache asked
-for (node ends, checkpoints) from there instead of running the prefix again. A
+It runs the new tokens in pieces that end where the cache stores a state (node
+ends, checkpoints: the command's ``states_at``) and keeps the state at each by
+its page-hash chain (``snapshots``): the parts commands that follow store those
+states from there instead of running the prefix again. A
 compute cut in chunks continues from the run the chunk before left (``running``,
 by the chain hash where it stopped; a first chunk always forks the cached slot). Both are bounded; a state not found there
 is computed from the whole prefix, as ranks of other shapes do.
@@ -45,6 +46,7 @@ class Forks:
         self.running: OrderedDict[bytes, Any] = OrderedDict()
         self.snapshots: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.forked = 0  # computes that started from a cached state slot
+        self.pieces = 0  # the model's forward calls
 
     @staticmethod
     def eligible(kv: Any, layers: int, kv_heads: int) -> bool:
@@ -118,17 +120,20 @@ class Forks:
         ids = unpack_tokens(cmd.tokens)
         whole = len(ids) // ps
         hashes = chain_hashes(cmd.prev_hash, cmd.tokens[: whole * ps * TOKEN_BYTES], ps * 4)
-        pos = cmd.start_token
+        first = cmd.start_token // ps
+        wanted = {e - first for e in cmd.states_at if 0 < e - first <= whole}
+        ends = sorted({w * ps for w in wanted} | {len(ids)})
+        pos, done = cmd.start_token, 0
         with torch.no_grad():
-            for i in range(0, len(ids), ps):
-                page = ids[i : i + ps]
-                positions = torch.arange(pos, pos + len(page)).unsqueeze(0)
-                x = torch.tensor([page], dtype=torch.long)
+            for end in ends:  # in pieces, each ending where a part stores a state
+                positions = torch.arange(pos, pos + end - done).unsqueeze(0)
+                x = torch.tensor([ids[done:end]], dtype=torch.long)
                 out = kv.model(x, cache=cache, use_cache=True, position_ids=positions)
                 cache = out.past_key_values
-                pos += len(page)
-                if len(page) == ps:
-                    self._keep(self.snapshots, hashes[i // ps], self.snapshot(cache))
+                pos, done = pos + end - done, end
+                self.pieces += 1
+                if end % ps == 0 and end // ps in wanted:
+                    self._keep(self.snapshots, hashes[end // ps - 1], self.snapshot(cache))
         positions = torch.arange(cmd.start_token + cmd.keep, pos)
         values = kv._kv(cache, kv.full, positions)
         page_idx, offsets = kv.locate(positions, cmd.start_token, list(cmd.pages))

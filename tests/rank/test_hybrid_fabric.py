@@ -179,9 +179,25 @@ def test_requests_forking_one_cached_mamba_state_each_get_their_own_copy():
     assert end == 3 and f.core.release(r.lease)
     cached = rank.parts.states.buffer[slot].clone()
     for more, token in (([5, 6, 7, 8, 9, 10, 11, 12], 52), ([90, 80, 70, 60, 50, 40, 30, 20], 53)):
-        forked, ran = kv.forks.forked, kv.run_tokens
+        forked, ran, pieces = kv.forks.forked, kv.run_tokens, kv.forks.pieces
         assert check(f, hf_config, model, a + more, [token]) == 12
         assert kv.forks.forked == forked + 1, "started from the cached state slot"
         assert kv.run_tokens == ran + 8, "only the new tokens ran, the new state kept from them"
+        assert kv.forks.pieces == pieces + 1, "in one piece: a state is stored at its end only"
         assert torch.equal(rank.parts.states.buffer[slot], cached), "the cached state is unchanged"
     assert check(f, hf_config, model, a, [54]) == 12  # the prefix itself is still served
+
+
+def test_a_whole_model_rank_runs_to_each_checkpoint_and_keeps_its_state():
+    """The commands name the page ends where the cache stores a state: the rank runs
+    the prompt in pieces ending there and stores each state from its own run."""
+    f = fabric("bamba-mamba2", "topology.tp=1", "topology.pp=1", "cache.mamba_checkpoint_tokens=8")
+    hf_config, model = build_hybrid(f.config.model)
+    kv = f.ranks[0].filler
+    a = [(23 * t + 5) % 200 for t in range(24)]  # six pages: checkpoints after 2 and 4
+    assert check(f, hf_config, model, a, [61]) == 0
+    assert f.core.cache.parts.stats.checkpoints_saved == 2
+    assert kv.forks.pieces == 3, "to page 2, to page 4, to the end"
+    assert kv.run_tokens == 24, "each state kept from the one run"
+    assert check(f, hf_config, model, a[:8], [62]) == 8
+    assert check(f, hf_config, model, [*a[:16], 1, 2, 3, 4], [63]) == 16
