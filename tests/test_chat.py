@@ -59,19 +59,19 @@ def test_hybrid_conversations_continue_from_served_state_through_every_tier(mode
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny-bamba", pytest.param("tiny-qwen3next", marks=pytest.mark.slow)]
+    "model",
+    ["tiny-bamba", "tiny-gemma3", pytest.param("tiny-qwen3next", marks=pytest.mark.slow)],
 )
-def test_a_rank_holding_the_whole_mamba_model_computes_from_the_cache(model):
-    """At TP = PP = 1 a rank of a Mamba2 or gated-delta-net model forks each cached state and runs only the new
-    tokens (decode steps rerun their partial page): the same conversations, the
-    same answers, every one as without a cache, and far fewer tokens through the
-    model than a rank that runs the whole prefix for every value."""
+def test_a_rank_holding_the_whole_hybrid_model_computes_from_the_cache(model):
+    """At TP = PP = 1 a rank of a Mamba2, gated-delta-net or sliding-window model
+    forks each cached state (the mamba slot, the sliding window's pages) and runs
+    only the new tokens (decode steps rerun their partial page): the same
+    conversations, the same answers, every one as without a cache, and far fewer
+    tokens through the model than a rank that runs the whole prefix for every
+    value."""
+    checkpoints = [] if model == "tiny-gemma3" else ["cache.mamba_checkpoint_tokens=16"]
     config = small_config(
-        *model_overrides(model),
-        "topology.tp=1",
-        "topology.pp=1",
-        "cache.page_size=8",
-        "cache.mamba_checkpoint_tokens=16",
+        *model_overrides(model), "topology.tp=1", "topology.pp=1", "cache.page_size=8", *checkpoints
     )
     runs = []
     for from_cache in (True, False):

@@ -203,6 +203,7 @@ class FabricController(Controller):
         mamba: Sequence[MambaPart] = (),
         keep: int = 0,
         from_state: Sequence[int] = (),
+        window: Sequence[int] = (),
     ) -> tuple[int, ...]:
         """Queue filling ``pages`` with the KV of the packed ``data``, the tokens from
         the page-aligned ``start_token`` on (the last page may be partial), in as
@@ -215,14 +216,44 @@ class FabricController(Controller):
         pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
         hybrid model's other components to store, in commands of their own after
         the tokens' (as many as the message limit needs), each token command
-        naming the mamba parts' ends in its span (``states_at``); ``from_state``:
-        the L1 mamba slot of the state at ``start_token``, for the first command.
+        naming the ends of the parts' pages in its span (``states_at``); ``from_state``:
+        the L1 mamba slot of the state at ``start_token``, and ``window``: the L1
+        sliding pages of the window before it, for the first command.
         Returns the command ids."""
+        ends = sorted({part.end_page for part in mamba} | {part.page + 1 for part in sliding})
+        starts = {"keep": keep, "from_state": tuple(from_state), "window": tuple(window)}
+        cmds = self._chunks(
+            namespace, data, start_token, pages, prev, prefix, prefix_pages, ends, starts
+        )
+        # A model filler computes the parts from every token up to the fill's end.
+        upto = prefix + data if self.with_prefix else b""
+        n = self.part_count
+        for i in range(0, len(sliding), n):
+            part = tuple(sliding[i : i + n])
+            cmds.append(self._parts(namespace, prev, start_token, upto, part, ()))
+        for i in range(0, len(mamba), n):
+            part = tuple(mamba[i : i + n])
+            cmds.append(self._parts(namespace, prev, start_token, upto, (), part))
+        return tuple(cmds)
+
+    def _chunks(
+        self,
+        namespace: str,
+        data: bytes,
+        start_token: int,
+        pages: Sequence[int],
+        prev: bytes,
+        prefix: bytes,
+        prefix_pages: Sequence[int],
+        ends: list[int],
+        starts: dict,
+    ) -> list[int]:
+        """``compute``'s token commands: ``starts``, the fields of the first only;
+        each names the ``ends`` in its span (``states_at``)."""
         pb = self.page_size * TOKEN_BYTES
         step = self.compute_pages
         whole = len(data) - len(data) % pb
         hashes = chain_hashes(prev, data[:whole], pb) if len(pages) > step else []
-        ends = sorted({part.end_page for part in mamba})
         cmds = []
         for offset in range(0, max(len(pages), 1), step):
             chunk = tuple(pages[offset : offset + step])
@@ -233,10 +264,10 @@ class FabricController(Controller):
                 before = prefix + data[: offset * pb]
                 held = tuple(prefix_pages) + tuple(pages[:offset])
             first = start_token + offset * self.page_size
-            cmd = self._cmd_id()
-            first_only = {"keep": keep, "from_state": tuple(from_state)} if offset == 0 else {}
             page = first // self.page_size
             states_at = tuple(e for e in ends if page < e <= page + len(chunk))
+            cmd = self._cmd_id()
+            only = starts if offset == 0 else {}
             self._send(
                 Compute(
                     cmd,
@@ -248,21 +279,12 @@ class FabricController(Controller):
                     before,
                     held,
                     states_at=states_at,
-                    **first_only,
+                    **only,
                 )
             )
             self.computes.append(cmd)
             cmds.append(cmd)
-        # A model filler computes the parts from every token up to the fill's end.
-        upto = prefix + data if self.with_prefix else b""
-        n = self.part_count
-        for i in range(0, len(sliding), n):
-            part = tuple(sliding[i : i + n])
-            cmds.append(self._parts(namespace, prev, start_token, upto, part, ()))
-        for i in range(0, len(mamba), n):
-            part = tuple(mamba[i : i + n])
-            cmds.append(self._parts(namespace, prev, start_token, upto, (), part))
-        return tuple(cmds)
+        return cmds
 
     def _parts(self, namespace, prev, start_token, upto, sliding, mamba) -> int:
         cmd = self._cmd_id()

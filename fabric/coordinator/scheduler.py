@@ -174,21 +174,25 @@ class Scheduler:
             sliding,
             mamba,
             fill.first_new - fill.start,
-            self._state_at(fill),
+            *self._state_at(fill),
         )
         self.running[req.rid] = req
         return True
 
-    def _state_at(self, fill: Fill) -> tuple[int, ...]:
-        """A hybrid fill's L1 mamba slot holding the state where it starts (ranks
-        that compute from the cache fork it); empty when there is none. Ranks run
-        commands in order: a later reuse of the slot comes after this compute."""
-        node, tree = fill.prefix_node, self.cache.tree
-        if self.cache.parts is None or node.mamba is None or not fill.start:
-            return ()
-        if tree.depth_pages(node) * tree.page_size != fill.start:
-            return ()  # not the state at the fill's start: the ranks compute without one
-        return (node.mamba,)
+    def _state_at(self, fill: Fill) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A hybrid fill's L1 state where it starts (ranks that compute from the
+        cache start there): the mamba slot holding it, and the sliding pages of the
+        window before it — each empty when not all there. Ranks run commands in
+        order: a later reuse of a slot or page comes after this compute."""
+        node, tree, parts = fill.prefix_node, self.cache.tree, self.cache.parts
+        if parts is None or not fill.start or tree.depth_pages(node) * tree.page_size != fill.start:
+            return (), ()  # no state that ends at the fill's start: computed without one
+        end = fill.start // tree.page_size
+        sliding, _ = parts.held(node, tree.pages, end)
+        keys = [key for key, _ in sliding]
+        whole = keys == list(range(end - min(parts.window_pages, end), end))
+        window = tuple(page for _, page in sliding) if parts.window_pages and whole else ()
+        return ((node.mamba,) if node.mamba is not None else ()), window
 
     def _parts(self, kv: RequestKV, fill: Fill) -> tuple[list[SlidingPart], list[MambaPart]]:
         """A hybrid fill's other components as command parts: each sliding page with

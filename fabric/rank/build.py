@@ -123,6 +123,6 @@ def build_filler(
 
         elems = model.mamba_elems(config.topology.tp)
         kv = HybridKV(shard, model, page_size, elems, config.topology.tp)
-        kv.attach_states(pools.device("mamba"))
+        kv.attach(pools.device("mamba"), pools.device("sliding"))
         return kv, producer
     return producer, producer

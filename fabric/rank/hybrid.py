@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, unpack_tokens
 from fabric.config import ModelConfig
 from fabric.errors import ConfigError, InvalidInput
 from fabric.rank.hybrid_fork import Forks
@@ -184,10 +184,11 @@ class HybridKV(ShardPositions):
         self.run_tokens = 0
         self.forks = Forks(self) if Forks.eligible(self, model.layers, model.kv_heads) else None
 
-    def attach_states(self, states: Any) -> None:
-        """The rank's L1 mamba slots, which a compute from the cache forks."""
+    def attach(self, states: Any, sliding: Any) -> None:
+        """The rank's L1 mamba slots and sliding pages, which a compute from the
+        cache forks."""
         if self.forks is not None:
-            self.forks.attach(states)
+            self.forks.attach(states, sliding)
 
     def compute(self, pool: Any, cmd: Any) -> bool:
         """Compute ``cmd`` from the cache where this rank can; ``False``: the caller
@@ -226,14 +227,19 @@ class HybridKV(ShardPositions):
         """Store a compute's sliding pages and mamba states (``cmd.prefix``: every
         token up to the end of the compute's fill)."""
         ids = unpack_tokens(cmd.prefix)
-        ps = self.page_size
-        if cmd.sliding and self.sliding:
-            cache = self._run(ids)
-            for part in cmd.sliding:
-                positions = self.positions(part.page * ps, (part.page + 1) * ps)
+        ps, cache = self.page_size, None
+        for part in cmd.sliding if self.sliding else ():
+            positions = self.positions(part.page * ps, (part.page + 1) * ps)
+            values = None
+            if self.forks is not None:  # the page a compute from the cache kept
+                values = self.forks.take(
+                    chain_hashes(part.prev_hash, part.tokens, ps * TOKEN_BYTES)[-1]
+                )
+            if values is None:  # not from a compute from the cache: the whole prefix runs
+                cache = self._run(ids) if cache is None else cache
                 values = self._kv(cache, self.sliding, positions)
-                page_idx, offsets = self.locate(positions, part.page * ps, [part.pool_page])
-                sliding_pool.write_tokens(page_idx, offsets, values)
+            page_idx, offsets = self.locate(positions, part.page * ps, [part.pool_page])
+            sliding_pool.write_tokens(page_idx, offsets, values)
         c, tp_rank = self.hf_config, self.shard.rank.tp
         for part in cmd.mamba if self.mamba else ():
             kept = None if self.forks is None else self.forks.take(part.chain_hash)

@@ -1,22 +1,26 @@
 """A hybrid model's compute from the cache, on a rank that holds the whole model
-(TP = PP = CP = 1) of full-attention and mamba layers.
+(TP = PP = CP = 1) of full-attention layers and either mamba or sliding-window
+layers.
 
 A compute starts where the request's cached prefix ends. Its first command names
-the L1 mamba state slot at that end (``Compute.from_state``); the rank forks it:
-the request's run gets its own copy of the state (with the prefix's full
-attention KV from L1) and advances that copy through the new tokens only. The
-slot is the cache's and is never written by the run, so it keeps serving its
+the L1 state there: the mamba slot (``Compute.from_state``) or the sliding pages
+of the window before it (``Compute.window``). The rank forks it: the request's
+run gets its own copy of that state (with the prefix's full-attention KV from
+L1) and advances the copy through the new tokens only. The slot and the pages
+are the cache's and are never written by the run, so they keep serving their
 prefix — to this request's later turns and to any other request forking from it
 (copy-on-write, as an engine forks a running request's state slot from a cached
-one).
+one). A sliding layer's run holds every position, zeros before the window (the
+sliding mask never reads them), so the KV of every new token is there to store.
 
-It runs the new tokens in pieces that end where the cache stores a state (node
-ends, checkpoints: the command's ``states_at``) and keeps the state at each by
-its page-hash chain (``snapshots``): the parts commands that follow store those
-states from there instead of running the prefix again. A
-compute cut in chunks continues from the run the chunk before left (``running``,
-by the chain hash where it stopped; a first chunk always forks the cached slot). Both are bounded; a state not found there
-is computed from the whole prefix, as ranks of other shapes do.
+It runs the new tokens in pieces that end where the cache stores a mamba state
+(node ends, checkpoints: the command's ``states_at``) and keeps what the parts
+commands that follow store — each such state, each such sliding page — by its
+page-hash chain (``snapshots``): they store it from there instead of running
+the prefix again. A compute cut in chunks continues from the run the chunk
+before left (``running``, by the chain hash where it stopped; a first chunk
+always forks the cached state). Both are bounded; what is not found there is
+computed from the whole prefix, as ranks of other shapes do.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Forks:
         """``kv``: the rank's ``HybridKV`` (its model, layers and positions)."""
         self.kv = kv
         self.states: StatePool | None = None  # the rank's L1 mamba slots (``attach``)
+        self.sliding: KVPool | None = None  # and its L1 sliding pages
         self.running: OrderedDict[bytes, Any] = OrderedDict()
         self.snapshots: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.forked = 0  # computes that started from a cached state slot
@@ -50,18 +55,19 @@ class Forks:
 
     @staticmethod
     def eligible(kv: Any, layers: int, kv_heads: int) -> bool:
-        """Whether ``kv``'s rank holds the whole model and the model has no sliding
-        layers (whose KV a model cache keeps only a window of)."""
+        """Whether ``kv``'s rank holds the whole model and the model does not mix
+        sliding and mamba layers (a model cache that runs mamba layers keeps only
+        a sliding layer's window)."""
         shard = kv.shard
         return (
             shard.layers == layers
             and shard.heads == kv_heads
             and shard.page_tokens == kv.page_size
-            and not kv.sliding
+            and not (kv.sliding and kv.mamba)
         )
 
-    def attach(self, states: StatePool | None) -> None:
-        self.states = states
+    def attach(self, states: StatePool | None, sliding: KVPool | None) -> None:
+        self.states, self.sliding = states, sliding
 
     def fork(self, slot: int) -> list[Any]:
         """The request's own copy of each mamba layer's state in ``slot``."""
@@ -76,31 +82,53 @@ class Forks:
     def _start(self, pool: KVPool, cmd: Compute) -> Any | None:
         """The model's cache at ``cmd.start_token``, the request's own; ``None`` when
         there is no cached state to start from."""
+        kv, start, ps = self.kv, cmd.start_token, self.kv.page_size
+        if start == 0:
+            return self._cache([])
+        if not (cmd.from_state or cmd.window):  # a later chunk: the run the one before left
+            return self.running.pop(cmd.prev_hash, None)
+        held = list(cmd.prefix_pages)[: start // ps]
+        if len(held) * ps < start or (kv.mamba and not cmd.from_state):
+            return None
+        full = _read(pool, kv, held, 0, start)  # (2, T, full layers, heads, dim)
+        sliding = None
+        if kv.sliding:
+            lo = start - len(cmd.window) * ps
+            if self.sliding is None or not cmd.window or lo < 0:
+                return None
+            sliding = torch.zeros(2, start, len(kv.sliding), *full.shape[3:])
+            sliding[:, lo:] = _read(self.sliding, kv, list(cmd.window), lo, start)
+        mamba = iter(self.fork(cmd.from_state[0]) if kv.mamba else ())
+        states: list[LayerState] = []
+        layers = {"full": iter(range(len(kv.full))), "sliding": iter(range(len(kv.sliding)))}
+        for kind in kv.kinds:
+            if kind == "mamba":
+                states.append(next(mamba))
+                continue
+            j, values = next(layers[kind]), full if kind == "full" else sliding
+            assert values is not None
+            k, v = (values[n, :, j].permute(1, 0, 2).unsqueeze(0) for n in (0, 1))
+            states.append(FullKV(k, v))
+        self.forked += 1
+        return self._cache(states)
+
+    def _cache(self, states: list[LayerState]) -> Any:
+        """A model cache holding ``states`` (empty: a new one). With mamba layers,
+        the model's own (``rebuild``); without, one that keeps a sliding layer's
+        every position, as a full layer's."""
         from transformers import DynamicCache
 
-        kv, start = self.kv, cmd.start_token
-        if start == 0:
-            return DynamicCache(config=kv.hf_config)
-        if not cmd.from_state:  # a later chunk of a compute: the run the one before left
-            return self.running.pop(cmd.prev_hash, None)
-        ps = kv.page_size
-        held = list(cmd.prefix_pages)[: start // ps]
-        if self.states is None or len(held) * ps < start:
-            return None
-        mamba = iter(self.fork(cmd.from_state[0]))
-        page_idx, offsets = kv.locate(torch.arange(start), 0, held)
-        full = pool.read_tokens(page_idx.to(pool.buffer.device), offsets.to(pool.buffer.device))
-        full = full.to("cpu", torch.float32)  # (2, T, full layers, heads, dim)
-        states: list[LayerState] = []
-        for kind in kv.kinds:
-            if kind == "full":
-                j = sum(isinstance(s, FullKV) for s in states)
-                k, v = (full[n, :, j].permute(1, 0, 2).unsqueeze(0) for n in (0, 1))
-                states.append(FullKV(k, v))
-            else:
-                states.append(next(mamba))
-        self.forked += 1
-        return rebuild(states, kv.hf_config)
+        if self.kv.mamba:
+            return (
+                rebuild(states, self.kv.hf_config)
+                if states
+                else DynamicCache(config=self.kv.hf_config)
+            )
+        cache = DynamicCache()
+        for i, state in enumerate(states):
+            assert isinstance(state, FullKV)
+            cache.update(state.keys.clone(), state.values.clone(), i)
+        return cache
 
     def run(self, pool: KVPool, cmd: Compute) -> bool:
         """Compute ``cmd``'s tokens from the cache into its pages (a decode step's
@@ -113,7 +141,7 @@ class Forks:
         cache = self._start(pool, cmd)
         if cache is None:
             return False
-        if cmd.start_token == 0 or cmd.from_state:
+        if cmd.start_token == 0 or cmd.from_state or cmd.window:
             # A compute's first command: the one before has stored its states (its
             # commands came in order), so what it kept is no longer asked for.
             self.snapshots.clear()
@@ -122,7 +150,8 @@ class Forks:
         hashes = chain_hashes(cmd.prev_hash, cmd.tokens[: whole * ps * TOKEN_BYTES], ps * 4)
         first = cmd.start_token // ps
         wanted = {e - first for e in cmd.states_at if 0 < e - first <= whole}
-        ends = sorted({w * ps for w in wanted} | {len(ids)})
+        # Mamba states are kept at piece ends; every sliding position stays in the run.
+        ends = sorted({w * ps for w in wanted if kv.mamba} | {len(ids)})
         pos, done = cmd.start_token, 0
         with torch.no_grad():
             for end in ends:  # in pieces, each ending where a part stores a state
@@ -132,8 +161,11 @@ class Forks:
                 cache = out.past_key_values
                 pos, done = pos + end - done, end
                 self.pieces += 1
-                if end % ps == 0 and end // ps in wanted:
+                if kv.mamba and end % ps == 0 and end // ps in wanted:
                     self._keep(self.snapshots, hashes[end // ps - 1], self.snapshot(cache))
+        for w in sorted(wanted) if kv.sliding else ():  # the sliding pages the parts store
+            at = torch.arange(cmd.start_token + (w - 1) * ps, cmd.start_token + w * ps)
+            self._keep(self.snapshots, hashes[w - 1], kv._kv(cache, kv.sliding, at).clone())
         positions = torch.arange(cmd.start_token + cmd.keep, pos)
         values = kv._kv(cache, kv.full, positions)
         page_idx, offsets = kv.locate(positions, cmd.start_token, list(cmd.pages))
@@ -153,7 +185,8 @@ class Forks:
         return torch.stack(out)
 
     def take(self, chain_hash: bytes) -> torch.Tensor | None:
-        """The state a run kept at the page end ``chain_hash``, if it is still kept."""
+        """What a run kept at the page end ``chain_hash`` — the mamba state there, or
+        the sliding KV of the page before it — if it is still kept."""
         return self.snapshots.pop(chain_hash, None)
 
     def _keep(self, kept: OrderedDict, key: bytes, value: Any) -> None:
@@ -161,3 +194,11 @@ class Forks:
         kept.move_to_end(key)
         while len(kept) > (self.RUNNING if kept is self.running else self.SNAPSHOTS):
             kept.popitem(last=False)
+
+
+def _read(pool: KVPool, kv: Any, pages: list[int], lo: int, hi: int) -> torch.Tensor:
+    """``(2, hi - lo, layers, heads, dim)``: positions ``[lo, hi)`` from ``pool``'s
+    ``pages`` (the key pages from ``lo``'s on), in float32 on the CPU."""
+    page_idx, offsets = kv.locate(torch.arange(lo, hi), lo, pages)
+    device = pool.buffer.device
+    return pool.read_tokens(page_idx.to(device), offsets.to(device)).to("cpu", torch.float32)

@@ -201,3 +201,28 @@ def test_a_whole_model_rank_runs_to_each_checkpoint_and_keeps_its_state():
     assert kv.run_tokens == 24, "each state kept from the one run"
     assert check(f, hf_config, model, a[:8], [62]) == 8
     assert check(f, hf_config, model, [*a[:16], 1, 2, 3, 4], [63]) == 16
+
+
+def test_requests_forking_one_cached_sliding_window_each_run_their_new_tokens_only():
+    """A whole-model rank of a sliding-window model starts a compute from the
+    cached window's pages (the positions before it are never read): each request
+    runs its new tokens only, stores its own window from that run, and the
+    cached pages stay as they were."""
+    f = fabric("gemma3-swa", "topology.tp=1", "topology.pp=1")
+    hf_config, model = build_hybrid(f.config.model)
+    (rank,) = f.ranks
+    kv = rank.filler
+    assert kv.forks is not None
+    a = [(13 * t + 4) % 200 for t in range(16)]  # four pages; the window: the last two
+    assert check(f, hf_config, model, a, [71]) == 0
+    r = f.serve(pack_tokens(a))
+    assert [key for key, _ in r.lease.sliding] == [2, 3] and f.core.release(r.lease)
+    window = list(r.lease.sliding)
+    cached = rank.parts.read(window, [])[1].clone()
+    for more, token in (([5, 6, 7, 8, 9, 10, 11, 12], 72), ([90, 80, 70, 60, 50, 40, 30, 20], 73)):
+        forked, ran = kv.forks.forked, kv.run_tokens
+        assert check(f, hf_config, model, a + more, [token]) == 16
+        assert kv.forks.forked == forked + 1, "started from the cached window"
+        assert kv.run_tokens == ran + 8, "only the new tokens ran, the new window kept from them"
+        assert torch.equal(rank.parts.read(window, [])[1], cached), "the window is unchanged"
+    assert check(f, hf_config, model, a, [74]) == 16  # the prefix itself is still served
