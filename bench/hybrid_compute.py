@@ -1,12 +1,14 @@
-"""What computing from the cache saves a hybrid (full + Mamba) model's rank.
+"""What computing from the cache saves a hybrid model's rank (full attention with
+Mamba2, gated-delta-net or sliding-window layers).
 
-A rank that holds the whole model (TP = PP = 1) forks the cached Mamba state where
-a request's prefix ends and runs only the new tokens
-(``fabric/rank/hybrid_fork.py``); the baseline is the same rank with that off,
-which runs the whole prefix through the model for every value it stores — what
-every hybrid rank did before, and what ranks holding a TP or PP share still do.
-Both serve the same requests through the same in-process fabric
-(``LocalFabric``), so the hits are the same; only the ranks' compute differs.
+A rank that holds the whole model (TP = PP = 1) forks the cached state where a
+request's prefix ends — the Mamba state, the sliding window's pages — and runs
+only the new tokens (``fabric/rank/hybrid_fork.py``); the baseline is the same
+rank with that off, which runs the whole prefix through the model for every
+value it stores — what every hybrid rank did before, and what ranks holding a
+TP or PP share still do. Both serve the same requests through the same
+in-process fabric (``LocalFabric``), so the hits are the same; only the ranks'
+compute differs. The two alternate, one repeat each at a time.
 
 - **forks**: one shared prefix of ``--prefix`` tokens, then ``--forks`` requests
   that each add ``--new`` tokens to it (agents or samples branching off one
@@ -19,7 +21,7 @@ Printed per scenario and model: the serving time of each (median of
 (from the cache over recomputing). The last line is one JSON object.
 
     python3 bench/hybrid_compute.py --quick
-    python3 bench/hybrid_compute.py --models tiny-bamba,tiny-qwen3next
+    python3 bench/hybrid_compute.py --models tiny-bamba,tiny-qwen3next,tiny-gemma3
 """
 
 from __future__ import annotations
@@ -86,13 +88,18 @@ def chat(model: str, page: int, conversations: int, turns: int, from_cache: bool
 
 
 def measure(run, repeats: int) -> dict:
-    out = {}
-    for name, from_cache in (("from_cache", True), ("recompute", False)):
-        times, tokens = [], 0
-        for _ in range(repeats):
-            seconds, tokens = run(from_cache)
-            times.append(seconds)
-        out[name] = {"seconds": round(statistics.median(times), 4), "model_tokens": tokens}
+    out, runs = {}, {"from_cache": True, "recompute": False}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    tokens = dict.fromkeys(runs, 0)
+    for _ in range(repeats):
+        for name, from_cache in runs.items():
+            seconds, tokens[name] = run(from_cache)
+            times[name].append(seconds)
+    for name in runs:
+        out[name] = {
+            "seconds": round(statistics.median(times[name]), 4),
+            "model_tokens": tokens[name],
+        }
     out["time_ratio"] = round(out["from_cache"]["seconds"] / out["recompute"]["seconds"], 3)
     out["token_ratio"] = round(
         out["from_cache"]["model_tokens"] / max(1, out["recompute"]["model_tokens"]), 3
@@ -102,7 +109,7 @@ def measure(run, repeats: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny-bamba,tiny-qwen3next")
+    p.add_argument("--models", default="tiny-bamba,tiny-qwen3next,tiny-gemma3")
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--forks", type=int, default=8)
