@@ -240,17 +240,36 @@ class HybridKV(ShardPositions):
                 values = self._kv(cache, self.sliding, positions)
             page_idx, offsets = self.locate(positions, part.page * ps, [part.pool_page])
             sliding_pool.write_tokens(page_idx, offsets, values)
-        c, tp_rank = self.hf_config, self.shard.rank.tp
         for part in cmd.mamba if self.mamba else ():
             kept = None if self.forks is None else self.forks.take(part.chain_hash)
-            if kept is not None:  # the state a compute from the cache passed there
-                states.buffer[part.slot] = kept
-                continue
-            cache = self._run(ids[: part.end_page * ps])
-            layers = extract(cache, self.kinds)
-            states.buffer[part.slot] = torch.stack(
-                [mamba_share(c, layers[i], tp_rank, self.tp) for i in self.mamba]  # type: ignore[arg-type]
-            )
+            # The state a compute from the cache passed there, else from the prefix.
+            states.buffer[part.slot] = kept if kept is not None else self._state(ids, part.end_page)
+
+    def _state(self, ids: list[int], end_page: int) -> torch.Tensor:
+        """This rank's share of every mamba layer's state after ``end_page`` pages
+        of ``ids``, ``(layers, elems)``, as a slot holds it."""
+        c, tp_rank = self.hf_config, self.shard.rank.tp
+        layers = extract(self._run(ids[: end_page * self.page_size]), self.kinds)
+        return torch.stack(
+            [mamba_share(c, layers[i], tp_rank, self.tp) for i in self.mamba]  # type: ignore[arg-type]
+        )
+
+    def expected_parts(
+        self, tokens: bytes, sliding: list[tuple[int, int]], mamba: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What ``Parts.read`` must give for the packed prefix ``tokens``: the sliding
+        layers' KV of the ``(key page, pool page)`` pages and the mamba states at
+        the ``(end page, slot)`` ends, as a fresh run computes them (``None``
+        where there are none on this rank)."""
+        ids, ps = unpack_tokens(tokens), self.page_size
+        kv = states = None
+        if sliding and self.sliding:
+            cache = self._run(ids[: (max(k for k, _ in sliding) + 1) * ps])
+            at = torch.cat([self.positions(k * ps, (k + 1) * ps) for k, _ in sliding])
+            kv = self._kv(cache, self.sliding, at)
+        if mamba and self.mamba:
+            states = torch.stack([self._state(ids, end) for end, _ in mamba])
+        return kv, states
 
 
 # -- a served prefix back as a model's cache ---------------------------------------

@@ -18,8 +18,9 @@ It runs the new tokens in pieces that end where the cache stores a mamba state
 commands that follow store — each such state, each such sliding page — by its
 page-hash chain (``snapshots``): they store it from there instead of running
 the prefix again. A compute cut in chunks continues from the run the chunk
-before left (``running``, by the chain hash where it stopped; a first chunk
-always forks the cached state). Both are bounded; what is not found there is
+before left, and a decode step from the run the step before left (``running``,
+by the chain hash and the tokens where it stopped; a first chunk always forks
+the cached state). Both are bounded; what is not found there is
 computed from the whole prefix, as ranks of other shapes do.
 """
 
@@ -131,14 +132,20 @@ class Forks:
         return cache
 
     def run(self, pool: KVPool, cmd: Compute) -> bool:
-        """Compute ``cmd``'s tokens from the cache into its pages (a decode step's
-        partial page runs from its start again: only the state at a page end is
-        kept, so the tokens before ``cmd.keep`` run too, and are not written);
-        ``False`` (nothing done) when there is no cached state to start from."""
+        """Compute ``cmd``'s tokens from the cache into its pages; ``False`` (nothing
+        done) when there is no cached state to start from. A decode step continues
+        the run the step before left where it is still kept (``running``, by the
+        chain hash where its page starts and the page's tokens before
+        ``cmd.keep``); else its partial page runs from its start again (the tokens
+        before ``cmd.keep`` run too, and are not written)."""
         kv, ps = self.kv, self.kv.page_size
         if not cmd.tokens:
             return False
-        cache = self._start(pool, cmd)
+        cache, done = None, 0
+        if cmd.keep:
+            cache = self.running.pop(cmd.prev_hash + cmd.tokens[: cmd.keep * TOKEN_BYTES], None)
+            done = cmd.keep if cache is not None else 0
+        cache = self._start(pool, cmd) if cache is None else cache
         if cache is None:
             return False
         if cmd.start_token == 0 or cmd.from_state or cmd.window:
@@ -150,31 +157,41 @@ class Forks:
         hashes = chain_hashes(cmd.prev_hash, cmd.tokens[: whole * ps * TOKEN_BYTES], ps * 4)
         first = cmd.start_token // ps
         wanted = {e - first for e in cmd.states_at if 0 < e - first <= whole}
-        # Mamba states are kept at piece ends; every sliding position stays in the run.
-        ends = sorted({w * ps for w in wanted if kv.mamba} | {len(ids)})
-        pos, done = cmd.start_token, 0
-        with torch.no_grad():
-            for end in ends:  # in pieces, each ending where a part stores a state
-                positions = torch.arange(pos, pos + end - done).unsqueeze(0)
-                x = torch.tensor([ids[done:end]], dtype=torch.long)
-                out = kv.model(x, cache=cache, use_cache=True, position_ids=positions)
-                cache = out.past_key_values
-                pos, done = pos + end - done, end
-                self.pieces += 1
-                if kv.mamba and end % ps == 0 and end // ps in wanted:
-                    self._keep(self.snapshots, hashes[end // ps - 1], self.snapshot(cache))
+        cache = self._advance(cache, cmd.start_token, ids, done, wanted, hashes)
         for w in sorted(wanted) if kv.sliding else ():  # the sliding pages the parts store
             at = torch.arange(cmd.start_token + (w - 1) * ps, cmd.start_token + w * ps)
             self._keep(self.snapshots, hashes[w - 1], kv._kv(cache, kv.sliding, at).clone())
-        positions = torch.arange(cmd.start_token + cmd.keep, pos)
+        positions = torch.arange(cmd.start_token + cmd.keep, cmd.start_token + len(ids))
         values = kv._kv(cache, kv.full, positions)
         page_idx, offsets = kv.locate(positions, cmd.start_token, list(cmd.pages))
         pool.write_tokens(page_idx, offsets, values)
-        if len(ids) == whole * ps:
-            self._keep(self.running, hashes[-1], cache)
+        # Kept for the next chunk, or the next decode step of a partial page.
+        page_start = hashes[whole - 1] if whole else cmd.prev_hash
+        self._keep(self.running, page_start + cmd.tokens[whole * ps * TOKEN_BYTES :], cache)
         kv.computed_tokens += len(ids) - cmd.keep
-        kv.run_tokens += len(ids)
+        kv.run_tokens += len(ids) - done
         return True
+
+    def _advance(
+        self, cache: Any, start: int, ids: list[int], done: int, wanted: set[int], hashes: list
+    ) -> Any:
+        """``cache`` run on through ``ids[done:]`` (``ids`` from position ``start``),
+        in pieces that end at the ``wanted`` page ends, where the mamba state is
+        kept (every sliding position stays in the run)."""
+        kv, ps = self.kv, self.kv.page_size
+        ends = sorted({w * ps for w in wanted if kv.mamba and w * ps > done} | {len(ids)})
+        with torch.no_grad():
+            for end in ends:
+                if end <= done:
+                    continue
+                positions = torch.arange(start + done, start + end).unsqueeze(0)
+                x = torch.tensor([ids[done:end]], dtype=torch.long)
+                cache = kv.model(x, cache=cache, use_cache=True, position_ids=positions)
+                cache, done = cache.past_key_values, end
+                self.pieces += 1
+                if kv.mamba and end % ps == 0 and end // ps in wanted:
+                    self._keep(self.snapshots, hashes[end // ps - 1], self.snapshot(cache))
+        return cache
 
     def snapshot(self, cache: Any) -> torch.Tensor:
         """Every mamba layer's state in ``cache`` as a slot holds it (copied)."""

@@ -13,8 +13,9 @@ from typing import cast
 import torch
 
 from fabric.cache.keys import chain_hashes, namespace_seed
-from fabric.config import ModelConfig
+from fabric.config import FabricConfig
 from fabric.messages import Compute
+from fabric.rank.model import within
 from fabric.rank.pools import KVPool, RankPools, StatePool
 from fabric.rank.producer import KVFiller, SyntheticKV, SyntheticStates
 from fabric.topology import Shard, kind_layers
@@ -24,13 +25,15 @@ class Parts:
     def __init__(
         self,
         shard: Shard,
-        model: ModelConfig,
-        page_size: int,
+        config: FabricConfig,
         pools: RankPools,
-        state_elems: int,
         device: torch.device,
+        filler: KVFiller | None = None,
     ) -> None:
+        model, page_size = config.model, config.cache.page_size
+        state_elems = model.mamba_elems(config.topology.tp)
         self.shard, self.page_size, self.device = shard, page_size, device
+        self.filler = filler  # a model filler's components are checked against its own
         self.sliding = cast("KVPool | None", pools.device("sliding"))
         self.states = cast("StatePool | None", pools.device("mamba"))
         self.sliding_kv = self.state_values = None
@@ -73,8 +76,19 @@ class Parts:
         mamba: list[tuple[int, int]],
     ) -> bool:
         """Whether the sliding pages ``(key page, pool page)`` and mamba slots ``(end
-        page, slot)`` hold exactly the components of the packed prefix ``tokens``
-        (synthetic components only)."""
+        page, slot)`` hold the components of the packed prefix ``tokens``: the
+        synthetic ones exactly, a model filler's (``expected_parts``) as a fresh
+        computation gives them, within its ``tolerance`` and ``rtol``."""
+        expected = getattr(self.filler, "expected_parts", None)
+        if expected is not None:
+            _, *got = self.read(sliding, mamba)
+            atol, rtol = self.filler.tolerance, self.filler.rtol  # type: ignore[union-attr]
+            for have, want in zip(got, expected(tokens, sliding, mamba), strict=True):
+                if (have is None) != (want is None):
+                    return False
+                if want is not None and not within(have, want, atol, rtol):
+                    return False
+            return True
         ps = self.page_size
         pb = ps * 4
         last = max([k + 1 for k, _ in sliding] + [e for e, _ in mamba] + [0])

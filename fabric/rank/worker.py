@@ -92,14 +92,7 @@ class RankWorker:
         self.device = pick_device(config.runtime.device)
         self.pools, self.shared_l2 = build_pools(config, self.shard, self.device, l2_path)
         self.filler, self.producer = build_filler(config, self.shard, self.pools, filler)
-        self.parts = Parts(
-            self.shard,
-            config.model,
-            config.cache.page_size,
-            self.pools,
-            config.model.mamba_elems(config.topology.tp),
-            self.device,
-        )
+        self.parts = Parts(self.shard, config, self.pools, self.device, self.filler)
         # The collective groups of a sharded model's ranks, one generation at a time.
         self.board = board
         self.world = Topology(config.topology).world_size

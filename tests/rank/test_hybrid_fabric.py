@@ -226,3 +226,44 @@ def test_requests_forking_one_cached_sliding_window_each_run_their_new_tokens_on
         assert kv.run_tokens == ran + 8, "only the new tokens ran, the new window kept from them"
         assert torch.equal(rank.parts.read(window, [])[1], cached), "the window is unchanged"
     assert check(f, hf_config, model, a, [74]) == 16  # the prefix itself is still served
+
+
+@pytest.mark.parametrize("name", ["bamba-mamba2", "gemma3-swa"])
+def test_decode_steps_continue_the_run_the_step_before_left(name):
+    """Each decode step of a whole-model rank runs its one new token on from the
+    run the step before left (not its partial page again), and the KV and states
+    it stores are those of a run from no cache."""
+    f = fabric(name, "topology.tp=1", "topology.pp=1")
+    hf_config, model = build_hybrid(f.config.model)
+    kv = f.ranks[0].filler
+    a = [(29 * t + 6) % 200 for t in range(12)]  # three pages
+    r = f.serve(pack_tokens(a))
+    lease, answer = r.lease, [3, 141, 59, 26, 53, 58]  # over the page end at 16
+    for n, token in enumerate(answer, 1):
+        ran = kv.run_tokens
+        step = f.append(lease, pack_tokens([token]))
+        assert step.error is None
+        assert kv.run_tokens == ran + 1, f"step {n} ran its new token only"
+        assert all(f.verify(step, pack_tokens(a + answer[:n]))), f"step {n}'s KV as from no cache"
+        lease = step.lease
+    assert f.core.release(lease)
+    assert check(f, hf_config, model, a + answer[:4], [9]) == 16
+
+
+@pytest.mark.parametrize("name", ["bamba-mamba2", "gemma3-swa"])
+def test_verify_checks_a_real_models_components_against_a_fresh_run(name):
+    """``verify`` checks a real model's sliding pages and mamba states as its full
+    pages: a 1% change in one of them is caught."""
+    f = fabric(name, "topology.tp=2", "topology.pp=1")
+    a = [(31 * t + 8) % 200 for t in range(16)]
+    r = f.serve(pack_tokens(a))
+    assert r.lease.sliding or r.lease.mamba
+    assert f.verify(r, pack_tokens(a)) == [True, True]
+    rank = f.ranks[1]
+    if r.lease.mamba:
+        rank.parts.states.buffer[r.lease.mamba[-1][1]] *= 1.01
+    else:
+        pool_page = r.lease.sliding[-1][1]
+        rank.parts.sliding.buffer[:, :, pool_page * 4 : pool_page * 4 + 4] *= 1.01
+    assert f.verify(r, pack_tokens(a)) == [True, False]
+    assert f.core.release(r.lease)
