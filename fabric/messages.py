@@ -68,16 +68,16 @@ class Compute(_Message, frozen=True):
     it: a compute carries only its own tokens — and, for a model that needs them
     (``model.filler``), the ``prefix`` tokens before them and the L1 pages that
     hold their KV (``prefix_pages``), which ranks that compute from the cache
-    reuse; for a hybrid model, ``from_state``: the L1 mamba slot holding the state
-    at ``start_token`` (the cache's: a rank forks a copy of it); ``window``: the
-    sliding-pool pages holding the sliding window before ``start_token`` (the
-    last key pages before it, in order); and ``states_at``: the key pages in this command's span at whose end the parts
-    commands that follow store a mamba state or the sliding KV of the page
-    before (such a rank keeps them there, and runs the tokens between them in
-    one piece). ``keep``: the first page
-    already holds the KV of its first ``keep`` tokens (a request's own partial
-    page, grown by a decode step): such a rank computes the tokens after them
-    only."""
+    reuse. For a hybrid model: ``from_state``, the L1 mamba slot holding the
+    state at ``start_token`` (the cache's: a rank forks a copy of it);
+    ``window``, the sliding-pool pages holding the sliding window before
+    ``start_token`` (the last key pages before it, in order); ``states_at``, the
+    key pages in this command's span at whose end the parts commands that follow
+    store a mamba state or the sliding KV of the page before (such a rank keeps
+    them there, and runs the tokens between them in one piece). ``keep``: the
+    first page already holds the KV of its first ``keep`` tokens (a request's own
+    partial page, grown by a decode step): such a rank computes the tokens after
+    them only."""
 
     cmd_id: Count
     namespace: Name

@@ -216,10 +216,10 @@ class FabricController(Controller):
         pages of their KV, sent along ``with_prefix``. ``sliding`` and ``mamba``: a
         hybrid model's other components to store, in commands of their own after
         the tokens' (as many as the message limit needs), each token command
-        naming the ends of the parts' pages in its span (``states_at``); ``from_state``:
-        the L1 mamba slot of the state at ``start_token``, and ``window``: the L1
-        sliding pages of the window before it, for the first command.
-        Returns the command ids."""
+        naming the ends of the parts' pages in its span (``states_at``).
+        ``from_state``: the L1 mamba slot of the state at ``start_token``, and
+        ``window``: the L1 sliding pages of the window before it, for the first
+        command. Returns the command ids."""
         ends = sorted({part.end_page for part in mamba} | {part.page + 1 for part in sliding})
         starts = {"keep": keep, "from_state": tuple(from_state), "window": tuple(window)}
         cmds = self._chunks(
