@@ -2,8 +2,9 @@
 classic policy gets, and what separates them from the offline optimum.
 
 The same model as ``kvfabric simulate``'s bounds: one cache of 512-token trace
-blocks; a request hits the leading run of its blocks the cache holds, then all
-its blocks are accessed. Policies: LRU, S3-FIFO (small queue 10%, ghost of the
+blocks, each keyed by its whole prefix (``prefix_keys``: a block id that recurs
+after another prefix is another block, as in a radix tree); a request hits the
+leading run of its blocks the cache holds, then all its blocks are accessed. Policies: LRU, S3-FIFO (small queue 10%, ghost of the
 cache's size), W-TinyLFU (1% window, exact counts halved every 10 cache sizes),
 LIRS (1% resident HIR), 2Q with a ghost of 4x the cache (what ``2q`` does on
 the tree), LRU with an oracle that never admits a block that is never used
@@ -21,9 +22,11 @@ import json
 import pathlib
 import sys
 from collections import Counter, OrderedDict, defaultdict
+from dataclasses import replace
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from fabric.tools.simulate import prefix_keys
 from fabric.tools.workload import BLOCK_TOKENS, read_trace
 
 NEVER = 1 << 62
@@ -289,6 +292,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=2 << 20, help="tokens (default 2M)")
     args = ap.parse_args()
     requests = read_trace(args.trace, None)
+    keys = prefix_keys(requests)
+    requests = [replace(r, hash_ids=k) for r, k in zip(requests, keys, strict=True)]
     cap = args.capacity // BLOCK_TOKENS
     later: dict[int, int] = {}
     next_use: list[list[int]] = [[] for _ in requests]
