@@ -39,9 +39,11 @@ from fabric.rank.state_layout import StateLayout
 
 
 class Forks:
-    # Runs kept between the chunks of one compute, and states kept for its parts
-    # (one compute's page ends at a time; the oldest go first past the bound).
-    RUNNING = 2
+    # Runs kept for the next chunk or decode step — of several requests at once,
+    # so within a byte budget (each holds its prefix's KV; the newest is always
+    # kept) — and states kept for a compute's parts (one compute's at a time).
+    # The oldest go first past the bound.
+    RUNNING_BYTES = 256 << 20
     SNAPSHOTS = 1024
 
     def __init__(self, kv: Any) -> None:
@@ -50,6 +52,7 @@ class Forks:
         self.states: StatePool | None = None  # the rank's L1 mamba slots (``attach``)
         self.sliding: KVPool | None = None  # and its L1 sliding pages
         self.running: OrderedDict[bytes, Any] = OrderedDict()
+        self.running_bytes: dict[bytes, int] = {}
         self.snapshots: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.forked = 0  # computes that started from a cached state slot
         self.pieces = 0  # the model's forward calls
@@ -87,7 +90,7 @@ class Forks:
         if start == 0:
             return self._cache([])
         if not (cmd.from_state or cmd.window):  # a later chunk: the run the one before left
-            return self.running.pop(cmd.prev_hash, None)
+            return self._take_running(cmd.prev_hash)
         held = list(cmd.prefix_pages)[: start // ps]
         if len(held) * ps < start or (kv.mamba and not cmd.from_state):
             return None
@@ -143,7 +146,7 @@ class Forks:
             return False
         cache, done = None, 0
         if cmd.keep:
-            cache = self.running.pop(cmd.prev_hash + cmd.tokens[: cmd.keep * TOKEN_BYTES], None)
+            cache = self._take_running(cmd.prev_hash + cmd.tokens[: cmd.keep * TOKEN_BYTES])
             done = cmd.keep if cache is not None else 0
         cache = self._start(pool, cmd) if cache is None else cache
         if cache is None:
@@ -209,8 +212,17 @@ class Forks:
     def _keep(self, kept: OrderedDict, key: bytes, value: Any) -> None:
         kept[key] = value
         kept.move_to_end(key)
-        while len(kept) > (self.RUNNING if kept is self.running else self.SNAPSHOTS):
-            kept.popitem(last=False)
+        if kept is self.snapshots:
+            while len(kept) > self.SNAPSHOTS:
+                kept.popitem(last=False)
+            return
+        self.running_bytes[key] = _cache_bytes(value)
+        while len(kept) > 1 and sum(self.running_bytes.values()) > self.RUNNING_BYTES:
+            self.running_bytes.pop(kept.popitem(last=False)[0])
+
+    def _take_running(self, key: bytes) -> Any | None:
+        self.running_bytes.pop(key, None)
+        return self.running.pop(key, None)
 
 
 def _read(pool: KVPool, kv: Any, pages: list[int], lo: int, hi: int) -> torch.Tensor:
@@ -219,3 +231,17 @@ def _read(pool: KVPool, kv: Any, pages: list[int], lo: int, hi: int) -> torch.Te
     page_idx, offsets = kv.locate(torch.arange(lo, hi), lo, pages)
     device = pool.buffer.device
     return pool.read_tokens(page_idx.to(device), offsets.to(device)).to("cpu", torch.float32)
+
+
+def _cache_bytes(cache: Any) -> int:
+    """The bytes of a model cache's tensors."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            value = getattr(layer, name, None)
+            if isinstance(value, dict):  # a recurrent layer's states, by batch index
+                value = list(value.values())
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total

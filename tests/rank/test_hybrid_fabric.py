@@ -267,3 +267,27 @@ def test_verify_checks_a_real_models_components_against_a_fresh_run(name):
         rank.parts.sliding.buffer[:, :, pool_page * 4 : pool_page * 4 + 4] *= 1.01
     assert f.verify(r, pack_tokens(a)) == [True, False]
     assert f.core.release(r.lease)
+
+
+def test_interleaved_decodes_of_several_requests_each_continue_their_own_run():
+    """Runs are kept within a byte budget, not one or two: requests decoding in
+    turn (as a batch does) each continue their own run; past the budget the
+    oldest is dropped and its next step runs its partial page again."""
+    f = fabric("bamba-mamba2", "topology.tp=1", "topology.pp=1")
+    kv = f.ranks[0].filler
+    prompts = [[(p * 37 + 11 * t + 1) % 200 for t in range(12)] for p in range(4)]
+    leases = [f.serve(pack_tokens(p)).lease for p in prompts]
+    for n in range(3):
+        for i, lease in enumerate(leases):
+            ran = kv.run_tokens
+            step = f.append(lease, pack_tokens([5 + n]))
+            assert kv.run_tokens == ran + 1, f"request {i}, step {n + 1}: its own run went on"
+            leases[i] = step.lease
+    kv.forks.RUNNING_BYTES = 1  # the newest run only, from the next one kept on
+    leases[1] = f.append(leases[1], pack_tokens([9])).lease
+    ran = kv.run_tokens
+    step = f.append(leases[0], pack_tokens([9]))
+    assert kv.run_tokens == ran + 4, "its run was dropped: the partial page runs again"
+    assert all(f.verify(step, pack_tokens(prompts[0] + [5, 6, 7, 9])))
+    for lease in [step.lease, *leases[1:]]:
+        assert f.core.release(lease)
