@@ -185,13 +185,16 @@ class Scheduler:
         window before it — each empty when not all there. Ranks run commands in
         order: a later reuse of a slot or page comes after this compute."""
         node, tree, parts = fill.prefix_node, self.cache.tree, self.cache.parts
-        if parts is None or not fill.start or tree.depth_pages(node) * tree.page_size != fill.start:
-            return (), ()  # no state that ends at the fill's start: computed without one
+        if parts is None or not fill.start or (node.mamba is None and not parts.window_pages):
+            return (), ()
         end = fill.start // tree.page_size
-        sliding, _ = parts.held(node, tree.pages, end)
-        keys = [key for key, _ in sliding]
-        whole = keys == list(range(end - min(parts.window_pages, end), end))
-        window = tuple(page for _, page in sliding) if parts.window_pages and whole else ()
+        if tree.depth_pages(node) != end:
+            return (), ()  # no state that ends at the fill's start: computed without one
+        window: tuple[int, ...] = ()
+        if parts.window_pages:
+            sliding, _ = parts.held(node, tree.pages, end)
+            if [key for key, _ in sliding] == list(range(end - min(parts.window_pages, end), end)):
+                window = tuple(page for _, page in sliding)
         return ((node.mamba,) if node.mamba is not None else ()), window
 
     def _parts(self, kv: RequestKV, fill: Fill) -> tuple[list[SlidingPart], list[MambaPart]]:
