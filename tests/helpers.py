@@ -57,6 +57,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
     return False
 
 
+def where_now(actor, timeout: float = 10.0) -> tuple[int, str] | None:
+    """An actor's ``(pid, node id)``, or ``None`` while Ray restarts it (or has lost it):
+    polls of a killed actor see errors before they see its next incarnation."""
+    import ray
+
+    try:
+        return tuple(ray.get(actor.where.remote(), timeout=timeout))
+    except ray.exceptions.RayError:
+        return None
+
+
 # -- the cache core ------------------------------------------------------------
 
 P = 4

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from actors import compiled_rounds  # noqa: E402
 from fabric.client import launch  # noqa: E402
-from tests.helpers import prompt, small_config, wait_for  # noqa: E402
+from tests.helpers import prompt, small_config, wait_for, where_now  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -92,10 +92,8 @@ def test_a_restarted_coordinator_serves_again(fabric):
     ray.kill(fabric.coordinator, no_restart=False)
 
     def restarted() -> bool:
-        try:
-            return ray.get(fabric.coordinator.where.remote(), timeout=10)[0] != old_pid
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            return False
+        here = where_now(fabric.coordinator)
+        return here is not None and here[0] != old_pid
 
     assert wait_for(restarted, timeout=120)
     p = prompt(30, pages=3)

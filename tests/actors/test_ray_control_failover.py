@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.actors.test_ray_rank_keeps_l2 import a_pass  # noqa: E402
-from tests.helpers import prompt, small_config, wait_for  # noqa: E402
+from tests.helpers import prompt, small_config, wait_for, where_now  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -70,16 +70,12 @@ def test_control_actors_come_back_on_another_control_node_and_adopt_l2(cluster):
         c.remove_node(where[coordinator_node], allow_graceful=False)
         survivor = next(n for n in where if n != coordinator_node)
 
-        def moved() -> bool:
-            try:
-                return ray.get(fabric.coordinator.where.remote(), timeout=5)[1] == survivor
-            except ray.exceptions.RayError:
-                return False
+        def on_survivor(actor) -> bool:
+            here = where_now(actor, timeout=5)
+            return here is not None and here[1] == survivor
 
-        assert wait_for(moved, 120)
-        assert wait_for(
-            lambda: ray.get(deployment.storage.where.remote(), timeout=30)[1] == survivor, 120
-        )
+        assert wait_for(lambda: on_survivor(fabric.coordinator), 120)
+        assert wait_for(lambda: on_survivor(deployment.storage), 120)
         # The new coordinator opened a newer epoch and took back every rank's L2.
         after = a_pass(fabric, prompts)
         stats = fabric.stats()

@@ -18,6 +18,7 @@ from tests.helpers import (  # noqa: E402
     prompt,
     small_config,
     wait_for,
+    where_now,
 )
 
 pytestmark = pytest.mark.ray
@@ -352,10 +353,8 @@ def test_a_restarted_coordinator_adopts_what_the_ranks_hold_in_l2_and_serves_it(
 
 
 def _coordinator_pid(fabric):
-    try:
-        return ray.get(fabric.coordinator.where.remote(), timeout=10)[0]
-    except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-        return None
+    here = where_now(fabric.coordinator)
+    return None if here is None else here[0]
 
 
 def test_a_rank_answering_with_garbage_is_counted_and_serving_resumes(fabric):

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from fabric.rank.shared_l2 import shm_dir  # noqa: E402
-from tests.helpers import prompt, small_config, wait_for  # noqa: E402
+from tests.helpers import prompt, small_config, wait_for, where_now  # noqa: E402
 
 NS = "kvfabric-keeps-l2"
 
@@ -77,10 +77,8 @@ def test_a_sigkilled_rank_comes_back_with_its_l2(fabric):
     started = time.monotonic()
 
     def restarted() -> bool:  # Ray starts it again (unavailable meanwhile)
-        try:
-            return ray.get(rank.where.remote(), timeout=10)[0] != pid
-        except ray.exceptions.RayError:
-            return False
+        here = where_now(rank)
+        return here is not None and here[0] != pid
 
     assert wait_for(restarted, 90)
     # The coordinator sees the new incarnation at its next round (a request of

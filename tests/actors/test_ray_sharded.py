@@ -17,7 +17,7 @@ from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from fabric.rank.model import assemble, build_model  # noqa: E402
 from fabric.tools.chat import generate, model_overrides  # noqa: E402
-from tests.helpers import small_config, wait_for  # noqa: E402
+from tests.helpers import small_config, wait_for, where_now  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -111,7 +111,7 @@ def test_a_rank_killed_inside_a_collective_is_a_reset_and_a_new_group(fabric):
     result = fabric.result(ref, timeout=120)  # answered, not hung
     waited = time.monotonic() - started
     assert waited < 100
-    assert wait_for(lambda: ray.get(victim.where.remote(), timeout=30)[0] != old_pid, 60)
+    assert wait_for(lambda: (where_now(victim) or (old_pid,))[0] != old_pid, 60)
     stats = fabric.stats()
     assert stats["epoch"] > epoch and stats["counters"]["resets"] >= 1
     if result.error is None:
