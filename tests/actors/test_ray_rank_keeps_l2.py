@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -74,7 +73,6 @@ def test_a_sigkilled_rank_comes_back_with_its_l2(fabric):
     rank = fabric._deployment.ranks[2]
     pid, _ = ray.get(rank.where.remote(), timeout=10)
     os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
 
     def restarted() -> bool:  # Ray starts it again (unavailable meanwhile)
         here = where_now(rank)
@@ -88,7 +86,6 @@ def test_a_sigkilled_rank_comes_back_with_its_l2(fabric):
     assert r.error is None, r.error
     fabric.release(r.lease)
     assert wait_for(lambda: fabric.stats()["counters"]["adopted_tokens"] > 0, 30), fabric.stats()
-    assert time.monotonic() - started < 90
     after = a_pass(fabric, prompts)
     assert after >= 0.95 * before, (after, before)
     fabric.check_integrity()
