@@ -27,6 +27,7 @@ from fabric.rank.layer_state import (
     layer_kinds,
     rebuild,
 )
+from fabric.rank.model import cache_rtol
 from fabric.rank.producer import ShardPositions
 from fabric.rank.state_layout import StateLayout
 from fabric.topology import Shard
@@ -153,13 +154,13 @@ class HybridKV(ShardPositions):
     cache (``fabric.rank.hybrid_fork``: it forks the cached state and runs the new
     tokens only); other ranks run the whole model over the whole prefix."""
 
-    tolerance = 1e-4  # with ``rtol``: as ``LlamaKV``'s, for the same float32 reasons
-    rtol = 1e-4
+    tolerance = 1e-4  # with ``rtol`` (``cache_rtol``): as ``LlamaKV``'s, for the same reasons
 
     def __init__(
         self, shard: Shard, model: ModelConfig, page_size: int, elems: int, tp: int
     ) -> None:
         super().__init__(shard, page_size)
+        self.rtol = cache_rtol(model.dtype)
         self.tp = tp
         self.head_dim = model.head_dim
         self.hf_config, self.model = build_hybrid(model)

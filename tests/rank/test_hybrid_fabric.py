@@ -269,6 +269,26 @@ def test_verify_checks_a_real_models_components_against_a_fresh_run(name):
     assert f.core.release(r.lease)
 
 
+def test_verify_holds_a_bfloat16_hybrid_cache_to_its_precision():
+    """A whole-model Bamba rank on a bfloat16 cache forks states computed over
+    rounded full-attention KV: verify passes those leases (float32's bound refused
+    some) and refuses a mamba state of another prefix."""
+    f = fabric("bamba-mamba2", "model.dtype=bfloat16", "topology.tp=1", "topology.pp=1")
+    assert f.ranks[0].filler.forks is not None
+    stems = [[(s * 29 + 7 * t + 3) % 200 for t in range(16)] for s in range(3)]
+    for i in range(9):
+        ids = stems[i % 3] + [(i * 13 + t) % 200 for t in range(4 + 4 * (i % 4))]
+        r = f.serve(pack_tokens(ids))
+        assert f.verify(r, pack_tokens(ids)) == [True], f"request {i}"
+        assert f.core.release(r.lease)
+    assert f.ranks[0].filler.forks.forked > 0
+    a, b = stems[0] + [1] * 8, stems[1] + [2] * 8
+    ra, rb = f.serve(pack_tokens(a)), f.serve(pack_tokens(b))
+    states = f.ranks[0].parts.states.buffer
+    states[ra.lease.mamba[-1][1]] = states[rb.lease.mamba[-1][1]]
+    assert f.verify(ra, pack_tokens(a)) == [False]
+
+
 def test_interleaved_decodes_of_several_requests_each_continue_their_own_run():
     """Runs are kept within a byte budget, not one or two: requests decoding in
     turn (as a batch does) each continue their own run; past the budget the

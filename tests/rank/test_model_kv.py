@@ -226,3 +226,42 @@ def test_verify_never_fails_correct_kv_of_a_real_model(tp):
     r = f.serve(pack_tokens(stems[0]))
     f.ranks[0].l1.pages[:, r.lease.device_pages[0], 0] += 1e-2
     assert f.verify(r, pack_tokens(stems[0]))[0] is False, "a wrong value is still caught"
+
+
+@pytest.mark.parametrize(("dtype", "tp"), [("bfloat16", 2), ("float16", 1)])
+def test_verify_holds_a_16_bit_cache_to_its_precision(dtype, tp):
+    """KV a rank computes from a 16-bit cache drifts from a float32 recomputation by
+    several of the dtype's epsilons (each chunk attends over rounded KV): verify
+    passes such leases (all of them failed at float32's bound) and still refuses
+    a page holding another prefix's KV at the same positions."""
+    import random
+
+    from fabric.rank.model import cache_rtol
+    from fabric.tools.chat import TINY_LLAMA
+
+    assert cache_rtol("float32") == 1e-4 and cache_rtol(dtype) > 0.01
+    cfg = small_config(
+        *TINY_LLAMA,
+        f"model.dtype={dtype}",
+        f"topology.tp={tp}",
+        "topology.pp=1",
+        "cache.page_size=16",
+        "cache.device_tokens=2048",
+        "cache.chunk_tokens=32",
+    )
+    f = LocalFabric(cfg)
+    assert f.ranks[0].l1.buffer.dtype == getattr(torch, dtype)
+    rng = random.Random(7)
+    stems = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+    for _ in range(12):  # shared stems: most computes start from cached pages
+        ids = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randint(1, 80))]
+        r = f.serve(pack_tokens(ids))
+        assert f.verify(r, pack_tokens(ids)) == [True] * tp
+        f.core.release(r.lease)
+    a, b = stems[0] + [1] * 40, stems[1] + [2] * 40
+    ra, rb = f.serve(pack_tokens(a)), f.serve(pack_tokens(b))
+    assert f.verify(ra, pack_tokens(a)) == [True] * tp
+    # A's third page (tokens 32..47) replaced by B's on every rank: refused.
+    for rank in f.ranks:
+        rank.l1.pages[:, ra.lease.device_pages[2]] = rank.l1.pages[:, rb.lease.device_pages[2]]
+    assert f.verify(ra, pack_tokens(a)) == [False] * tp
