@@ -93,6 +93,14 @@ def test_bad_model_arguments_are_refused_naming_the_value(capsys):
     assert "--model 'no-such-model' is refused" in capsys.readouterr().err
     assert main(["run", "--model", "tiny-llama", "--turns", "0"]) == 2
     assert "--turns 0 is refused" in capsys.readouterr().err
+    # The check compares with float32 generation: a 16-bit cache is refused
+    # before anything launches (and by the library call).
+    args = ["run", "--model", "tiny-llama", "--check", "--set", "model.dtype=bfloat16"]
+    assert main(args) == 2
+    assert "--check is refused with model.dtype=bfloat16" in capsys.readouterr().err
+    config = small_config(*model_overrides("tiny-llama"), "model.dtype=float16")
+    with pytest.raises(InvalidInput, match="model.dtype=float16"):
+        converse(None, config, conversations=1, turns=1, new_tokens=1, check=True)
 
 
 def test_options_of_the_other_kind_of_run_are_refused_not_ignored(capsys):

@@ -181,7 +181,7 @@ def _refuse_unused(with_model: bool) -> None:
 
 def _chat(config_file, overrides, address, model, check, conversations, turns, new_tokens, as_json):
     from fabric.client import launch
-    from fabric.tools.chat import converse, model_overrides
+    from fabric.tools.chat import converse, model_overrides, refuse_check
 
     for flag, value in (
         ("--conversations", conversations),
@@ -192,6 +192,8 @@ def _chat(config_file, overrides, address, model, check, conversations, turns, n
             raise FabricError(f"{flag} {value} is refused: allowed is an int >= 1")
     config = load_config(config_file) if config_file else FabricConfig()
     config = config.with_overrides([*model_overrides(model), *overrides])
+    if check:
+        refuse_check(config)
     total = conversations * turns
     click.echo(
         f"kvfabric {__version__}: launching with model {config.model.model_id} ...", err=True
