@@ -16,6 +16,7 @@ computed before (a page hashed twice).
 
     python3 bench/core_breakdown.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
     python3 bench/core_breakdown.py --trace ... --free-hashes --requests 0   # the whole trace
+    python3 bench/core_breakdown.py --trace ... --set cache.eviction_policy=lru
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import fabric.cache.radix as radix
 from fabric.cache.admission import Admission
 from fabric.cache.hicache import HiCache
 from fabric.cache.inprocess import CoreReplay, InProcessController
+from fabric.cache.placement import Placement
+from fabric.cache.writes import Writes
 from fabric.config import FabricConfig
 from fabric.tools.workload import iter_packed, read_trace, synthetic_trace
 
@@ -73,6 +76,13 @@ def main() -> None:
         help="also count page hashes computed more than once (keeps every hash: "
         "memory, and slower timings)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override, e.g. cache.eviction_policy=lru (repeatable)",
+    )
     args = ap.parse_args()
     limit = args.requests or None  # 0: all of a trace
     requests = read_trace(args.trace, limit) if args.trace else synthetic_trace(limit or 3000)
@@ -83,6 +93,7 @@ def main() -> None:
             "cache.device_tokens=2097152",
             "cache.host_tokens=20971520",
             f"cache.kv_events={str(args.events).lower()}",
+            *args.set,
         ]
     )
     hashed = Counter()
@@ -119,9 +130,9 @@ def main() -> None:
     timed(inprocess, "chain_hashes", "sha256_page_hashes_stand_in")
     timed(InProcessController, "take_completions", "in_process_stand_in")
     timed(Admission, "prefill", "admission")
-    timed(HiCache, "write_through", "write_through_queueing")
+    timed(Writes, "write_through", "write_through_queueing")
     timed(HiCache, "apply", "apply_completions")
-    timed(HiCache, "match_prefix", "match_prefix")
+    timed(Placement, "match_prefix", "match_prefix")
     replay = CoreReplay(config, storage=True)
     for data in packed:
         replay.serve(data)
