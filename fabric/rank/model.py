@@ -23,6 +23,7 @@ import torch
 from fabric.cache.keys import TOKEN_BYTES, unpack_tokens
 from fabric.config import ModelConfig
 from fabric.errors import ConfigError
+from fabric.rank.pools import DTYPES
 from fabric.rank.producer import ShardPositions
 from fabric.topology import Shard
 
@@ -114,7 +115,7 @@ def cache_rtol(dtype: str) -> float:
     (``model.dtype``): 1e-4 for float32 (its rounding noise), else
     ``LOW_PRECISION_EPSILONS`` of the dtype's epsilon (0.25 for bfloat16, 0.03 for
     float16) — a value of another prefix is off by about the largest value."""
-    return max(1e-4, LOW_PRECISION_EPSILONS * torch.finfo(getattr(torch, dtype)).eps)
+    return max(1e-4, LOW_PRECISION_EPSILONS * torch.finfo(DTYPES[dtype]).eps)
 
 
 def hf_head_dim(cfg: Any) -> int:
