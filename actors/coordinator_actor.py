@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -244,6 +245,10 @@ class CoordinatorActor:
         with L3's counters, the KV publisher's and the compiled rounds'."""
         out = to_builtins(figures(self.core))
         out["l3"] = await self.storage.stats(10)
+        out["engine_pages"] = {
+            **asdict(self.core.engine_pages.stats),
+            "known": len(self.core.engine_pages),
+        }
         if self.publisher is not None:
             out["kv_events"] = self.publisher.stats()
         if self.ranks.compiled is not None:
@@ -284,6 +289,22 @@ class CoordinatorActor:
 
     async def check_integrity(self) -> None:
         self.core.cache.check_integrity()
+
+    # -- engines attached through a connector (fabric.engines.vllm_connector) ----------
+
+    async def engine_lookup(self, tag: str, world: int, chains: list[list[bytes]]) -> list[int]:
+        """One engine step's lookups: per chain, the leading pages every rank stored."""
+        return self.core.engine_lookup(tag, world, chains)
+
+    async def engine_report(self, tag: str, world: int, reports: dict[int, list]) -> int:
+        """One engine step's stores, by rank; the pages that became whole."""
+        whole = self.core.engine_report(tag, world, reports)
+        if whole:
+            self._wake()  # their KV events go out with the next step
+        return whole
+
+    async def engine_forget(self, tag: str, world: int, page_hashes: list[bytes]) -> int:
+        return self.core.engine_forget(tag, world, page_hashes)
 
     # -- L3 at runtime -----------------------------------------------------------------
 

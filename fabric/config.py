@@ -397,6 +397,10 @@ class RuntimeConfig(_Section):
     lease_ttl_s: PositiveFloat = 300.0
     max_message_bytes: Annotated[int, _allowed("an integer >= 4096", ge=4096)] = 64 << 20
     max_pending_requests: PositiveInt = 4096
+    # Engine pages (a vLLM engine's, through fabric.engines.vllm_connector) the
+    # coordinator remembers, whole or reported by some ranks only; the least
+    # recently used are forgotten past it (their L3 pages stay).
+    engine_pages: PositiveInt = 1 << 20
     metrics_port: Annotated[int, _allowed("a TCP port, or 0 for none", ge=0, lt=65536)] = 0
     metrics_host: Text = "127.0.0.1"
     # The Ray dashboard of a Ray that launch() starts (a cluster's is its own).

@@ -31,6 +31,7 @@ from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import FabricController, Query
+from fabric.coordinator.engine_pages import EnginePages, StoredRun
 from fabric.coordinator.event_queue import EventQueue
 from fabric.coordinator.intake import Intake
 from fabric.coordinator.leases import LeaseTable
@@ -76,6 +77,8 @@ class CoordinatorCore:
             self.stats,
             clock,
         )
+        # What engines attached through a connector stored, shard by shard.
+        self.engine_pages = EnginePages(config.runtime.engine_pages)
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -338,7 +341,26 @@ class CoordinatorCore:
     def l3_cleared(self) -> None:
         """The store was cleared or detached: every L3 page announced is gone."""
         self.cache.events.l3_cleared()
+        self.engine_pages.clear()
         self.events.collect()
+
+    # -- engines attached through a connector -------------------------------------------
+
+    def engine_lookup(self, tag: str, world: int, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """Per chain of page hashes, how many leading pages every one of the
+        engine's ``world`` ranks has stored (``EnginePages.lookup``)."""
+        return self.engine_pages.lookup(tag, world, chains)
+
+    def engine_report(self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]]) -> int:
+        """Ranks' reports of the pages they stored; how many pages became whole
+        (each announced as a ``BlockStored`` in storage)."""
+        events = self.engine_pages.report(tag, world, reports)
+        self.events.add(events)
+        return sum(len(e.page_hashes) for e in events)
+
+    def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
+        """Pages a rank could not load: matched no more until stored anew."""
+        return self.engine_pages.forget(tag, world, page_hashes)
 
     def storage_drained(self) -> bool:
         return self.cache.l3.idle

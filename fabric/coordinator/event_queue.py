@@ -32,7 +32,10 @@ class EventQueue:
     def collect(self) -> None:
         """Queue the cache's new KV events; past the cap the oldest go, counted
         (``events_dropped``) and said once."""
-        new = self.cache.events.take()
+        self.add(self.cache.events.take())
+
+    def add(self, new: list[KVEvent]) -> None:
+        """Queue ``new`` events (the oldest dropped, counted, past the cap)."""
         if not new:
             return
         over = len(self.events) + len(new) - self.maxlen
