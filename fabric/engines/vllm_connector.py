@@ -1,0 +1,188 @@
+"""kvfabric as a vLLM KV connector (vLLM 0.32, ``KVConnectorBase_V1``): a vLLM
+engine as a full client of a running fabric.
+
+    LLM(model=..., kv_transfer_config={
+        "kv_connector": "KvFabricConnector",
+        "kv_connector_module_path": "fabric.engines.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"fabric": "kvfabric", "namespace": "vllm"}})
+
+The scheduler side (``fabric.engines.vllm_scheduler``) asks the fabric's
+coordinator, once per engine step, how much of each new prompt every rank of
+the engine has stored — the coordinator's MIN over the engine's TP ranks and PP
+stages — and tells the coordinator, from the workers' reports, which pages
+every rank has now stored. The worker side (``fabric.engines.vllm_worker``)
+plays the rank role in each vLLM worker: vLLM's blocks are its L1 pool, pages
+move between them and the fabric's L3 directory, each rank its own shard under
+its own key. Several engines (processes, nodes, Ray Serve replicas) attached to
+one fabric share every prefix any of them computed.
+
+Nothing the fabric does can stop the engine: an unreachable or dead fabric is
+logged once and every prompt is computed until it is back; a page that is
+missing or fails a check is recomputed by vLLM (the connector sets
+``kv_load_failure_policy`` to ``recompute``), never served.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from fabric.engines.fabric_link import FabricLink
+from fabric.engines.store import parse_options
+from fabric.engines.vllm_pages import (
+    ConnectorOptions,
+    FabricConnectorStats,
+    FabricStepMeta,
+    attention_group,
+    block_bytes,
+    page_provenance,
+    placement_of,
+)
+from fabric.engines.vllm_scheduler import SchedulerSide
+from fabric.engines.vllm_worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+class KvFabricConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.options: ConnectorOptions = parse_options(
+            ConnectorOptions, transfer.kv_connector_extra_config or {}, "kv_connector_extra_config"
+        )
+        self.provenance = page_provenance(vllm_config, kv_cache_config)
+        placement = placement_of(vllm_config)
+        group = attention_group(kv_cache_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # A page that fails a check must be recomputed, never fail the request.
+                transfer.kv_load_failure_policy = "recompute"
+            link = FabricLink(
+                self.options.fabric,
+                self.options.address,
+                self.options.ray_namespace,
+                self.options.timeout_s,
+                self.options.retry_s,
+            )
+            self.scheduler_side = SchedulerSide(
+                self.options,
+                self.provenance.tag,
+                placement.world,
+                group.kv_cache_spec.block_size,
+                link,
+            )
+            link.up  # noqa: B018 - attach at start-up, so the first requests can hit
+        else:
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+
+            placement = type(placement)(
+                placement.tp_size,
+                placement.pp_size,
+                get_tensor_model_parallel_rank(),
+                get_pp_group().rank_in_group,
+            )
+            configured = None
+            if self.options.path:
+                from fabric.engines.store import StoreOptions
+
+                configured = StoreOptions(path=self.options.path)
+            self.worker_side = WorkerSide(
+                self.provenance,
+                placement,
+                list(group.layer_names),
+                kv_cache_config.num_blocks,
+                block_bytes(kv_cache_config),
+                configured,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that never happened is a later miss
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert self.worker_side is not None and isinstance(meta, FabricStepMeta)
+        self.worker_side.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every layer was loaded in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # blocks are gathered once the forward is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert self.worker_side is not None and isinstance(meta, FabricStepMeta)
+        self.worker_side.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.load_errors() if self.worker_side is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker_side.worker_meta() if self.worker_side is not None else None
+
+    def get_kv_connector_stats(self) -> FabricConnectorStats | None:
+        return self.worker_side.take_stats() if self.worker_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> FabricConnectorStats | None:
+        return FabricConnectorStats(data=dict(data)) if data is not None else FabricConnectorStats()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.step_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.worker_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        if self.scheduler_side is not None:
+            self.scheduler_side.finished(request)
+        return False, None

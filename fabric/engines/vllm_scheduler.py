@@ -1,0 +1,222 @@
+"""The scheduler side of ``KvFabricConnector``: a driver of the coordinator inside
+vLLM's engine-core process.
+
+Per step:
+
+1. ``matched`` (vLLM's ``get_num_new_matched_tokens``): a request asked about
+   for the first time joins the step's questions and waits (``None``); the
+   answers of the step before are taken — one coordinator call per step for
+   every request that asked. A hit is the leading pages every rank of the
+   engine stored (the coordinator's MIN), less what vLLM's own prefix cache
+   holds; the prompt's last token is always computed.
+2. ``allocated``: the blocks vLLM gave a hit are the load's destination.
+3. ``step_meta`` (``build_connector_meta``): what each worker loads before the
+   forward, and what it stores after it — every block of a request that this
+   step completes and that the fabric does not have whole already.
+4. ``worker_output`` (``update_connector_output``): the ranks' reports of what
+   they stored go to the coordinator, which makes a page visible once every
+   rank stored its shard; pages a rank failed to load are forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, namespace_seed, pack_tokens
+from fabric.coordinator.engine_pages import StoredRun
+from fabric.engines.fabric_link import FabricLink
+from fabric.engines.vllm_pages import (
+    ConnectorOptions,
+    FabricStepMeta,
+    FabricWorkerMeta,
+    PageLoad,
+    PageSave,
+    request_namespace,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """What the connector knows of a request it serves."""
+
+    request: Any
+    namespace: str
+    seed: bytes
+    hashes: list[bytes] = field(default_factory=list)
+    fabric_pages: int | None = None  # the fabric's answer: leading pages whole there
+    asked: bool = False
+    load: tuple[int, int] | None = None  # pages [start, end) to load this step
+    block_ids: list[int] = field(default_factory=list)
+    saved_pages: int = 0  # pages below this are in the fabric or being stored
+
+
+class SchedulerSide:
+    def __init__(
+        self, options: ConnectorOptions, tag: str, world: int, block_size: int, link: FabricLink
+    ) -> None:
+        self.options = options
+        self.tag = tag
+        self.world = world
+        self.block_size = block_size
+        self.link = link
+        self.tracked: dict[str, _Tracked] = {}
+        self._questions: list[str] = []
+        self._pending: tuple[Any, list[str]] | None = None
+        self._store_sent = False
+        self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0}
+
+    # -- get_num_new_matched_tokens -------------------------------------------------
+
+    def matched(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens past ``num_computed_tokens`` the workers can load for ``request``;
+        ``None`` while the fabric's answer is awaited."""
+        rid = request.request_id
+        state = self.tracked.get(rid)
+        if state is None:
+            if getattr(request, "mm_features", None):
+                return 0  # the pages' tokens would not name their KV (images)
+            state = self.tracked[rid] = self._track(request)
+        if state.fabric_pages is None:
+            self._take_answers()
+        if state.fabric_pages is None:
+            whole = (len(request.prompt_token_ids or ()) - 1) // self.block_size
+            if whole <= 0 or not self.link.up:
+                state.fabric_pages = 0
+            else:
+                self._hashes_to(state, whole)
+                if not state.asked:
+                    state.asked = True
+                    self._questions.append(rid)
+                return None
+        hit_tokens = state.fabric_pages * self.block_size
+        state.load = None
+        if hit_tokens <= num_computed_tokens:
+            return 0
+        state.load = (num_computed_tokens // self.block_size, state.fabric_pages)
+        return hit_tokens - num_computed_tokens
+
+    def _track(self, request: Any) -> _Tracked:
+        lora = request.lora_request.lora_name if request.lora_request else None
+        namespace = request_namespace(self.options.namespace, request.cache_salt, lora)
+        return _Tracked(request, namespace, namespace_seed(namespace))
+
+    def _hashes_to(self, state: _Tracked, pages: int) -> None:
+        """Extend ``state.hashes`` to ``pages`` pages of the request's tokens so far."""
+        have = len(state.hashes)
+        if pages <= have:
+            return
+        tokens = state.request.all_token_ids[have * self.block_size : pages * self.block_size]
+        prev = state.hashes[-1] if state.hashes else state.seed
+        state.hashes += chain_hashes(prev, pack_tokens(tokens), self.block_size * TOKEN_BYTES)
+
+    def _take_answers(self) -> None:
+        if self._pending is None:
+            return
+        handle, rids = self._pending
+        self._pending = None
+        answers = self.link.answer(handle)
+        for i, rid in enumerate(rids):
+            state = self.tracked.get(rid)
+            if state is None:
+                continue
+            hit = answers[i] if answers is not None and i < len(answers) else 0
+            state.fabric_pages = hit
+            self.counters["hit_pages"] += hit
+
+    def _ask(self) -> None:
+        """Send the step's questions, one call for all of them."""
+        if self._pending is not None:
+            self._take_answers()
+        rids = [rid for rid in self._questions if rid in self.tracked]
+        self._questions = []
+        if not rids:
+            return
+        chains = []
+        for rid in rids:
+            state = self.tracked[rid]
+            whole = (len(state.request.prompt_token_ids or ()) - 1) // self.block_size
+            chains.append(state.hashes[:whole])
+            self.counters["asked_pages"] += whole
+        self.counters["lookups"] += 1
+        handle = self.link.ask(self.tag, self.world, chains)
+        if handle is None:
+            for rid in rids:
+                self.tracked[rid].fabric_pages = 0
+        else:
+            self._pending = (handle, rids)
+
+    # -- update_state_after_alloc -----------------------------------------------------
+
+    def allocated(self, request: Any, num_external_tokens: int) -> None:
+        state = self.tracked.get(request.request_id)
+        if state is not None and num_external_tokens == 0:
+            state.load = None
+
+    # -- build_connector_meta ---------------------------------------------------------
+
+    def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
+        meta = FabricStepMeta()
+        if not self._store_sent and self.link.store is not None:
+            meta.store = self.link.store
+            self._store_sent = True
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.tracked.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.tracked.get(rid)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids += new_blocks[0]
+            self._plan(state, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        self._ask()
+        return meta
+
+    def _plan(self, state: _Tracked, computed_after: int, meta: FabricStepMeta) -> None:
+        """Add the request's load (if any) and the pages this step completes."""
+        rid = state.request.request_id
+        if state.load is not None:
+            start, end = state.load
+            state.load = None
+            end = min(end, len(state.block_ids))
+            if end > start:
+                meta.loads.append(
+                    PageLoad(rid, tuple(state.hashes[start:end]), tuple(state.block_ids[start:end]))
+                )
+        start = max(state.saved_pages, state.fabric_pages or 0)
+        end = min(computed_after // self.block_size, len(state.block_ids))
+        if end <= start:
+            return
+        self._hashes_to(state, end)
+        parent = state.hashes[start - 1] if start else None
+        run = StoredRun(state.namespace, parent, tuple(state.hashes[start:end]))
+        meta.saves.append(PageSave(run, tuple(state.block_ids[start:end])))
+        state.saved_pages = end
+
+    # -- update_connector_output, request_finished -----------------------------------
+
+    def worker_output(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, FabricWorkerMeta):
+            return
+        self.link.report(self.tag, self.world, worker_meta.stored)
+        failed = sorted({h for hashes in worker_meta.failed.values() for h in hashes})
+        if failed:
+            log.warning(
+                "kvfabric connector: %d pages failed to load on some rank; vLLM recomputes them",
+                len(failed),
+            )
+            self.link.forget(self.tag, self.world, failed)
+
+    def finished(self, request: Any) -> None:
+        self.tracked.pop(request.request_id, None)
