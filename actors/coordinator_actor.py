@@ -14,13 +14,13 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import ray
 
 from actors.calls import dead_jobs
 from actors.coordinator_metrics import feed_metrics, prometheus_exporter
+from actors.engine_calls import EngineCalls
 from actors.rank_group import RayRankGroup
 from actors.ray_metrics import CoordinatorMetrics, node_ip
 from actors.storage_group import StorageGroup
@@ -50,7 +50,7 @@ def _seconds(value: Any) -> float:
     return float(value)
 
 
-class CoordinatorActor:
+class CoordinatorActor(EngineCalls):
     def __init__(self, config: dict, rank_names: list[str], storage_names: list[str] | str) -> None:
         """``storage_names``: the storage actors' (one name: one actor)."""
         self.config = FabricConfig.from_dict(config)
@@ -155,12 +155,8 @@ class CoordinatorActor:
             )
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
-        loop = asyncio.get_running_loop()
-        futures = []
-        for rid in rids:
-            future = loop.create_future()
-            self.futures[rid] = future
-            futures.append(future)
+        futures = [asyncio.get_running_loop().create_future() for _ in rids]
+        self.futures.update(zip(rids, futures, strict=True))
         self._wake()
         return list(await asyncio.gather(*futures))
 
@@ -245,10 +241,7 @@ class CoordinatorActor:
         with L3's counters, the KV publisher's and the compiled rounds'."""
         out = to_builtins(figures(self.core))
         out["l3"] = await self.storage.stats(10)
-        out["engine_pages"] = {
-            **asdict(self.core.engine_pages.stats),
-            "known": len(self.core.engine_pages),
-        }
+        out["engine_pages"] = self.engine_stats()
         if self.publisher is not None:
             out["kv_events"] = self.publisher.stats()
         if self.ranks.compiled is not None:
@@ -289,22 +282,6 @@ class CoordinatorActor:
 
     async def check_integrity(self) -> None:
         self.core.cache.check_integrity()
-
-    # -- engines attached through a connector (fabric.engines.vllm_connector) ----------
-
-    async def engine_lookup(self, tag: str, world: int, chains: list[list[bytes]]) -> list[int]:
-        """One engine step's lookups: per chain, the leading pages every rank stored."""
-        return self.core.engine_lookup(tag, world, chains)
-
-    async def engine_report(self, tag: str, world: int, reports: dict[int, list]) -> int:
-        """One engine step's stores, by rank; the pages that became whole."""
-        whole = self.core.engine_report(tag, world, reports)
-        if whole:
-            self._wake()  # their KV events go out with the next step
-        return whole
-
-    async def engine_forget(self, tag: str, world: int, page_hashes: list[bytes]) -> int:
-        return self.core.engine_forget(tag, world, page_hashes)
 
     # -- L3 at runtime -----------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def test_only_the_data_plane_imports_torch():
     torch; ``fabric/rank`` (and ``local``, which runs ranks in process, and
     ``chat``, the driver that runs a model itself) use it, and so do the engine
     adapters that run inside SGLang, vLLM or a Hugging Face driver (not their
-    ``store`` and ``keys``)."""
+    ``store`` and ``keys``, nor the vLLM connector's scheduler side)."""
     engines = ROOT / "fabric" / "engines"
     allowed = {
         ROOT / "fabric" / "rank",
@@ -43,6 +43,7 @@ def test_only_the_data_plane_imports_torch():
         ROOT / "fabric" / "tools" / "chat.py",
         engines / "sglang.py",
         engines / "vllm.py",
+        engines / "vllm_worker.py",
         engines / "hf.py",
     }
     offenders = []
