@@ -145,11 +145,17 @@ class PageStore(ABC):
             return 0
         self.count("loaded_pages", n)
         if n < len(keys):
-            with self._lock:
-                self._failed[keys[n]] = None
-                while len(self._failed) > MAX_FAILED_KEYS:
-                    self._failed.popitem(last=False)
+            self.mark_failed(keys[n : n + 1])
         return n
+
+    def mark_failed(self, keys: Sequence[str]) -> None:
+        """Remember ``keys`` as absent (a reader elsewhere failed them) until
+        they are stored again."""
+        with self._lock:
+            for key in keys:
+                self._failed[key] = None
+            while len(self._failed) > MAX_FAILED_KEYS:
+                self._failed.popitem(last=False)
 
     def store(
         self, keys: Sequence[str], pages: np.ndarray | Sequence[np.ndarray], provenance: Provenance

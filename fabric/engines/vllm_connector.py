@@ -84,7 +84,7 @@ class KvFabricConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(
                 self.options,
                 self.provenance.tag,
-                placement.world,
+                placement.suffixes(),
                 group.kv_cache_spec.block_size,
                 link,
             )
@@ -161,6 +161,8 @@ class KvFabricConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
 
     # -- scheduler side ---------------------------------------------------------------
 

@@ -80,6 +80,10 @@ class Placement:
     def suffix(self) -> str:
         return f"{self.pp_rank}-0-{self.tp_rank}"
 
+    def suffixes(self) -> list[str]:
+        """Every rank's key suffix, in rank order."""
+        return [f"{pp}-0-{tp}" for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
 
 def placement_of(vllm_config: Any) -> Placement:
     parallel = vllm_config.parallel_config

@@ -16,6 +16,12 @@ Per step:
 4. ``worker_output`` (``update_connector_output``): the ranks' reports of what
    they stored go to the coordinator, which makes a page visible once every
    rank stored its shard; pages a rank failed to load are forgotten.
+
+The coordinator's index lives in its memory; L3 outlives it. Where its answer
+stops short, the pages that follow count as well while every rank's shard of
+them is in L3 (the same MIN, taken over the store's keys), and the coordinator
+is told of them: a restarted coordinator, or an engine that died before its
+report arrived, loses no page. While the fabric is down the store alone answers.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 from fabric.cache.keys import TOKEN_BYTES, chain_hashes, namespace_seed, pack_tokens
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.fabric_link import FabricLink
+from fabric.engines.store import PageStore, StoreOptions, open_store
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricStepMeta,
@@ -35,6 +42,7 @@ from fabric.engines.vllm_pages import (
     PageSave,
     request_namespace,
 )
+from fabric.l3.format import page_key
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +64,25 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(
-        self, options: ConnectorOptions, tag: str, world: int, block_size: int, link: FabricLink
+        self,
+        options: ConnectorOptions,
+        tag: str,
+        suffixes: list[str],
+        block_size: int,
+        link: FabricLink,
     ) -> None:
         self.options = options
         self.tag = tag
-        self.world = world
+        self.suffixes = suffixes  # every rank's key suffix, by rank
+        self.world = len(suffixes)
         self.block_size = block_size
         self.link = link
+        self._store: PageStore | None = None
         self.tracked: dict[str, _Tracked] = {}
         self._questions: list[str] = []
         self._pending: tuple[Any, list[str]] | None = None
         self._store_sent = False
-        self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0}
+        self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0, "l3_pages": 0}
 
     # -- get_num_new_matched_tokens -------------------------------------------------
 
@@ -83,9 +98,12 @@ class SchedulerSide:
         if state.fabric_pages is None:
             self._take_answers()
         if state.fabric_pages is None:
-            whole = (len(request.prompt_token_ids or ()) - 1) // self.block_size
-            if whole <= 0 or not self.link.up:
+            whole = self._whole(state)
+            if whole <= 0:
                 state.fabric_pages = 0
+            elif not self.link.up:
+                self._hashes_to(state, whole)
+                state.fabric_pages = self._in_store(state, 0, whole, report=False)
             else:
                 self._hashes_to(state, whole)
                 if not state.asked:
@@ -98,6 +116,10 @@ class SchedulerSide:
             return 0
         state.load = (num_computed_tokens // self.block_size, state.fabric_pages)
         return hit_tokens - num_computed_tokens
+
+    def _whole(self, state: _Tracked) -> int:
+        """Pages of the prompt a load may cover: whole, the last token computed."""
+        return max((len(state.request.prompt_token_ids or ()) - 1) // self.block_size, 0)
 
     def _track(self, request: Any) -> _Tracked:
         lora = request.lora_request.lora_name if request.lora_request else None
@@ -124,8 +146,8 @@ class SchedulerSide:
             if state is None:
                 continue
             hit = answers[i] if answers is not None and i < len(answers) else 0
-            state.fabric_pages = hit
             self.counters["hit_pages"] += hit
+            state.fabric_pages = self._in_store(state, hit, self._whole(state), report=True)
 
     def _ask(self) -> None:
         """Send the step's questions, one call for all of them."""
@@ -138,16 +160,58 @@ class SchedulerSide:
         chains = []
         for rid in rids:
             state = self.tracked[rid]
-            whole = (len(state.request.prompt_token_ids or ()) - 1) // self.block_size
+            whole = self._whole(state)
             chains.append(state.hashes[:whole])
             self.counters["asked_pages"] += whole
         self.counters["lookups"] += 1
         handle = self.link.ask(self.tag, self.world, chains)
         if handle is None:
             for rid in rids:
-                self.tracked[rid].fabric_pages = 0
+                state = self.tracked[rid]
+                state.fabric_pages = self._in_store(state, 0, self._whole(state), report=False)
         else:
             self._pending = (handle, rids)
+
+    def _in_store(self, state: _Tracked, hit: int, upto: int, report: bool) -> int:
+        """``hit`` extended over the pages after it that every rank's shard of is in
+        L3; those are reported to the coordinator when ``report``."""
+        store = self._open_store()
+        if store is None or hit >= upto:
+            return hit
+        hashes = state.hashes[hit:upto]
+        found = len(hashes)
+        for suffix in self.suffixes:
+            present = store.present([page_key(h, self.tag, suffix) for h in hashes[:found]])
+            found = present.index(False) if False in present else found
+            if not found:
+                return hit
+        self.counters["l3_pages"] += found
+        if report:
+            parent = state.hashes[hit - 1] if hit else None
+            run = StoredRun(state.namespace, parent, tuple(hashes[:found]))
+            self.link.report(self.tag, self.world, {r: [run] for r in range(self.world)})
+        return hit + found
+
+    def _open_store(self) -> PageStore | None:
+        """The L3 the workers use, opened here to see which pages it holds."""
+        if self._store is None:
+            options = self.link.store
+            if self.options.path:
+                options = StoreOptions(path=self.options.path)
+            if options is not None:
+                try:
+                    self._store = open_store(options, "vllm")
+                except Exception as exc:
+                    log.warning(
+                        "kvfabric connector: L3 at %r cannot be opened: %s", options.path, exc
+                    )
+                    self.link.store = None
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     # -- update_state_after_alloc -----------------------------------------------------
 
@@ -217,6 +281,10 @@ class SchedulerSide:
                 len(failed),
             )
             self.link.forget(self.tag, self.world, failed)
+            if self._store is not None:  # and not found in L3 again until stored anew
+                self._store.mark_failed(
+                    [page_key(h, self.tag, suffix) for h in failed for suffix in self.suffixes]
+                )
 
     def finished(self, request: Any) -> None:
         self.tracked.pop(request.request_id, None)

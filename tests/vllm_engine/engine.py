@@ -43,6 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
+    p.add_argument("--evict-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
     return p.parse_args(argv)
 
@@ -57,6 +58,14 @@ def corrupt(directory: Path) -> int:
             flipped += 1
         path.write_bytes(bytes(data))
     return flipped
+
+
+def evict(directory: Path) -> int:
+    """Delete every segment file under ``directory`` (as an L3 cap or clear would)."""
+    paths = list(directory.rglob("*.kvs"))
+    for path in paths:
+        path.unlink()
+    return len(paths)
 
 
 def kill_fabric(name: str, address: str) -> None:
@@ -115,6 +124,8 @@ def main(argv: list[str]) -> dict:
         runs.append({"outputs": outputs, "cached": cached, "seconds": seconds})
         if args.corrupt_after_run and run == int(args.corrupt_after_run[0]):
             corrupt(Path(args.corrupt_after_run[1]))
+        if args.evict_after_run and run == int(args.evict_after_run[0]):
+            evict(Path(args.evict_after_run[1]))
         if args.kill_fabric_after_run == run:
             kill_fabric(args.fabric, args.address)
     return {"startup_s": startup_s, "prompt_tokens": [len(p) for p in prompts], "runs": runs}

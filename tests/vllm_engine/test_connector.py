@@ -51,19 +51,24 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-@pytest.fixture(scope="module")
-def fabric(workdir: Path):
+def launch_fabric(store: Path, name: str, **runtime: object):
+    """A fabric of few actors (one rank) with its L3 in ``store``."""
     from fabric.client import launch
     from fabric.config import FabricConfig
 
     config = FabricConfig.from_dict(
         {
-            "storage": {"path": str(workdir / "l3")},
+            "storage": {"path": str(store)},
             "topology": {"tp": 1},
-            "runtime": {"name": "vllm-tier", "dashboard": False, "address": "local"},
+            "runtime": {"name": name, "dashboard": False, **runtime},
         }
     )
-    fab = launch(config, announce=False)
+    return launch(config, announce=False)
+
+
+@pytest.fixture(scope="module")
+def fabric(workdir: Path):
+    fab = launch_fabric(workdir / "l3", "vllm-tier", address="local")
     yield fab
     fab.shutdown()
 
@@ -127,6 +132,23 @@ def test_a_second_engine_process_hits_the_pages_the_first_computed(workdir, fabr
         assert cached == loadable(tokens)
 
 
+def test_a_new_coordinator_over_the_same_store_loses_no_page(workdir, fabric, baseline):
+    """The coordinator's index is in its memory; a fabric started afresh over the
+    store (a restart) answers from the pages every rank's shard of is in L3."""
+    run_engine(workdir, *connected(fabric), "--namespace", "restart")
+    fresh = launch_fabric(workdir / "l3", "vllm-tier-fresh")
+    try:
+        result, _ = run_engine(workdir, *connected(fresh), "--namespace", "restart")
+        learnt = fresh.stats()["engine_pages"]
+    finally:
+        fresh.shutdown()
+    (run,) = result["runs"]
+    assert run["outputs"] == baseline["runs"][0]["outputs"]
+    assert run["cached"][0] == loadable(result["prompt_tokens"][0])
+    # What the store held was reported to the new coordinator: it knows it now.
+    assert learnt["whole_pages"] >= loadable(result["prompt_tokens"][0]) // BLOCK_SIZE
+
+
 def test_tp2_gives_identical_outputs_from_each_ranks_own_shard(workdir, fabric, baseline):
     result, _ = run_engine(workdir, *connected(fabric), "--tp", "2", "--runs", "2",
                            "--namespace", "tp2")  # fmt: skip
@@ -162,12 +184,13 @@ def test_an_unreachable_fabric_is_said_once_and_every_prompt_is_computed(workdir
     assert "fabric 'no-such-fabric' cannot be reached" in logs
 
 
-def test_corrupted_pages_are_recomputed_never_served(workdir, fabric, baseline):
-    store = workdir / "l3-corrupt"
+@pytest.mark.parametrize("damage", ["corrupt", "evict"])
+def test_corrupted_or_evicted_pages_are_recomputed_never_served(workdir, fabric, baseline, damage):
+    store = workdir / f"l3-{damage}"
     before = fabric.stats()["engine_pages"]
     result, logs = run_engine(
-        workdir, *connected(fabric), "--namespace", "corrupt", "--path", str(store),
-        "--runs", "2", "--corrupt-after-run", "1", str(store),
+        workdir, *connected(fabric), "--namespace", damage, "--path", str(store),
+        "--runs", "2", f"--{damage}-after-run", "1", str(store),
     )  # fmt: skip
     for run in result["runs"]:
         assert run["outputs"] == baseline["runs"][0]["outputs"]
@@ -180,17 +203,7 @@ def test_corrupted_pages_are_recomputed_never_served(workdir, fabric, baseline):
 
 
 def test_a_fabric_killed_mid_run_leaves_the_engine_serving(workdir, fabric, baseline):
-    from fabric.client import launch
-    from fabric.config import FabricConfig
-
-    config = FabricConfig.from_dict(
-        {
-            "storage": {"path": str(workdir / "l3-kill")},
-            "topology": {"tp": 1},
-            "runtime": {"name": "vllm-tier-kill", "dashboard": False},
-        }
-    )
-    doomed = launch(config, announce=False)
+    doomed = launch_fabric(workdir / "l3-kill", "vllm-tier-kill")
     try:
         result, logs = run_engine(workdir, *connected(doomed), "--namespace", "kill",
                                   "--runs", "3", "--kill-fabric-after-run", "1")  # fmt: skip
