@@ -9,8 +9,8 @@ stdout that starts with ``RESULT``.
 Each run serves every prompt in order, one ``generate`` call each (greedy), and
 records its output tokens, ``num_cached_tokens`` and its time; vLLM's
 own prefix cache is reset before every run after the first, so a later run's
-cached tokens are the connector's. Without ``--fabric`` the engine has no
-connector (the baseline).
+cached tokens are the connector's. Without ``--fabric`` (or ``--example``,
+vLLM's own ExampleConnector) the engine has no connector (the baseline).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", required=True, help="a JSON file: a list of token-id lists")
     p.add_argument("--fabric", default="", help="the fabric's runtime.name (empty: no connector)")
     p.add_argument("--address", default="auto")
+    p.add_argument(
+        "--example", default="", help="vLLM's ExampleConnector over this directory instead"
+    )
     p.add_argument("--namespace", default="vllm")
     p.add_argument("--path", default="", help="the connector's path option")
     p.add_argument("--tp", type=int, default=1)
@@ -43,7 +46,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
-    p.add_argument("--evict-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
     return p.parse_args(argv)
 
@@ -58,14 +60,6 @@ def corrupt(directory: Path) -> int:
             flipped += 1
         path.write_bytes(bytes(data))
     return flipped
-
-
-def evict(directory: Path) -> int:
-    """Delete every segment file under ``directory`` (as an L3 cap or clear would)."""
-    paths = list(directory.rglob("*.kvs"))
-    for path in paths:
-        path.unlink()
-    return len(paths)
 
 
 def kill_fabric(name: str, address: str) -> None:
@@ -95,6 +89,12 @@ def main(argv: list[str]) -> dict:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+    if args.example:
+        connector = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": args.example},
+        }
     started = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> dict:
         max_model_len=8192,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
-        kv_transfer_config=connector if args.fabric else None,
+        kv_transfer_config=connector if args.fabric or args.example else None,
         seed=0,
     )
     startup_s = time.perf_counter() - started
@@ -124,8 +124,6 @@ def main(argv: list[str]) -> dict:
         runs.append({"outputs": outputs, "cached": cached, "seconds": seconds})
         if args.corrupt_after_run and run == int(args.corrupt_after_run[0]):
             corrupt(Path(args.corrupt_after_run[1]))
-        if args.evict_after_run and run == int(args.evict_after_run[0]):
-            evict(Path(args.evict_after_run[1]))
         if args.kill_fabric_after_run == run:
             kill_fabric(args.fabric, args.address)
     return {"startup_s": startup_s, "prompt_tokens": [len(p) for p in prompts], "runs": runs}

@@ -103,11 +103,17 @@ def loadable(tokens: int) -> int:
     return (tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabric(
-    workdir, fabric, baseline
-):
+@pytest.fixture(scope="module")
+def stored(workdir: Path, fabric) -> tuple[dict, dict, dict]:
+    """An engine with the connector over the prompts twice (namespace ``vllm``):
+    the fabric's figures before, its result, and the figures after."""
     before = fabric.stats()["engine_pages"]
     result, _ = run_engine(workdir, *connected(fabric), "--runs", "2")
+    return before, result, fabric.stats()["engine_pages"]
+
+
+def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabric(stored, baseline):
+    before, result, after = stored
     first, second = result["runs"]
     assert first["outputs"] == baseline["runs"][0]["outputs"]
     assert second["outputs"] == baseline["runs"][0]["outputs"]
@@ -118,27 +124,26 @@ def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabri
     assert second["cached"][0] == loadable(long)
     # The chat's later turns share the earlier turns' pages even in the first run.
     assert first["cached"][2] >= loadable(result["prompt_tokens"][1])
-    after = fabric.stats()["engine_pages"]
     assert after["hit_pages"] - before["hit_pages"] >= loadable(long) // BLOCK_SIZE
     assert after["whole_pages"] > before["whole_pages"]
 
 
-def test_a_second_engine_process_hits_the_pages_the_first_computed(workdir, fabric, baseline):
-    run_engine(workdir, *connected(fabric), "--namespace", "second")
-    result, _ = run_engine(workdir, *connected(fabric), "--namespace", "second")
+def test_a_second_engine_process_hits_the_pages_the_first_computed(
+    workdir, fabric, stored, baseline
+):
+    result, _ = run_engine(workdir, *connected(fabric))
     (run,) = result["runs"]
     assert run["outputs"] == baseline["runs"][0]["outputs"]
     for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
         assert cached == loadable(tokens)
 
 
-def test_a_new_coordinator_over_the_same_store_loses_no_page(workdir, fabric, baseline):
+def test_a_new_coordinator_over_the_same_store_loses_no_page(workdir, stored, baseline):
     """The coordinator's index is in its memory; a fabric started afresh over the
     store (a restart) answers from the pages every rank's shard of is in L3."""
-    run_engine(workdir, *connected(fabric), "--namespace", "restart")
     fresh = launch_fabric(workdir / "l3", "vllm-tier-fresh")
     try:
-        result, _ = run_engine(workdir, *connected(fresh), "--namespace", "restart")
+        result, _ = run_engine(workdir, *connected(fresh))
         learnt = fresh.stats()["engine_pages"]
     finally:
         fresh.shutdown()
@@ -184,19 +189,34 @@ def test_an_unreachable_fabric_is_said_once_and_every_prompt_is_computed(workdir
     assert "fabric 'no-such-fabric' cannot be reached" in logs
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "evict"])
-def test_corrupted_or_evicted_pages_are_recomputed_never_served(workdir, fabric, baseline, damage):
-    store = workdir / f"l3-{damage}"
+def test_corrupted_pages_are_recomputed_never_served(workdir, fabric, baseline):
+    store = workdir / "l3-corrupt"
     before = fabric.stats()["engine_pages"]
     result, logs = run_engine(
-        workdir, *connected(fabric), "--namespace", damage, "--path", str(store),
-        "--runs", "2", f"--{damage}-after-run", "1", str(store),
+        workdir, *connected(fabric), "--namespace", "corrupt", "--path", str(store),
+        "--runs", "2", "--corrupt-after-run", "1", str(store),
     )  # fmt: skip
     for run in result["runs"]:
         assert run["outputs"] == baseline["runs"][0]["outputs"]
     # Every run-2 load met a corrupted page: the workers refused it, vLLM said it
     # recomputed (its num_cached_tokens keeps the count it scheduled), and the
     # fabric forgot the page.
+    assert "pages failed to load" in logs
+    assert "Recovered from KV load failure" in logs
+    assert fabric.stats()["engine_pages"]["forgotten_pages"] > before["forgotten_pages"]
+
+
+def test_pages_evicted_after_the_fabric_indexed_them_are_recomputed(workdir, fabric, baseline):
+    """The fabric says the pages are whole, but the store lost them (an L3 cap, a
+    clear, another node) before an engine that never saw them loads them."""
+    store = workdir / "l3-evict"
+    attach = (*connected(fabric), "--namespace", "evict", "--path", str(store))
+    run_engine(workdir, *attach)
+    for segment in store.rglob("*.kvs"):
+        segment.unlink()
+    before = fabric.stats()["engine_pages"]
+    result, logs = run_engine(workdir, *attach)
+    assert result["runs"][0]["outputs"] == baseline["runs"][0]["outputs"]
     assert "pages failed to load" in logs
     assert "Recovered from KV load failure" in logs
     assert fabric.stats()["engine_pages"]["forgotten_pages"] > before["forgotten_pages"]
