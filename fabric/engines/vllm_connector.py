@@ -143,6 +143,11 @@ class KvFabricConnector(KVConnectorBase_V1):
         assert self.worker_side is not None and isinstance(meta, FabricStepMeta)
         self.worker_side.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is None:
+            return None, None
+        return None, self.worker_side.finished_loads() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors() if self.worker_side is not None else set()
 
@@ -166,15 +171,19 @@ class KvFabricConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
-        return self.scheduler_side.matched(request, num_computed_tokens), False
+        return self.scheduler_side.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
-        self.scheduler_side.allocated(request, num_external_tokens)
+        self.scheduler_side.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None

@@ -56,6 +56,11 @@ class ConnectorOptions(BaseModel):
     retry_s: float = Field(
         10.0, gt=0, le=3600, description="seconds before a fabric that failed is tried again"
     )
+    load_async: bool = Field(
+        False,
+        description="true: a hit is read on a worker thread while the engine steps on "
+        "(the request waits for it); false: read before the step's forward",
+    )
 
 
 @dataclass(frozen=True)
@@ -174,11 +179,13 @@ def request_namespace(tenant: str, cache_salt: str | None, lora_name: str | None
 
 @dataclass(frozen=True)
 class PageLoad:
-    """Pages a worker reads into blocks before the step's forward."""
+    """Pages a worker reads into blocks: before the step's forward, or, when
+    ``asynchronous``, on its load thread, reporting the request when done."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)

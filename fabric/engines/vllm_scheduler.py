@@ -3,12 +3,12 @@ vLLM's engine-core process.
 
 Per step:
 
-1. ``matched`` (vLLM's ``get_num_new_matched_tokens``): a request asked about
-   for the first time joins the step's questions and waits (``None``); the
-   answers of the step before are taken — one coordinator call per step for
-   every request that asked. A hit is the leading pages every rank of the
-   engine stored (the coordinator's MIN), less what vLLM's own prefix cache
-   holds; the prompt's last token is always computed.
+1. ``new_request`` (vLLM's ``on_new_request``) queues a request's lookup; the
+   step's first ``matched`` (``get_num_new_matched_tokens``) sends every queued
+   lookup in one coordinator call and takes the answers — one call per step for
+   every request added since the last, and no step lost waiting. A hit is the
+   leading pages every rank of the engine stored (the coordinator's MIN), less
+   what vLLM's own prefix cache holds; the prompt's last token is computed.
 2. ``allocated``: the blocks vLLM gave a hit are the load's destination.
 3. ``step_meta`` (``build_connector_meta``): what each worker loads before the
    forward, and what it stores after it — every block of a request that this
@@ -56,7 +56,6 @@ class _Tracked:
     seed: bytes
     hashes: list[bytes] = field(default_factory=list)
     fabric_pages: int | None = None  # the fabric's answer: leading pages whole there
-    asked: bool = False
     load: tuple[int, int] | None = None  # pages [start, end) to load this step
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # pages below this are in the fabric or being stored
@@ -80,41 +79,42 @@ class SchedulerSide:
         self._store: PageStore | None = None
         self.tracked: dict[str, _Tracked] = {}
         self._questions: list[str] = []
-        self._pending: tuple[Any, list[str]] | None = None
         self._store_sent = False
+        self._async_loads: list[PageLoad] = []
         self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0, "l3_pages": 0}
 
-    # -- get_num_new_matched_tokens -------------------------------------------------
+    # -- on_new_request, get_num_new_matched_tokens ----------------------------------
 
-    def matched(self, request: Any, num_computed_tokens: int) -> int | None:
-        """Tokens past ``num_computed_tokens`` the workers can load for ``request``;
-        ``None`` while the fabric's answer is awaited."""
-        rid = request.request_id
-        state = self.tracked.get(rid)
-        if state is None:
+    def new_request(self, request: Any) -> None:
+        """vLLM added ``request``: its lookup joins the next step's one call."""
+        if getattr(request, "mm_features", None):
+            return  # the pages' tokens would not name their KV (images)
+        state = self.tracked[request.request_id] = self._track(request)
+        if self._whole(state) > 0:
+            self._questions.append(request.request_id)
+        else:
+            state.fabric_pages = 0
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` the workers can load for ``request``,
+        and whether they load them asynchronously."""
+        tokens = self._matched(request, num_computed_tokens)
+        return tokens, bool(tokens) and self.options.load_async
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> int:
+        state = self.tracked.get(request.request_id)
+        if state is None:  # added before the connector saw it, or multimodal
             if getattr(request, "mm_features", None):
-                return 0  # the pages' tokens would not name their KV (images)
-            state = self.tracked[rid] = self._track(request)
+                return 0
+            self.new_request(request)
+            state = self.tracked[request.request_id]
         if state.fabric_pages is None:
-            self._take_answers()
-        if state.fabric_pages is None:
-            whole = self._whole(state)
-            if whole <= 0:
-                state.fabric_pages = 0
-            elif not self.link.up:
-                self._hashes_to(state, whole)
-                state.fabric_pages = self._in_store(state, 0, whole, report=False)
-            else:
-                self._hashes_to(state, whole)
-                if not state.asked:
-                    state.asked = True
-                    self._questions.append(rid)
-                return None
-        hit_tokens = state.fabric_pages * self.block_size
+            self._ask()
+        hit_tokens = (state.fabric_pages or 0) * self.block_size
         state.load = None
         if hit_tokens <= num_computed_tokens:
             return 0
-        state.load = (num_computed_tokens // self.block_size, state.fabric_pages)
+        state.load = (num_computed_tokens // self.block_size, state.fabric_pages or 0)
         return hit_tokens - num_computed_tokens
 
     def _whole(self, state: _Tracked) -> int:
@@ -135,42 +135,27 @@ class SchedulerSide:
         prev = state.hashes[-1] if state.hashes else state.seed
         state.hashes += chain_hashes(prev, pack_tokens(tokens), self.block_size * TOKEN_BYTES)
 
-    def _take_answers(self) -> None:
-        if self._pending is None:
-            return
-        handle, rids = self._pending
-        self._pending = None
-        answers = self.link.answer(handle)
-        for i, rid in enumerate(rids):
-            state = self.tracked.get(rid)
-            if state is None:
-                continue
-            hit = answers[i] if answers is not None and i < len(answers) else 0
-            self.counters["hit_pages"] += hit
-            state.fabric_pages = self._in_store(state, hit, self._whole(state), report=True)
-
     def _ask(self) -> None:
-        """Send the step's questions, one call for all of them."""
-        if self._pending is not None:
-            self._take_answers()
-        rids = [rid for rid in self._questions if rid in self.tracked]
+        """Ask the fabric about every request waiting for an answer, in one call,
+        and take its answers (at most ``timeout_s``: a fabric that does not answer
+        is down, and the store alone answers)."""
+        states = [self.tracked[rid] for rid in self._questions if rid in self.tracked]
         self._questions = []
-        if not rids:
-            return
         chains = []
-        for rid in rids:
-            state = self.tracked[rid]
+        for state in states:
             whole = self._whole(state)
+            self._hashes_to(state, whole)
             chains.append(state.hashes[:whole])
             self.counters["asked_pages"] += whole
-        self.counters["lookups"] += 1
-        handle = self.link.ask(self.tag, self.world, chains)
-        if handle is None:
-            for rid in rids:
-                state = self.tracked[rid]
-                state.fabric_pages = self._in_store(state, 0, self._whole(state), report=False)
-        else:
-            self._pending = (handle, rids)
+        answers = None
+        if chains and self.link.up:
+            self.counters["lookups"] += 1
+            answers = self.link.answer(self.link.ask(self.tag, self.world, chains))
+        for i, state in enumerate(states):
+            hit = answers[i] if answers is not None and i < len(answers) else 0
+            self.counters["hit_pages"] += hit
+            report = answers is not None
+            state.fabric_pages = self._in_store(state, hit, self._whole(state), report=report)
 
     def _in_store(self, state: _Tracked, hit: int, upto: int, report: bool) -> int:
         """``hit`` extended over the pages after it that every rank's shard of is in
@@ -215,15 +200,33 @@ class SchedulerSide:
 
     # -- update_state_after_alloc -----------------------------------------------------
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks. An asynchronous load starts with the
+        next step's metadata (the request is not scheduled until it is done)."""
         state = self.tracked.get(request.request_id)
-        if state is not None and num_external_tokens == 0:
+        if state is None or state.load is None:
+            return
+        if num_external_tokens == 0:
             state.load = None
+        elif self.options.load_async:
+            start, end = state.load
+            state.load = None
+            block_ids = blocks.get_block_ids()[0]
+            end = min(end, len(block_ids))
+            self._async_loads.append(
+                PageLoad(
+                    state.request.request_id,
+                    tuple(state.hashes[start:end]),
+                    tuple(block_ids[start:end]),
+                    asynchronous=True,
+                )
+            )
 
     # -- build_connector_meta ---------------------------------------------------------
 
     def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
-        meta = FabricStepMeta()
+        meta = FabricStepMeta(loads=self._async_loads)
+        self._async_loads = []
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store
             self._store_sent = True
@@ -244,7 +247,6 @@ class SchedulerSide:
             elif new_blocks:
                 state.block_ids += new_blocks[0]
             self._plan(state, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
-        self._ask()
         return meta
 
     def _plan(self, state: _Tracked, computed_after: int, meta: FabricStepMeta) -> None:

@@ -4,8 +4,10 @@ vLLM's KV blocks are this rank's L1 pool. Before a step's forward the worker
 reads the pages the scheduler named from L3 — checked as every L3 read is (the
 header binds the page's full key, its checksum and provenance) — straight into
 the blocks, one ``index_copy_`` per layer; after the forward it gathers the
-blocks the step completed, one ``index_select`` per layer, and appends them to
-its own segment files. Each rank reads and writes only its own shard's keys
+blocks the step completed, one ``index_select`` per layer straight into a page
+buffer, and a writer thread appends them to its own segment files while the
+engine steps on (the pages are reported stored once written). Page buffers are
+kept and reused: no step pays for fresh memory. Each rank reads and writes only its own shard's keys
 (the key's suffix is its pipeline stage and TP rank), so two ranks never share
 a page — the trap a single file per prompt falls into at TP=2.
 
@@ -19,9 +21,11 @@ the engine still serves every request, computed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from fabric.coordinator.engine_pages import StoredRun
@@ -31,12 +35,18 @@ from fabric.engines.vllm_pages import (
     FabricConnectorStats,
     FabricStepMeta,
     FabricWorkerMeta,
+    PageLoad,
     Placement,
 )
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance, page_key
 
 log = logging.getLogger(__name__)
+
+# Bytes of pages one load or store stages at once (at least one page).
+STAGING_BYTES = 64 << 20
+# Stores on the writer thread before a step waits for the oldest.
+MAX_WRITES_IN_FLIGHT = 2
 
 
 class WorkerSide:
@@ -62,6 +72,14 @@ class WorkerSide:
         self._stored: list[StoredRun] = []
         self._failed: list[bytes] = []
         self.stats = FabricConnectorStats()
+        # Asynchronous loads: one thread reads them in order while the engine steps.
+        self._loader: ThreadPoolExecutor | None = None
+        self._loading: dict[str, tuple[PageLoad, Future]] = {}
+        # Stores: one thread writes them in order; each holds its page buffer.
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: deque[tuple[StoredRun, Future, torch.Tensor]] = deque()
+        self._free: list[torch.Tensor] = []  # page buffers not in use
+        self._buffers = threading.Lock()
 
     # -- register_kv_caches -------------------------------------------------------------
 
@@ -117,32 +135,87 @@ class WorkerSide:
     # -- start_load_kv ----------------------------------------------------------------
 
     def load(self, meta: FabricStepMeta) -> None:
-        """Read the step's pages into their blocks before the forward."""
+        """Read the step's pages into their blocks (the synchronous ones now, before
+        the forward; the asynchronous ones on the load thread)."""
         self._open(meta.store)
-        self._load_errors.clear()
         for job in meta.loads:
-            started = time.perf_counter()
+            if job.asynchronous:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
+                self._loading[job.req_id] = (job, self._loader.submit(self._timed_load, job))
+            else:
+                self._loaded(job, self._timed_load(job))
+
+    def _timed_load(self, job: PageLoad) -> tuple[int, float]:
+        started = time.perf_counter()
+        try:
             n = self._load_one(job.hashes, job.block_ids)
-            self.stats.data["load_seconds"] += time.perf_counter() - started
-            self.stats.data["loaded_pages"] += n
-            if n < len(job.hashes):
-                self._load_errors.update(job.block_ids[n:])
-                self._failed.append(job.hashes[n])
-                self.stats.data["load_failed_pages"] += len(job.hashes) - n
+        except Exception as exc:  # a load that fails is recomputed, never fatal
+            log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
+            n = 0
+        return n, time.perf_counter() - started
+
+    def _loaded(self, job: PageLoad, outcome: tuple[int, float]) -> None:
+        n, seconds = outcome
+        self.stats.data["load_seconds"] += seconds
+        self.stats.data["loaded_pages"] += n
+        if n < len(job.hashes):
+            self._load_errors.update(job.block_ids[n:])
+            self._failed.append(job.hashes[n])
+            self.stats.data["load_failed_pages"] += len(job.hashes) - n
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads are done (their failed blocks join
+        ``load_errors`` in the same step)."""
+        done = {rid for rid, (_, future) in self._loading.items() if future.done()}
+        for rid in done:
+            job, future = self._loading.pop(rid)
+            self._loaded(job, future.result())
+        return done
+
+    @property
+    def batch_pages(self) -> int:
+        return max(1, STAGING_BYTES // max(self.page_bytes, 1))
+
+    def _buffer(self) -> torch.Tensor:
+        """A page buffer (``batch_pages`` rows of ``page_bytes``) to fill; give it
+        back with ``_give``. Safe from the load thread."""
+        with self._buffers:
+            if self._free:
+                return self._free.pop()
+        return torch.empty((self.batch_pages, self.page_bytes), dtype=torch.uint8)
+
+    def _give(self, buffer: torch.Tensor) -> None:
+        with self._buffers:
+            self._free.append(buffer)
 
     def _load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> int:
+        """Read the leading pages into their blocks, a batch at a time; how many."""
         if self.store is None or not self.layers:
             return 0
-        out = np.empty((len(hashes), self.page_bytes), dtype=np.uint8)
-        n = self.store.load(self._keys(hashes), out, self.provenance)
-        if n:
-            pages = torch.from_numpy(out[:n])
-            index = torch.tensor(block_ids[:n], dtype=torch.long)
-            for layer, rows in enumerate(self.layers):
-                part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
-                part = part.view(rows.dtype).to(rows.device, non_blocking=True)
-                rows.index_copy_(0, index.to(rows.device), part)
-        return n
+        buffer = self._buffer()
+        try:
+            done = 0
+            for start in range(0, len(hashes), self.batch_pages):
+                end = min(start + self.batch_pages, len(hashes))
+                out = buffer[: end - start].numpy()
+                n = self.store.load(self._keys(hashes[start:end]), out, self.provenance)
+                self._scatter(buffer[:n], block_ids[start : start + n])
+                done += n
+                if n < end - start:
+                    break
+            return done
+        finally:
+            self._give(buffer)
+
+    def _scatter(self, pages: torch.Tensor, block_ids: tuple[int, ...]) -> None:
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for layer, rows in enumerate(self.layers):
+            part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
+            part = part.view(rows.dtype).to(rows.device, non_blocking=True)
+            rows.index_copy_(0, index.to(rows.device), part)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -151,33 +224,63 @@ class WorkerSide:
     # -- wait_for_save ----------------------------------------------------------------
 
     def save(self, meta: FabricStepMeta) -> None:
-        """Store the blocks the step completed as this rank's pages."""
+        """Gather the blocks the step completed into page buffers; the writer
+        thread stores them."""
         self._open(meta.store)
         if self.store is None or not self.layers:
             return
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         for job in meta.saves:
-            started = time.perf_counter()
-            index = torch.tensor(job.block_ids, dtype=torch.long)
-            gathered = [
-                rows.index_select(0, index.to(rows.device)).cpu().view(torch.uint8)
-                for rows in self.layers
-            ]
-            pages = torch.cat(gathered, dim=1).numpy()
-            ok = self.store.store(self._keys(job.run.hashes), pages, self.provenance)
-            self.stats.data["store_seconds"] += time.perf_counter() - started
-            stored = sum(ok)
-            self.stats.data["stored_pages"] += stored
-            self.stats.data["store_failed_pages"] += len(ok) - stored
-            # Only the leading pages stored can be whole: a chain has no gaps.
-            lead = ok.index(False) if False in ok else len(ok)
-            if lead:
-                self._stored.append(
-                    StoredRun(job.run.namespace, job.run.parent, job.run.hashes[:lead])
-                )
+            hashes = job.run.hashes
+            for start in range(0, len(hashes), self.batch_pages):
+                end = min(start + self.batch_pages, len(hashes))
+                while len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+                    self._written(wait=True)
+                buffer = self._buffer()
+                self._gather(buffer[: end - start], job.block_ids[start:end])
+                parent = hashes[start - 1] if start else job.run.parent
+                run = StoredRun(job.run.namespace, parent, hashes[start:end])
+                future = self._writer.submit(self._write, run, buffer[: end - start])
+                self._writes.append((run, future, buffer))
+
+    def _gather(self, pages: torch.Tensor, block_ids: tuple[int, ...]) -> None:
+        """Copy the blocks' every layer into ``pages`` (one page a row)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for layer, rows in enumerate(self.layers):
+            part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
+            part = part.view(rows.dtype)
+            if rows.device.type == "cpu":
+                torch.index_select(rows, 0, index, out=part)
+            else:
+                part.copy_(rows.index_select(0, index.to(rows.device)))
+
+    def _write(self, run: StoredRun, pages: torch.Tensor) -> tuple[list[bool], float]:
+        started = time.perf_counter()
+        assert self.store is not None
+        try:
+            ok = self.store.store(self._keys(run.hashes), pages.numpy(), self.provenance)
+        except Exception as exc:  # a store that fails is a later miss, never fatal
+            log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
+            ok = [False] * len(run.hashes)
+        return ok, time.perf_counter() - started
+
+    def _written(self, wait: bool = False) -> None:
+        """Take the stores the writer finished (the oldest, at least, if ``wait``)."""
+        while self._writes and (wait or self._writes[0][1].done()):
+            run, future, buffer = self._writes.popleft()
+            ok, seconds = future.result()
+            self._give(buffer)
+            wait = False
+            self.stats.data["store_seconds"] += seconds
+            self.stats.data["stored_pages"] += sum(ok)
+            self.stats.data["store_failed_pages"] += len(ok) - sum(ok)
+            self._stored += _stored_runs(run, ok)
 
     # -- build_connector_worker_meta, get_kv_connector_stats ----------------------------
 
     def worker_meta(self) -> FabricWorkerMeta | None:
+        self._written()
         if not self._stored and not self._failed:
             return None
         rank = self.placement.rank
@@ -195,6 +298,27 @@ class WorkerSide:
         return stats
 
     def close(self) -> None:
+        while self._writes:
+            self._written(wait=True)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
+    """The runs of consecutive pages of ``run`` that were stored."""
+    runs, start = [], None
+    for i, good in enumerate([*ok, False]):
+        if good and start is None:
+            start = i
+        elif not good and start is not None:
+            parent = run.hashes[start - 1] if start else run.parent
+            runs.append(StoredRun(run.namespace, parent, run.hashes[start:i]))
+            start = None
+    return runs

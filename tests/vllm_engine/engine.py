@@ -41,6 +41,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--namespace", default="vllm")
     p.add_argument("--path", default="", help="the connector's path option")
+    p.add_argument("--load-async", action="store_true", help="the connector's load_async")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)
@@ -83,6 +84,8 @@ def main(argv: list[str]) -> dict:
     extra = {"fabric": args.fabric, "address": args.address, "namespace": args.namespace}
     if args.path:
         extra["path"] = args.path
+    if args.load_async:
+        extra["load_async"] = True
     connector = {
         "kv_connector": "KvFabricConnector",
         "kv_connector_module_path": "fabric.engines.vllm_connector",

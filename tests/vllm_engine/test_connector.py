@@ -138,6 +138,16 @@ def test_a_second_engine_process_hits_the_pages_the_first_computed(
         assert cached == loadable(tokens)
 
 
+def test_asynchronous_loads_give_the_same_outputs_and_hits(workdir, fabric, stored, baseline):
+    """With ``load_async`` the request waits while a worker thread reads its pages
+    and the engine steps on; it then continues from them."""
+    result, _ = run_engine(workdir, *connected(fabric), "--load-async", "--runs", "2")
+    for run in result["runs"]:
+        assert run["outputs"] == baseline["runs"][0]["outputs"]
+        for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
+            assert cached == loadable(tokens)
+
+
 def test_a_new_coordinator_over_the_same_store_loses_no_page(workdir, stored, baseline):
     """The coordinator's index is in its memory; a fabric started afresh over the
     store (a restart) answers from the pages every rank's shard of is in L3."""
