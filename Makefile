@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 FAST := not (ray or slow or chaos or browser or interop)
 
-.PHONY: help lint format test-fast test-ray test-interop test deep deep-sharded bench-tree
+.PHONY: help lint format test-fast test-ray test-interop test-vllm test deep deep-sharded bench-tree
 
 help:
 	@echo "make lint          ruff check and ruff format --check"
@@ -12,6 +12,7 @@ help:
 	@echo "make test-fast     every test without Ray, engines or a browser (about a minute)"
 	@echo "make test-ray      the tests that start Ray (actors, chaos, dashboard)"
 	@echo "make test-interop  the engines' own code (bash tests/interop/setup_engines.sh first)"
+	@echo "make test-vllm     a real vLLM engine through KvFabricConnector (its own virtualenv)"
 	@echo "make test          every tier: what CI runs (the README's test command)"
 	@echo "make deep          the Hypothesis state machines and CLI fuzzing, deep profile"
 	@echo "make deep-sharded  the sharded-model state machine, deep profile (about 50 minutes)"
@@ -33,6 +34,10 @@ test-ray:
 
 test-interop:
 	$(PYTHON) -m pytest tests/interop -m interop
+
+test-vllm:
+	bash tests/vllm_engine/setup_vllm.sh
+	.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine
 
 test:
 	$(PYTHON) -m pytest tests

@@ -1,6 +1,6 @@
 """A real vLLM engine's time to first token through KvFabricConnector, side by side
-in one run: cold (no connector), a hit from the fabric (its L3), and a hit from
-vLLM's own ExampleConnector (safetensors files, one per layer); then the prefill
+in one run: cold (no connector), a hit from the fabric (its L3; loaded before
+the step's forward, and with ``load_async``), and a hit from vLLM's own ExampleConnector (safetensors files, one per layer); then the prefill
 tokens two engines save by sharing one fabric, against each alone.
 
     bash tests/vllm_engine/setup_vllm.sh
@@ -111,6 +111,11 @@ def main() -> None:
             cold = engine(work, long, "--runs", str(args.repeats), "--max-tokens", "1")
             say("fabric: the first run stores, the later ones load")
             hit = engine(work, long, *attach, "--runs", runs, "--max-tokens", "1")
+            say("fabric with load_async: the later runs load on the workers' load threads")
+            hit_async = engine(
+                work, long, *attach, "--namespace", "async", "--load-async", "--runs", runs,
+                "--max-tokens", "1",
+            )  # fmt: skip
             say("ExampleConnector: the first run stores, the later ones load")
             example = engine(
                 work, long, "--example", str(work / "example"), "--runs", runs,
@@ -134,7 +139,7 @@ def main() -> None:
     hit_s = ttft(hit, True)
     example_s = ttft(example, True)
     first_tokens = {
-        tuple(r["outputs"][0]) for result in (cold, hit, example) for r in result["runs"]
+        tuple(r["outputs"][0]) for result in (cold, hit, hit_async, example) for r in result["runs"]
     }
     shared_cached = sum(shared["runs"][0]["cached"])
     alone_cached = sum(alone["runs"][0]["cached"])
@@ -152,6 +157,7 @@ def main() -> None:
                 "cold_ttft_s": round(cold_s, 4),
                 "fabric_hit_ttft_s": round(hit_s, 4),
                 "fabric_miss_ttft_s": round(hit["runs"][0]["seconds"][0], 4),
+                "fabric_async_hit_ttft_s": round(ttft(hit_async, True), 4),
                 "example_hit_ttft_s": round(example_s, 4),
                 "fabric_hit_tokens": hit["runs"][1]["cached"][0],
                 "example_hit_tokens": example["runs"][1]["cached"][0],
