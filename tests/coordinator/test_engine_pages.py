@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fabric.cache.events import BlockStored, Medium
 from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
 from fabric.coordinator.engine_pages import EnginePages, StoredRun
 from fabric.errors import InvalidInput
+from tests.helpers import machine_settings
 
 TAG = "0123456789abcdef"
 
@@ -108,3 +111,88 @@ def test_a_bad_run_among_good_ones_records_none_of_them():
     with pytest.raises(InvalidInput):
         pages.report(TAG, 1, {0: [run(c), run([b"bad"])]})
     assert len(pages) == 0
+
+
+class EnginePagesMachine(RuleBasedStateMachine):
+    """Model: per group, which ranks reported each page, and the order of use.
+    A lookup is the leading run of pages every rank reported (the MIN over ranks),
+    never more; past ``capacity`` only the least recently used entries are gone."""
+
+    @initialize(capacity=st.sampled_from([3, 8, 1000]))
+    def setup(self, capacity: int) -> None:
+        self.pages = EnginePages(capacity)
+        self.capacity = capacity
+        self.model: dict[tuple[str, int, bytes], set[int]] = {}
+        self.order: list[tuple[str, int, bytes]] = []  # least recently used first
+        self.chains = {ns: chain(6, ns) for ns in ("a", "b")}
+
+    def _use(self, key: tuple[str, int, bytes]) -> None:
+        if key in self.order:
+            self.order.remove(key)
+        self.order.append(key)
+
+    @rule(
+        tag=st.sampled_from([TAG, "fedcba9876543210"]),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        start=st.integers(0, 5),
+        length=st.integers(1, 4),
+        rank=st.integers(0, 2),
+    )
+    def report(self, tag, world, ns, start, length, rank) -> None:
+        rank %= world
+        c = self.chains[ns]
+        hashes = c[start : start + length]
+        parent = c[start - 1] if start else None
+        events = self.pages.report(tag, world, {rank: [StoredRun(ns, parent, tuple(hashes))]})
+        whole = []
+        for h in hashes:
+            key = (tag, world, h)
+            ranks = self.model.setdefault(key, set())
+            if rank not in ranks and len(ranks) + 1 == world:
+                whole.append(h)
+            ranks.add(rank)
+            self._use(key)
+        assert [h for e in events for h in e.page_hashes] == whole
+        for key in self.order[: max(len(self.order) - self.capacity, 0)]:
+            del self.model[key]
+        self.order = self.order[-self.capacity :]
+
+    @rule(
+        tag=st.sampled_from([TAG, "fedcba9876543210"]),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        length=st.integers(0, 6),
+    )
+    def lookup(self, tag, world, ns, length) -> None:
+        c = self.chains[ns][:length]
+        (hit,) = self.pages.lookup(tag, world, [c])
+        expected = 0
+        for h in c:
+            if len(self.model.get((tag, world, h), ())) != world:
+                break
+            expected += 1
+        assert hit == expected
+        for h in c[:hit]:
+            self._use((tag, world, h))
+
+    @rule(
+        tag=st.sampled_from([TAG, "fedcba9876543210"]),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        at=st.integers(0, 5),
+    )
+    def forget(self, tag, world, ns, at) -> None:
+        key = (tag, world, self.chains[ns][at])
+        assert self.pages.forget(tag, world, [key[2]]) == (key in self.model)
+        self.model.pop(key, None)
+        if key in self.order:
+            self.order.remove(key)
+
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.pages) == len(self.model) <= self.capacity
+
+
+EnginePagesMachine.TestCase.settings = machine_settings(examples=200, steps=40)
+TestEnginePagesMachine = EnginePagesMachine.TestCase
