@@ -193,6 +193,9 @@ class KvFabricConnector(KVConnectorBase_V1):
         if self.scheduler_side is not None:
             self.scheduler_side.worker_output(connector_output.kv_connector_worker_meta)
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.pending_writes()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self.scheduler_side is not None:
             self.scheduler_side.finished(request)

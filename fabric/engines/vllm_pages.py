@@ -209,10 +209,12 @@ class FabricStepMeta(KVConnectorMetadata):
 @dataclass
 class FabricWorkerMeta(KVConnectorWorkerMetadata):
     """Workers -> scheduler, each step, merged over ranks by vLLM: by rank, the
-    pages it stored and the pages it could not load."""
+    pages it stored, the pages it could not load, and how many of the stores it
+    was asked for ended (stored, failed or skipped)."""
 
     stored: dict[int, list[StoredRun]] = field(default_factory=dict)
     failed: dict[int, list[bytes]] = field(default_factory=dict)
+    ended: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> FabricWorkerMeta:
         assert isinstance(other, FabricWorkerMeta)
@@ -222,7 +224,10 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
         failed = {**self.failed}
         for rank, hashes in other.failed.items():
             failed[rank] = failed.get(rank, []) + hashes
-        return FabricWorkerMeta(stored, failed)
+        ended = {**self.ended}
+        for rank, n in other.ended.items():
+            ended[rank] = ended.get(rank, 0) + n
+        return FabricWorkerMeta(stored, failed, ended)
 
 
 # The figures a worker counts between two of vLLM's stats intervals.

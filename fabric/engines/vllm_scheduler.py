@@ -27,6 +27,7 @@ report arrived, loses no page. While the fabric is down the store alone answers.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,11 @@ from fabric.engines.vllm_pages import (
 from fabric.l3.format import page_key
 
 log = logging.getLogger(__name__)
+
+# Stores the workers were asked for and have not reported ended keep the engine
+# stepping (so their report arrives); past this long without one ending, the
+# engine is let go quiet (a worker that will never report).
+WRITE_STALL_S = 60.0
 
 
 @dataclass
@@ -81,6 +87,8 @@ class SchedulerSide:
         self._questions: list[str] = []
         self._store_sent = False
         self._async_loads: list[PageLoad] = []
+        self._writing = 0  # shard pages asked to be stored, not yet reported ended
+        self._write_progress = 0.0
         self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0, "l3_pages": 0}
 
     # -- on_new_request, get_num_new_matched_tokens ----------------------------------
@@ -269,12 +277,31 @@ class SchedulerSide:
         run = StoredRun(state.namespace, parent, tuple(state.hashes[start:end]))
         meta.saves.append(PageSave(run, tuple(state.block_ids[start:end])))
         state.saved_pages = end
+        if not self._writing:
+            self._write_progress = time.monotonic()
+        self._writing += (end - start) * self.world
 
     # -- update_connector_output, request_finished -----------------------------------
+
+    def pending_writes(self) -> bool:
+        """Whether stores the workers were asked for have not all been reported
+        ended: vLLM keeps stepping while so (``has_pending_push_work``)."""
+        if self._writing and time.monotonic() - self._write_progress > WRITE_STALL_S:
+            log.warning(
+                "kvfabric connector: %d page stores not reported in %.0f s; not waiting for them",
+                self._writing,
+                WRITE_STALL_S,
+            )
+            self._writing = 0
+        return self._writing > 0
 
     def worker_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, FabricWorkerMeta):
             return
+        ended = sum(worker_meta.ended.values())
+        if ended:
+            self._writing = max(self._writing - ended, 0)
+            self._write_progress = time.monotonic()
         self.link.report(self.tag, self.world, worker_meta.stored)
         failed = sorted({h for hashes in worker_meta.failed.values() for h in hashes})
         if failed:

@@ -71,6 +71,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._stored: list[StoredRun] = []
         self._failed: list[bytes] = []
+        self._ended = 0  # stores asked for that ended since the last report
         self.stats = FabricConnectorStats()
         # Asynchronous loads: one thread reads them in order while the engine steps.
         self._loader: ThreadPoolExecutor | None = None
@@ -228,6 +229,7 @@ class WorkerSide:
         thread stores them."""
         self._open(meta.store)
         if self.store is None or not self.layers:
+            self._ended += sum(len(job.run.hashes) for job in meta.saves)  # skipped
             return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
@@ -272,6 +274,7 @@ class WorkerSide:
             ok, seconds = future.result()
             self._give(buffer)
             wait = False
+            self._ended += len(ok)
             self.stats.data["store_seconds"] += seconds
             self.stats.data["stored_pages"] += sum(ok)
             self.stats.data["store_failed_pages"] += len(ok) - sum(ok)
@@ -281,14 +284,15 @@ class WorkerSide:
 
     def worker_meta(self) -> FabricWorkerMeta | None:
         self._written()
-        if not self._stored and not self._failed:
+        if not self._stored and not self._failed and not self._ended:
             return None
         rank = self.placement.rank
         meta = FabricWorkerMeta(
             {rank: self._stored} if self._stored else {},
             {rank: self._failed} if self._failed else {},
+            {rank: self._ended} if self._ended else {},
         )
-        self._stored, self._failed = [], []
+        self._stored, self._failed, self._ended = [], [], 0
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:

@@ -127,6 +127,13 @@ def test_a_hit_loads_into_its_blocks_and_only_new_whole_blocks_are_stored_once()
     assert save.block_ids == (13,) and not meta.loads
     meta = s.step_meta(output(cached=cached, scheduled={"r": 1}))
     assert not meta.saves
+    # The engine keeps stepping until every rank reported both stores ended.
+    assert s.pending_writes()
+    s.worker_output(FabricWorkerMeta({0: [save.run]}, {}, {0: 2, 1: 1}))
+    assert s.pending_writes()
+    s.worker_output(FabricWorkerMeta({}, {}, {1: 1}))
+    assert not s.pending_writes()
+    assert link.reports[0] == {0: [save.run]}
 
 
 def test_asynchronous_loads_start_from_the_blocks_vllm_allocated():
