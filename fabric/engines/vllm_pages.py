@@ -209,12 +209,12 @@ class FabricStepMeta(KVConnectorMetadata):
 @dataclass
 class FabricWorkerMeta(KVConnectorWorkerMetadata):
     """Workers -> scheduler, each step, merged over ranks by vLLM: by rank, the
-    pages it stored, the pages it could not load, and how many of the stores it
+    pages it stored, the pages it could not load, and the pages whose store it
     was asked for ended (stored, failed or skipped)."""
 
     stored: dict[int, list[StoredRun]] = field(default_factory=dict)
     failed: dict[int, list[bytes]] = field(default_factory=dict)
-    ended: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, list[bytes]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> FabricWorkerMeta:
         assert isinstance(other, FabricWorkerMeta)
@@ -225,8 +225,8 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
         for rank, hashes in other.failed.items():
             failed[rank] = failed.get(rank, []) + hashes
         ended = {**self.ended}
-        for rank, n in other.ended.items():
-            ended[rank] = ended.get(rank, 0) + n
+        for rank, hashes in other.ended.items():
+            ended[rank] = ended.get(rank, []) + hashes
         return FabricWorkerMeta(stored, failed, ended)
 
 

@@ -8,7 +8,10 @@ Per step:
    lookup in one coordinator call and takes the answers — one call per step for
    every request added since the last, and no step lost waiting. A hit is the
    leading pages every rank of the engine stored (the coordinator's MIN), less
-   what vLLM's own prefix cache holds; the prompt's last token is computed.
+   what vLLM's own prefix cache holds; the prompt's last token is computed. A
+   request whose prompt has pages this engine is still storing waits (``None``:
+   vLLM asks again next step) until the workers report those stores ended, so it
+   loads them rather than computing them again.
 2. ``allocated``: the blocks vLLM gave a hit are the load's destination.
 3. ``step_meta`` (``build_connector_meta``): what each worker loads before the
    forward, and what it stores after it — every block of a request that this
@@ -87,7 +90,9 @@ class SchedulerSide:
         self._questions: list[str] = []
         self._store_sent = False
         self._async_loads: list[PageLoad] = []
-        self._writing = 0  # shard pages asked to be stored, not yet reported ended
+        # Pages the workers were asked to store: how many ranks have not reported
+        # the store ended. A request whose prompt has one waits for it.
+        self._writing: dict[bytes, int] = {}
         self._write_progress = 0.0
         self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0, "l3_pages": 0}
 
@@ -103,13 +108,14 @@ class SchedulerSide:
         else:
             state.fabric_pages = 0
 
-    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past ``num_computed_tokens`` the workers can load for ``request``,
-        and whether they load them asynchronously."""
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past ``num_computed_tokens`` the workers can load for ``request``
+        (``None``: ask again next step — this engine is still storing pages of its
+        prompt), and whether they load them asynchronously."""
         tokens = self._matched(request, num_computed_tokens)
         return tokens, bool(tokens) and self.options.load_async
 
-    def _matched(self, request: Any, num_computed_tokens: int) -> int:
+    def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
         state = self.tracked.get(request.request_id)
         if state is None:  # added before the connector saw it, or multimodal
             if getattr(request, "mm_features", None):
@@ -118,6 +124,8 @@ class SchedulerSide:
             state = self.tracked[request.request_id]
         if state.fabric_pages is None:
             self._ask()
+        if state.fabric_pages is None:
+            return None
         hit_tokens = (state.fabric_pages or 0) * self.block_size
         state.load = None
         if hit_tokens <= num_computed_tokens:
@@ -147,14 +155,21 @@ class SchedulerSide:
         """Ask the fabric about every request waiting for an answer, in one call,
         and take its answers (at most ``timeout_s``: a fabric that does not answer
         is down, and the store alone answers)."""
-        states = [self.tracked[rid] for rid in self._questions if rid in self.tracked]
-        self._questions = []
-        chains = []
-        for state in states:
+        states, waiting, chains = [], [], []
+        self.pending_writes()  # (gives up on stores that stalled)
+        for rid in self._questions:
+            state = self.tracked.get(rid)
+            if state is None:
+                continue
             whole = self._whole(state)
             self._hashes_to(state, whole)
+            if any(h in self._writing for h in state.hashes[:whole]):
+                waiting.append(rid)  # asked once this engine has stored those pages
+                continue
+            states.append(state)
             chains.append(state.hashes[:whole])
             self.counters["asked_pages"] += whole
+        self._questions = waiting
         answers = None
         if chains and self.link.up:
             self.counters["lookups"] += 1
@@ -279,7 +294,8 @@ class SchedulerSide:
         state.saved_pages = end
         if not self._writing:
             self._write_progress = time.monotonic()
-        self._writing += (end - start) * self.world
+        for page_hash in run.hashes:
+            self._writing[page_hash] = self._writing.get(page_hash, 0) + self.world
 
     # -- update_connector_output, request_finished -----------------------------------
 
@@ -289,19 +305,23 @@ class SchedulerSide:
         if self._writing and time.monotonic() - self._write_progress > WRITE_STALL_S:
             log.warning(
                 "kvfabric connector: %d page stores not reported in %.0f s; not waiting for them",
-                self._writing,
+                len(self._writing),
                 WRITE_STALL_S,
             )
-            self._writing = 0
-        return self._writing > 0
+            self._writing.clear()
+        return bool(self._writing)
 
     def worker_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, FabricWorkerMeta):
             return
-        ended = sum(worker_meta.ended.values())
-        if ended:
-            self._writing = max(self._writing - ended, 0)
+        for hashes in worker_meta.ended.values():
             self._write_progress = time.monotonic()
+            for page_hash in hashes:
+                left = self._writing.get(page_hash, 0) - 1
+                if left > 0:
+                    self._writing[page_hash] = left
+                else:
+                    self._writing.pop(page_hash, None)
         self.link.report(self.tag, self.world, worker_meta.stored)
         failed = sorted({h for hashes in worker_meta.failed.values() for h in hashes})
         if failed:

@@ -71,7 +71,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._stored: list[StoredRun] = []
         self._failed: list[bytes] = []
-        self._ended = 0  # stores asked for that ended since the last report
+        self._ended: list[bytes] = []  # pages whose store ended since the last report
         self.stats = FabricConnectorStats()
         # Asynchronous loads: one thread reads them in order while the engine steps.
         self._loader: ThreadPoolExecutor | None = None
@@ -229,7 +229,7 @@ class WorkerSide:
         thread stores them."""
         self._open(meta.store)
         if self.store is None or not self.layers:
-            self._ended += sum(len(job.run.hashes) for job in meta.saves)  # skipped
+            self._ended += [h for job in meta.saves for h in job.run.hashes]  # skipped
             return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
@@ -274,7 +274,7 @@ class WorkerSide:
             ok, seconds = future.result()
             self._give(buffer)
             wait = False
-            self._ended += len(ok)
+            self._ended += run.hashes
             self.stats.data["store_seconds"] += seconds
             self.stats.data["stored_pages"] += sum(ok)
             self.stats.data["store_failed_pages"] += len(ok) - sum(ok)
@@ -292,7 +292,7 @@ class WorkerSide:
             {rank: self._failed} if self._failed else {},
             {rank: self._ended} if self._ended else {},
         )
-        self._stored, self._failed, self._ended = [], [], 0
+        self._stored, self._failed, self._ended = [], [], []
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:

@@ -117,6 +117,7 @@ def test_a_hit_loads_into_its_blocks_and_only_new_whole_blocks_are_stored_once()
     assert load.block_ids == (10, 11) and not load.asynchronous
     (save,) = meta.saves  # tokens 8..13 computed: block 2 is whole, block 3 is not
     assert save.block_ids == (12,) and save.run.parent == load.hashes[-1]
+    first = save.run.hashes[0]
     # A decode step that completes block 3 stores it, and nothing else.
     r.all_token_ids += [50, 51]
     cached = SimpleNamespace(
@@ -127,13 +128,21 @@ def test_a_hit_loads_into_its_blocks_and_only_new_whole_blocks_are_stored_once()
     assert save.block_ids == (13,) and not meta.loads
     meta = s.step_meta(output(cached=cached, scheduled={"r": 1}))
     assert not meta.saves
-    # The engine keeps stepping until every rank reported both stores ended.
+    # The engine keeps stepping until every rank reported both stores ended, and
+    # a request sharing a page still being stored waits for it (asks again).
+    last = save.run.hashes[0]
     assert s.pending_writes()
-    s.worker_output(FabricWorkerMeta({0: [save.run]}, {}, {0: 2, 1: 1}))
+    twin = request("twin", [*range(14), 50, 51, 52])
+    s.new_request(twin)
+    assert s.matched(twin, 0) == (None, False)
+    s.worker_output(FabricWorkerMeta({0: [save.run]}, {}, {0: [first, last], 1: [first]}))
     assert s.pending_writes()
-    s.worker_output(FabricWorkerMeta({}, {}, {1: 1}))
+    assert s.matched(twin, 0) == (None, False)
+    s.worker_output(FabricWorkerMeta({}, {}, {1: [last]}))
     assert not s.pending_writes()
     assert link.reports[0] == {0: [save.run]}
+    link.hits = 4
+    assert s.matched(twin, 0) == (4 * BLOCK, False)
 
 
 def test_asynchronous_loads_start_from_the_blocks_vllm_allocated():

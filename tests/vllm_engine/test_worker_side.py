@@ -54,7 +54,7 @@ def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
     writer.save(FabricStepMeta(saves=[PageSave(run, (3, 4, 5, 6, 7))], store=store))
     writer.close()
     meta = writer.worker_meta()
-    assert meta is not None and meta.stored == {0: [run]} and meta.ended == {0: 5}
+    assert meta is not None and meta.stored == {0: [run]} and meta.ended == {0: list(run.hashes)}
     reader = worker(tmp_path, target)
     reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (9, 10, 11, 12, 13))], store=store))
     assert reader.load_errors() == set()
@@ -135,7 +135,7 @@ def test_a_pool_that_is_not_the_declared_geometry_is_refused_by_name(tmp_path, c
     assert side.load_errors() == {1}
     meta = side.worker_meta()
     assert meta is not None and meta.stored == {} and meta.failed == {0: [hashes(1)[0]]}
-    assert meta.ended == {0: 1}  # the store it was asked for ended, skipped
+    assert meta.ended == {0: [hashes(1)[0]]}  # the store it was asked for ended, skipped
     assert not list(tmp_path.rglob("*.kvs"))
 
 
