@@ -359,8 +359,11 @@ class CoordinatorCore:
         return sum(len(e.page_hashes) for e in events)
 
     def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
-        """Pages a rank could not load: matched no more until stored anew."""
-        return self.engine_pages.forget(tag, world, page_hashes)
+        """Pages a rank could not load: matched no more until stored anew (each
+        whole one announced as a ``BlockRemoved`` from storage); how many."""
+        events = self.engine_pages.forget(tag, world, page_hashes)
+        self.events.add(events)
+        return sum(len(e.page_hashes) for e in events)
 
     def storage_drained(self) -> bool:
         return self.cache.l3.idle

@@ -13,8 +13,9 @@ Entries are grouped by the engine's page provenance tag and ``world``: two
 engine configurations never see each other's pages. At most ``capacity``
 entries (whole or reported by some ranks only) are kept, the least recently
 used forgotten first; forgetting an entry deletes nothing from L3, it only ends
-later matches before that page. A page a rank failed to load is forgotten at
-once (``forget``), so it is matched again only after a rank stores it anew.
+later matches before that page (nor is it an event: the page is still in L3).
+A page a rank failed to load is forgotten at once (``forget``, a
+``BlockRemoved``), so it is matched again only after a rank stores it anew.
 Nothing here imports Ray: the coordinator actor turns calls into these methods.
 """
 
@@ -25,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fabric.cache.events import BlockStored, KVEvent, Medium
+from fabric.cache.events import BlockRemoved, BlockStored, KVEvent, Medium
 from fabric.cache.keys import check_namespace
 from fabric.errors import InvalidInput
 
@@ -140,14 +141,22 @@ class EnginePages:
         self._evict()
         return events
 
-    def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> int:
+    def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> list[KVEvent]:
         """Drop ``hashes`` (a rank could not load them: gone from L3, or refused by
-        its checks); how many were known."""
+        its checks); a ``BlockRemoved`` (medium storage) per namespace for the
+        pages that were whole."""
         _check_group(tag, world)
         _check_hashes(hashes, "hashes")
-        dropped = sum(self._entries.pop((tag, world, h), None) is not None for h in hashes)
-        self.stats.forgotten_pages += dropped
-        return dropped
+        full = (1 << world) - 1
+        removed: dict[str, list[bytes]] = {}
+        for page_hash in hashes:
+            entry = self._entries.pop((tag, world, page_hash), None)
+            if entry is None:
+                continue
+            self.stats.forgotten_pages += 1
+            if entry.reported == full:
+                removed.setdefault(entry.namespace, []).append(page_hash)
+        return [BlockRemoved(tuple(h), Medium.STORAGE, ns) for ns, h in removed.items()]
 
     def clear(self) -> None:
         """Forget every entry (L3 was cleared)."""

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from fabric.cache.events import BlockStored, Medium
+from fabric.cache.events import BlockRemoved, BlockStored, Medium
 from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
 from fabric.coordinator.engine_pages import EnginePages, StoredRun
 from fabric.errors import InvalidInput
@@ -63,7 +63,10 @@ def test_forget_ends_matches_until_stored_again():
     pages = EnginePages()
     c = chain(4)
     pages.report(TAG, 2, {0: [run(c)], 1: [run(c)]})
-    assert pages.forget(TAG, 2, [c[2]]) == 1
+    assert pages.forget(TAG, 2, [c[2], chain(1, first=77)[0]]) == [
+        BlockRemoved((c[2],), Medium.STORAGE, "vllm")
+    ]
+    assert pages.stats.forgotten_pages == 1
     assert pages.lookup(TAG, 2, [c]) == [2]
     pages.report(TAG, 2, {0: [run(c[2:3], c[1])], 1: [run(c[2:3], c[1])]})
     assert pages.lookup(TAG, 2, [c]) == [4]
@@ -184,7 +187,9 @@ class EnginePagesMachine(RuleBasedStateMachine):
     )
     def forget(self, tag, world, ns, at) -> None:
         key = (tag, world, self.chains[ns][at])
-        assert self.pages.forget(tag, world, [key[2]]) == (key in self.model)
+        events = self.pages.forget(tag, world, [key[2]])
+        was_whole = len(self.model.get(key, ())) == world
+        assert [h for e in events for h in e.page_hashes] == ([key[2]] if was_whole else [])
         self.model.pop(key, None)
         if key in self.order:
             self.order.remove(key)
