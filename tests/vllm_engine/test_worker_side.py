@@ -46,6 +46,16 @@ def hashes(n: int) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(bytes([i])).digest() for i in range(n))
 
 
+def stored(tmp_path, source: dict[str, torch.Tensor], blocks: tuple[int, ...]) -> StoreOptions:
+    """Store ``source``'s ``blocks`` as pages ``hashes(len(blocks))``; the store."""
+    store = StoreOptions(path=str(tmp_path))
+    writer = worker(tmp_path, source)
+    run = StoredRun("vllm", None, hashes(len(blocks)))
+    writer.save(FabricStepMeta(saves=[PageSave(run, blocks)], store=store))
+    writer.close()
+    return store
+
+
 def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
     store = StoreOptions(path=str(tmp_path))
     source, target = caches(1), caches(2)
@@ -70,13 +80,8 @@ def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
 
 
 def test_asynchronous_loads_are_reported_when_done(tmp_path):
-    store = StoreOptions(path=str(tmp_path))
     source, target = caches(1), caches(2)
-    writer = worker(tmp_path, source)
-    writer.save(
-        FabricStepMeta(saves=[PageSave(StoredRun("vllm", None, hashes(3)), (0, 1, 2))], store=store)
-    )
-    writer.close()
+    store = stored(tmp_path, source, (0, 1, 2))
     reader = worker(tmp_path, target)
     job = PageLoad("r", hashes(4), (5, 6, 7, 8), asynchronous=True)
     reader.load(FabricStepMeta(loads=[job], store=store))
@@ -97,15 +102,8 @@ def test_asynchronous_loads_are_reported_when_done(tmp_path):
 
 
 def test_a_corrupted_page_is_never_copied_into_a_block(tmp_path):
-    store = StoreOptions(path=str(tmp_path))
     source, target = caches(1), caches(2)
-    writer = worker(tmp_path, source)
-    writer.save(
-        FabricStepMeta(
-            saves=[PageSave(StoredRun("vllm", None, hashes(4)), (0, 1, 2, 3))], store=store
-        )
-    )
-    writer.close()
+    store = stored(tmp_path, source, (0, 1, 2, 3))
     for segment in tmp_path.rglob("*.kvs"):
         data = bytearray(segment.read_bytes())
         data[len(data) // 2] ^= 0xFF  # inside one page's payload
