@@ -29,6 +29,7 @@ class EngineCalls:
         return whole
 
     async def engine_forget(self, tag: str, world: int, page_hashes: list[bytes]) -> int:
+        """Pages a rank could not load; how many whole ones are forgotten."""
         return self.core.engine_forget(tag, world, page_hashes)
 
     def engine_stats(self) -> dict[str, int]:

@@ -32,8 +32,10 @@ from fabric.errors import InvalidInput
 
 HASH_BYTES = 32
 MAX_WORLD = 4096
-# Pages one call may name (a 2M-token prompt at 32-token pages is 65,536).
+# Pages one chain or run may name (a 2M-token prompt at 32-token pages is 65,536),
+# and chains or runs one call may carry (an engine step's requests).
 MAX_PAGES_PER_CALL = 1 << 17
+MAX_CHAINS_PER_CALL = 1 << 12
 _TAG = re.compile(r"[0-9a-f]{16}")
 
 
@@ -79,8 +81,11 @@ class EnginePages:
         """Per chain (one request's page hashes, in order): how many leading pages
         are whole. The pages matched become the most recently used."""
         _check_group(tag, world)
-        if not isinstance(chains, (list, tuple)):
-            raise InvalidInput(f"chains must be a list of page-hash lists, got {type(chains)}")
+        if not isinstance(chains, (list, tuple)) or len(chains) > MAX_CHAINS_PER_CALL:
+            raise InvalidInput(
+                f"chains must be a list of at most {MAX_CHAINS_PER_CALL} page-hash lists, "
+                f"got {type(chains).__name__} of {len(chains) if hasattr(chains, '__len__') else '?'}"
+            )
         full = (1 << world) - 1
         entries = self._entries
         out = []
@@ -113,6 +118,11 @@ class EnginePages:
         for rank, runs in reports.items():
             if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
                 raise InvalidInput(f"rank {rank!r} is refused: allowed is an int in [0, {world})")
+            if not isinstance(runs, (list, tuple)) or len(runs) > MAX_CHAINS_PER_CALL:
+                raise InvalidInput(
+                    f"rank {rank}'s runs are refused: allowed is a list of at most "
+                    f"{MAX_CHAINS_PER_CALL} stored runs"
+                )
             for run in runs:
                 _check_run(run)
         for rank, runs in reports.items():

@@ -92,6 +92,8 @@ def test_least_recently_used_entries_are_forgotten_past_capacity():
         (lambda p: p.lookup(TAG, True, [[]]), "world True"),
         (lambda p: p.lookup(TAG, 1, [[b"short"]]), "page hash b'short'"),
         (lambda p: p.lookup(TAG, 1, "not a list"), "chains must be"),
+        (lambda p: p.lookup(TAG, 1, [[]] * 5000), "at most 4096 page-hash lists"),
+        (lambda p: p.report(TAG, 1, {0: [run(chain(1))] * 5000}), "rank 0's runs"),
         (lambda p: p.report(TAG, 2, {2: []}), "rank 2"),
         (lambda p: p.report(TAG, 2, {0: ["run"]}), "StoredRun, got str"),
         (lambda p: p.report(TAG, 2, {0: [run(chain(1), namespace="")]}), "namespace ''"),
