@@ -10,7 +10,8 @@ The model is a random-weight Llama made here (``tests/vllm_engine/tiny_llama.py`
 ``bench``: ~140M parameters, hidden 1024, 8 layers). Every engine runs in a
 process of its own (``tests/vllm_engine/engine.py``); TTFT is the time of a
 ``generate`` of one token, vLLM's own prefix cache reset before each, the median
-of ``--repeats``. The chat workload is the first ``--chat-requests`` requests of
+of ``--repeats``; every engine first serves one prompt of other tokens as long
+(not measured), so no figure carries a first forward's warm-up. The chat workload is the first ``--chat-requests`` requests of
 the Mooncake trace (``../shared/traces``), hash ids mapped to token blocks as
 ``fabric.tools.workload`` does: engine A serves the first half, engine B the
 second, attached to one fabric (shared) or each to its own namespace (alone).
@@ -108,18 +109,18 @@ def main() -> None:
         runs = str(args.repeats + 1)
         try:
             say(f"cold: {args.prompt_tokens}-token prompt, no connector")
-            cold = engine(work, long, "--runs", str(args.repeats), "--max-tokens", "1")
+            cold = engine(work, long, "--runs", str(args.repeats), "--max-tokens", "1", "--warmup")
             say("fabric: the first run stores, the later ones load")
-            hit = engine(work, long, *attach, "--runs", runs, "--max-tokens", "1")
+            hit = engine(work, long, *attach, "--runs", runs, "--max-tokens", "1", "--warmup")
             say("fabric with load_async: the later runs load on the workers' load threads")
             hit_async = engine(
                 work, long, *attach, "--namespace", "async", "--load-async", "--runs", runs,
-                "--max-tokens", "1",
+                "--max-tokens", "1", "--warmup",
             )  # fmt: skip
             say("ExampleConnector: the first run stores, the later ones load")
             example = engine(
                 work, long, "--example", str(work / "example"), "--runs", runs,
-                "--max-tokens", "1",
+                "--max-tokens", "1", "--warmup",
             )  # fmt: skip
             chat = chat_prompts(args.trace, args.chat_requests, vocab, args.max_chat_tokens)
             half = len(chat) // 2

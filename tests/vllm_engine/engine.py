@@ -48,6 +48,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="first serve one prompt of other tokens as long as the first (not measured)",
+    )
     return p.parse_args(argv)
 
 
@@ -113,6 +118,10 @@ def main(argv: list[str]) -> dict:
     startup_s = time.perf_counter() - started
     prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    if args.warmup and prompts:
+        other = [3 + (t * 7919 + 11) % 29 for t in range(len(prompts[0]))]
+        llm.generate([{"prompt_token_ids": other}], params, use_tqdm=False)
+        llm.reset_prefix_cache()
     runs = []
     for run in range(1, args.runs + 1):
         if run > 1:
