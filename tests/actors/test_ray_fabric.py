@@ -405,3 +405,32 @@ def test_the_leases_of_a_driver_that_exits_are_reclaimed(fabric):
     assert wait_for(lambda: fabric.stats()["counters"]["leases_reclaimed"] >= 1, 60)
     assert fabric.stats()["now"]["leases"] == 0
     fabric.check_integrity()
+
+
+def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_them(fabric):
+    """What ``KvFabricConnector``'s scheduler side does, through its own link to
+    the coordinator actor: reports by rank, lookups answered with the MIN over
+    ranks, a forgotten page, and a bad call taken as the fabric being down."""
+    import hashlib
+
+    from fabric.coordinator.engine_pages import StoredRun
+    from fabric.engines.fabric_link import FabricLink
+
+    tag = "00112233445566aa"
+    link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
+    assert link.up
+    chain = [hashlib.sha256(b"engine page %d" % i).digest() for i in range(4)]
+    link.report(tag, 2, {0: [StoredRun("engine-test", None, tuple(chain))]})
+    assert link.answer(link.ask(tag, 2, [chain])) == [0]  # one rank of two
+    link.report(tag, 2, {1: [StoredRun("engine-test", None, tuple(chain[:3]))]})
+    other = [hashlib.sha256(b"another prefix").digest()]
+    assert link.answer(link.ask(tag, 2, [chain, chain[:2], other])) == [3, 2, 0]
+    link.forget(tag, 2, [chain[1]])
+    assert link.answer(link.ask(tag, 2, [chain])) == [1]
+    pages = fabric.stats()["engine_pages"]
+    assert pages["whole_pages"] >= 3 and pages["forgotten_pages"] >= 1
+    # A call the coordinator refuses: the link serves without it, then tries again.
+    assert link.answer(link.ask("not-a-tag", 2, [chain])) is None
+    assert not link.up
+    assert wait_for(lambda: link.up, timeout=10)
+    assert link.answer(link.ask(tag, 2, [chain])) == [1]
