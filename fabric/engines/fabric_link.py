@@ -46,7 +46,6 @@ class FabricLink:
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
-        self.failures = 0
 
     @property
     def up(self) -> bool:
@@ -76,7 +75,6 @@ class FabricLink:
         self.coordinator = None
         self._reports.clear()
         self._retry_at = self.clock() + self.retry_s
-        self.failures += 1
         if not self._said_down:
             log.warning(
                 "kvfabric connector: fabric %r %s; serving without it (every prompt "

@@ -25,7 +25,6 @@ missing or fails a check is recomputed by vLLM (the connector sets
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-log = logging.getLogger(__name__)
 
 
 class KvFabricConnector(KVConnectorBase_V1):

@@ -94,7 +94,6 @@ class SchedulerSide:
         # the store ended. A request whose prompt has one waits for it.
         self._writing: dict[bytes, int] = {}
         self._write_progress = 0.0
-        self.counters = {"asked_pages": 0, "hit_pages": 0, "lookups": 0, "l3_pages": 0}
 
     # -- on_new_request, get_num_new_matched_tokens ----------------------------------
 
@@ -168,15 +167,12 @@ class SchedulerSide:
                 continue
             states.append(state)
             chains.append(state.hashes[:whole])
-            self.counters["asked_pages"] += whole
         self._questions = waiting
         answers = None
         if chains and self.link.up:
-            self.counters["lookups"] += 1
             answers = self.link.answer(self.link.ask(self.tag, self.world, chains))
         for i, state in enumerate(states):
             hit = answers[i] if answers is not None and i < len(answers) else 0
-            self.counters["hit_pages"] += hit
             report = answers is not None
             state.fabric_pages = self._in_store(state, hit, self._whole(state), report=report)
 
@@ -193,7 +189,6 @@ class SchedulerSide:
             found = present.index(False) if False in present else found
             if not found:
                 return hit
-        self.counters["l3_pages"] += found
         if report:
             parent = state.hashes[hit - 1] if hit else None
             run = StoredRun(state.namespace, parent, tuple(hashes[:found]))
