@@ -45,7 +45,7 @@ from fabric.engines.vllm_pages import (
     placement_of,
 )
 from fabric.engines.vllm_scheduler import SchedulerSide
-from fabric.engines.vllm_worker import WorkerSide
+from fabric.engines.vllm_worker import L2Options, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,6 +110,11 @@ class KvFabricConnector(KVConnectorBase_V1):
                 kv_cache_config.num_blocks,
                 block_bytes(kv_cache_config),
                 configured,
+                L2Options(
+                    self.options.l2_bytes,
+                    self.options.l2_dir,
+                    f"{self.options.fabric}|{self.options.ray_namespace}|{self.options.path}",
+                ),
             )
 
     @property
@@ -128,12 +133,14 @@ class KvFabricConnector(KVConnectorBase_V1):
         self.worker_side.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every layer was loaded in start_load_kv
+        assert self.worker_side is not None
+        self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # blocks are gathered once the forward is done (wait_for_save)
+        assert self.worker_side is not None
+        self.worker_side.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

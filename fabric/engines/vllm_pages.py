@@ -56,6 +56,16 @@ class ConnectorOptions(BaseModel):
     retry_s: float = Field(
         10.0, gt=0, le=3600, description="seconds before a fabric that failed is tried again"
     )
+    l2_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        le=1 << 40,
+        description="bytes of the node's shared memory each worker's shard of pages may hold "
+        "(shared by every engine on the node attached to the same fabric; 0: no node L2)",
+    )
+    l2_dir: str = Field(
+        "", description="where the node L2 lives (empty: /dev/shm, the node's shared memory)"
+    )
     load_async: bool = Field(
         False,
         description="true: a hit is read on a worker thread while the engine steps on "
@@ -238,6 +248,8 @@ STAT_KEYS = (
     "store_failed_pages",
     "load_seconds",
     "store_seconds",
+    "l2_loaded_pages",
+    "l2_stored_pages",
 )
 
 

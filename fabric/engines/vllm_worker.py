@@ -25,10 +25,12 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from fabric.coordinator.engine_pages import StoredRun
+from fabric.engines.node_l2 import NodeL2, open_node_l2
 from fabric.engines.store import PageStore, StoreOptions, open_store
 from fabric.engines.vllm_pages import (
     STAT_KEYS,
@@ -47,6 +49,50 @@ log = logging.getLogger(__name__)
 STAGING_BYTES = 64 << 20
 # Stores on the writer thread before a step waits for the oldest.
 MAX_WRITES_IN_FLIGHT = 2
+# Page buffers kept for reuse once given back.
+MAX_FREE_BUFFERS = 8
+
+
+@dataclass(frozen=True)
+class L2Options:
+    """The node's L2 for this engine's pages (``fabric.engines.node_l2``)."""
+
+    max_bytes: int
+    directory: str = ""  # empty: the node's shared memory
+    identity: str = ""  # the fabric the pages belong to
+
+
+@dataclass
+class Fetched:
+    """A job's pages found (in the node's L2) or read (from L3 into page buffers),
+    not yet in their blocks: ``parts`` in order, ``n`` pages in all."""
+
+    parts: list[tuple[str, list, tuple[int, ...]]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    n: int = 0
+    wanted: int = 0
+    l2: int = 0  # pages found in the node's L2
+
+
+@dataclass
+class StepLoad:
+    """One step's synchronous loads, read on the step thread layer by layer: the
+    forward waits for each layer's event (``wait_for_layer_load``)."""
+
+    jobs: list[PageLoad]
+    events: list[threading.Event]
+    waited: set[int] = field(default_factory=set)
+    future: Future | None = None
+
+
+@dataclass
+class StepSave:
+    """One step's stores gathered layer by layer as the forward computes them
+    (``save_kv_layer``); the rest when the forward is done."""
+
+    jobs: list[tuple[StoredRun, tuple[int, ...], torch.Tensor]]
+    gathered: set[int] = field(default_factory=set)
 
 
 class WorkerSide:
@@ -58,14 +104,18 @@ class WorkerSide:
         num_blocks: int,
         block_bytes: int,
         options_store: StoreOptions | None,
+        l2: L2Options | None = None,
     ) -> None:
         self.provenance = provenance
         self.placement = placement
         self.layer_names = layer_names
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.layers: list[torch.Tensor] = []
         self.store: PageStore | None = None
+        self.l2: NodeL2 | None = None
+        self._l2_options = l2 or L2Options(max_bytes=0)
         self._configured_store = options_store
         self._broken = ""
         self._load_errors: set[int] = set()
@@ -76,9 +126,15 @@ class WorkerSide:
         # Asynchronous loads: one thread reads them in order while the engine steps.
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[str, tuple[PageLoad, Future]] = {}
+        # A step's loads layer by layer: once the forward is seen to wait for every
+        # layer, the step thread reads while the forward runs up to its first layer.
+        self._stepper: ThreadPoolExecutor | None = None
+        self._waits_seen: set[int] = set()
+        self._step: StepLoad | None = None
+        self._step_save: StepSave | None = None
         # Stores: one thread writes them in order; each holds its page buffer.
         self._writer: ThreadPoolExecutor | None = None
-        self._writes: deque[tuple[StoredRun, Future, torch.Tensor]] = deque()
+        self._writes: deque[tuple[StoredRun | None, Future, torch.Tensor]] = deque()
         self._free: list[torch.Tensor] = []  # page buffers not in use
         self._buffers = threading.Lock()
 
@@ -93,6 +149,13 @@ class WorkerSide:
             self._broken = str(exc)
             log.error("kvfabric connector: %s; this worker neither loads nor stores", exc)
             self.layers = []
+            return
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
+        o = self._l2_options
+        self.l2 = open_node_l2(
+            o.directory, o.identity, self.provenance.tag, self.placement.suffix,
+            self.page_bytes, o.max_bytes,
+        )  # fmt: skip
 
     def _block_rows(self, name: str, kv: torch.Tensor | None) -> torch.Tensor:
         """``kv`` viewed as one row of bytes-worth of elements per block."""
@@ -133,33 +196,104 @@ class WorkerSide:
         tag, suffix = self.provenance.tag, self.placement.suffix
         return [page_key(h, tag, suffix) for h in hashes]
 
-    # -- start_load_kv ----------------------------------------------------------------
+    # -- start_load_kv, wait_for_layer_load ---------------------------------------------
 
     def load(self, meta: FabricStepMeta) -> None:
-        """Read the step's pages into their blocks (the synchronous ones now, before
-        the forward; the asynchronous ones on the load thread)."""
+        """Start the step: its asynchronous loads go to the load thread; its others
+        are read before the forward, or — once the forward is known to wait for
+        each layer — on the step thread, layer by layer, while the forward runs."""
+        self._finish_step()
         self._open(meta.store)
+        sync = []
         for job in meta.loads:
             if job.asynchronous:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
                 self._loading[job.req_id] = (job, self._loader.submit(self._timed_load, job))
             else:
+                sync.append(job)
+        pages = sum(len(job.hashes) for job in sync)
+        if sync and self._layerwise and pages * self.page_bytes <= STAGING_BYTES * 4:
+            if self._stepper is None:
+                self._stepper = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-layers")
+            step = StepLoad(sync, [threading.Event() for _ in self.layers])
+            step.future = self._stepper.submit(self._load_layers, step)
+            self._step = step
+        else:
+            for job in sync:
                 self._loaded(job, self._timed_load(job))
+        self._begin_saves(meta)
 
-    def _timed_load(self, job: PageLoad) -> tuple[int, float]:
+    @property
+    def _layerwise(self) -> bool:
+        return bool(self.layers) and len(self._waits_seen) == len(self.layers)
+
+    def wait_layer(self, name: str) -> None:
+        """The forward is about to read layer ``name``: wait until it is loaded."""
+        i = self.layer_index.get(name)
+        if i is None:
+            return
+        self._waits_seen.add(i)
+        step = self._step
+        if step is not None:
+            step.events[i].wait()
+            step.waited.add(i)
+
+    def _load_layers(self, step: StepLoad) -> list[tuple[int, float, int]]:
+        started = time.perf_counter()
+        fetched: list[Fetched] = []
+        try:
+            fetched = [self._fetch(job.hashes, job.block_ids) for job in step.jobs]
+            for layer, event in enumerate(step.events):
+                for f in fetched:
+                    self._scatter_layer(f, layer)
+                event.set()
+            done = [(self._settle(f), f.l2) for f in fetched]
+        except Exception as exc:  # a load that fails is recomputed, never fatal
+            log.warning("kvfabric connector: loading a step's pages failed: %s", exc)
+            done = [(0, 0)] * len(step.jobs)
+        finally:
+            for event in step.events:
+                event.set()  # a forward never waits on a load that failed
+            for f in fetched:
+                self._release(f)
+        seconds = time.perf_counter() - started
+        return [(n, seconds / len(step.jobs), l2) for n, l2 in done]
+
+    def _finish_step(self) -> None:
+        """Take the outcome of the step's layer-by-layer loads (once the forward is
+        done). A forward that read a layer without waiting for it may have read a
+        block not yet loaded: those blocks are all reported failed (vLLM recomputes
+        them) and loads are read before the forward from then on."""
+        step, self._step = self._step, None
+        if step is None or step.future is None:
+            return
+        outcomes = step.future.result()
+        if len(step.waited) < len(step.events):
+            log.warning(
+                "kvfabric connector: the forward did not wait for layers %s; their loads "
+                "are recomputed and later loads read before the forward",
+                sorted(set(range(len(step.events))) - step.waited)[:8],
+            )
+            self._waits_seen.clear()
+            outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
+        for job, outcome in zip(step.jobs, outcomes, strict=True):
+            self._loaded(job, outcome)
+
+    def _timed_load(self, job: PageLoad) -> tuple[int, float, int]:
         started = time.perf_counter()
         try:
-            n = self._load_one(job.hashes, job.block_ids)
+            n, l2 = self._load_one(job.hashes, job.block_ids)
         except Exception as exc:  # a load that fails is recomputed, never fatal
             log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
-            n = 0
-        return n, time.perf_counter() - started
+            n, l2 = 0, 0
+        return n, time.perf_counter() - started, l2
 
-    def _loaded(self, job: PageLoad, outcome: tuple[int, float]) -> None:
-        n, seconds = outcome
+    def _loaded(self, job: PageLoad, outcome: tuple[int, float, int]) -> None:
+        n, seconds, l2 = outcome
         self.stats.data["load_seconds"] += seconds
         self.stats.data["loaded_pages"] += n
+        self.stats.data["l2_loaded_pages"] += min(l2, n)
         if n < len(job.hashes):
             self._load_errors.update(job.block_ids[n:])
             self._failed.append(job.hashes[n])
@@ -168,6 +302,7 @@ class WorkerSide:
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous loads are done (their failed blocks join
         ``load_errors`` in the same step)."""
+        self._finish_step()
         done = {rid for rid, (_, future) in self._loading.items() if future.done()}
         for rid in done:
             job, future = self._loading.pop(rid)
@@ -180,7 +315,7 @@ class WorkerSide:
 
     def _buffer(self) -> torch.Tensor:
         """A page buffer (``batch_pages`` rows of ``page_bytes``) to fill; give it
-        back with ``_give``. Safe from the load thread."""
+        back with ``_give``. Safe from any thread."""
         with self._buffers:
             if self._free:
                 return self._free.pop()
@@ -188,51 +323,183 @@ class WorkerSide:
 
     def _give(self, buffer: torch.Tensor) -> None:
         with self._buffers:
-            self._free.append(buffer)
+            if len(self._free) < MAX_FREE_BUFFERS:
+                self._free.append(buffer)
 
-    def _load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> int:
-        """Read the leading pages into their blocks, a batch at a time; how many."""
-        if self.store is None or not self.layers:
-            return 0
-        buffer = self._buffer()
-        try:
-            done = 0
-            for start in range(0, len(hashes), self.batch_pages):
-                end = min(start + self.batch_pages, len(hashes))
-                out = buffer[: end - start].numpy()
-                n = self.store.load(self._keys(hashes[start:end]), out, self.provenance)
-                self._scatter(buffer[:n], block_ids[start : start + n])
-                done += n
-                if n < end - start:
-                    break
-            return done
-        finally:
-            self._give(buffer)
+    def _load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> tuple[int, int]:
+        """Read the leading pages into their blocks, a batch at a time; how many,
+        and how many of them came from the node's L2."""
+        if not self.layers:
+            return 0, 0
+        done = l2 = 0
+        for start in range(0, len(hashes), self.batch_pages):
+            end = min(start + self.batch_pages, len(hashes))
+            f = self._fetch(hashes[start:end], block_ids[start:end])
+            try:
+                for layer in range(len(self.layers)):
+                    self._scatter_layer(f, layer)
+                n = self._settle(f)
+            finally:
+                self._release(f)
+            done += n
+            l2 += f.l2
+            if n < end - start:
+                break
+        return done, l2
 
-    def _scatter(self, pages: torch.Tensor, block_ids: tuple[int, ...]) -> None:
-        if not block_ids:
+    def _fetch(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
+        """Find the leading pages: those the node's L2 holds (checked in place), the
+        others read from L3 into page buffers; the first that is neither ends it."""
+        keys = self._keys(hashes)
+        f = Fetched(keys=keys, wanted=len(keys))
+        if not self.layers:
+            return f
+        found = self.l2.find(keys) if self.l2 is not None else [None] * len(keys)
+        i = 0
+        while i < len(keys):
+            if found[i] is not None:
+                j = i
+                while j < len(keys) and found[j] is not None and self.l2.check(found[j]):
+                    j += 1
+                if j > i:
+                    f.parts.append(("l2", found[i:j], block_ids[i:j]))
+                    f.n += j - i
+                    f.l2 += j - i
+                if j < len(keys) and found[j] is not None:
+                    found[j] = None  # it failed its check: L3 may hold it whole
+                i = j
+                continue
+            j = i
+            while j < len(keys) and found[j] is None and j - i < self.batch_pages:
+                j += 1
+            if self.store is None:
+                return f
+            buffer = self._buffer()
+            f.buffers.append(buffer)
+            n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
+            if n:
+                f.parts.append(("l3", [buffer[:n], keys[i : i + n], buffer], block_ids[i : i + n]))
+                f.n += n
+            if n < j - i:
+                return f
+            i = j
+        return f
+
+    def _scatter_layer(self, f: Fetched, layer: int) -> None:
+        """Copy layer ``layer`` of every fetched page into its block."""
+        rows = self.layers[layer]
+        lo, hi = layer * self.block_bytes, (layer + 1) * self.block_bytes
+        for kind, source, block_ids in f.parts:
+            if kind == "l2":
+                assert self.l2 is not None
+                pool = self.l2.pool
+                for (slot, _, _), block in zip(source, block_ids, strict=True):
+                    rows[block].copy_(pool[slot, lo:hi].view(rows.dtype))
+            else:
+                part = source[0][:, lo:hi].view(rows.dtype).to(rows.device, non_blocking=True)
+                index = torch.tensor(block_ids, dtype=torch.long, device=rows.device)
+                rows.index_copy_(0, index, part)
+
+    def _settle(self, f: Fetched) -> int:
+        """How many of the fetched pages are in their blocks as they were checked:
+        a page of the node's L2 rewritten while it was copied ends the run."""
+        n = 0
+        for kind, source, block_ids in f.parts:
+            if kind == "l2":
+                assert self.l2 is not None
+                for found in source:
+                    if not self.l2.unchanged(found):
+                        return n
+                    n += 1
+            else:
+                n += len(block_ids)
+                self._promote(f, source)
+        return n
+
+    def _promote(self, f: Fetched, source: list) -> None:
+        """Pages read from L3 go into the node's L2 too, for the node's next reader
+        (on the writer thread: the load does not wait for it)."""
+        pages, keys, buffer = source
+        if self.l2 is None or self._writer is None or not len(pages):
             return
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for layer, rows in enumerate(self.layers):
-            part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
-            part = part.view(rows.dtype).to(rows.device, non_blocking=True)
-            rows.index_copy_(0, index.to(rows.device), part)
+        f.buffers = [b for b in f.buffers if b is not buffer]  # given back once stored
+        self._writes.append((None, self._writer.submit(self._put_l2, keys, pages), buffer))
+
+    def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
+        started = time.perf_counter()
+        return [], time.perf_counter() - started, self._l2_put(keys, pages)
+
+    def _l2_put(self, keys: list[str], pages: torch.Tensor) -> int:
+        assert self.l2 is not None
+        try:
+            return self.l2.put(keys, pages)
+        except Exception as exc:  # the node's L2 is a cache: a page not kept is a miss
+            log.warning("kvfabric connector: node L2 store failed: %s", exc)
+            return 0
+
+    def _release(self, f: Fetched) -> None:
+        for buffer in f.buffers:
+            self._give(buffer)
+        f.buffers = []
 
     def load_errors(self) -> set[int]:
+        self._finish_step()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    # -- wait_for_save ----------------------------------------------------------------
+    # -- save_kv_layer, wait_for_save ----------------------------------------------------
+
+    def _begin_saves(self, meta: FabricStepMeta) -> None:
+        """Give the step's stores their page buffers, so that each layer is gathered
+        as soon as the forward has computed it (when the step's pages fit)."""
+        self._step_save = None
+        pages = sum(len(job.run.hashes) for job in meta.saves)
+        if not pages or self.store is None or not self.layers:
+            return
+        if pages * self.page_bytes > STAGING_BYTES * 4:
+            return  # gathered in batches once the forward is done
+        jobs = []
+        for job in meta.saves:
+            for start in range(0, len(job.run.hashes), self.batch_pages):
+                end = min(start + self.batch_pages, len(job.run.hashes))
+                hashes = job.run.hashes
+                parent = hashes[start - 1] if start else job.run.parent
+                run = StoredRun(job.run.namespace, parent, hashes[start:end])
+                jobs.append((run, job.block_ids[start:end], self._buffer()))
+        self._step_save = StepSave(jobs)
+
+    def save_layer(self, name: str) -> None:
+        """The forward has computed layer ``name``: gather it from the step's blocks."""
+        step, i = self._step_save, self.layer_index.get(name)
+        if step is None or i is None or i in step.gathered:
+            return
+        for run, block_ids, buffer in step.jobs:
+            self._gather_layer(buffer[: len(run.hashes)], block_ids, i)
+        step.gathered.add(i)
 
     def save(self, meta: FabricStepMeta) -> None:
-        """Gather the blocks the step completed into page buffers; the writer
-        thread stores them."""
+        """The forward is done: gather what is not gathered yet; the writer thread
+        stores the pages."""
+        self._finish_step()
         self._open(meta.store)
+        step, self._step_save = self._step_save, None
         if self.store is None or not self.layers:
             self._ended += [h for job in meta.saves for h in job.run.hashes]  # skipped
+            if step is not None:
+                for _, _, buffer in step.jobs:
+                    self._give(buffer)
             return
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
+        writer = self._writer
+        assert writer is not None
+        if step is not None:
+            for run, block_ids, buffer in step.jobs:
+                for layer in range(len(self.layers)):
+                    if layer not in step.gathered:
+                        self._gather_layer(buffer[: len(run.hashes)], block_ids, layer)
+                pages = buffer[: len(run.hashes)]
+                self._writes.append((run, writer.submit(self._write, run, pages), buffer))
+            self._written()
+            return
         for job in meta.saves:
             hashes = job.run.hashes
             for start in range(0, len(hashes), self.batch_pages):
@@ -240,40 +507,46 @@ class WorkerSide:
                 while len(self._writes) >= MAX_WRITES_IN_FLIGHT:
                     self._written(wait=True)
                 buffer = self._buffer()
-                self._gather(buffer[: end - start], job.block_ids[start:end])
+                for layer in range(len(self.layers)):
+                    self._gather_layer(buffer[: end - start], job.block_ids[start:end], layer)
                 parent = hashes[start - 1] if start else job.run.parent
                 run = StoredRun(job.run.namespace, parent, hashes[start:end])
-                future = self._writer.submit(self._write, run, buffer[: end - start])
+                future = writer.submit(self._write, run, buffer[: end - start])
                 self._writes.append((run, future, buffer))
 
-    def _gather(self, pages: torch.Tensor, block_ids: tuple[int, ...]) -> None:
-        """Copy the blocks' every layer into ``pages`` (one page a row)."""
+    def _gather_layer(self, pages: torch.Tensor, block_ids: tuple[int, ...], layer: int) -> None:
+        """Copy layer ``layer`` of the blocks into ``pages`` (one page a row)."""
+        rows = self.layers[layer]
         index = torch.tensor(block_ids, dtype=torch.long)
-        for layer, rows in enumerate(self.layers):
-            part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
-            part = part.view(rows.dtype)
-            if rows.device.type == "cpu":
-                torch.index_select(rows, 0, index, out=part)
-            else:
-                part.copy_(rows.index_select(0, index.to(rows.device)))
+        part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
+        part = part.view(rows.dtype)
+        if rows.device.type == "cpu":
+            torch.index_select(rows, 0, index, out=part)
+        else:
+            part.copy_(rows.index_select(0, index.to(rows.device)))
 
-    def _write(self, run: StoredRun, pages: torch.Tensor) -> tuple[list[bool], float]:
+    def _write(self, run: StoredRun, pages: torch.Tensor) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
         assert self.store is not None
+        keys = self._keys(run.hashes)
         try:
-            ok = self.store.store(self._keys(run.hashes), pages.numpy(), self.provenance)
+            ok = self.store.store(keys, pages.numpy(), self.provenance)
         except Exception as exc:  # a store that fails is a later miss, never fatal
             log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
             ok = [False] * len(run.hashes)
-        return ok, time.perf_counter() - started
+        l2 = self._l2_put(keys, pages) if self.l2 is not None else 0
+        return ok, time.perf_counter() - started, l2
 
     def _written(self, wait: bool = False) -> None:
         """Take the stores the writer finished (the oldest, at least, if ``wait``)."""
         while self._writes and (wait or self._writes[0][1].done()):
             run, future, buffer = self._writes.popleft()
-            ok, seconds = future.result()
+            ok, seconds, l2 = future.result()
             self._give(buffer)
             wait = False
+            self.stats.data["l2_stored_pages"] += l2
+            if run is None:  # a promotion into the node's L2
+                continue
             self._ended += run.hashes
             self.stats.data["store_seconds"] += seconds
             self.stats.data["stored_pages"] += sum(ok)
@@ -307,12 +580,16 @@ class WorkerSide:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        for pool in (self._loader, self._stepper):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._loader = self._stepper = None
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.l2 is not None:
+            self.l2.close()
+            self.l2 = None
 
 
 def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:

@@ -20,7 +20,7 @@ from fabric.engines.vllm_pages import (
     PageSave,
     Placement,
 )
-from fabric.engines.vllm_worker import WorkerSide
+from fabric.engines.vllm_worker import L2Options, WorkerSide
 from fabric.l3.format import Provenance
 
 pytestmark = pytest.mark.vllm
@@ -36,8 +36,12 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=g) for n in LAYERS}
 
 
-def worker(tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0) -> WorkerSide:
-    side = WorkerSide(PROVENANCE, Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None)
+def worker(
+    tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False
+) -> WorkerSide:
+    node = L2Options(1 << 22, str(tmp_path / "shm"), "fabric") if l2 else None
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    side = WorkerSide(PROVENANCE, Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None, node)
     side.register(kv)
     return side
 
@@ -145,3 +149,139 @@ def test_connector_stats_add_up_over_ranks():
     assert total["load_seconds"] == 0.5
     a.reset()
     assert a.is_empty()
+
+
+def drop_l3(tmp_path) -> None:
+    for segment in tmp_path.rglob("*.kvs"):
+        segment.unlink()
+
+
+def test_a_page_another_engine_stored_on_the_node_loads_from_shared_memory(tmp_path):
+    store = StoreOptions(path=str(tmp_path))
+    source, target = caches(1), caches(2)
+    writer = worker(tmp_path, source, l2=True)
+    run = StoredRun("vllm", None, hashes(4))
+    writer.save(FabricStepMeta(saves=[PageSave(run, (0, 1, 2, 3))], store=store))
+    writer.close()
+    assert writer.take_stats().data["l2_stored_pages"] == 4
+    drop_l3(tmp_path)  # only the node's L2 has them now
+    reader = worker(tmp_path, target, l2=True)
+    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (4, 5, 6, 7))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][4:8], source[name][0:4])
+    stats = reader.take_stats().data
+    assert stats["loaded_pages"] == 4 and stats["l2_loaded_pages"] == 4
+    reader.close()
+
+
+def test_a_damaged_node_l2_page_is_read_from_l3_instead(tmp_path):
+    source, target = caches(1), caches(2)
+    store = StoreOptions(path=str(tmp_path))
+    writer = worker(tmp_path, source, l2=True)
+    run = StoredRun("vllm", None, hashes(3))
+    writer.save(FabricStepMeta(saves=[PageSave(run, (0, 1, 2))], store=store))
+    writer.close()
+    reader = worker(tmp_path, target, l2=True)
+    (found,) = reader.l2.find(reader._keys(run.hashes[1:2]))
+    reader.l2.pool[found[0], 7] ^= 0xFF  # a writer on the node damages the second page
+    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (5, 6, 7))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][5:8], source[name][0:3])
+    stats = reader.take_stats().data
+    assert stats["loaded_pages"] == 3 and stats["l2_loaded_pages"] == 2
+    reader.close()
+
+
+def test_pages_read_from_l3_are_kept_in_the_node_l2_for_the_next_reader(tmp_path):
+    source = caches(1)
+    store = stored(tmp_path, source, (0, 1, 2))  # an engine without a node L2 (another node)
+    first = worker(tmp_path, caches(2), l2=True)
+    first.load(FabricStepMeta(loads=[PageLoad("r", hashes(3), (3, 4, 5))], store=store))
+    assert first.load_errors() == set()
+    first.close()  # its promotions are stored by then
+    drop_l3(tmp_path)
+    target = caches(3)
+    second = worker(tmp_path, target, l2=True)
+    second.load(FabricStepMeta(loads=[PageLoad("r", hashes(3), (7, 8, 9))], store=store))
+    assert second.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][7:10], source[name][0:3])
+    second.close()
+
+
+def forward(side: WorkerSide, meta: FabricStepMeta, layers=LAYERS, after_layer=None) -> None:
+    """One engine step as vLLM runs it: start_load_kv, each attention layer
+    waiting for its load and saving once computed, then wait_for_save."""
+    side.load(meta)
+    for name in layers:
+        side.wait_layer(name)
+        if after_layer is not None:
+            after_layer(name)
+        side.save_layer(name)
+    side.save(meta)
+
+
+def test_once_the_forward_waits_for_each_layer_loads_run_layer_by_layer(tmp_path):
+    source, target = caches(1), caches(2)
+    store = stored(tmp_path, source, (0, 1, 2, 3))
+    reader = worker(tmp_path, target)
+    forward(reader, FabricStepMeta(store=store))  # a step without loads: waits are seen
+    seen = {}
+
+    def check(name):  # the layer is whole when the forward reaches it
+        seen[name] = torch.equal(target[name][8:12], source[name][0:4])
+
+    meta = FabricStepMeta(loads=[PageLoad("r", hashes(4), (8, 9, 10, 11))], store=store)
+    reader.load(meta)
+    assert reader._step is not None  # read on the step thread while the forward runs
+    for name in LAYERS:
+        reader.wait_layer(name)
+        check(name)
+        reader.save_layer(name)
+    reader.save(meta)
+    assert seen == dict.fromkeys(LAYERS, True)
+    assert reader.load_errors() == set()
+    assert reader.take_stats().data["loaded_pages"] == 4
+    reader.close()
+
+
+def test_a_forward_that_does_not_wait_for_a_layer_gets_its_loads_recomputed(tmp_path, caplog):
+    source, target = caches(1), caches(2)
+    store = stored(tmp_path, source, (0, 1))
+    reader = worker(tmp_path, target)
+    forward(reader, FabricStepMeta(store=store))
+    meta = FabricStepMeta(loads=[PageLoad("r", hashes(2), (4, 5))], store=store)
+    with caplog.at_level(logging.WARNING):
+        forward(reader, meta, layers=LAYERS[:1])  # the second layer never waited
+    assert reader.load_errors() == {4, 5}
+    assert "did not wait for layers [1]" in caplog.text
+    reader.load(meta)  # from then on, read before the forward
+    assert reader._step is None and reader.load_errors() == set()
+    reader.close()
+
+
+def test_each_layer_is_saved_as_the_forward_computes_it(tmp_path):
+    store = StoreOptions(path=str(tmp_path))
+    source = caches(1)
+    computed = {n: t[0:2].clone() for n, t in source.items()}
+    writer = worker(tmp_path, source)
+    run = StoredRun("vllm", None, hashes(2))
+
+    meta = FabricStepMeta(saves=[PageSave(run, (0, 1))], store=store)
+    writer.load(meta)
+    writer.wait_layer(LAYERS[0])
+    writer.save_layer(LAYERS[0])
+    source[LAYERS[0]][0:2] = 0  # the blocks change after layer 0 was saved
+    writer.wait_layer(LAYERS[1])
+    writer.save_layer(LAYERS[1])
+    writer.save(meta)
+    writer.close()
+    target = caches(2)
+    reader = worker(tmp_path, target)
+    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (5, 6))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][5:7], computed[name])
+    reader.close()

@@ -1,0 +1,302 @@
+"""The node's L2 for engine pages: one shared-memory file per engine shard, which
+every engine process on the node attached to the same fabric reads and writes.
+
+An engine that computed a prefix leaves its pages here as well as in L3; the
+next engine on the node (another process, a Ray Serve replica, the same engine
+restarted) copies them from shared memory straight into its KV blocks, without
+a file read. Engines on other nodes read L3.
+
+Layout: a header (magic, then the msgpack geometry: page size, slots, ways,
+the provenance tag and rank suffix its pages belong to), one fixed record per
+slot, then the pages (page aligned). A record is ``seq | stamp | CRC-32 of the
+page | key digest``. The table is set-associative: a page's key picks its set
+(``ways`` slots); a store replaces the least recently used way.
+
+Concurrency, across processes and threads, without a lock on reads: a writer
+holds its set's byte-range lock, makes ``seq`` odd, writes the page, its
+checksum and key, and makes ``seq`` even again. A reader takes a slot only
+when ``seq`` is even and the key matches, checks the page's checksum in place,
+copies it into the engine's blocks, and reads ``seq`` again: a slot rewritten
+meanwhile is a failed load (recomputed by the engine), never bytes. A writer
+killed mid-write leaves ``seq`` odd: the slot is empty to readers and the next
+writer takes it.
+
+Trust: the file is made owner-only and opened without following links. One
+found with another owner is refused; one whose mode lets others write is
+repaired (mode 0600) and emptied, since anything in it may have been written by
+anyone; one of another geometry is rebuilt if no process uses it, else not
+used. Every page read is checked against its checksum. Nothing here raises
+into the engine: a region that cannot be used is logged once and the engine
+runs on L3 alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgpack
+import torch
+
+from fabric.l3.format import checksum
+from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVFEL2v1"
+HEADER = 4096
+WAYS = 8
+PREFIX = "kvfabric-engine-"
+_RECORD = struct.Struct("<QQI16s4x")  # seq, stamp (ms), CRC-32 of the page, key digest
+_SEQ = struct.Struct("<Q")
+_STAMP = struct.Struct("<Q")
+
+
+def digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def region_name(identity: str, tag: str, suffix: str) -> str:
+    """The file name of one engine shard's region for one fabric (``identity``
+    names the fabric: engines of two fabrics never share a region)."""
+    fabric = hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
+    return f"{PREFIX}{fabric}-{tag}-{suffix}{SUFFIX}"
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000  # node-wide clock: every process agrees
+
+
+class NodeL2:
+    """One engine shard's pages in the node's shared memory (see the module)."""
+
+    def __init__(self, path: Path, page_bytes: int, slots: int, tag: str, suffix: str) -> None:
+        if page_bytes <= 0 or slots < WAYS:
+            raise ValueError(f"a region needs page_bytes > 0 and >= {WAYS} slots")
+        self.path = path
+        self.page_bytes = page_bytes
+        want = {"page_bytes": page_bytes, "slots": slots - slots % WAYS, "ways": WAYS,
+                "tag": tag, "suffix": suffix}  # fmt: skip
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            geometry = self._attach(fd, want)
+            self.slots, self.ways = geometry["slots"], geometry["ways"]
+            self.sets = self.slots // self.ways
+            self.pool_at = self._pool_at(self.slots)
+            self.mm = mmap.mmap(fd, self.pool_at + self.slots * page_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.view = memoryview(self.mm)
+        self.pool = torch.frombuffer(
+            self.mm, dtype=torch.uint8, offset=self.pool_at, count=self.slots * page_bytes
+        ).view(self.slots, page_bytes)
+        self._local = [threading.Lock() for _ in range(64)]  # byte-range locks are per process
+        self.counters = {"hits": 0, "misses": 0, "refused": 0, "stored": 0, "replaced": 0}
+
+    @staticmethod
+    def _pool_at(slots: int) -> int:
+        return -(-(HEADER + slots * _RECORD.size) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def _attach(self, fd: int, want: dict) -> dict:
+        """Check the file and take (or make) its geometry; hold it shared for life."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(
+                f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
+                f"mode {stat.filemode(st.st_mode)}): refused"
+            )
+        exposed = st.st_mode & 0o077
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except OSError:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            alone = False
+        found = self._geometry(fd)
+        if exposed:
+            os.fchmod(fd, 0o600)
+            log.warning(
+                "node L2 %s had mode %s (others could write it): repaired to 0600 and emptied",
+                self.path, stat.filemode(st.st_mode),
+            )  # fmt: skip
+            if found is not None:
+                self._empty(fd, found)
+        if found is not None and all(found.get(k) == want[k] for k in want if k != "slots"):
+            if alone:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            return found
+        if not alone:
+            raise OSError(f"{self.path} is in use with another geometry ({found}); not used")
+        os.ftruncate(fd, 0)
+        size = self._pool_at(want["slots"]) + want["slots"] * want["page_bytes"]
+        try:
+            # Reserve every page now: a shared memory too small fails here, not
+            # later as a SIGBUS on a page first touched.
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        head = MAGIC + msgpack.packb(want)
+        os.pwrite(fd, len(head).to_bytes(4, "little") + head, 0)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return want
+
+    def _geometry(self, fd: int) -> dict | None:
+        """The file's geometry, or ``None`` when it has none that holds together."""
+        head = os.pread(fd, HEADER, 0)
+        size = int.from_bytes(head[:4], "little")
+        if len(head) < 4 + size or size > HEADER - 4 or head[4:12] != MAGIC:
+            return None
+        try:
+            found = msgpack.unpackb(head[12 : 4 + size])
+        except Exception:
+            return None
+        if not isinstance(found, dict):
+            return None
+        slots, ways, page = found.get("slots"), found.get("ways"), found.get("page_bytes")
+        if not all(isinstance(v, int) and v > 0 for v in (slots, ways, page)) or slots % ways:
+            return None
+        if os.fstat(fd).st_size != self._pool_at(slots) + slots * page:
+            return None
+        return found
+
+    def _empty(self, fd: int, geometry: dict) -> None:
+        os.pwrite(fd, bytes(geometry["slots"] * _RECORD.size), HEADER)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def _set(self, key_digest: bytes) -> int:
+        return int.from_bytes(key_digest[:8], "little") % self.sets
+
+    def _record_at(self, slot: int) -> int:
+        return HEADER + slot * _RECORD.size
+
+    def find(self, keys: Sequence[str]) -> list[tuple[int, int, int] | None]:
+        """Per key, ``(slot, seq, crc)`` where the region names it, else ``None``
+        (a name only: ``read`` checks the bytes)."""
+        out: list[tuple[int, int, int] | None] = []
+        view, now = self.view, _now_ms()
+        for key in keys:
+            d = digest(key)
+            first = self._set(d) * self.ways
+            found = None
+            for slot in range(first, first + self.ways):
+                seq, _, crc, name = _RECORD.unpack_from(view, self._record_at(slot))
+                if name == d and seq and not seq & 1:
+                    found = (slot, seq, crc)
+                    _STAMP.pack_into(view, self._record_at(slot) + 8, now)
+                    break
+            out.append(found)
+        return out
+
+    def check(self, found: tuple[int, int, int]) -> bool:
+        """Whether the slot still holds the page ``find`` named, its checksum whole."""
+        slot, _, crc = found
+        at = self.pool_at + slot * self.page_bytes
+        if checksum(self.view[at : at + self.page_bytes]) != crc:
+            self.counters["refused"] += 1
+            return False
+        return self.unchanged(found)
+
+    def unchanged(self, found: tuple[int, int, int]) -> bool:
+        """Whether nothing rewrote the slot since ``find`` (read after copying)."""
+        slot, seq, _ = found
+        return _SEQ.unpack_from(self.view, self._record_at(slot))[0] == seq
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(self, keys: Sequence[str], pages: torch.Tensor) -> int:
+        """Store ``pages`` (one uint8 row of ``page_bytes`` a key); how many were
+        written (a key already here is left as it is and counts)."""
+        written = 0
+        for key, page in zip(keys, pages, strict=True):
+            try:
+                written += self._put_one(digest(key), page)
+            except OSError as exc:  # a lock refused: the page is simply not kept here
+                log.warning("node L2 %s: store failed: %s", self.path, exc)
+                break
+        return written
+
+    def _put_one(self, d: bytes, page: torch.Tensor) -> bool:
+        n = self._set(d)
+        first = n * self.ways
+        start, length = self._record_at(first), self.ways * _RECORD.size
+        view = self.view
+        with self._local[n % len(self._local)]:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, start)
+            try:
+                victim, oldest = first, None
+                for slot in range(first, first + self.ways):
+                    seq, stamp, _, name = _RECORD.unpack_from(view, self._record_at(slot))
+                    if name == d and seq and not seq & 1:
+                        return True  # already here (the same key is the same bytes)
+                    age = -1 if not seq or seq & 1 else stamp  # empty or torn: first
+                    if oldest is None or age < oldest:
+                        victim, oldest = slot, age
+                at = self._record_at(victim)
+                if oldest is not None and oldest >= 0:
+                    self.counters["replaced"] += 1
+                seq = _SEQ.unpack_from(view, at)[0]
+                writing = seq if seq & 1 else seq + 1
+                _SEQ.pack_into(view, at, writing)  # odd: readers keep off
+                self.pool[victim].copy_(page)
+                crc = checksum(view[self.pool_at + victim * self.page_bytes :][: self.page_bytes])
+                _RECORD.pack_into(view, at, writing, _now_ms(), crc, d)
+                _SEQ.pack_into(view, at, writing + 1)  # even: whole
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start)
+        self.counters["stored"] += 1
+        return True
+
+    def close(self) -> None:
+        """Stop using the region (it stays for the node's other engines; one no
+        process uses is removed by a later opener after an hour)."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.pool = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError, ValueError):  # a tensor still uses it
+            self.view.release()
+            self.mm.close()
+
+
+def open_node_l2(
+    directory: str, identity: str, tag: str, suffix: str, page_bytes: int, max_bytes: int
+) -> NodeL2 | None:
+    """The region for this shard, or ``None`` (logged) where there is none to use:
+    ``max_bytes`` 0, no shared memory, too small for a set of pages, refused."""
+    if max_bytes <= 0:
+        return None
+    where = Path(directory) if directory else shm_dir()
+    if where is None:
+        log.info("node L2: no shared memory (/dev/shm) on this node; engines use L3 alone")
+        return None
+    slots = max_bytes // page_bytes
+    if slots < WAYS:
+        log.warning(
+            "node L2: l2_bytes=%d holds fewer than %d pages of %d bytes; not used",
+            max_bytes, WAYS, page_bytes,
+        )  # fmt: skip
+        return None
+    with contextlib.suppress(OSError):
+        sweep_stale(where, PREFIX)
+    path = where / region_name(identity, tag, suffix)
+    try:
+        return NodeL2(path, page_bytes, slots, tag, suffix)
+    except OSError as exc:
+        why = "shared memory is full" if exc.errno == errno.ENOSPC else str(exc)
+        log.error("node L2 %s: %s; engines on this node use L3 alone", path, why)
+        return None
