@@ -17,9 +17,19 @@ class EngineCalls:
     def _wake(self) -> None:
         raise NotImplementedError
 
-    async def engine_lookup(self, tag: str, world: int, chains: list[list[bytes]]) -> list[int]:
-        """One engine step's lookups: per chain, the leading pages every rank stored."""
-        return self.core.engine_lookup(tag, world, chains)
+    async def engine_lookup(
+        self,
+        tag: str,
+        world: int,
+        chains: list[list[bytes]],
+        leases: list[str] | None = None,
+        lease_s: float = 0.0,
+        release: list[str] | None = None,
+    ) -> list[int]:
+        """One engine step's lookups: per chain, the leading pages every rank
+        stored, leased under ``leases`` (one name a chain) for ``lease_s``; the
+        leases ``release`` names end first."""
+        return self.core.engine_lookup(tag, world, chains, leases, lease_s, release or ())
 
     async def engine_report(self, tag: str, world: int, reports: dict[int, list]) -> int:
         """One engine step's stores, by rank; the pages that became whole."""
@@ -35,4 +45,4 @@ class EngineCalls:
     def engine_stats(self) -> dict[str, int]:
         """``EnginePages``' counters and how many pages it knows now."""
         pages = self.core.engine_pages
-        return {**asdict(pages.stats), "known": len(pages)}
+        return {**asdict(pages.stats), "known": len(pages), "leased": pages.leased}

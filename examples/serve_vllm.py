@@ -41,6 +41,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of a local Ray")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument(
+        "--l2-bytes", type=int, default=1 << 30,
+        help="shared memory each worker's pages may hold on its node (the connector's l2_bytes)",
+    )  # fmt: skip
+    p.add_argument("--l2-dir", default="", help="where the node L2 lives (default /dev/shm)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--timeout-s", type=float, default=600.0, help="to deploy")
     p.add_argument("--check", action="store_true")
@@ -80,7 +85,12 @@ def deploy(args: argparse.Namespace) -> tuple[object, str]:
         "kv_connector": "KvFabricConnector",
         "kv_connector_module_path": "fabric.engines.vllm_connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"fabric": args.name, "address": fabric.cluster_address},
+        "kv_connector_extra_config": {
+            "fabric": args.name,
+            "address": fabric.cluster_address,
+            "l2_bytes": args.l2_bytes,
+            "l2_dir": args.l2_dir,
+        },
     }
     configs = [
         LLMConfig(

@@ -346,10 +346,22 @@ class CoordinatorCore:
 
     # -- engines attached through a connector -------------------------------------------
 
-    def engine_lookup(self, tag: str, world: int, chains: Sequence[Sequence[bytes]]) -> list[int]:
+    def engine_lookup(
+        self,
+        tag: str,
+        world: int,
+        chains: Sequence[Sequence[bytes]],
+        leases: Sequence[str] | None = None,
+        lease_s: float = 0.0,
+        release: Sequence[str] = (),
+    ) -> list[int]:
         """Per chain of page hashes, how many leading pages every one of the
-        engine's ``world`` ranks has stored (``EnginePages.lookup``)."""
-        return self.engine_pages.lookup(tag, world, chains)
+        engine's ``world`` ranks has stored (``EnginePages.lookup``), each chain's
+        matched pages leased under its name in ``leases`` for ``lease_s``; the
+        leases ``release`` names end first (their pages are loaded)."""
+        if release:
+            self.engine_pages.release(release)
+        return self.engine_pages.lookup(tag, world, chains, leases, lease_s, self.clock())
 
     def engine_report(self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]]) -> int:
         """Ranks' reports of the pages they stored; how many pages became whole

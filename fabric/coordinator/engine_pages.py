@@ -16,6 +16,12 @@ used forgotten first; forgetting an entry deletes nothing from L3, it only ends
 later matches before that page (nor is it an event: the page is still in L3).
 A page a rank failed to load is forgotten at once (``forget``, a
 ``BlockRemoved``), so it is matched again only after a rank stores it anew.
+
+A lookup may lease what it matched, under a name (the engine and request): a
+leased page is not forgotten to make room until every lease on it is released
+(the request's pages are loaded) or has expired (``lease_s``), so the answer
+an engine acts on stays true while it loads. A page that failed to load is
+forgotten even when leased: its bytes are gone or bad.
 Nothing here imports Ray: the coordinator actor turns calls into these methods.
 """
 
@@ -36,6 +42,11 @@ MAX_WORLD = 4096
 # and chains or runs one call may carry (an engine step's requests).
 MAX_PAGES_PER_CALL = 1 << 17
 MAX_CHAINS_PER_CALL = 1 << 12
+# Leases held at once (the oldest ends first beyond), their longest life, and
+# the longest lease name (an engine's id and a request id).
+MAX_LEASES = 1 << 16
+MAX_LEASE_S = 600.0
+MAX_LEASE_NAME = 256
 _TAG = re.compile(r"[0-9a-f]{16}")
 
 
@@ -53,6 +64,7 @@ class StoredRun:
 class _Entry:
     namespace: str
     reported: int  # bit r: rank r reported the page
+    leases: int = 0  # leases held on it
 
 
 @dataclass
@@ -64,6 +76,9 @@ class EnginePageStats:
     whole_pages: int = 0
     forgotten_pages: int = 0
     evicted_pages: int = 0
+    leases: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
 
 
 class EnginePages:
@@ -73,37 +88,98 @@ class EnginePages:
         self.capacity = capacity
         self.stats = EnginePageStats()
         self._entries: OrderedDict[tuple[str, int, bytes], _Entry] = OrderedDict()
+        # Lease name -> (expiry, the entries it holds), oldest first.
+        self._leases: OrderedDict[str, tuple[float, list[_Entry]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tag: str, world: int, chains: Sequence[Sequence[bytes]]) -> list[int]:
+    @property
+    def leased(self) -> int:
+        """Leases held now."""
+        return len(self._leases)
+
+    def lookup(
+        self,
+        tag: str,
+        world: int,
+        chains: Sequence[Sequence[bytes]],
+        leases: Sequence[str] | None = None,
+        lease_s: float = 0.0,
+        now: float = 0.0,
+    ) -> list[int]:
         """Per chain (one request's page hashes, in order): how many leading pages
-        are whole. The pages matched become the most recently used."""
+        are whole. The pages matched become the most recently used. With
+        ``leases`` (a name per chain) and ``lease_s`` > 0, each chain's matched
+        pages are leased under its name until ``release`` or ``now + lease_s``."""
         _check_group(tag, world)
+        self.expire(now)
+        if leases is not None:
+            _check_leases(leases, chains, lease_s)
         if not isinstance(chains, (list, tuple)) or len(chains) > MAX_CHAINS_PER_CALL:
             raise InvalidInput(
                 f"chains must be a list of at most {MAX_CHAINS_PER_CALL} page-hash lists, "
                 f"got {type(chains).__name__} of {len(chains) if hasattr(chains, '__len__') else '?'}"
             )
+        for chain in chains:
+            _check_hashes(chain, "chain")
         full = (1 << world) - 1
         entries = self._entries
         out = []
-        for chain in chains:
-            _check_hashes(chain, "chain")
+        for i, chain in enumerate(chains):
             self.stats.lookups += 1
             self.stats.lookup_pages += len(chain)
-            hit = 0
+            held: list[_Entry] = []
             for page_hash in chain:
                 key = (tag, world, page_hash)
                 entry = entries.get(key)
                 if entry is None or entry.reported != full:
                     break
                 entries.move_to_end(key)
-                hit += 1
-            self.stats.hit_pages += hit
-            out.append(hit)
+                held.append(entry)
+            self.stats.hit_pages += len(held)
+            out.append(len(held))
+            if leases is not None and held and lease_s > 0:
+                self._lease(leases[i], held, now + lease_s)
         return out
+
+    def _lease(self, name: str, held: list[_Entry], until: float) -> None:
+        self.release([name])  # a name leases once: a new lookup under it replaces it
+        for entry in held:
+            entry.leases += 1
+        self._leases[name] = (until, held)
+        self.stats.leases += 1
+        while len(self._leases) > MAX_LEASES:
+            self._end(next(iter(self._leases)))
+            self.stats.leases_expired += 1
+
+    def release(self, names: Sequence[str]) -> int:
+        """End the leases ``names`` (unknown or ended ones are skipped); how many
+        ended."""
+        if not isinstance(names, (list, tuple)) or len(names) > MAX_CHAINS_PER_CALL:
+            raise InvalidInput(
+                f"lease names are refused: allowed is a list of at most {MAX_CHAINS_PER_CALL}"
+            )
+        ended = 0
+        for name in names:
+            if isinstance(name, str) and name in self._leases:
+                self._end(name)
+                ended += 1
+        self.stats.leases_released += ended
+        return ended
+
+    def expire(self, now: float) -> int:
+        """End the leases whose time is up at ``now``; how many."""
+        expired = [name for name, (until, _) in self._leases.items() if until <= now]
+        for name in expired:
+            self._end(name)
+        self.stats.leases_expired += len(expired)
+        return len(expired)
+
+    def _end(self, name: str) -> None:
+        _, held = self._leases.pop(name)
+        for entry in held:
+            entry.leases -= 1
 
     def report(
         self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]]
@@ -169,8 +245,9 @@ class EnginePages:
         return [BlockRemoved(tuple(h), Medium.STORAGE, ns) for ns, h in removed.items()]
 
     def clear(self) -> None:
-        """Forget every entry (L3 was cleared)."""
+        """Forget every entry (L3 was cleared) and every lease."""
         self._entries.clear()
+        self._leases.clear()
 
     def _touch(self, tag: str, world: int, page_hash: bytes, namespace: str) -> _Entry:
         key = (tag, world, page_hash)
@@ -182,10 +259,18 @@ class EnginePages:
         return entry
 
     def _evict(self) -> None:
+        """Forget the least recently used entries beyond ``capacity``; a leased one
+        is kept (made most recent) while its lease holds."""
         over = len(self._entries) - self.capacity
-        for _ in range(max(over, 0)):
-            self._entries.popitem(last=False)
-        self.stats.evicted_pages += max(over, 0)
+        looked = 0
+        while over > 0 and looked < len(self._entries):
+            key, entry = self._entries.popitem(last=False)
+            if entry.leases > 0:
+                self._entries[key] = entry
+                looked += 1
+                continue
+            over -= 1
+            self.stats.evicted_pages += 1
 
 
 def _stored(namespace: str, parent: bytes | None, hashes: list[bytes]) -> BlockStored:
@@ -207,6 +292,27 @@ def _check_hashes(hashes: object, what: str) -> None:
     for h in hashes:
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
             raise InvalidInput(f"page hash {h!r:.80} is refused: allowed is {HASH_BYTES} bytes")
+
+
+def _check_leases(leases: object, chains: Sequence, lease_s: object) -> None:
+    if not isinstance(leases, (list, tuple)) or len(leases) != len(chains):
+        raise InvalidInput(
+            f"leases are refused: allowed is one lease name per chain ({len(chains)})"
+        )
+    for name in leases:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_LEASE_NAME:
+            raise InvalidInput(
+                f"lease name {name!r:.80} is refused: allowed is a str of 1..{MAX_LEASE_NAME} "
+                f"characters"
+            )
+    if (
+        not isinstance(lease_s, (int, float))
+        or isinstance(lease_s, bool)
+        or not 0 <= lease_s <= MAX_LEASE_S
+    ):
+        raise InvalidInput(
+            f"lease_s {lease_s!r} is refused: allowed is a number in [0, {MAX_LEASE_S:g}]"
+        )
 
 
 def _check_run(run: object) -> None:

@@ -85,12 +85,24 @@ class FabricLink:
             )
             self._said_down = True
 
-    def ask(self, tag: str, world: int, chains: list[list[bytes]]) -> Any:
-        """Send one step's lookups; a handle for ``answer``, or ``None`` when down."""
+    def ask(
+        self,
+        tag: str,
+        world: int,
+        chains: list[list[bytes]],
+        leases: list[str] | None = None,
+        lease_s: float = 0.0,
+        release: list[str] | None = None,
+    ) -> Any:
+        """Send one step's lookups (their matches leased under ``leases`` for
+        ``lease_s``, the leases ``release`` names ended); a handle for
+        ``answer``, or ``None`` when down."""
         if not chains or not self.up:
             return None
         try:
-            return self.coordinator.engine_lookup.remote(tag, world, chains)
+            return self.coordinator.engine_lookup.remote(
+                tag, world, chains, leases, lease_s, release
+            )
         except Exception as exc:
             self._down(f"failed a lookup ({exc})")
             return None

@@ -8,9 +8,15 @@ a file read. Engines on other nodes read L3.
 
 Layout: a header (magic, then the msgpack geometry: page size, slots, ways,
 the provenance tag and rank suffix its pages belong to), one fixed record per
-slot, then the pages (page aligned). A record is ``seq | stamp | CRC-32 of the
-page | key digest``. The table is set-associative: a page's key picks its set
-(``ways`` slots); a store replaces the least recently used way.
+slot, then the pages (page aligned). A record is ``seq | stamp | pinned until
+| CRC-32 of the page | key digest``. The table is set-associative: a page's key
+picks its set (``ways`` slots); a store replaces the least recently used way
+that no reader holds.
+
+Leases: a reader pins the slots it found until it has copied them (``find``
+with ``pin_ms``, ``unpin``); a store never replaces a pinned slot (when every
+way of the set is pinned, the page is simply not kept). A pin is a time, not a
+count, so a reader that dies holds nothing for long.
 
 Concurrency, across processes and threads, without a lock on reads: a writer
 holds its set's byte-range lock, makes ``seq`` odd, writes the page, its
@@ -54,13 +60,17 @@ from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVFEL2v1"
+MAGIC = b"KVFEL2v2"
 HEADER = 4096
 WAYS = 8
 PREFIX = "kvfabric-engine-"
-_RECORD = struct.Struct("<QQI16s4x")  # seq, stamp (ms), CRC-32 of the page, key digest
+# seq, stamp (ms), pinned until (ms), CRC-32 of the page, key digest
+_RECORD = struct.Struct("<QQQI16s4x")
 _SEQ = struct.Struct("<Q")
-_STAMP = struct.Struct("<Q")
+_STAMP = struct.Struct("<Q")  # at 8: stamp; at 16: pinned until
+
+
+Found = tuple[int, int, int, int]  # slot, seq, crc, pinned until (ms)
 
 
 def digest(key: str) -> bytes:
@@ -104,7 +114,7 @@ class NodeL2:
             self.mm, dtype=torch.uint8, offset=self.pool_at, count=self.slots * page_bytes
         ).view(self.slots, page_bytes)
         self._local = [threading.Lock() for _ in range(64)]  # byte-range locks are per process
-        self.counters = {"hits": 0, "misses": 0, "refused": 0, "stored": 0, "replaced": 0}
+        self.counters = {"refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0}
 
     @staticmethod
     def _pool_at(slots: int) -> int:
@@ -185,36 +195,50 @@ class NodeL2:
     def _record_at(self, slot: int) -> int:
         return HEADER + slot * _RECORD.size
 
-    def find(self, keys: Sequence[str]) -> list[tuple[int, int, int] | None]:
-        """Per key, ``(slot, seq, crc)`` where the region names it, else ``None``
-        (a name only: ``read`` checks the bytes)."""
-        out: list[tuple[int, int, int] | None] = []
+    def find(self, keys: Sequence[str], pin_ms: int = 0) -> list[Found | None]:
+        """Per key, ``(slot, seq, crc, pinned until)`` where the region names it,
+        else ``None`` (a name only: ``check`` checks the bytes); with ``pin_ms``,
+        each slot found is pinned that long (``unpin`` once copied)."""
+        out: list[Found | None] = []
         view, now = self.view, _now_ms()
+        until = now + pin_ms if pin_ms > 0 else 0
         for key in keys:
             d = digest(key)
             first = self._set(d) * self.ways
             found = None
             for slot in range(first, first + self.ways):
-                seq, _, crc, name = _RECORD.unpack_from(view, self._record_at(slot))
+                at = self._record_at(slot)
+                seq, _, pinned, crc, name = _RECORD.unpack_from(view, at)
                 if name == d and seq and not seq & 1:
-                    found = (slot, seq, crc)
-                    _STAMP.pack_into(view, self._record_at(slot) + 8, now)
+                    _STAMP.pack_into(view, at + 8, now)
+                    if until > pinned:
+                        _STAMP.pack_into(view, at + 16, until)
+                    found = (slot, seq, crc, max(until, pinned))
                     break
             out.append(found)
         return out
 
-    def check(self, found: tuple[int, int, int]) -> bool:
+    def unpin(self, founds: Sequence[Found]) -> None:
+        """The reader is done with these slots: a pin it set ends (one a later
+        reader extended stays)."""
+        view = self.view
+        for slot, _, _, until in founds:
+            at = self._record_at(slot) + 16
+            if _STAMP.unpack_from(view, at)[0] == until:
+                _STAMP.pack_into(view, at, 0)
+
+    def check(self, found: Found) -> bool:
         """Whether the slot still holds the page ``find`` named, its checksum whole."""
-        slot, _, crc = found
+        slot, _, crc, _ = found
         at = self.pool_at + slot * self.page_bytes
         if checksum(self.view[at : at + self.page_bytes]) != crc:
             self.counters["refused"] += 1
             return False
         return self.unchanged(found)
 
-    def unchanged(self, found: tuple[int, int, int]) -> bool:
+    def unchanged(self, found: Found) -> bool:
         """Whether nothing rewrote the slot since ``find`` (read after copying)."""
-        slot, seq, _ = found
+        slot, seq, _, _ = found
         return _SEQ.unpack_from(self.view, self._record_at(slot))[0] == seq
 
     # -- writes -----------------------------------------------------------------------
@@ -239,14 +263,19 @@ class NodeL2:
         with self._local[n % len(self._local)]:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, length, start)
             try:
-                victim, oldest = first, None
+                victim, oldest, now = first, None, _now_ms()
                 for slot in range(first, first + self.ways):
-                    seq, stamp, _, name = _RECORD.unpack_from(view, self._record_at(slot))
+                    seq, stamp, pinned, _, name = _RECORD.unpack_from(view, self._record_at(slot))
                     if name == d and seq and not seq & 1:
                         return True  # already here (the same key is the same bytes)
+                    if pinned > now and seq and not seq & 1:
+                        continue  # a reader is copying it
                     age = -1 if not seq or seq & 1 else stamp  # empty or torn: first
                     if oldest is None or age < oldest:
                         victim, oldest = slot, age
+                if oldest is None:
+                    self.counters["pinned_full"] += 1
+                    return False
                 at = self._record_at(victim)
                 if oldest is not None and oldest >= 0:
                     self.counters["replaced"] += 1
@@ -255,7 +284,7 @@ class NodeL2:
                 _SEQ.pack_into(view, at, writing)  # odd: readers keep off
                 self.pool[victim].copy_(page)
                 crc = checksum(view[self.pool_at + victim * self.page_bytes :][: self.page_bytes])
-                _RECORD.pack_into(view, at, writing, _now_ms(), crc, d)
+                _RECORD.pack_into(view, at, writing, _now_ms(), 0, crc, d)
                 _SEQ.pack_into(view, at, writing + 1)  # even: whole
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start)

@@ -25,6 +25,8 @@ missing or fails a check is recomputed by vLLM (the connector sets
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -46,6 +48,7 @@ from fabric.engines.vllm_pages import (
 )
 from fabric.engines.vllm_scheduler import SchedulerSide
 from fabric.engines.vllm_worker import L2Options, WorkerSide
+from fabric.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,11 +56,32 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+def _log_to_stderr() -> None:
+    """With ``KVFABRIC_LOG_LEVEL`` set (``INFO``, ``DEBUG``...), the connector's lines
+    at that level go to stderr in every engine process (vLLM configures only its
+    own loggers, and its processes are spawned: the environment reaches them)."""
+    level = os.environ.get("KVFABRIC_LOG_LEVEL", "").upper()
+    logger = logging.getLogger("fabric")
+    if not level or getattr(logger, "_kvfabric_stderr", False):
+        return
+    if not isinstance(logging.getLevelName(level), int):
+        raise ConfigError(
+            f"KVFABRIC_LOG_LEVEL={level!r} is refused: allowed is DEBUG, INFO, WARNING or ERROR"
+        )
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    logger._kvfabric_stderr = True  # type: ignore[attr-defined]
+
+
 class KvFabricConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_to_stderr()
         transfer = vllm_config.kv_transfer_config
         self.options: ConnectorOptions = parse_options(
             ConnectorOptions, transfer.kv_connector_extra_config or {}, "kv_connector_extra_config"
@@ -195,7 +219,9 @@ class KvFabricConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:
-            self.scheduler_side.worker_output(connector_output.kv_connector_worker_meta)
+            self.scheduler_side.worker_output(
+                connector_output.kv_connector_worker_meta, connector_output.finished_recving
+            )
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.pending_writes()

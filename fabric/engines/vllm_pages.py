@@ -53,6 +53,13 @@ class ConnectorOptions(BaseModel):
         "storage.path, as the fabric reports it)",
     )
     timeout_s: float = Field(5.0, gt=0, le=300, description="a number in (0, 300]")
+    lease_s: float = Field(
+        30.0,
+        ge=0,
+        le=600,
+        description="seconds the fabric holds a request's matched pages for it at most while "
+        "they load (released as soon as they are loaded; 0: no lease)",
+    )
     retry_s: float = Field(
         10.0, gt=0, le=3600, description="seconds before a fabric that failed is tried again"
     )

@@ -30,12 +30,13 @@ report arrived, loses no page. While the fabric is down the store alone answers.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.cache.keys import TOKEN_BYTES, chain_hashes, namespace_seed, pack_tokens
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.coordinator.engine_pages import MAX_CHAINS_PER_CALL, MAX_LEASES, StoredRun
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import PageStore, StoreOptions, open_store
 from fabric.engines.vllm_pages import (
@@ -94,6 +95,12 @@ class SchedulerSide:
         # the store ended. A request whose prompt has one waits for it.
         self._writing: dict[bytes, int] = {}
         self._write_progress = 0.0
+        # Leases on the pages a lookup matched, by request, until they are loaded:
+        # named for this engine; their release goes with the next lookup call.
+        self._engine = os.urandom(6).hex()
+        self._leased: set[str] = set()
+        self._loading_now: list[str] = []  # requests whose loads this step runs
+        self._release: list[str] = []
 
     # -- on_new_request, get_num_new_matched_tokens ----------------------------------
 
@@ -170,7 +177,16 @@ class SchedulerSide:
         self._questions = waiting
         answers = None
         if chains and self.link.up:
-            answers = self.link.answer(self.link.ask(self.tag, self.world, chains))
+            leases = [f"{self._engine}/{s.request.request_id}" for s in states]
+            cut = MAX_CHAINS_PER_CALL
+            release, self._release = self._release[:cut], self._release[cut:]
+            answers = self.link.answer(
+                self.link.ask(self.tag, self.world, chains, leases, self.options.lease_s, release)
+            )
+            if answers is not None and self.options.lease_s > 0:
+                self._leased.update(
+                    s.request.request_id for s, hit in zip(states, answers, strict=False) if hit
+                )
         for i, state in enumerate(states):
             hit = answers[i] if answers is not None and i < len(answers) else 0
             report = answers is not None
@@ -278,6 +294,7 @@ class SchedulerSide:
                 meta.loads.append(
                     PageLoad(rid, tuple(state.hashes[start:end]), tuple(state.block_ids[start:end]))
                 )
+                self._loading_now.append(rid)
         start = max(state.saved_pages, state.fabric_pages or 0)
         end = min(computed_after // self.block_size, len(state.block_ids))
         if end <= start:
@@ -306,7 +323,12 @@ class SchedulerSide:
             self._writing.clear()
         return bool(self._writing)
 
-    def worker_output(self, worker_meta: Any) -> None:
+    def worker_output(self, worker_meta: Any, finished_loading: set[str] | None = None) -> None:
+        """A step's outcome: the stores the workers ended, the pages they stored and
+        could not load; the requests whose loads are done (the step's own, and
+        ``finished_loading``, asynchronous ones) release their leases."""
+        done, self._loading_now = self._loading_now, []
+        self._end_leases([*done, *(finished_loading or ())])
         if not isinstance(worker_meta, FabricWorkerMeta):
             return
         for hashes in worker_meta.ended.values():
@@ -332,3 +354,12 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> None:
         self.tracked.pop(request.request_id, None)
+        self._end_leases([request.request_id])
+
+    def _end_leases(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if rid in self._leased:
+                self._leased.discard(rid)
+                self._release.append(f"{self._engine}/{rid}")
+        if len(self._release) > MAX_LEASES:  # a fabric away for long: they expire there
+            del self._release[: len(self._release) - MAX_LEASES]

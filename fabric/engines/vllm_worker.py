@@ -51,6 +51,8 @@ STAGING_BYTES = 64 << 20
 MAX_WRITES_IN_FLIGHT = 2
 # Page buffers kept for reuse once given back.
 MAX_FREE_BUFFERS = 8
+# How long a load holds the node L2's slots it found at most (it lets go once copied).
+L2_PIN_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Fetched:
     n: int = 0
     wanted: int = 0
     l2: int = 0  # pages found in the node's L2
+    pinned: list = field(default_factory=list)  # its slots this load holds
 
 
 @dataclass
@@ -233,7 +236,13 @@ class WorkerSide:
         i = self.layer_index.get(name)
         if i is None:
             return
-        self._waits_seen.add(i)
+        if i not in self._waits_seen:
+            self._waits_seen.add(i)
+            if self._layerwise:
+                log.info(
+                    "kvfabric connector: the forward waits for each layer: loads run layer "
+                    "by layer from the next step"
+                )
         step = self._step
         if step is not None:
             step.events[i].wait()
@@ -354,7 +363,10 @@ class WorkerSide:
         f = Fetched(keys=keys, wanted=len(keys))
         if not self.layers:
             return f
-        found = self.l2.find(keys) if self.l2 is not None else [None] * len(keys)
+        found: list = [None] * len(keys)
+        if self.l2 is not None:
+            found = self.l2.find(keys, pin_ms=L2_PIN_MS)  # held until copied
+            f.pinned = [x for x in found if x is not None]
         i = 0
         while i < len(keys):
             if found[i] is not None:
@@ -393,7 +405,7 @@ class WorkerSide:
             if kind == "l2":
                 assert self.l2 is not None
                 pool = self.l2.pool
-                for (slot, _, _), block in zip(source, block_ids, strict=True):
+                for (slot, *_), block in zip(source, block_ids, strict=True):
                     rows[block].copy_(pool[slot, lo:hi].view(rows.dtype))
             else:
                 part = source[0][:, lo:hi].view(rows.dtype).to(rows.device, non_blocking=True)
@@ -441,6 +453,9 @@ class WorkerSide:
         for buffer in f.buffers:
             self._give(buffer)
         f.buffers = []
+        if f.pinned and self.l2 is not None:
+            self.l2.unpin(f.pinned)
+            f.pinned = []
 
     def load_errors(self) -> set[int]:
         self._finish_step()

@@ -425,6 +425,11 @@ def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_th
     link.report(tag, 2, {1: [StoredRun("engine-test", None, tuple(chain[:3]))]})
     other = [hashlib.sha256(b"another prefix").digest()]
     assert link.answer(link.ask(tag, 2, [chain, chain[:2], other])) == [3, 2, 0]
+    # Leased lookups: held in the coordinator until released with a later call.
+    assert link.answer(link.ask(tag, 2, [chain], ["e1/r1"], 30.0)) == [3]
+    assert fabric.stats()["engine_pages"]["leased"] == 1
+    assert link.answer(link.ask(tag, 2, [other], ["e1/r2"], 30.0, ["e1/r1"])) == [0]
+    assert fabric.stats()["engine_pages"]["leased"] == 0
     link.forget(tag, 2, [chain[1]])
     assert link.answer(link.ask(tag, 2, [chain])) == [1]
     pages = fabric.stats()["engine_pages"]

@@ -110,6 +110,49 @@ def test_bad_input_is_refused_naming_the_value_and_changes_nothing(call, needle)
     assert pages.lookup(TAG, 2, [chain(2)]) == [0]
 
 
+def test_a_leased_page_is_kept_past_capacity_until_released_or_expired():
+    pages = EnginePages(capacity=3)
+    a, b = chain(3), chain(3, first=50)
+    pages.report(TAG, 1, {0: [run(a)]})
+    assert pages.lookup(TAG, 1, [a], ["e/r1"], 5.0, now=0.0) == [3]
+    pages.report(TAG, 1, {0: [run(b)]})  # b needs the room, but a is leased: b goes
+    assert pages.lookup(TAG, 1, [a, b], now=1.0) == [3, 0]
+    assert len(pages) == 3 and pages.leased == 1
+    assert pages.release(["e/r1", "e/unknown"]) == 1
+    pages.report(TAG, 1, {0: [run(chain(1, first=90))]})  # now a may go
+    assert len(pages) == 3
+    assert pages.lookup(TAG, 1, [a]) == [0]
+    # A lease not released ends when its time is up (at the next lookup).
+    c = chain(3, first=120)
+    pages.report(TAG, 1, {0: [run(c)]})
+    pages.lookup(TAG, 1, [c], ["e/r2"], 5.0, now=10.0)
+    assert pages.lookup(TAG, 1, [[]], now=15.0) == [0]
+    assert pages.leased == 0 and pages.stats.leases_expired == 1
+
+
+@pytest.mark.parametrize(
+    ("leases", "lease_s", "needle"),
+    [
+        (["a", "b"], 1.0, "one lease name per chain"),
+        ([""], 1.0, "lease name ''"),
+        (["x" * 300], 1.0, "1..256 characters"),
+        ([7], 1.0, "lease name 7"),
+        (["a"], -1.0, "lease_s -1.0"),
+        (["a"], float("nan"), "lease_s nan"),
+        (["a"], 601.0, "lease_s 601.0"),
+        (["a"], True, "lease_s True"),
+    ],
+)
+def test_bad_leases_are_refused_naming_the_value(leases, lease_s, needle):
+    pages = EnginePages()
+    pages.report(TAG, 1, {0: [run(chain(2))]})
+    with pytest.raises(InvalidInput, match=needle):
+        pages.lookup(TAG, 1, [chain(2)], leases, lease_s)
+    assert pages.leased == 0 and pages.stats.lookups == 0
+    with pytest.raises(InvalidInput, match="lease names"):
+        pages.release("e/r1")
+
+
 def test_a_bad_run_among_good_ones_records_none_of_them():
     pages = EnginePages()
     c = chain(2)
@@ -130,6 +173,23 @@ class EnginePagesMachine(RuleBasedStateMachine):
         self.model: dict[tuple[str, int, bytes], set[int]] = {}
         self.order: list[tuple[str, int, bytes]] = []  # least recently used first
         self.chains = {ns: chain(6, ns) for ns in ("a", "b")}
+        self.now = 0.0
+        self.leases: dict[str, tuple[float, list[tuple[str, int, bytes]]]] = {}
+
+    def _leased(self, key: tuple[str, int, bytes]) -> bool:
+        return any(key in held for _, held in self.leases.values())
+
+    def _evict(self) -> None:
+        """Least recently used first; a leased entry is kept and made most recent."""
+        over, looked = len(self.order) - self.capacity, 0
+        while over > 0 and looked < len(self.order):
+            key = self.order.pop(0)
+            if self._leased(key):
+                self.order.append(key)
+                looked += 1
+                continue
+            del self.model[key]
+            over -= 1
 
     def _use(self, key: tuple[str, int, bytes]) -> None:
         if key in self.order:
@@ -159,9 +219,7 @@ class EnginePagesMachine(RuleBasedStateMachine):
             ranks.add(rank)
             self._use(key)
         assert [h for e in events for h in e.page_hashes] == whole
-        for key in self.order[: max(len(self.order) - self.capacity, 0)]:
-            del self.model[key]
-        self.order = self.order[-self.capacity :]
+        self._evict()
 
     @rule(
         tag=st.sampled_from([TAG, "fedcba9876543210"]),
@@ -170,8 +228,39 @@ class EnginePagesMachine(RuleBasedStateMachine):
         length=st.integers(0, 6),
     )
     def lookup(self, tag, world, ns, length) -> None:
+        self._lookup(tag, world, ns, length, None)
+
+    @rule(
+        tag=st.sampled_from([TAG, "fedcba9876543210"]),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        length=st.integers(0, 6),
+        name=st.sampled_from(["e/r1", "e/r2", "f/r1"]),
+        lease_s=st.sampled_from([0.0, 1.0, 5.0]),
+    )
+    def lease(self, tag, world, ns, length, name, lease_s) -> None:
+        """A lookup that leases what it matched under ``name``."""
+        self._lookup(tag, world, ns, length, (name, lease_s))
+
+    @rule(names=st.lists(st.sampled_from(["e/r1", "e/r2", "f/r1", "unknown"]), max_size=3))
+    def release(self, names) -> None:
+        ended = self.pages.release(names)
+        assert ended == len({n for n in names if n in self.leases})
+        for name in names:
+            self.leases.pop(name, None)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
+    def tick(self, seconds) -> None:
+        self.now += seconds
+
+    def _lookup(self, tag, world, ns, length, lease) -> None:
         c = self.chains[ns][:length]
-        (hit,) = self.pages.lookup(tag, world, [c])
+        self.leases = {n: v for n, v in self.leases.items() if v[0] > self.now}  # expired
+        if lease is None:
+            (hit,) = self.pages.lookup(tag, world, [c], now=self.now)
+        else:
+            name, lease_s = lease
+            (hit,) = self.pages.lookup(tag, world, [c], [name], lease_s, self.now)
         expected = 0
         for h in c:
             if len(self.model.get((tag, world, h), ())) != world:
@@ -180,6 +269,9 @@ class EnginePagesMachine(RuleBasedStateMachine):
         assert hit == expected
         for h in c[:hit]:
             self._use((tag, world, h))
+        if lease is not None and hit and lease[1] > 0:
+            self.leases[lease[0]] = (self.now + lease[1], [(tag, world, h) for h in c[:hit]])
+        assert self.pages.leased == len(self.leases)
 
     @rule(
         tag=st.sampled_from([TAG, "fedcba9876543210"]),
@@ -195,10 +287,15 @@ class EnginePagesMachine(RuleBasedStateMachine):
         self.model.pop(key, None)
         if key in self.order:
             self.order.remove(key)
+        for _, held in self.leases.values():  # a forgotten page is no lease's any more
+            while key in held:
+                held.remove(key)
 
     @invariant()
     def bounded(self) -> None:
-        assert len(self.pages) == len(self.model) <= self.capacity
+        leased = {key for _, held in self.leases.values() for key in held if key in self.model}
+        assert len(self.pages) == len(self.model)
+        assert len(self.model) - self.capacity <= len(leased)  # only leases keep it over
 
 
 EnginePagesMachine.TestCase.settings = machine_settings(examples=200, steps=40)

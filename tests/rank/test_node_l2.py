@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,24 @@ def test_a_slot_rewritten_while_read_is_not_taken_as_the_page(tmp_path):
     assert not l2.unchanged(found)
     assert l2.find(["k0"]) == [None]
     assert l2.counters["replaced"] >= 1
+    l2.close()
+
+
+def test_a_slot_a_reader_holds_is_never_replaced_until_it_lets_go(tmp_path):
+    l2 = region(tmp_path, slots=WAYS)
+    keys = [f"k{i}" for i in range(WAYS)]
+    l2.put(keys, torch.stack([page(k) for k in keys]))
+    held = l2.find(keys, pin_ms=60_000)  # a reader copying all eight
+    assert l2.put(["new"], page("new")[None]) == 0  # nowhere to go: not kept
+    assert l2.counters["pinned_full"] == 1
+    assert all(l2.unchanged(f) for f in held)
+    l2.unpin(held[:1])  # done with the first one
+    assert l2.put(["new"], page("new")[None]) == 1
+    assert not l2.unchanged(held[0]) and all(l2.unchanged(f) for f in held[1:])
+    # A pin is a time: a reader that died holds nothing once it is up.
+    l2.find(["new", *keys[1:]], pin_ms=1)  # every way pinned, for 1 ms
+    time.sleep(0.01)
+    assert l2.put(["later"], page("later")[None]) == 1
     l2.close()
 
 

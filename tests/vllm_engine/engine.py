@@ -42,6 +42,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--namespace", default="vllm")
     p.add_argument("--path", default="", help="the connector's path option")
     p.add_argument("--load-async", action="store_true", help="the connector's load_async")
+    p.add_argument("--l2-dir", default="", help="the connector's l2_dir option")
+    p.add_argument("--l2-bytes", type=int, default=None, help="the connector's l2_bytes option")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)
@@ -57,9 +59,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def corrupt(directory: Path) -> int:
-    """Flip one byte every 1 KiB of every segment file under ``directory``."""
+    """Flip one byte every 1 KiB of every segment file and node L2 region under
+    ``directory``."""
     flipped = 0
-    for path in directory.rglob("*.kvs"):
+    for path in [*directory.rglob("*.kvs"), *directory.rglob("*.l2")]:
         data = bytearray(path.read_bytes())
         for at in range(512, len(data), 1024):
             data[at] ^= 0xFF
@@ -84,6 +87,7 @@ def main(argv: list[str]) -> dict:
     os.environ.setdefault(
         "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % cores) for i in range(args.tp))
     )
+    os.environ.setdefault("KVFABRIC_LOG_LEVEL", "INFO")  # the connector's own lines
     from vllm import LLM, SamplingParams
 
     extra = {"fabric": args.fabric, "address": args.address, "namespace": args.namespace}
@@ -91,6 +95,10 @@ def main(argv: list[str]) -> dict:
         extra["path"] = args.path
     if args.load_async:
         extra["load_async"] = True
+    if args.l2_dir:
+        extra["l2_dir"] = args.l2_dir
+    if args.l2_bytes is not None:
+        extra["l2_bytes"] = args.l2_bytes
     connector = {
         "kv_connector": "KvFabricConnector",
         "kv_connector_module_path": "fabric.engines.vllm_connector",

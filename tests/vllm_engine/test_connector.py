@@ -94,8 +94,13 @@ def baseline(workdir: Path) -> dict:
     return result
 
 
-def connected(fab) -> tuple[str, ...]:
-    return ("--fabric", fab.config.runtime.name, "--address", fab.cluster_address)
+def connected(fab, l2_dir: Path | None = None) -> tuple[str, ...]:
+    """Attach to ``fab``, with the node L2 in ``l2_dir`` (default: the module's
+    own; another directory is another node)."""
+    l2 = l2_dir or Path(fab.config.storage.path).parent / "shm"
+    l2.mkdir(exist_ok=True)
+    return ("--fabric", fab.config.runtime.name, "--address", fab.cluster_address,
+            "--l2-dir", str(l2), "--l2-bytes", str(64 << 20))  # fmt: skip
 
 
 def loadable(tokens: int) -> int:
@@ -136,6 +141,23 @@ def test_a_second_engine_process_hits_the_pages_the_first_computed(
     assert run["outputs"] == baseline["runs"][0]["outputs"]
     for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
         assert cached == loadable(tokens)
+
+
+def test_a_second_engine_on_the_node_loads_from_its_shared_memory_when_l3_lost_them(
+    workdir, fabric, baseline
+):
+    store, node = workdir / "l3-node", workdir / "node-l2"
+    attach = (*connected(fabric, node), "--namespace", "node", "--path", str(store))
+    run_engine(workdir, *attach)
+    for segment in store.rglob("*.kvs"):
+        segment.unlink()  # only the node's L2 holds the pages now
+    result, logs = run_engine(workdir, *attach)
+    (run,) = result["runs"]
+    assert run["outputs"] == baseline["runs"][0]["outputs"]
+    for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
+        assert cached == loadable(tokens)
+    assert "pages failed to load" not in logs
+    assert "loads run layer by layer" in logs
 
 
 def test_asynchronous_loads_give_the_same_outputs_and_hits(workdir, fabric, stored, baseline):
@@ -203,8 +225,8 @@ def test_corrupted_pages_are_recomputed_never_served(workdir, fabric, baseline):
     store = workdir / "l3-corrupt"
     before = fabric.stats()["engine_pages"]
     result, logs = run_engine(
-        workdir, *connected(fabric), "--namespace", "corrupt", "--path", str(store),
-        "--runs", "2", "--corrupt-after-run", "1", str(store),
+        workdir, *connected(fabric, store / "shm"), "--namespace", "corrupt",
+        "--path", str(store), "--runs", "2", "--corrupt-after-run", "1", str(store),
     )  # fmt: skip
     for run in result["runs"]:
         assert run["outputs"] == baseline["runs"][0]["outputs"]
@@ -220,12 +242,12 @@ def test_pages_evicted_after_the_fabric_indexed_them_are_recomputed(workdir, fab
     """The fabric says the pages are whole, but the store lost them (an L3 cap, a
     clear, another node) before an engine that never saw them loads them."""
     store = workdir / "l3-evict"
-    attach = (*connected(fabric), "--namespace", "evict", "--path", str(store))
-    run_engine(workdir, *attach)
+    attach = ("--namespace", "evict", "--path", str(store))
+    run_engine(workdir, *connected(fabric, workdir / "node-a"), *attach)
     for segment in store.rglob("*.kvs"):
         segment.unlink()
     before = fabric.stats()["engine_pages"]
-    result, logs = run_engine(workdir, *attach)
+    result, logs = run_engine(workdir, *connected(fabric, workdir / "node-b"), *attach)
     assert result["runs"][0]["outputs"] == baseline["runs"][0]["outputs"]
     assert "pages failed to load" in logs
     assert "Recovered from KV load failure" in logs

@@ -34,7 +34,8 @@ def test_a_second_serve_deployment_loads_the_prompt_the_first_computed(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "serve_vllm.py"), "--model", str(model),
          "--storage-path", str(tmp_path / "l3"), "--port", str(free_port()), "--check",
-         "--block-size", str(BLOCK_SIZE), "--timeout-s", "400"],
+         "--block-size", str(BLOCK_SIZE), "--timeout-s", "400",
+         "--l2-bytes", str(64 << 20), "--l2-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

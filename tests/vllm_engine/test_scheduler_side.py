@@ -34,9 +34,11 @@ class FakeLink:
         self.asked: list[list[list[bytes]]] = []
         self.reports: list[dict] = []
         self.forgotten: list[bytes] = []
+        self.leases: list[tuple[list[str], float, list[str]]] = []
 
-    def ask(self, tag, world, chains):
+    def ask(self, tag, world, chains, leases=None, lease_s=0.0, release=None):
         self.asked.append(chains)
+        self.leases.append((leases, lease_s, release))
         return len(self.asked)
 
     def answer(self, handle):
@@ -243,3 +245,49 @@ def _chain(s: SchedulerSide, r: SimpleNamespace) -> list[bytes]:
 def test_bad_connector_options_are_refused_naming_them(options, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_options(ConnectorOptions, options, "kv_connector_extra_config")
+
+
+def test_matched_pages_are_leased_until_loaded_and_released_with_the_next_call():
+    link = FakeLink(hits=2)
+    s = side(link, lease_s=7.0)
+    r, miss = request("r", list(range(14))), request("m", list(range(100, 114)))
+    s.new_request(r)
+    s.new_request(miss)
+    assert s.matched(r, 0) == (8, False)
+    (names, lease_s, release) = link.leases[0]
+    assert lease_s == 7.0 and release == [] and len(names) == 2
+    assert names[0].endswith("/r") and names[1].endswith("/m")
+    s.allocated(r, None, 8)
+    meta = s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
+    assert len(meta.loads) == 1
+    s.worker_output(None)  # the step that loaded ran: its lease ends
+    s.new_request(request("next", list(range(200, 214))))
+    s.matched(request("next", list(range(200, 214))), 0)
+    assert link.leases[1][2] == [names[0]]
+    # A request whose loads ran asynchronously releases when vLLM says it is done.
+    link2 = FakeLink(hits=2)
+    s2 = side(link2, load_async=True)
+    a = request("a", list(range(14)))
+    s2.new_request(a)
+    assert s2.matched(a, 0) == (8, True)
+    s2.allocated(a, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 8)
+    s2.step_meta(output())
+    s2.worker_output(None, {"a"})
+    s2.matched(request("b", list(range(300, 314))), 0)
+    assert link2.leases[1][2] == [link2.leases[0][0][0]]
+
+
+def test_a_finished_request_releases_a_lease_never_loaded_and_no_lease_is_taken_at_zero():
+    link = FakeLink(hits=2)
+    s = side(link)
+    r = request("r", list(range(14)))
+    s.matched(r, 0)
+    s.finished(r)  # aborted before it was scheduled
+    s.matched(request("n", list(range(50, 64))), 0)
+    assert link.leases[1][2] == [link.leases[0][0][0]]
+    off = FakeLink(hits=2)
+    s0 = side(off, lease_s=0)
+    s0.matched(request("r", list(range(14))), 0)
+    s0.finished(request("r", []))
+    s0.matched(request("n", list(range(50, 64))), 0)
+    assert off.leases[0][1] == 0 and off.leases[1][2] == []

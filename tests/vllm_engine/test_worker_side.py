@@ -36,9 +36,7 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=g) for n in LAYERS}
 
 
-def worker(
-    tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False
-) -> WorkerSide:
+def worker(tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False) -> WorkerSide:
     node = L2Options(1 << 22, str(tmp_path / "shm"), "fabric") if l2 else None
     (tmp_path / "shm").mkdir(exist_ok=True)
     side = WorkerSide(PROVENANCE, Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None, node)
