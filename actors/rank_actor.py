@@ -19,6 +19,7 @@ from fabric.config import FabricConfig
 from fabric.l3.shards import ShardedLink
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.mesh import poll
+from fabric.rank.node_l2 import fabric_identity, remove_regions
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
 
@@ -324,6 +325,11 @@ class RankActor:
         return str(where / f"kvfabric-{safe}-{instance}-{index}{SUFFIX}")
 
     def shutdown(self, release_l2: bool = False) -> None:
-        """Stop; with ``release_l2``, remove the shared L2 file (the fabric is going)."""
+        """Stop; with ``release_l2``, remove the shared L2 file (the fabric is going),
+        and the node L2 regions of the fabric's engines that none uses now."""
         self._stop.set()
         self.worker.close(release_l2=release_l2)
+        where = shm_dir()
+        if release_l2 and where is not None:
+            rt = self.config.runtime
+            remove_regions(where, fabric_identity(rt.name, rt.ray_namespace))

@@ -1,7 +1,9 @@
 """A real vLLM engine's time to first token through KvFabricConnector, side by side
-in one run: cold (no connector), a hit from the fabric (its L3; loaded before
-the step's forward, and with ``load_async``), and a hit from vLLM's own ExampleConnector (safetensors files, one per layer); then the prefill
-tokens two engines save by sharing one fabric, against each alone.
+in one run: cold (no connector), a hit from the fabric's node L2 (shared memory,
+loaded layer by layer during the forward), from its L3 (the node L2 off; page
+cache warm), with ``load_async``, and a hit from vLLM's own ExampleConnector
+(safetensors files, one per layer); then the prefill tokens two engines save by
+sharing one fabric, against each alone.
 
     bash tests/vllm_engine/setup_vllm.sh
     .interop/vllm-cpu/bin/python bench/vllm_ttft.py [--size bench] [--prompt-tokens 2000]
@@ -16,9 +18,11 @@ the Mooncake trace (``../shared/traces``), hash ids mapped to token blocks as
 ``fabric.tools.workload`` does: engine A serves the first half, engine B the
 second, attached to one fabric (shared) or each to its own namespace (alone).
 
-Prints progress on stderr and one JSON line last: ``fabric_hit_over_cold``,
-``fabric_over_example``, ``cross_engine_hit_tokens``, ``tokens_identical``, with
-the times behind them.
+Prints progress on stderr and one JSON line last: ``fabric_hit_over_cold`` and
+``fabric_over_example`` (the node L2 hit), ``fabric_l3_hit_over_cold`` and
+``fabric_l3_over_example``, ``cross_engine_hit_tokens``, ``tokens_identical``,
+with the times behind them. The node L2 lives in a directory of ``/dev/shm``
+made for the run and removed after it.
 """
 
 from __future__ import annotations
@@ -89,7 +93,11 @@ def main() -> None:
     from fabric.config import FabricConfig
 
     vocab = tiny_llama.SIZES[args.size]["vocab"]
-    with tempfile.TemporaryDirectory(prefix="kvfabric-vllm-ttft-") as tmp:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with (
+        tempfile.TemporaryDirectory(prefix="kvfabric-vllm-ttft-") as tmp,
+        tempfile.TemporaryDirectory(prefix="kvfabric-vllm-ttft-l2-", dir=shm) as l2,
+    ):
         work = Path(tmp)
         say(f"making a random {args.size} Llama")
         tiny_llama.make(work / "model", args.size)
@@ -103,15 +111,20 @@ def main() -> None:
             ),
             announce=False,
         )
-        attach = ("--fabric", "vllm-ttft", "--address", fabric.cluster_address)
+        attach = ("--fabric", "vllm-ttft", "--address", fabric.cluster_address, "--l2-dir", l2)
         rng = random.Random(1)
         long = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]]
         runs = str(args.repeats + 1)
         try:
             say(f"cold: {args.prompt_tokens}-token prompt, no connector")
             cold = engine(work, long, "--runs", str(args.repeats), "--max-tokens", "1", "--warmup")
-            say("fabric: the first run stores, the later ones load")
+            say("fabric: the first run stores, the later ones load from the node L2")
             hit = engine(work, long, *attach, "--runs", runs, "--max-tokens", "1", "--warmup")
+            say("fabric without a node L2: the later runs load from L3")
+            hit_l3 = engine(
+                work, long, *attach, "--namespace", "l3", "--l2-bytes", "0", "--runs", runs,
+                "--max-tokens", "1", "--warmup",
+            )  # fmt: skip
             say("fabric with load_async: the later runs load on the workers' load threads")
             hit_async = engine(
                 work, long, *attach, "--namespace", "async", "--load-async", "--runs", runs,
@@ -138,9 +151,12 @@ def main() -> None:
 
     cold_s = ttft(cold, False)
     hit_s = ttft(hit, True)
+    l3_s = ttft(hit_l3, True)
     example_s = ttft(example, True)
     first_tokens = {
-        tuple(r["outputs"][0]) for result in (cold, hit, hit_async, example) for r in result["runs"]
+        tuple(r["outputs"][0])
+        for result in (cold, hit, hit_l3, hit_async, example)
+        for r in result["runs"]
     }
     shared_cached = sum(shared["runs"][0]["cached"])
     alone_cached = sum(alone["runs"][0]["cached"])
@@ -150,6 +166,8 @@ def main() -> None:
             {
                 "fabric_hit_over_cold": round(hit_s / cold_s, 4),
                 "fabric_over_example": round(hit_s / example_s, 4),
+                "fabric_l3_hit_over_cold": round(l3_s / cold_s, 4),
+                "fabric_l3_over_example": round(l3_s / example_s, 4),
                 "cross_engine_hit_tokens": shared_cached - alone_cached,
                 "tokens_identical": len(first_tokens) == 1
                 and shared["runs"][0]["outputs"] == alone["runs"][0]["outputs"],
@@ -157,6 +175,7 @@ def main() -> None:
                 "prompt_tokens": args.prompt_tokens,
                 "cold_ttft_s": round(cold_s, 4),
                 "fabric_hit_ttft_s": round(hit_s, 4),
+                "fabric_l3_hit_ttft_s": round(l3_s, 4),
                 "fabric_miss_ttft_s": round(hit["runs"][0]["seconds"][0], 4),
                 "fabric_async_hit_ttft_s": round(ttft(hit_async, True), 4),
                 "example_hit_ttft_s": round(example_s, 4),

@@ -95,51 +95,38 @@ class KvFabricConnector(KVConnectorBase_V1):
             if transfer.kv_load_failure_policy != "recompute":
                 # A page that fails a check must be recomputed, never fail the request.
                 transfer.kv_load_failure_policy = "recompute"
-            link = FabricLink(
-                self.options.fabric,
-                self.options.address,
-                self.options.ray_namespace,
-                self.options.timeout_s,
-                self.options.retry_s,
-            )
-            self.scheduler_side = SchedulerSide(
-                self.options,
-                self.provenance.tag,
-                placement.suffixes(),
-                group.kv_cache_spec.block_size,
-                link,
-            )
-            link.up  # noqa: B018 - attach at start-up, so the first requests can hit
+            self.scheduler_side = self._scheduler_side(placement, group.kv_cache_spec.block_size)
         else:
-            from vllm.distributed.parallel_state import (
-                get_pp_group,
-                get_tensor_model_parallel_rank,
-            )
+            self.worker_side = self._worker_side(placement, group, kv_cache_config)
 
-            placement = type(placement)(
-                placement.tp_size,
-                placement.pp_size,
-                get_tensor_model_parallel_rank(),
-                get_pp_group().rank_in_group,
-            )
-            configured = None
-            if self.options.path:
-                from fabric.engines.store import StoreOptions
+    def _scheduler_side(self, placement: Any, block_size: int) -> SchedulerSide:
+        o = self.options
+        link = FabricLink(o.fabric, o.address, o.ray_namespace, o.timeout_s, o.retry_s)
+        side = SchedulerSide(o, self.provenance.tag, placement.suffixes(), block_size, link)
+        link.up  # noqa: B018 - attach at start-up, so the first requests can hit
+        return side
 
-                configured = StoreOptions(path=self.options.path)
-            self.worker_side = WorkerSide(
-                self.provenance,
-                placement,
-                list(group.layer_names),
-                kv_cache_config.num_blocks,
-                block_bytes(kv_cache_config),
-                configured,
-                L2Options(
-                    self.options.l2_bytes,
-                    self.options.l2_dir,
-                    f"{self.options.fabric}|{self.options.ray_namespace}|{self.options.path}",
-                ),
-            )
+    def _worker_side(self, placement: Any, group: Any, kv_cache_config: Any) -> WorkerSide:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        from fabric.engines.store import StoreOptions
+
+        o = self.options
+        placement = type(placement)(
+            placement.tp_size,
+            placement.pp_size,
+            get_tensor_model_parallel_rank(),
+            get_pp_group().rank_in_group,
+        )
+        return WorkerSide(
+            self.provenance,
+            placement,
+            list(group.layer_names),
+            kv_cache_config.num_blocks,
+            block_bytes(kv_cache_config),
+            StoreOptions(path=o.path) if o.path else None,
+            L2Options(o.l2_bytes, o.l2_dir, o.fabric, o.ray_namespace),
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:

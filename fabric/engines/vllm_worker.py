@@ -1,21 +1,22 @@
 """The worker side of ``KvFabricConnector``: the rank role inside a vLLM worker.
 
-vLLM's KV blocks are this rank's L1 pool. Before a step's forward the worker
-reads the pages the scheduler named from L3 — checked as every L3 read is (the
-header binds the page's full key, its checksum and provenance) — straight into
-the blocks, one ``index_copy_`` per layer; after the forward it gathers the
-blocks the step completed, one ``index_select`` per layer straight into a page
-buffer, and a writer thread appends them to its own segment files while the
-engine steps on (the pages are reported stored once written). Page buffers are
-kept and reused: no step pays for fresh memory. Each rank reads and writes only its own shard's keys
-(the key's suffix is its pipeline stage and TP rank), so two ranks never share
-a page — the trap a single file per prompt falls into at TP=2.
+vLLM's KV blocks are this rank's L1 pool; the node's L2 (shared memory, shared
+by the node's engines) and the fabric's L3 lie under it (``vllm_moves``). A
+step's loads run before its forward or, once the forward is seen to wait for
+each layer (``wait_for_layer_load``), layer by layer on a step thread while the
+forward runs; with ``load_async`` they run on a load thread while the engine
+steps on. A step's stores are gathered layer by layer as the forward computes
+them (``save_kv_layer``) and written to L3 and the node's L2 by a writer thread
+while the engine steps on (reported stored once in L3). Each rank reads and
+writes only its own shard's keys (the key's suffix is its pipeline stage and
+TP rank), so two ranks never share a page — the trap a single file per prompt
+falls into at TP=2.
 
-A page that is missing or fails a check is never copied into a block: its block
-and every later one of that request are reported to vLLM as load errors, and
-vLLM recomputes them. A worker whose KV caches the connector cannot serve (a
-layout it does not know) stores nothing and reports every load as an error, so
-the engine still serves every request, computed.
+A page that is missing or fails a check is never served: its block and every
+later one of that request are reported to vLLM as load errors, and vLLM
+recomputes them. A worker whose KV caches the connector cannot serve (a layout
+it does not know) stores nothing and reports every load as an error, so the
+engine still serves every request, computed.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fabric.coordinator.engine_pages import StoredRun
-from fabric.engines.node_l2 import NodeL2, open_node_l2
-from fabric.engines.store import PageStore, StoreOptions, open_store
+from fabric.engines.store import StoreOptions, open_store
+from fabric.engines.vllm_moves import STAGING_BYTES, Fetched, L2Options, PageMoves
 from fabric.engines.vllm_pages import (
     STAT_KEYS,
     FabricConnectorStats,
@@ -41,41 +42,13 @@ from fabric.engines.vllm_pages import (
     Placement,
 )
 from fabric.errors import ConfigError
-from fabric.l3.format import Provenance, page_key
+from fabric.l3.format import Provenance
+from fabric.rank.node_l2 import fabric_identity, open_node_l2
 
 log = logging.getLogger(__name__)
 
-# Bytes of pages one load or store stages at once (at least one page).
-STAGING_BYTES = 64 << 20
 # Stores on the writer thread before a step waits for the oldest.
 MAX_WRITES_IN_FLIGHT = 2
-# Page buffers kept for reuse once given back.
-MAX_FREE_BUFFERS = 8
-# How long a load holds the node L2's slots it found at most (it lets go once copied).
-L2_PIN_MS = 5000
-
-
-@dataclass(frozen=True)
-class L2Options:
-    """The node's L2 for this engine's pages (``fabric.engines.node_l2``)."""
-
-    max_bytes: int
-    directory: str = ""  # empty: the node's shared memory
-    identity: str = ""  # the fabric the pages belong to
-
-
-@dataclass
-class Fetched:
-    """A job's pages found (in the node's L2) or read (from L3 into page buffers),
-    not yet in their blocks: ``parts`` in order, ``n`` pages in all."""
-
-    parts: list[tuple[str, list, tuple[int, ...]]] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    n: int = 0
-    wanted: int = 0
-    l2: int = 0  # pages found in the node's L2
-    pinned: list = field(default_factory=list)  # its slots this load holds
 
 
 @dataclass
@@ -115,9 +88,8 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
-        self.layers: list[torch.Tensor] = []
-        self.store: PageStore | None = None
-        self.l2: NodeL2 | None = None
+        self.pages = PageMoves(provenance, placement, block_bytes)
+        self.pages.promoter = self._promote_later
         self._l2_options = l2 or L2Options(max_bytes=0)
         self._configured_store = options_store
         self._broken = ""
@@ -138,8 +110,6 @@ class WorkerSide:
         # Stores: one thread writes them in order; each holds its page buffer.
         self._writer: ThreadPoolExecutor | None = None
         self._writes: deque[tuple[StoredRun | None, Future, torch.Tensor]] = deque()
-        self._free: list[torch.Tensor] = []  # page buffers not in use
-        self._buffers = threading.Lock()
 
     # -- register_kv_caches -------------------------------------------------------------
 
@@ -147,17 +117,19 @@ class WorkerSide:
         """Take vLLM's KV cache tensors as this rank's pages; a layout the connector
         cannot serve turns the worker off (logged: the engine computes)."""
         try:
-            self.layers = [self._block_rows(name, kv_caches.get(name)) for name in self.layer_names]
+            self.pages.layers = [
+                self._block_rows(name, kv_caches.get(name)) for name in self.layer_names
+            ]
         except ConfigError as exc:
             self._broken = str(exc)
             log.error("kvfabric connector: %s; this worker neither loads nor stores", exc)
-            self.layers = []
+            self.pages.layers = []
             return
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
         o = self._l2_options
-        self.l2 = open_node_l2(
-            o.directory, o.identity, self.provenance.tag, self.placement.suffix,
-            self.page_bytes, o.max_bytes,
+        self.pages.l2 = open_node_l2(
+            o.directory, fabric_identity(o.fabric, o.ray_namespace), self.provenance.tag,
+            self.placement.suffix, self.pages.page_bytes, o.max_bytes,
         )  # fmt: skip
 
     def _block_rows(self, name: str, kv: torch.Tensor | None) -> torch.Tensor:
@@ -179,25 +151,17 @@ class WorkerSide:
             )
         return rows
 
-    @property
-    def page_bytes(self) -> int:
-        return self.block_bytes * len(self.layers)
-
     def _open(self, options: StoreOptions | None) -> None:
-        if self.store is not None or self._broken:
+        if self.pages.store is not None or self._broken:
             return
         options = self._configured_store or options
         if options is None:
             return
         try:
-            self.store = open_store(options, "vllm")
+            self.pages.store = open_store(options, "vllm")
         except Exception as exc:
             self._broken = f"the L3 store at {options.path!r} cannot be opened ({exc})"
             log.error("kvfabric connector: %s; this worker neither loads nor stores", self._broken)
-
-    def _keys(self, hashes: tuple[bytes, ...]) -> list[str]:
-        tag, suffix = self.provenance.tag, self.placement.suffix
-        return [page_key(h, tag, suffix) for h in hashes]
 
     # -- start_load_kv, wait_for_layer_load ---------------------------------------------
 
@@ -216,10 +180,10 @@ class WorkerSide:
             else:
                 sync.append(job)
         pages = sum(len(job.hashes) for job in sync)
-        if sync and self._layerwise and pages * self.page_bytes <= STAGING_BYTES * 4:
+        if sync and self._layerwise and pages * self.pages.page_bytes <= STAGING_BYTES * 4:
             if self._stepper is None:
                 self._stepper = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-layers")
-            step = StepLoad(sync, [threading.Event() for _ in self.layers])
+            step = StepLoad(sync, [threading.Event() for _ in self.pages.layers])
             step.future = self._stepper.submit(self._load_layers, step)
             self._step = step
         else:
@@ -229,7 +193,7 @@ class WorkerSide:
 
     @property
     def _layerwise(self) -> bool:
-        return bool(self.layers) and len(self._waits_seen) == len(self.layers)
+        return bool(self.pages.layers) and len(self._waits_seen) == len(self.pages.layers)
 
     def wait_layer(self, name: str) -> None:
         """The forward is about to read layer ``name``: wait until it is loaded."""
@@ -252,12 +216,12 @@ class WorkerSide:
         started = time.perf_counter()
         fetched: list[Fetched] = []
         try:
-            fetched = [self._fetch(job.hashes, job.block_ids) for job in step.jobs]
+            fetched = [self.pages.fetch(job.hashes, job.block_ids) for job in step.jobs]
             for layer, event in enumerate(step.events):
                 for f in fetched:
-                    self._scatter_layer(f, layer)
+                    self.pages.scatter_layer(f, layer)
                 event.set()
-            done = [(self._settle(f), f.l2) for f in fetched]
+            done = [(self.pages.settle(f), f.l2) for f in fetched]
         except Exception as exc:  # a load that fails is recomputed, never fatal
             log.warning("kvfabric connector: loading a step's pages failed: %s", exc)
             done = [(0, 0)] * len(step.jobs)
@@ -265,7 +229,7 @@ class WorkerSide:
             for event in step.events:
                 event.set()  # a forward never waits on a load that failed
             for f in fetched:
-                self._release(f)
+                self.pages.release(f)
         seconds = time.perf_counter() - started
         return [(n, seconds / len(step.jobs), l2) for n, l2 in done]
 
@@ -292,7 +256,7 @@ class WorkerSide:
     def _timed_load(self, job: PageLoad) -> tuple[int, float, int]:
         started = time.perf_counter()
         try:
-            n, l2 = self._load_one(job.hashes, job.block_ids)
+            n, l2 = self.pages.load_one(job.hashes, job.block_ids)
         except Exception as exc:  # a load that fails is recomputed, never fatal
             log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
             n, l2 = 0, 0
@@ -318,144 +282,17 @@ class WorkerSide:
             self._loaded(job, future.result())
         return done
 
-    @property
-    def batch_pages(self) -> int:
-        return max(1, STAGING_BYTES // max(self.page_bytes, 1))
-
-    def _buffer(self) -> torch.Tensor:
-        """A page buffer (``batch_pages`` rows of ``page_bytes``) to fill; give it
-        back with ``_give``. Safe from any thread."""
-        with self._buffers:
-            if self._free:
-                return self._free.pop()
-        return torch.empty((self.batch_pages, self.page_bytes), dtype=torch.uint8)
-
-    def _give(self, buffer: torch.Tensor) -> None:
-        with self._buffers:
-            if len(self._free) < MAX_FREE_BUFFERS:
-                self._free.append(buffer)
-
-    def _load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> tuple[int, int]:
-        """Read the leading pages into their blocks, a batch at a time; how many,
-        and how many of them came from the node's L2."""
-        if not self.layers:
-            return 0, 0
-        done = l2 = 0
-        for start in range(0, len(hashes), self.batch_pages):
-            end = min(start + self.batch_pages, len(hashes))
-            f = self._fetch(hashes[start:end], block_ids[start:end])
-            try:
-                for layer in range(len(self.layers)):
-                    self._scatter_layer(f, layer)
-                n = self._settle(f)
-            finally:
-                self._release(f)
-            done += n
-            l2 += f.l2
-            if n < end - start:
-                break
-        return done, l2
-
-    def _fetch(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
-        """Find the leading pages: those the node's L2 holds (checked in place), the
-        others read from L3 into page buffers; the first that is neither ends it."""
-        keys = self._keys(hashes)
-        f = Fetched(keys=keys, wanted=len(keys))
-        if not self.layers:
-            return f
-        found: list = [None] * len(keys)
-        if self.l2 is not None:
-            found = self.l2.find(keys, pin_ms=L2_PIN_MS)  # held until copied
-            f.pinned = [x for x in found if x is not None]
-        i = 0
-        while i < len(keys):
-            if found[i] is not None:
-                j = i
-                while j < len(keys) and found[j] is not None and self.l2.check(found[j]):
-                    j += 1
-                if j > i:
-                    f.parts.append(("l2", found[i:j], block_ids[i:j]))
-                    f.n += j - i
-                    f.l2 += j - i
-                if j < len(keys) and found[j] is not None:
-                    found[j] = None  # it failed its check: L3 may hold it whole
-                i = j
-                continue
-            j = i
-            while j < len(keys) and found[j] is None and j - i < self.batch_pages:
-                j += 1
-            if self.store is None:
-                return f
-            buffer = self._buffer()
-            f.buffers.append(buffer)
-            n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
-            if n:
-                f.parts.append(("l3", [buffer[:n], keys[i : i + n], buffer], block_ids[i : i + n]))
-                f.n += n
-            if n < j - i:
-                return f
-            i = j
-        return f
-
-    def _scatter_layer(self, f: Fetched, layer: int) -> None:
-        """Copy layer ``layer`` of every fetched page into its block."""
-        rows = self.layers[layer]
-        lo, hi = layer * self.block_bytes, (layer + 1) * self.block_bytes
-        for kind, source, block_ids in f.parts:
-            if kind == "l2":
-                assert self.l2 is not None
-                pool = self.l2.pool
-                for (slot, *_), block in zip(source, block_ids, strict=True):
-                    rows[block].copy_(pool[slot, lo:hi].view(rows.dtype))
-            else:
-                part = source[0][:, lo:hi].view(rows.dtype).to(rows.device, non_blocking=True)
-                index = torch.tensor(block_ids, dtype=torch.long, device=rows.device)
-                rows.index_copy_(0, index, part)
-
-    def _settle(self, f: Fetched) -> int:
-        """How many of the fetched pages are in their blocks as they were checked:
-        a page of the node's L2 rewritten while it was copied ends the run."""
-        n = 0
-        for kind, source, block_ids in f.parts:
-            if kind == "l2":
-                assert self.l2 is not None
-                for found in source:
-                    if not self.l2.unchanged(found):
-                        return n
-                    n += 1
-            else:
-                n += len(block_ids)
-                self._promote(f, source)
-        return n
-
-    def _promote(self, f: Fetched, source: list) -> None:
-        """Pages read from L3 go into the node's L2 too, for the node's next reader
+    def _promote_later(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Keep pages read from L3 in the node's L2 too, for the node's next reader
         (on the writer thread: the load does not wait for it)."""
-        pages, keys, buffer = source
-        if self.l2 is None or self._writer is None or not len(pages):
+        if self._writer is None:
+            self.pages.give(buffer)
             return
-        f.buffers = [b for b in f.buffers if b is not buffer]  # given back once stored
         self._writes.append((None, self._writer.submit(self._put_l2, keys, pages), buffer))
 
     def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
-        return [], time.perf_counter() - started, self._l2_put(keys, pages)
-
-    def _l2_put(self, keys: list[str], pages: torch.Tensor) -> int:
-        assert self.l2 is not None
-        try:
-            return self.l2.put(keys, pages)
-        except Exception as exc:  # the node's L2 is a cache: a page not kept is a miss
-            log.warning("kvfabric connector: node L2 store failed: %s", exc)
-            return 0
-
-    def _release(self, f: Fetched) -> None:
-        for buffer in f.buffers:
-            self._give(buffer)
-        f.buffers = []
-        if f.pinned and self.l2 is not None:
-            self.l2.unpin(f.pinned)
-            f.pinned = []
+        return [], time.perf_counter() - started, self.pages.l2_put(keys, pages)
 
     def load_errors(self) -> set[int]:
         self._finish_step()
@@ -469,18 +306,18 @@ class WorkerSide:
         as soon as the forward has computed it (when the step's pages fit)."""
         self._step_save = None
         pages = sum(len(job.run.hashes) for job in meta.saves)
-        if not pages or self.store is None or not self.layers:
+        if not pages or self.pages.store is None or not self.pages.layers:
             return
-        if pages * self.page_bytes > STAGING_BYTES * 4:
+        if pages * self.pages.page_bytes > STAGING_BYTES * 4:
             return  # gathered in batches once the forward is done
         jobs = []
         for job in meta.saves:
-            for start in range(0, len(job.run.hashes), self.batch_pages):
-                end = min(start + self.batch_pages, len(job.run.hashes))
+            for start in range(0, len(job.run.hashes), self.pages.batch_pages):
+                end = min(start + self.pages.batch_pages, len(job.run.hashes))
                 hashes = job.run.hashes
                 parent = hashes[start - 1] if start else job.run.parent
                 run = StoredRun(job.run.namespace, parent, hashes[start:end])
-                jobs.append((run, job.block_ids[start:end], self._buffer()))
+                jobs.append((run, job.block_ids[start:end], self.pages.buffer()))
         self._step_save = StepSave(jobs)
 
     def save_layer(self, name: str) -> None:
@@ -489,7 +326,7 @@ class WorkerSide:
         if step is None or i is None or i in step.gathered:
             return
         for run, block_ids, buffer in step.jobs:
-            self._gather_layer(buffer[: len(run.hashes)], block_ids, i)
+            self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, i)
         step.gathered.add(i)
 
     def save(self, meta: FabricStepMeta) -> None:
@@ -498,58 +335,47 @@ class WorkerSide:
         self._finish_step()
         self._open(meta.store)
         step, self._step_save = self._step_save, None
-        if self.store is None or not self.layers:
+        if self.pages.store is None or not self.pages.layers:
             self._ended += [h for job in meta.saves for h in job.run.hashes]  # skipped
             if step is not None:
                 for _, _, buffer in step.jobs:
-                    self._give(buffer)
+                    self.pages.give(buffer)
             return
         writer = self._writer
         assert writer is not None
         if step is not None:
             for run, block_ids, buffer in step.jobs:
-                for layer in range(len(self.layers)):
+                for layer in range(len(self.pages.layers)):
                     if layer not in step.gathered:
-                        self._gather_layer(buffer[: len(run.hashes)], block_ids, layer)
+                        self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, layer)
                 pages = buffer[: len(run.hashes)]
                 self._writes.append((run, writer.submit(self._write, run, pages), buffer))
             self._written()
             return
         for job in meta.saves:
             hashes = job.run.hashes
-            for start in range(0, len(hashes), self.batch_pages):
-                end = min(start + self.batch_pages, len(hashes))
+            for start in range(0, len(hashes), self.pages.batch_pages):
+                end = min(start + self.pages.batch_pages, len(hashes))
                 while len(self._writes) >= MAX_WRITES_IN_FLIGHT:
                     self._written(wait=True)
-                buffer = self._buffer()
-                for layer in range(len(self.layers)):
-                    self._gather_layer(buffer[: end - start], job.block_ids[start:end], layer)
+                buffer = self.pages.buffer()
+                for layer in range(len(self.pages.layers)):
+                    self.pages.gather_layer(buffer[: end - start], job.block_ids[start:end], layer)
                 parent = hashes[start - 1] if start else job.run.parent
                 run = StoredRun(job.run.namespace, parent, hashes[start:end])
                 future = writer.submit(self._write, run, buffer[: end - start])
                 self._writes.append((run, future, buffer))
 
-    def _gather_layer(self, pages: torch.Tensor, block_ids: tuple[int, ...], layer: int) -> None:
-        """Copy layer ``layer`` of the blocks into ``pages`` (one page a row)."""
-        rows = self.layers[layer]
-        index = torch.tensor(block_ids, dtype=torch.long)
-        part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
-        part = part.view(rows.dtype)
-        if rows.device.type == "cpu":
-            torch.index_select(rows, 0, index, out=part)
-        else:
-            part.copy_(rows.index_select(0, index.to(rows.device)))
-
     def _write(self, run: StoredRun, pages: torch.Tensor) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
-        assert self.store is not None
-        keys = self._keys(run.hashes)
+        assert self.pages.store is not None
+        keys = self.pages.keys(run.hashes)
         try:
-            ok = self.store.store(keys, pages.numpy(), self.provenance)
+            ok = self.pages.store.store(keys, pages.numpy(), self.provenance)
         except Exception as exc:  # a store that fails is a later miss, never fatal
             log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
             ok = [False] * len(run.hashes)
-        l2 = self._l2_put(keys, pages) if self.l2 is not None else 0
+        l2 = self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
         return ok, time.perf_counter() - started, l2
 
     def _written(self, wait: bool = False) -> None:
@@ -557,7 +383,7 @@ class WorkerSide:
         while self._writes and (wait or self._writes[0][1].done()):
             run, future, buffer = self._writes.popleft()
             ok, seconds, l2 = future.result()
-            self._give(buffer)
+            self.pages.give(buffer)
             wait = False
             self.stats.data["l2_stored_pages"] += l2
             if run is None:  # a promotion into the node's L2
@@ -599,12 +425,12 @@ class WorkerSide:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._loader = self._stepper = None
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        if self.l2 is not None:
-            self.l2.close()
-            self.l2 = None
+        if self.pages.store is not None:
+            self.pages.store.close()
+            self.pages.store = None
+        if self.pages.l2 is not None:
+            self.pages.l2.close()
+            self.pages.l2 = None
 
 
 def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:

@@ -1,4 +1,4 @@
-"""The node's L2 for engine pages (``fabric.engines.node_l2``): pages shared by
+"""The node's L2 for engine pages (``fabric.rank.node_l2``): pages shared by
 every process of the node through one shared-memory file, each checked by its
 checksum when read; a slot rewritten while read is never taken as the page; a
 file others could write is repaired and emptied, one of another owner refused."""
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.engines import node_l2
-from fabric.engines.node_l2 import WAYS, NodeL2, open_node_l2
+from fabric.rank import node_l2
+from fabric.rank.node_l2 import WAYS, NodeL2, open_node_l2
 
 PAGE = 4096
 
@@ -117,7 +117,7 @@ def test_a_region_others_could_write_is_repaired_and_emptied(tmp_path, caplog):
     l2.put(["k"], page("k")[None])
     l2.close()
     os.chmod(tmp_path / "r.l2", 0o666)
-    with caplog.at_level(logging.WARNING, "fabric.engines.node_l2"):
+    with caplog.at_level(logging.WARNING, "fabric.rank.node_l2"):
         again = region(tmp_path)
     assert stat.S_IMODE(os.stat(tmp_path / "r.l2").st_mode) == 0o600
     assert again.find(["k"]) == [None]  # anyone may have written what was in it
@@ -130,7 +130,7 @@ def test_a_region_of_another_owner_is_refused_and_the_engine_runs_without(
 ):
     region(tmp_path, name=node_l2.region_name("f", "t" * 16, "0-0-0")).close()
     monkeypatch.setattr(node_l2.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
-    with caplog.at_level(logging.ERROR, "fabric.engines.node_l2"):
+    with caplog.at_level(logging.ERROR, "fabric.rank.node_l2"):
         assert open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, 1 << 20) is None
     assert "not a regular file of this user" in caplog.text
 
@@ -138,7 +138,7 @@ def test_a_region_of_another_owner_is_refused_and_the_engine_runs_without(
 def test_another_geometry_is_rebuilt_when_unused_and_left_alone_when_used(tmp_path, caplog):
     held = region(tmp_path)
     held.put(["k"], page("k")[None])
-    with caplog.at_level(logging.ERROR, "fabric.engines.node_l2"), pytest.raises(OSError):
+    with caplog.at_level(logging.ERROR, "fabric.rank.node_l2"), pytest.raises(OSError):
         NodeL2(tmp_path / "r.l2", PAGE * 2, 64, "t" * 16, "0-0-0")
     assert torch.equal(read(held, "k"), page("k"))  # the user's pages stay
     held.close()
@@ -149,7 +149,7 @@ def test_another_geometry_is_rebuilt_when_unused_and_left_alone_when_used(tmp_pa
 
 def test_open_refuses_sizes_that_hold_no_set_and_zero_means_off(tmp_path, caplog):
     assert open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, 0) is None
-    with caplog.at_level(logging.WARNING, "fabric.engines.node_l2"):
+    with caplog.at_level(logging.WARNING, "fabric.rank.node_l2"):
         assert open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, PAGE * 3) is None
     assert "l2_bytes=12288" in caplog.text
     l2 = open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, PAGE * 20)
@@ -165,7 +165,7 @@ WRITER = textwrap.dedent(
     import sys, torch
     from pathlib import Path
     from tests.rank.test_node_l2 import page, PAGE
-    from fabric.engines.node_l2 import NodeL2
+    from fabric.rank.node_l2 import NodeL2
     l2 = NodeL2(Path(sys.argv[1]), PAGE, 8, "t" * 16, "0-0-0")
     for i in range(int(sys.argv[2])):
         key = f"k{i % 11}"
@@ -203,3 +203,17 @@ def test_a_reader_racing_another_process_rewriting_slots_never_takes_wrong_bytes
     assert int(out.split()[1]) > 0  # slots really were rewritten
     assert taken > 0
     l2.close()
+
+
+def test_a_fabric_going_removes_its_regions_no_engine_uses(tmp_path):
+    mine = node_l2.fabric_identity("fab", "kvfabric")
+    used = open_node_l2(str(tmp_path), mine, "a" * 16, "0-0-0", PAGE, PAGE * 8)
+    unused = open_node_l2(str(tmp_path), mine, "b" * 16, "0-0-0", PAGE, PAGE * 8)
+    other = open_node_l2(str(tmp_path), "other|kvfabric", "a" * 16, "0-0-0", PAGE, PAGE * 8)
+    assert used and unused and other
+    unused.close()
+    other.close()
+    assert node_l2.remove_regions(tmp_path, mine) == 1
+    assert used.path.exists() and not unused.path.exists() and other.path.exists()
+    used.close()
+    assert node_l2.remove_regions(tmp_path, mine) == 1 and not used.path.exists()

@@ -37,7 +37,7 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def worker(tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False) -> WorkerSide:
-    node = L2Options(1 << 22, str(tmp_path / "shm"), "fabric") if l2 else None
+    node = L2Options(1 << 22, str(tmp_path / "shm"), "fabric", "kvfabric") if l2 else None
     (tmp_path / "shm").mkdir(exist_ok=True)
     side = WorkerSide(PROVENANCE, Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None, node)
     side.register(kv)
@@ -181,8 +181,8 @@ def test_a_damaged_node_l2_page_is_read_from_l3_instead(tmp_path):
     writer.save(FabricStepMeta(saves=[PageSave(run, (0, 1, 2))], store=store))
     writer.close()
     reader = worker(tmp_path, target, l2=True)
-    (found,) = reader.l2.find(reader._keys(run.hashes[1:2]))
-    reader.l2.pool[found[0], 7] ^= 0xFF  # a writer on the node damages the second page
+    (found,) = reader.pages.l2.find(reader.pages.keys(run.hashes[1:2]))
+    reader.pages.l2.pool[found[0], 7] ^= 0xFF  # a writer on the node damages the second page
     reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (5, 6, 7))], store=store))
     assert reader.load_errors() == set()
     for name in LAYERS:

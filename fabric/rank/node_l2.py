@@ -77,11 +77,43 @@ def digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
+def fabric_identity(name: str, ray_namespace: str) -> str:
+    """What names a fabric's regions: engines of two fabrics never share one."""
+    return f"{name}|{ray_namespace}"
+
+
+def _fabric_part(identity: str) -> str:
+    return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
+
+
 def region_name(identity: str, tag: str, suffix: str) -> str:
-    """The file name of one engine shard's region for one fabric (``identity``
-    names the fabric: engines of two fabrics never share a region)."""
-    fabric = hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
-    return f"{PREFIX}{fabric}-{tag}-{suffix}{SUFFIX}"
+    """The file name of one engine shard's region for the fabric ``identity``."""
+    return f"{PREFIX}{_fabric_part(identity)}-{tag}-{suffix}{SUFFIX}"
+
+
+def remove_regions(directory: Path, identity: str) -> int:
+    """Remove the fabric's regions in ``directory`` that no engine uses (the
+    fabric is shutting down); how many. A region an engine still has open stays
+    (it goes once unused, with a later sweep)."""
+    removed = 0
+    for path in directory.glob(f"{PREFIX}{_fabric_part(identity)}-*{SUFFIX}"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # an engine holds it
+            path.unlink(missing_ok=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _now_ms() -> int:
@@ -292,8 +324,10 @@ class NodeL2:
         return True
 
     def close(self) -> None:
-        """Stop using the region (it stays for the node's other engines; one no
-        process uses is removed by a later opener after an hour)."""
+        """Stop using the region. It stays for the node's other engines and the
+        engine's next start; the fabric's shutdown removes it once no engine
+        uses it (``remove_regions``), and a region no process used for an hour
+        is removed by the next opener on the node."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.pool = None  # type: ignore[assignment]

@@ -1,0 +1,227 @@
+"""How a vLLM worker's pages move between its KV blocks and the fabric's tiers.
+
+A page is one block of every layer of this rank. A load finds each page in the
+node's L2 (checked in place, then copied from shared memory into the blocks one
+layer at a time) or reads it from L3 into a page buffer (checked as every L3
+read is) and copies it from there; a store gathers the blocks a layer at a time
+into a page buffer. ``fetch``, ``scatter_layer`` and ``settle`` are the three
+steps of a load, so that a load can run layer by layer while the forward runs
+(``fabric.engines.vllm_worker``). Page buffers are kept and reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fabric.engines.store import PageStore
+from fabric.engines.vllm_pages import Placement
+from fabric.l3.format import Provenance, page_key
+from fabric.rank.node_l2 import NodeL2
+
+log = logging.getLogger(__name__)
+
+# Bytes of pages one load or store stages at once (at least one page).
+STAGING_BYTES = 64 << 20
+# Page buffers kept for reuse once given back.
+MAX_FREE_BUFFERS = 8
+# How long a load holds the node L2's slots it found at most (it lets go once copied).
+L2_PIN_MS = 5000
+
+
+@dataclass(frozen=True)
+class L2Options:
+    """The node's L2 for this engine's pages (``fabric.rank.node_l2``)."""
+
+    max_bytes: int
+    directory: str = ""  # empty: the node's shared memory
+    fabric: str = ""  # the fabric the pages belong to: its runtime.name
+    ray_namespace: str = ""  # and its Ray namespace
+
+
+@dataclass
+class Fetched:
+    """A job's pages found (in the node's L2) or read (from L3 into page buffers),
+    not yet in their blocks: ``parts`` in order, ``n`` pages in all."""
+
+    parts: list[tuple[str, list, tuple[int, ...]]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    n: int = 0
+    wanted: int = 0
+    l2: int = 0  # pages found in the node's L2
+    pinned: list = field(default_factory=list)  # its slots this load holds
+
+
+class PageMoves:
+    """This rank's blocks (``layers``: one row of bytes-worth of elements per
+    block, a tensor per layer), its L3 store and its node L2."""
+
+    def __init__(self, provenance: Provenance, placement: Placement, block_bytes: int) -> None:
+        self.provenance = provenance
+        self.placement = placement
+        self.block_bytes = block_bytes
+        self.layers: list[torch.Tensor] = []
+        self.store: PageStore | None = None
+        self.l2: NodeL2 | None = None
+        self._free: list[torch.Tensor] = []  # page buffers not in use
+        self._buffers = threading.Lock()
+        # Takes pages read from L3 (keys, pages, their buffer) to keep in the node's
+        # L2 later, giving the buffer back once done.
+        self.promoter: Callable[[list[str], torch.Tensor, torch.Tensor], None] | None = None
+
+    def keys(self, hashes: tuple[bytes, ...]) -> list[str]:
+        tag, suffix = self.provenance.tag, self.placement.suffix
+        return [page_key(h, tag, suffix) for h in hashes]
+
+    def buffer(self) -> torch.Tensor:
+        """A page buffer (``batch_pages`` rows of ``page_bytes``) to fill; give it
+        back with ``_give``. Safe from any thread."""
+        with self._buffers:
+            if self._free:
+                return self._free.pop()
+        return torch.empty((self.batch_pages, self.page_bytes), dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._buffers:
+            if len(self._free) < MAX_FREE_BUFFERS:
+                self._free.append(buffer)
+
+    def load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> tuple[int, int]:
+        """Read the leading pages into their blocks, a batch at a time; how many,
+        and how many of them came from the node's L2."""
+        if not self.layers:
+            return 0, 0
+        done = l2 = 0
+        for start in range(0, len(hashes), self.batch_pages):
+            end = min(start + self.batch_pages, len(hashes))
+            f = self.fetch(hashes[start:end], block_ids[start:end])
+            try:
+                for layer in range(len(self.layers)):
+                    self.scatter_layer(f, layer)
+                n = self.settle(f)
+            finally:
+                self.release(f)
+            done += n
+            l2 += f.l2
+            if n < end - start:
+                break
+        return done, l2
+
+    def fetch(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
+        """Find the leading pages: those the node's L2 holds (checked in place), the
+        others read from L3 into page buffers; the first that is neither ends it."""
+        keys = self.keys(hashes)
+        f = Fetched(keys=keys, wanted=len(keys))
+        if not self.layers:
+            return f
+        found: list = [None] * len(keys)
+        if self.l2 is not None:
+            found = self.l2.find(keys, pin_ms=L2_PIN_MS)  # held until copied
+            f.pinned = [x for x in found if x is not None]
+        i = 0
+        while i < len(keys):
+            if found[i] is not None:
+                j = i
+                while j < len(keys) and found[j] is not None and self.l2.check(found[j]):
+                    j += 1
+                if j > i:
+                    f.parts.append(("l2", found[i:j], block_ids[i:j]))
+                    f.n += j - i
+                    f.l2 += j - i
+                if j < len(keys) and found[j] is not None:
+                    found[j] = None  # it failed its check: L3 may hold it whole
+                i = j
+                continue
+            j = i
+            while j < len(keys) and found[j] is None and j - i < self.batch_pages:
+                j += 1
+            if self.store is None:
+                return f
+            buffer = self.buffer()
+            f.buffers.append(buffer)
+            n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
+            if n:
+                f.parts.append(("l3", [buffer[:n], keys[i : i + n], buffer], block_ids[i : i + n]))
+                f.n += n
+            if n < j - i:
+                return f
+            i = j
+        return f
+
+    def scatter_layer(self, f: Fetched, layer: int) -> None:
+        """Copy layer ``layer`` of every fetched page into its block."""
+        rows = self.layers[layer]
+        lo, hi = layer * self.block_bytes, (layer + 1) * self.block_bytes
+        for kind, source, block_ids in f.parts:
+            if kind == "l2":
+                assert self.l2 is not None
+                pool = self.l2.pool
+                for (slot, *_), block in zip(source, block_ids, strict=True):
+                    rows[block].copy_(pool[slot, lo:hi].view(rows.dtype))
+            else:
+                part = source[0][:, lo:hi].view(rows.dtype).to(rows.device, non_blocking=True)
+                index = torch.tensor(block_ids, dtype=torch.long, device=rows.device)
+                rows.index_copy_(0, index, part)
+
+    def settle(self, f: Fetched) -> int:
+        """How many of the fetched pages are in their blocks as they were checked:
+        a page of the node's L2 rewritten while it was copied ends the run."""
+        n = 0
+        for kind, source, block_ids in f.parts:
+            if kind == "l2":
+                assert self.l2 is not None
+                for found in source:
+                    if not self.l2.unchanged(found):
+                        return n
+                    n += 1
+            else:
+                n += len(block_ids)
+                self._promote(f, source)
+        return n
+
+    def _promote(self, f: Fetched, source: list) -> None:
+        pages, keys, buffer = source
+        if self.l2 is None or self.promoter is None or not len(pages):
+            return
+        f.buffers = [b for b in f.buffers if b is not buffer]  # the promoter gives it back
+        self.promoter(keys, pages, buffer)
+
+    def release(self, f: Fetched) -> None:
+        for buffer in f.buffers:
+            self.give(buffer)
+        f.buffers = []
+        if f.pinned and self.l2 is not None:
+            self.l2.unpin(f.pinned)
+            f.pinned = []
+
+    def gather_layer(self, pages: torch.Tensor, block_ids: tuple[int, ...], layer: int) -> None:
+        """Copy layer ``layer`` of the blocks into ``pages`` (one page a row)."""
+        rows = self.layers[layer]
+        index = torch.tensor(block_ids, dtype=torch.long)
+        part = pages[:, layer * self.block_bytes : (layer + 1) * self.block_bytes]
+        part = part.view(rows.dtype)
+        if rows.device.type == "cpu":
+            torch.index_select(rows, 0, index, out=part)
+        else:
+            part.copy_(rows.index_select(0, index.to(rows.device)))
+
+    def l2_put(self, keys: list[str], pages: torch.Tensor) -> int:
+        assert self.l2 is not None
+        try:
+            return self.l2.put(keys, pages)
+        except Exception as exc:  # the node's L2 is a cache: a page not kept is a miss
+            log.warning("kvfabric connector: node L2 store failed: %s", exc)
+            return 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_bytes * len(self.layers)
+
+    @property
+    def batch_pages(self) -> int:
+        return max(1, STAGING_BYTES // max(self.page_bytes, 1))
