@@ -98,7 +98,7 @@ def connected(fab, l2_dir: Path | None = None) -> tuple[str, ...]:
     """Attach to ``fab``, with the node L2 in ``l2_dir`` (default: the module's
     own; another directory is another node)."""
     l2 = l2_dir or Path(fab.config.storage.path).parent / "shm"
-    l2.mkdir(exist_ok=True)
+    l2.mkdir(parents=True, exist_ok=True)
     return ("--fabric", fab.config.runtime.name, "--address", fab.cluster_address,
             "--l2-dir", str(l2), "--l2-bytes", str(64 << 20))  # fmt: skip
 
