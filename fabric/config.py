@@ -395,7 +395,9 @@ class RuntimeConfig(_Section):
     straggler_policy: str = _one_of(STRAGGLER_POLICIES, "report")
     max_request_retries: NonNegativeInt = 3
     lease_ttl_s: PositiveFloat = 300.0
-    max_message_bytes: Annotated[int, _allowed("an integer >= 4096", ge=4096)] = 64 << 20
+    max_message_bytes: Annotated[
+        int, _allowed("an integer in [4096, 268435456] (256 MiB)", ge=4096, le=256 << 20)
+    ] = 64 << 20
     max_pending_requests: PositiveInt = 4096
     # Engine pages (a vLLM engine's, through fabric.engines.vllm_connector) the
     # coordinator remembers, whole or reported by some ranks only; the least

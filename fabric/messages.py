@@ -7,6 +7,12 @@ versions, extension types, missing or unknown fields, values of the wrong type
 (a bool is not an int, a float not an int) or out of range, strings that are not
 UTF-8 — and raises ``InvalidMessage`` naming where, and nothing else, whatever
 the bytes. Oversized input is refused before decoding.
+
+Every field has a type and both bounds the code relies on: an int its range, a
+str or bytes value and a sequence their longest length (``MAX_ITEMS`` entries,
+``MAX_BLOB`` bytes — the coordinator cuts commands to fit), a chain start is
+empty or a 32-byte hash, packed tokens whole 4-byte tokens
+(``tests/test_messages.py`` walks every field of every type and proves it).
 """
 
 from __future__ import annotations
@@ -15,18 +21,41 @@ from typing import Annotated, Any
 
 import msgspec
 
+from fabric.cache.keys import MAX_NAMESPACE_CHARS
 from fabric.errors import InvalidInput
 
 VERSION = 1
 DEFAULT_MAX_BYTES = 64 << 20
+# The most entries of one sequence field (a command's pages, a batch's commands)
+# and bytes of one bytes field (a command's packed tokens); the largest message
+# (``runtime.max_message_bytes``) is at most ``MAX_BLOB``.
+MAX_ITEMS = 1 << 20
+MAX_BLOB = 256 << 20
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAMESPACE_CHARS)]
+# A namespace or none (``Prefetch``: pages left unnamed).
+OptionalName = Annotated[str, msgspec.Meta(min_length=0, max_length=MAX_NAMESPACE_CHARS)]
 Hash = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 # Where a page-hash chain continues from: a page's hash, or a namespace's seed —
 # empty for SGLang's unseeded chain (namespace ``sglang``, ``fabric.cache.keys``).
-ChainStart = Annotated[bytes, msgspec.Meta(max_length=32)]
-Incarnation = Annotated[str, msgspec.Meta(max_length=64)]
+# Exactly 0 or 32 bytes (``_check_chain``).
+ChainStart = Annotated[bytes, msgspec.Meta(min_length=0, max_length=32)]
+Incarnation = Annotated[str, msgspec.Meta(min_length=0, max_length=64)]
+# Packed tokens (``fabric.cache.keys.pack_tokens``): whole 4-byte tokens (``_check_tokens``).
+Tokens = Annotated[bytes, msgspec.Meta(min_length=0, max_length=MAX_BLOB)]
+Counts = Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+Hashes = Annotated[tuple[Hash, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+def _check_chain(prev_hash: bytes) -> None:
+    if len(prev_hash) not in (0, 32):
+        raise ValueError(f"prev_hash of {len(prev_hash)} bytes: allowed is 0 or 32")
+
+
+def _check_tokens(name: str, tokens: bytes) -> None:
+    if len(tokens) % 4:
+        raise ValueError(f"{name} of {len(tokens)} bytes: allowed is whole 4-byte tokens")
 
 
 class InvalidMessage(InvalidInput):
@@ -49,7 +78,11 @@ class SlidingPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     page: Count
     pool_page: Count
     prev_hash: ChainStart
-    tokens: bytes
+    tokens: Tokens
+
+    def __post_init__(self) -> None:
+        _check_chain(self.prev_hash)
+        _check_tokens("tokens", self.tokens)
 
 
 class MambaPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -82,18 +115,23 @@ class Compute(_Message, frozen=True):
     cmd_id: Count
     namespace: Name
     prev_hash: ChainStart
-    tokens: bytes
+    tokens: Tokens
     start_token: Count
-    pages: tuple[Count, ...]
-    prefix: bytes = b""
-    prefix_pages: tuple[Count, ...] = ()
+    pages: Counts
+    prefix: Tokens = b""
+    prefix_pages: Counts = ()
     # A hybrid model's other components this compute also stores.
-    sliding: tuple[SlidingPart, ...] = ()
-    mamba: tuple[MambaPart, ...] = ()
+    sliding: Annotated[tuple[SlidingPart, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    mamba: Annotated[tuple[MambaPart, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
     keep: Count = 0
-    from_state: tuple[Count, ...] = ()
-    states_at: tuple[Count, ...] = ()
-    window: tuple[Count, ...] = ()
+    from_state: Counts = ()
+    states_at: Counts = ()
+    window: Counts = ()
+
+    def __post_init__(self) -> None:
+        _check_chain(self.prev_hash)
+        _check_tokens("tokens", self.tokens)
+        _check_tokens("prefix", self.prefix)
 
 
 class Write(_Message, frozen=True):
@@ -101,24 +139,24 @@ class Write(_Message, frozen=True):
     state slots, L1 to L2)."""
 
     cmd_id: Count
-    device_pages: tuple[Count, ...]
-    host_pages: tuple[Count, ...]
-    sliding_src: tuple[Count, ...] = ()
-    sliding_dst: tuple[Count, ...] = ()
-    mamba_src: tuple[Count, ...] = ()
-    mamba_dst: tuple[Count, ...] = ()
+    device_pages: Counts
+    host_pages: Counts
+    sliding_src: Counts = ()
+    sliding_dst: Counts = ()
+    mamba_src: Counts = ()
+    mamba_dst: Counts = ()
 
 
 class Load(_Message, frozen=True):
     """Copy L2 pages to L1 pages (and a hybrid model's components, L2 to L1)."""
 
     cmd_id: Count
-    host_pages: tuple[Count, ...]
-    device_pages: tuple[Count, ...]
-    sliding_src: tuple[Count, ...] = ()
-    sliding_dst: tuple[Count, ...] = ()
-    mamba_src: tuple[Count, ...] = ()
-    mamba_dst: tuple[Count, ...] = ()
+    host_pages: Counts
+    device_pages: Counts
+    sliding_src: Counts = ()
+    sliding_dst: Counts = ()
+    mamba_src: Counts = ()
+    mamba_dst: Counts = ()
 
 
 class Backup(_Message, frozen=True):
@@ -127,12 +165,12 @@ class Backup(_Message, frozen=True):
     chain hashes of their pages (``fabric.cache.controller.StorageParts``)."""
 
     cmd_id: Count
-    host_pages: tuple[Count, ...]
-    page_hashes: tuple[Hash, ...]
-    sliding_pages: tuple[Count, ...] = ()
-    sliding_hashes: tuple[Hash, ...] = ()
-    mamba_slots: tuple[Count, ...] = ()
-    mamba_hashes: tuple[Hash, ...] = ()
+    host_pages: Counts
+    page_hashes: Hashes
+    sliding_pages: Counts = ()
+    sliding_hashes: Hashes = ()
+    mamba_slots: Counts = ()
+    mamba_hashes: Hashes = ()
 
 
 class Prefetch(_Message, frozen=True):
@@ -142,18 +180,22 @@ class Prefetch(_Message, frozen=True):
 
     cmd_id: Count
     op_id: Count
-    host_pages: tuple[Count, ...]
-    page_hashes: tuple[Hash, ...]
+    host_pages: Counts
+    page_hashes: Hashes
     # The pages' names (``fabric.rank.index``): namespace, the chain hash before
     # the first page and the pages' packed tokens; a restarted coordinator can
     # then adopt prefetched pages too. Empty: the pages stay unnamed.
-    namespace: str = ""
-    prev_hash: bytes = b""
-    tokens: bytes = b""
-    sliding_pages: tuple[Count, ...] = ()
-    sliding_hashes: tuple[Hash, ...] = ()
-    mamba_slots: tuple[Count, ...] = ()
-    mamba_hashes: tuple[Hash, ...] = ()
+    namespace: OptionalName = ""
+    prev_hash: ChainStart = b""
+    tokens: Tokens = b""
+    sliding_pages: Counts = ()
+    sliding_hashes: Hashes = ()
+    mamba_slots: Counts = ()
+    mamba_hashes: Hashes = ()
+
+    def __post_init__(self) -> None:
+        _check_chain(self.prev_hash)
+        _check_tokens("tokens", self.tokens)
 
 
 Command = Compute | Write | Load | Backup | Prefetch
@@ -169,10 +211,10 @@ class Batch(_Message, frozen=True):
     Every command up to ``acked`` is committed: a rank forgets their failures."""
 
     epoch: Count
-    commands: tuple[Command, ...]
-    stop: tuple[Count, ...] = ()
-    forget: tuple[Count, ...] = ()
-    incarnations: tuple[Incarnation, ...] = ()
+    commands: Annotated[tuple[Command, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+    stop: Counts = ()
+    forget: Counts = ()
+    incarnations: Annotated[tuple[Incarnation, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
     acked: Count = 0
 
 
@@ -197,9 +239,9 @@ class Report(_Message, frozen=True):
     computes_done: Count
     writes_done: Count
     loads_done: Count
-    failed: tuple[Count, ...]
+    failed: Counts
     backups_done: Count = 0
-    prefetch: tuple[PrefetchProgress, ...] = ()
+    prefetch: Annotated[tuple[PrefetchProgress, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
 
 
 # Upper bounds of encoded sizes, so a batch is cut to fit ``max_message_bytes``
@@ -246,14 +288,14 @@ def pages_per_command(kind: str, budget: int, page_size: int, namespace_chars: i
     }[kind]
     named = kind in ("compute", "prefetch")
     fixed = _OVERHEAD + (4 * namespace_chars + _HASH if named else 0)
-    return max(0, (budget - fixed) // per_page)
+    return min(MAX_ITEMS, max(0, (budget - fixed) // per_page))
 
 
 def parts_per_command(budget: int, page_size: int, namespace_chars: int) -> int:
     """The most component parts (each at most a page of tokens and a hash) one
     compute may carry within ``budget`` bytes, at least 1."""
     fixed = _OVERHEAD + 4 * namespace_chars + _HASH
-    return max(1, (budget - fixed) // (_PART + 5 + 4 * page_size))
+    return min(MAX_ITEMS, max(1, (budget - fixed) // (_PART + 5 + 4 * page_size)))
 
 
 _encoder = msgspec.msgpack.Encoder()
