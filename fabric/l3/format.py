@@ -82,10 +82,11 @@ def check_key(key: str) -> str:
     return key
 
 
-def checksum(payload: bytes | memoryview) -> int:
+def checksum(payload: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32 of ``payload`` (continuing ``value``: the CRC of what came before)."""
     # CRC-32 catches torn, truncated and bit-flipped pages at memory speed; who
     # may read a page is settled by its key (a hash of namespace and prefix).
-    return _crc32(payload)
+    return _crc32(payload, value)
 
 
 def encode_header(

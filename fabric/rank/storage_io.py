@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -46,11 +47,14 @@ class StorageIO:
         faults,
         rank: str,
         suffix: str,
+        check_host: Callable[[list[int], int], None] | None = None,
     ) -> None:
         """``faults``: the rank's injected faults (``fabric.rank.worker.Faults``),
         read before every prefetch batch; ``rank``: its name in logs; ``suffix``:
-        its shard's name in L3 keys."""
+        its shard's name in L3 keys; ``check_host(slots, every)``: raises when an
+        L2 page about to be read is corrupt (a shared L2: ``RankWorker.check_host``)."""
         self.ledger, self.pools, self.names, self.link = ledger, pools, names, link
+        self.check_host = check_host
         self.batch_pages = config.storage.transfer_batch_pages
         self.page_size = config.cache.page_size
         self.faults, self.rank, self.suffix = faults, rank, suffix
@@ -103,6 +107,8 @@ class StorageIO:
                 if epoch != self.ledger.epoch:
                     return False
                 pools = self.pools
+                if self.check_host is not None:  # never copied into L3 under a fresh checksum
+                    self.check_host(list(cmd.host_pages), 1)
                 rows = pools["full"].host.rows(cmd.host_pages) if cmd.host_pages else None
                 sliding = states = None
                 if cmd.sliding_pages:

@@ -47,6 +47,15 @@ from fabric.topology import Shard, Topology
 
 log = logging.getLogger(__name__)
 
+# Of the shared L2 pages loaded into L1, every this many is checked against its
+# checksum (every page backed up to L3 is; a restarted rank checks every page it
+# adopts). The cost: bench/shared_l2_checks.py.
+L2_CHECK_EVERY = 8
+
+
+class CorruptL2(RuntimeError):
+    """A shared L2 page changed outside the rank (it fails its checksum)."""
+
 
 @dataclass
 class Faults:
@@ -123,6 +132,7 @@ class RankWorker:
             self.faults,
             str(self.shard.rank),
             self.suffix,
+            self.check_host if self.shared_l2 is not None else None,
         )
 
     @property
@@ -294,9 +304,13 @@ class RankWorker:
         names = self.names
         device = [p for c in group for p in c.device_pages]
         host = [p for c in group for p in c.host_pages]
+        if not to_host and self.shared_l2 is not None:
+            self.check_host(host, L2_CHECK_EVERY)
         (names.forget_host if to_host else names.forget_device)(host if to_host else device)
         src, dst = (device, host) if to_host else (host, device)
         self._copy(self.pools["full"], src, dst, to_host)
+        if to_host and self.shared_l2 is not None:
+            self._synchronize()  # the pages' checksums are taken as they are named
         if to_host:
             names.copied(names.device, device, names.host, host)
         else:
@@ -316,6 +330,20 @@ class RankWorker:
             if part_src:
                 self._copy(self.pools[component], part_src, part_dst, to_host)
         self._synchronize()
+
+    def check_host(self, slots: list[int], every: int) -> None:
+        """Raise ``CorruptL2`` (the command fails: the coordinator recomputes) when a
+        shared L2 page about to be read is corrupt — one found so before, or one
+        of a sample (every ``every``-th page) whose checksum fails now; its name
+        is dropped first, so it is never adopted either."""
+        assert self.shared_l2 is not None
+        bad = self.shared_l2.check(slots, every)
+        if bad:
+            self.names.forget_host(bad)
+            raise CorruptL2(
+                f"rank {self.shard.rank}: shared L2 pages in slots {sorted(set(bad))[:8]} "
+                f"failed their checksum (changed outside the rank); dropped"
+            )
 
     def _synchronize(self) -> None:
         """On a GPU: wait until the work queued on the current stream is done."""

@@ -212,7 +212,10 @@ def test_every_field_of_every_message_type_has_a_type_and_both_bounds():
         "SlidingPart", "MambaPart", "PrefetchProgress",
     }  # fmt: skip
     missing = [
-        u for s in STRUCTS for name, ann in _fields(s) for u in _unbounded(ann, f"{s.__name__}.{name}")
+        u
+        for s in STRUCTS
+        for name, ann in _fields(s)
+        for u in _unbounded(ann, f"{s.__name__}.{name}")
     ]
     assert missing == []
 
@@ -243,9 +246,12 @@ def _instance(struct: type):
 
 
 def _required(struct: type, name: str) -> bool:
-    return name not in struct.__struct_fields__[
-        len(struct.__struct_fields__) - len(struct.__struct_defaults__) :
-    ]
+    return (
+        name
+        not in struct.__struct_fields__[
+            len(struct.__struct_fields__) - len(struct.__struct_defaults__) :
+        ]
+    )
 
 
 def _plain(value):

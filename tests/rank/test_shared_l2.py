@@ -178,3 +178,122 @@ def test_too_little_shared_memory_keeps_l2_in_the_process(tmp_path, monkeypatch,
     r = f.serve(tokens)
     assert r.error is None and f.verify(r, tokens) == [True] * 4
     f.close()
+
+
+# -- trust: the file's owner and mode, and every page's checksum ---------------------
+
+
+def test_a_file_others_could_write_is_repaired_and_started_empty(tmp_path, caplog):
+    path = tmp_path / "rank-0.l2"
+    store = SharedL2(path, GEOMETRY, slots=2, token_bytes=TB)
+    store.put(0, "a", b"\2" * 32, bytes(TB))
+    store.close()
+    os.chmod(path, 0o666)
+    with caplog.at_level("WARNING", "fabric.rank.shared_l2"):
+        again = SharedL2(path, GEOMETRY, slots=2, token_bytes=TB)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert not again.reattached and again.names() == {}
+    assert "repaired to 0600 and started empty" in caplog.text
+    again.close(unlink=True)
+
+
+def test_a_file_of_another_owner_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "rank-0.l2"
+    SharedL2(path, GEOMETRY, slots=1, token_bytes=TB).close()
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 1)
+    with pytest.raises(OSError, match="not a regular file of this user"):
+        SharedL2(path, GEOMETRY, slots=1, token_bytes=TB)
+
+
+def test_a_page_changed_after_it_was_named_is_not_adopted_and_is_found_by_checks(tmp_path):
+    path = tmp_path / "rank-0.l2"
+    store = SharedL2(path, GEOMETRY, slots=4, token_bytes=TB)
+    for slot in range(4):
+        store.pool[slot * 16 : slot * 16 + 16] = bytes([slot + 1]) * 16
+        store.put(slot, "a", bytes([slot]) * 32, bytes(TB))
+    store.pool[2 * 16 + 5] ^= 0x01  # another process of the node flips one bit of page 2
+    assert store.check([0, 1, 3]) == [] and store.check([2]) == [2]
+    assert store.check([2], every=1000) == [2], "once found, always refused until rewritten"
+    store.close()
+    again = SharedL2(path, GEOMETRY, slots=4, token_bytes=TB)
+    assert set(again.names()) == {0, 1, 3} and again.corrupt_pages == 1
+    again.pool[2 * 16 : 3 * 16] = b"\x09" * 16
+    again.put(2, "a", b"\2" * 32, bytes(TB))  # written and named anew: whole again
+    assert again.check([2]) == [] and set(again.names()) == {0, 1, 2, 3}
+    again.close(unlink=True)
+
+
+def test_checks_of_loads_take_a_sample(tmp_path):
+    store = SharedL2(tmp_path / "rank-0.l2", GEOMETRY, slots=4, token_bytes=TB)
+    for slot in range(4):
+        store.put(slot, "a", bytes([slot]) * 32, bytes(TB))
+    for slot in range(4):
+        store.pool[slot * 16] ^= 0xFF  # every page corrupt
+    found = [store.check([slot], every=4) for slot in range(4)]
+    assert sum(bool(f) for f in found) == 1, "one page in four is checked"
+    assert sorted(set(store.check([0, 1, 2, 3], every=1))) == [0, 1, 2, 3]
+    store.close(unlink=True)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_pages_checksum_covers_exactly_its_bytes_in_each_layout(tmp_path, layout):
+    """A page's bytes are its K and V of every layer wherever the layout puts
+    them: a change to any of them changes its checksum, a change elsewhere not."""
+    from fabric.rank.shared_l2 import _page_spans
+
+    pages, tokens, layers, heads, dim = 3, 2, 2, 1, 2
+    shape = {
+        "layer_first": (2, layers, pages * tokens, heads, dim),
+        "page_first": (2, pages * tokens, layers, heads, dim),
+        "page_first_direct": (2, pages, layers, tokens, heads, dim),
+    }[layout]
+    pool = torch.zeros(shape, dtype=torch.float16)
+    view = {  # (2, pages, page tokens, layers, heads, dim), as KVPool views it
+        "layer_first": lambda: pool.view(2, layers, pages, tokens, heads, dim).permute(
+            0, 2, 3, 1, 4, 5
+        ),
+        "page_first": lambda: pool.view(2, pages, tokens, layers, heads, dim),
+        "page_first_direct": lambda: pool.permute(0, 1, 3, 2, 4, 5),
+    }[layout]()
+    geometry = {"shape": list(shape), "pool_bytes": pool.numel() * 2, "layout": layout}
+    spans = _page_spans(geometry, pages)
+    raw = pool.view(-1).view(torch.uint8)
+    for page in range(pages):
+        covered = torch.zeros(raw.numel(), dtype=torch.bool)
+        for offset, length in spans(page):
+            covered[offset : offset + length] = True
+        pool.zero_()
+        view[:, page] = 1.0
+        assert torch.equal(raw != 0, covered & (raw != 0)) and int(covered.sum()) == (
+            2 * tokens * layers * heads * dim * 2
+        ), "the spans are exactly the page's bytes"
+
+
+@pytest.fixture
+def check_every_page(monkeypatch):
+    import fabric.rank.worker as worker
+
+    monkeypatch.setattr(worker, "L2_CHECK_EVERY", 1)
+
+
+def test_a_corrupt_l2_page_is_never_served_the_fabric_recomputes(tmp_path, check_every_page):
+    """Every named L2 page of rank 0 is changed behind it; the next pass that would
+    load them from L2 fails those loads (the coordinator resets and recomputes)
+    and every answer is still right."""
+    f = LocalFabric(small_config("cache.host_tokens=384"), l2_dir=tmp_path)
+    prompts = [pack_tokens(prompt(seed, pages=3)) for seed in range(20)]  # more than L1 holds
+    first_pass(f, prompts)
+    rank = f.ranks[0]
+    slots = list(rank.names.host)
+    assert slots
+    rows = rank.pools["full"].host.pages  # (2, pages, page tokens, layers, heads, dim)
+    for slot in slots:
+        rows[:, slot] += 1.0
+    for tokens in prompts:
+        r = f.serve(tokens)
+        assert r.error is None and f.verify(r, tokens) == [True] * 4
+        f.core.release(r.lease)
+    assert rank.shared_l2.corrupt_pages > 0
+    assert f.core.stats.resets >= 1, "the failed loads reset L1/L2: recomputed"
+    f.core.cache.check_integrity()
+    f.close()
