@@ -78,10 +78,16 @@ class FabricGenerator:
                 f"the model has layers, kv_heads, head_dim = {shape}; the fabric's config says "
                 f"{(m.layers, m.kv_heads, m.head_dim)}"
             )
+        self.dtype = _DTYPES[m.dtype]
+        weights = next((p.dtype for p in model.parameters()), self.dtype)
+        if weights != self.dtype:  # its KV would be rounded into the fabric's dtype
+            raise ConfigError(
+                f"the model computes in {str(weights).removeprefix('torch.')}; the fabric's "
+                f"config says model.dtype={m.dtype}"
+            )
         self.model = model
         self.config = config
         self.page_size = config.cache.page_size
-        self.dtype = _DTYPES[m.dtype]
         self.store = store if isinstance(store, PageStore) else open_store(store, "hf")
         topo = Topology(config.topology)
         provenances = component_provenances(config)
@@ -141,6 +147,13 @@ class FabricGenerator:
         """Give the store ``key``'s pages after the first ``skip_pages`` whose KV ``kv``
         ``(2, layers, kv_heads, >= tokens, head_dim)`` covers, on every shard; the
         pages stored on every shard (those it held already count)."""
+        m = self.config.model
+        want = (2, m.layers, m.kv_heads, m.head_dim)
+        if kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != want:
+            raise InvalidInput(
+                f"KV of shape {tuple(kv.shape)} is refused: allowed is (2, layers, kv_heads, "
+                f"tokens, head_dim) with (2, layers, kv_heads, head_dim) = {want}"
+            )
         pages = min(key.num_pages, kv.shape[3] // self.page_size)
         if pages <= skip_pages:
             return 0

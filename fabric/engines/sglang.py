@@ -287,13 +287,22 @@ class KvFabricStorage(HiCacheStorage):
                     "number of KV heads) in the extra config"
                 )
             return cfg.tp_rank
+        if total % cfg.tp_size and cfg.tp_size % total:
+            raise ConfigError(
+                f"kv_heads={total} is refused: with {cfg.tp_size} TP ranks allowed is a "
+                "multiple of the TP size, or a divisor of it"
+            )
+        per_rank = max(1, total // cfg.tp_size)  # SGLang's heads per rank
+        if heads != per_rank:
+            # The declared count is not this pool's: two ranks holding different
+            # heads would share a key (or one head be split under two).
+            raise ConfigError(
+                f"kv_heads={total} at TP {cfg.tp_size} means {per_rank} KV heads per rank, "
+                f"but this rank's host pool holds {heads}: the declared geometry is not the "
+                f"pool's (kv_heads is the model's KV head count, before the TP split)"
+            )
         if total >= cfg.tp_size:
             return cfg.tp_rank
-        if cfg.tp_size % total:
-            raise ConfigError(
-                f"kv_heads={total} is refused: with {cfg.tp_size} TP ranks allowed is at "
-                "least the TP size, or a divisor of it"
-            )
         return cfg.tp_rank // (cfg.tp_size // total)
 
     # -- keys ------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from fabric.engines.keys import PageNamer, check_tenant, shard_suffix, vllm_hash
 from fabric.engines.store import PageStore, StoreOptions, open_store, parse_options
+from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,14 @@ class KvFabricTier(SecondaryTierManager):
         ):
             self.events = []
         chunk = self.block_size_bytes
-        self.primary = np.asarray(primary_kv_view).view(np.uint8).reshape(-1, chunk)
+        primary = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
+        if chunk <= 0 or primary.size % chunk:
+            raise ConfigError(
+                f"kvfabric vLLM tier: the primary KV view holds {primary.size} bytes, not a "
+                f"whole number of chunks of {chunk} bytes as the offloading spec declares: "
+                "the declared geometry is not the pool's"
+            )
+        self.primary = primary.reshape(-1, chunk)
         provenance, suffix = chunk_provenance(offloading_spec, chunk)
         self.provenance = provenance
         self.namer = PageNamer(provenance, suffix)

@@ -14,9 +14,12 @@ What a rank cannot read itself — no backend, Redis, a root this node does not
 have, an auth key it cannot read — goes through the storage actor as before. A
 file that vanished or was cut short is a miss (a short prefetch); a page that
 fails a check is refused, and the batch ends there, as in ``L3Backend.get``.
-Files are opened without following links, never blocking on a FIFO
-(``fabric.l3.safe_open``); open segments are kept (a few, least recently used
-first out) since a prefetch reads runs of pages from one.
+Every page read here passes the one check the storage actor's reads pass
+(``fabric.l3.format.check_read``), and every outcome — a page served, a miss, a
+refusal and its reason — is counted in the store's figures as its own reads
+count them. Files are opened without following links, never blocking on a FIFO
+(``fabric.l3.safe_open``), and closed once the batch is read: a segment another
+node evicts or clears is never held open here (its disk is freed).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import contextlib
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -34,7 +36,7 @@ import numpy as np
 from fabric.config import FabricConfig
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import Location
-from fabric.l3.format import PREAMBLE, Provenance, check_record, header_length
+from fabric.l3.format import PREAMBLE, Provenance, check_read, header_length
 from fabric.l3.format import page_key as make_key
 from fabric.l3.safe_open import open_regular
 from fabric.l3.service import component_provenances, provenance_bytes
@@ -42,7 +44,6 @@ from fabric.l3.service import component_provenances, provenance_bytes
 log = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
-_OPEN_FILES = 16  # segment descriptors kept open
 _MAX_GAP = 256  # between two records read in one call: a frame and a key
 _RUN_PAGES = 300  # pages per read call (three iovecs each, under IOV_MAX)
 
@@ -80,7 +81,6 @@ class DirectReads:
         self._lock = threading.Lock()
         self._root: str | None = None
         self._root_fd: int | None = None
-        self._files: OrderedDict[str, int] = OrderedDict()
         # The last prefetch's pages and where they lie (``plan``).
         # (suffix, component, hashes, first index of each hash, where they lie)
         self._planned: tuple[str, str, list[bytes], dict[bytes, int], Any] | None = None
@@ -156,65 +156,56 @@ class DirectReads:
                 self._root_fd = None
             return self._root_fd is not None
 
-    def _open(self, name: str) -> tuple[int | str, bool]:
+    def _open(self, name: str) -> int | str:
         """A read descriptor of ``name`` (``file`` or ``dir/file`` under the root,
-        no link followed) and whether the caller closes it; or why not
-        (``fabric.l3.safe_open``). Segments stay open for the next run; a page
-        file is read once."""
+        no link followed), which the caller closes; or why not
+        (``fabric.l3.safe_open``: ``miss`` for a file that is gone)."""
         assert self._root_fd is not None
-        with self._lock:
-            fd = self._files.get(name)
-            if fd is not None:
-                self._files.move_to_end(name)
-                return fd, False
         parent, _, base = name.rpartition("/")
         if not parent:
-            got = open_regular(base, self._root_fd)
-        else:
-            if "/" in parent or parent in (".", ".."):
-                return "not_regular", False
-            try:
-                dir_fd = os.open(parent, _DIR, dir_fd=self._root_fd)
-            except OSError:
-                return "miss", False
-            try:
-                got = open_regular(base, dir_fd)
-            finally:
-                os.close(dir_fd)
-        if not isinstance(got, int) or parent:
-            return got, True
-        with self._lock:
-            self._files[name] = got
-            while len(self._files) > _OPEN_FILES:
-                _, old = self._files.popitem(last=False)
-                os.close(old)
-        return got, False
+            return open_regular(base, self._root_fd)
+        if "/" in parent or parent in (".", ".."):
+            return "not_regular"
+        try:
+            dir_fd = os.open(parent, _DIR, dir_fd=self._root_fd)
+        except OSError:
+            return "miss"
+        try:
+            return open_regular(base, dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _read_run(
         self, run: list[Location], keys: list[str], rows: np.ndarray, prov: Provenance
     ) -> Iterator[str | None]:
         """Read ``run`` (records one after another in one file, or one page file)
-        into ``rows`` in one call, then check each page: ``None`` per page served,
-        else why not (the caller stops there)."""
-        fd, close = self._open(run[0].file)
+        into ``rows`` in one call, then check each page as the storage actor's
+        reads do (``check_read``): ``None`` per page served, else why not (the
+        caller stops there)."""
+        fd = self._open(run[0].file)
         if not isinstance(fd, int):
             yield fd
             return
         try:
             heads, got = self._pread(fd, run, rows)
         except OSError:
-            yield "miss"
-            return
+            heads, got = [], 0
         finally:
-            if close:
-                os.close(fd)
+            os.close(fd)
+        if isinstance(heads, str):  # a page file whose preamble is not the format's
+            yield heads
+            return
         at = 0
-        for i, (key, head, row) in enumerate(zip(keys, heads, rows, strict=True)):
-            if got < at + len(head) + row.nbytes:
-                yield "truncated"
-                return
-            at = at + len(head) + row.nbytes + _gap(run, i)
-            refused = check_record(head, row, prov, key, self.auth)
+        for i, (loc, key, row) in enumerate(zip(run, keys, rows, strict=True)):
+            head = heads[i] if i < len(heads) else bytearray(loc.head)
+            stored = loc.payload if loc.head > 0 else None
+            mine = (
+                max(got - at, 0)
+                if i + 1 == len(run)
+                else min(max(got - at, 0), len(head) + row.nbytes)
+            )
+            at += len(head) + row.nbytes + _gap(run, i)
+            refused = check_read(head, row, mine, prov, key, self.auth, stored)
             yield refused
             if refused is not None:
                 return
@@ -226,9 +217,11 @@ class DirectReads:
         first = run[0]
         if first.head <= 0:  # a page file: the preamble says how long its header is
             n = header_length(os.pread(fd, PREAMBLE, first.offset))
-            head = bytearray(PREAMBLE + (n if isinstance(n, int) else 0))
+            if isinstance(n, str):
+                return n, 0
+            head = bytearray(PREAMBLE + n)
             got = os.preadv(fd, [head, memoryview(rows[0]).cast("B"), bytearray(1)], first.offset)
-            return [head], got  # a byte past the page: a file longer than one is cut off
+            return [head], got  # a byte past the page: a file longer than its record
         heads, iov = [], []
         for i, (loc, row) in enumerate(zip(run, rows, strict=True)):
             heads.append(bytearray(loc.head))
@@ -239,10 +232,9 @@ class DirectReads:
         return heads, os.preadv(fd, iov, first.offset)
 
     def _close(self) -> None:
-        for fd in [*self._files.values(), *([self._root_fd] if self._root_fd is not None else [])]:
+        if self._root_fd is not None:
             with contextlib.suppress(OSError):
-                os.close(fd)
-        self._files.clear()
+                os.close(self._root_fd)
         self._root_fd = None
 
     def close(self) -> None:

@@ -36,9 +36,8 @@ from fabric.l3.backend import L3Backend, Location
 from fabric.l3.format import (
     PREAMBLE,
     Provenance,
-    check_header,
     check_key,
-    check_payload,
+    check_read,
     header_length,
 )
 from fabric.l3.manifest import Manifest
@@ -180,18 +179,15 @@ class FileBackend(L3Backend):
         if not isinstance(fd, int):
             return fd
         with open(fd, "rb") as f:
-            n = header_length(f.read(PREAMBLE))
+            preamble = f.read(PREAMBLE)
+            n = header_length(preamble)
             if isinstance(n, str):
                 return n
-            raw = f.read(n)
-            if len(raw) != n:
+            head = preamble + f.read(n)
+            if len(head) != PREAMBLE + n:
                 return "truncated"
-            header = check_header(raw, provenance, row.nbytes, key)
-            if isinstance(header, str):
-                return header
-            if f.readinto(memoryview(row).cast("B")) != row.nbytes or f.read(1):
-                return "truncated"
-        refused = check_payload(header, row, provenance, key, self.auth)
+            got = len(head) + (f.readinto(memoryview(row).cast("B")) or 0) + len(f.read(1))
+        refused = check_read(head, row, got, provenance, key, self.auth)
         if refused is not None:
             return refused
         self._touch(key)

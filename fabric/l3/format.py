@@ -178,6 +178,39 @@ def check_payload(
     return "checksum" if header.get("sum") != checksum(payload) else "auth"
 
 
+def check_read(
+    head: bytes | bytearray | memoryview,
+    payload: Any,
+    got: int,
+    provenance: Provenance,
+    key: str,
+    auth: Any = None,
+    stored_len: int | None = None,
+) -> str | None:
+    """The one check of a page read from L3, whoever read it — the storage actor
+    (``L3Backend.get``) or a rank itself (``fabric.l3.direct``): ``None`` when
+    it is the page, else why not, as ``L3Backend.refuse`` counts it.
+
+    ``head``: the record's preamble and header; ``payload``: what was read into
+    the caller's row (a page long); ``got``: the bytes read for the record — fewer
+    than ``head`` and ``payload`` (``truncated``: the file was cut), or more (a
+    page file longer than its record: ``truncated`` too); ``stored_len``: the
+    payload length the store's index gives, when it has one: a record of another
+    length is refused by what its header says (``check_header``)."""
+    length = len(memoryview(payload).cast("B"))
+    if stored_len is not None and stored_len != length:
+        n = header_length(head)
+        if isinstance(n, str):
+            return "format"
+        if PREAMBLE + n != len(head):
+            return "truncated"
+        header = check_header(memoryview(head)[PREAMBLE:], provenance, length, key)
+        return header if isinstance(header, str) else "truncated"
+    if got != len(head) + length:
+        return "truncated"
+    return check_record(head, payload, provenance, key, auth)
+
+
 def check_record(
     head: bytes | bytearray | memoryview,
     payload: Any,

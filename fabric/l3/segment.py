@@ -54,9 +54,8 @@ from fabric.l3.file import open_store_dir
 from fabric.l3.format import (
     PREAMBLE,
     Provenance,
-    check_header,
     check_key,
-    check_record,
+    check_read,
     encode_header,
     header_length,
 )
@@ -76,6 +75,9 @@ _WRITE_CALL = 1 << 20  # bytes per write call (see _write_calls)
 # holds them (a checksum over a larger read reads it back from memory).
 _READ_CALL = 1 << 20
 RESCAN_S = 1.0
+# How often, at most, the segments held open are checked for removal by someone
+# else (another node's eviction or clear): a removed one is closed, its disk freed.
+REAP_S = 1.0
 
 
 @dataclass(eq=False)
@@ -151,6 +153,7 @@ class SegmentBackend(L3Backend):
         self._bytes = 0
         self._refused: set[str] = set()  # names that are no regular file, said once
         self._scanned = 0.0
+        self._reaped = 0.0
         self._root_fd, read_only = open_store_dir(self.root, self.dir_mode)
         if read_only is not None:
             self.write_failed(read_only, 0)
@@ -320,6 +323,7 @@ class SegmentBackend(L3Backend):
     ) -> list[bool]:
         """Append the batch to this writer's segment in one ``pwritev`` (per
         segment); all pages stored or none."""
+        self._reap()
         prov = provenance or self.provenance
         records: list[tuple[str, list[Any], int, int]] = []
         for i, key in enumerate(keys):
@@ -432,6 +436,7 @@ class SegmentBackend(L3Backend):
         return self._locate(key) is not None
 
     def locate(self, keys: Sequence[str]) -> list[Location]:
+        self._reap()
         out = []
         for key in keys:
             entry = self._locate(check_key(key))
@@ -446,6 +451,7 @@ class SegmentBackend(L3Backend):
     ) -> Iterator[str | None]:
         """Each run of pages that follow one another in a segment comes in one
         ``preadv``: headers into small buffers, payloads straight into ``out``."""
+        self._reap()
         i, n = 0, len(keys)
         while i < n:
             first = self._locate(keys[i])
@@ -488,27 +494,41 @@ class SegmentBackend(L3Backend):
                 iov.append(bytearray(e.page - end))  # the next record's frame and key
             iov += [head, memoryview(row).cast("B")]
             end = e.page + e.head + e.payload
+        if self._gone(seg):
+            yield "miss"
+            return
         try:
             got = os.preadv(seg.fd, iov, run[0].page)
         except OSError:
             got = 0
         seg.used = time.time()
         for e, key, head, row in zip(run, keys, heads, rows, strict=True):
-            if got < e.page + e.head + e.payload - run[0].page:
-                yield "truncated"
-                return
-            refused = check_record(head, row, provenance, key, self.auth)
+            mine = min(max(got - (e.page - run[0].page), 0), e.head + e.payload)
+            refused = check_read(head, row, mine, provenance, key, self.auth, e.payload)
             yield refused
             if refused is not None:
                 return
 
+    def _gone(self, seg: Segment) -> bool:
+        """Whether ``seg``'s file was removed (another node's eviction, a clear):
+        it is forgotten and its descriptor closed, so its disk is freed, and its
+        pages are misses — as for a rank that opens the store itself."""
+        try:
+            if os.fstat(seg.fd).st_nlink > 0:
+                return False
+        except OSError:
+            pass
+        with self._lock:
+            if self._segments.get(seg.name) is seg and seg not in self._busy:
+                self._forget(seg)
+        return True
+
     def _odd_length(self, entry: _Entry, key: str, want: int, provenance: Provenance) -> str:
         head = os.pread(entry.segment.fd, entry.head, entry.page)
-        n = header_length(head)
-        if isinstance(n, str) or len(head) != entry.head:
-            return "format" if isinstance(n, str) else "truncated"
-        header = check_header(memoryview(head)[PREAMBLE:], provenance, want, key)
-        return header if isinstance(header, str) else "truncated"
+        if len(head) != entry.head:
+            return "truncated"
+        row = memoryview(bytearray(want))  # (not read: the record is not a page long)
+        return check_read(head, row, 0, provenance, key, self.auth, entry.payload) or "truncated"
 
     def _read(self, key: str) -> bytes | None:
         entry = self._locate(key)
@@ -533,7 +553,19 @@ class SegmentBackend(L3Backend):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.name, dir_fd=self._root_fd)
 
+    def _reap(self) -> None:
+        """Close the segments someone else removed (at most every ``REAP_S``; any
+        read, write, lookup of where pages lie or usage query checks): no removed
+        segment's disk stays held here past that."""
+        now = time.monotonic()
+        if now - self._reaped < REAP_S:
+            return
+        self._reaped = now
+        for seg in list(self._segments.values()):
+            self._gone(seg)
+
     def _usage(self) -> dict[str, Any]:
+        self._reap()
         with self._lock:
             return {
                 "pages": len(self._index),

@@ -98,6 +98,18 @@ def test_a_corrupt_page_shortens_the_hit_and_the_tokens_stay_right(tmp_path, lla
     assert fresh.store.backend.stats()["refused_checksum"] == 1
 
 
+def test_a_model_in_another_dtype_or_kv_of_another_shape_is_refused_naming_both(tmp_path, llama):
+    with pytest.raises(ConfigError, match="computes in float32; .* model.dtype=bfloat16"):
+        FabricGenerator(
+            llama, config(tmp_path, "model.dtype=bfloat16"), StoreOptions(path=str(tmp_path))
+        )
+    gen = FabricGenerator(llama, config(tmp_path), StoreOptions(path=str(tmp_path)))
+    key = TokenKey(PROMPT, 4, "default")
+    wrong = torch.zeros(2, 4, 4, len(PROMPT), 64)  # 4 KV heads; the model has 2
+    with pytest.raises(InvalidInput, match=r"KV of shape \(2, 4, 4, 17, 64\) is refused"):
+        gen.put(key, wrong, 0)
+
+
 def test_a_model_of_another_shape_or_an_empty_prompt_is_refused(tmp_path, llama):
     with pytest.raises(ConfigError, match="layers, kv_heads, head_dim"):
         FabricGenerator(llama, config(tmp_path, "model.layers=2"), StoreOptions(path=str(tmp_path)))

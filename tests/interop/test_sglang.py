@@ -218,6 +218,25 @@ def test_one_kv_head_per_tp_rank_needs_the_model_head_count(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("heads", "tp", "kv_heads", "says"),
+    [
+        (2, 4, 2, "means 1 KV heads per rank, but this rank's host pool holds 2"),
+        (1, 4, 8, "means 2 KV heads per rank, but this rank's host pool holds 1"),
+        (4, 2, 4, "means 2 KV heads per rank, but this rank's host pool holds 4"),
+        (2, 4, 6, "kv_heads=6 is refused: with 4 TP ranks allowed is a multiple"),
+    ],
+)
+def test_a_declared_head_count_that_is_not_the_pools_is_refused_naming_both(
+    tmp_path, heads, tp, kv_heads, says
+):
+    """E.g. each rank's pool holds two heads at TP=4 but kv_heads says 2 (one each,
+    replicated): ranks 0 and 1 would store their different heads under one key."""
+    pool = host_pool(heads=heads)
+    with pytest.raises(ConfigError, match=says):
+        adapter(pool, tp_rank=1, tp_size=tp, path=str(tmp_path), kv_heads=kv_heads)
+
+
 def test_clear_is_refused_unless_allowed(tmp_path):
     pool = host_pool()
     src = pool.alloc(4)

@@ -199,6 +199,14 @@ def test_options_are_checked(tmp_path):
         make_tier(tmp_path, io_threads="four")
 
 
+def test_a_primary_view_that_is_not_whole_chunks_is_refused_naming_both(tmp_path):
+    """The offloading spec declares chunks of CHUNK_FLOATS floats; a view one float
+    longer is not this geometry's pool (its chunks would straddle others' bytes)."""
+    odd = torch.zeros(CHUNKS * CHUNK_FLOATS + 1)
+    with pytest.raises(ConfigError, match=f"holds {odd.numel() * 4} bytes, not a whole number"):
+        make_tier(tmp_path, tensor=odd)
+
+
 def test_the_same_chunks_round_trip_through_vllms_own_fs_tier(tmp_path):
     """The baseline bench/engines.py measures against: vLLM's file system tier
     on the same chunks, for the same round trip."""
