@@ -136,14 +136,17 @@ class KvFabricTier(SecondaryTierManager):
         ):
             self.events = []
         chunk = self.block_size_bytes
-        primary = np.asarray(primary_kv_view).view(np.uint8).reshape(-1)
-        if chunk <= 0 or primary.size % chunk:
+        config = offloading_spec.config
+        declared = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk
+        if config.worker_kv_bytes_per_block > 0 and chunk < declared:
+            # A chunk of the primary view cannot hold what the spec says one holds.
             raise ConfigError(
-                f"kvfabric vLLM tier: the primary KV view holds {primary.size} bytes, not a "
-                f"whole number of chunks of {chunk} bytes as the offloading spec declares: "
-                "the declared geometry is not the pool's"
+                f"kvfabric vLLM tier: a chunk of the primary KV view is {chunk} bytes, but "
+                f"the offloading spec declares {config.worker_kv_bytes_per_block} bytes a "
+                f"block x {config.cache.blocks_per_chunk} blocks = {declared}: the declared "
+                "geometry is not the pool's"
             )
-        self.primary = primary.reshape(-1, chunk)
+        self.primary = np.asarray(primary_kv_view).view(np.uint8).reshape(-1, chunk)
         provenance, suffix = chunk_provenance(offloading_spec, chunk)
         self.provenance = provenance
         self.namer = PageNamer(provenance, suffix)

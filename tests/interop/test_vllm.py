@@ -10,6 +10,7 @@ CUDA; only its Python modules are installed here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -199,12 +200,15 @@ def test_options_are_checked(tmp_path):
         make_tier(tmp_path, io_threads="four")
 
 
-def test_a_primary_view_that_is_not_whole_chunks_is_refused_naming_both(tmp_path):
-    """The offloading spec declares chunks of CHUNK_FLOATS floats; a view one float
-    longer is not this geometry's pool (its chunks would straddle others' bytes)."""
-    odd = torch.zeros(CHUNKS * CHUNK_FLOATS + 1)
-    with pytest.raises(ConfigError, match=f"holds {odd.numel() * 4} bytes, not a whole number"):
-        make_tier(tmp_path, tensor=odd)
+def test_a_primary_view_smaller_than_the_declared_chunks_is_refused_naming_both(tmp_path):
+    """The spec declares blocks of more bytes than a chunk of the view holds: the
+    view is not this geometry's pool (a chunk would hold part of a block)."""
+    spec = offloading_spec()
+    spec.config = dataclasses.replace(spec.config, worker_kv_bytes_per_block=CHUNK_FLOATS * 8)
+    with pytest.raises(
+        ConfigError, match=f"is {CHUNK_FLOATS * 4} bytes, but .* = {CHUNK_FLOATS * 8}"
+    ):
+        make_tier(tmp_path, spec=spec)
 
 
 def test_the_same_chunks_round_trip_through_vllms_own_fs_tier(tmp_path):
