@@ -60,6 +60,10 @@ REPLAY_ACCEPT = 16
 REPLAY_CLIENTS = 32
 REPLAY_SLICE = 256
 REPLAY_TURN = 32
+# The share of one core the replay may take (its thread's CPU time): after each
+# slice it waits until that slice's CPU time is this share of the time since,
+# so a flood of replaying clients cannot slow live requests (bench/replay_flood.py).
+REPLAY_SHARE = 0.1
 # Larger replay requests are dropped by ZMQ (the peer is disconnected).
 REPLAY_MAX_MESSAGE = 1024
 
@@ -188,6 +192,8 @@ class KVEventPublisher:
         self.dropped_batches = 0
         self.replays = 0
         self.replay_refused = 0
+        self.replay_cpu_s = 0.0  # CPU time the replays took
+        self._replay_at = 0.0  # when the replay's budget allows its next slice
         self._replaying: deque[_Replay] = deque()
         self._seq = 0
         self._running = True
@@ -219,6 +225,7 @@ class KVEventPublisher:
             "published_events": self.published_events,
             "dropped_batches": self.dropped_batches,
             "replays": self.replays,
+            "replay_cpu_s": round(self.replay_cpu_s, 3),
             "replay_refused": self.replay_refused,
         }
 
@@ -267,12 +274,15 @@ class KVEventPublisher:
             if self._replay is not None:
                 try:
                     busy |= self._take_replay_requests()
-                    busy |= self._send_replay_slice()
+                    busy |= self._replay_within_budget()
                 except zmq.ZMQError:
                     log.exception("KV event replay failed")
-            if not busy:  # idle: wait for a batch (or a replay request) a moment
+            if not busy:  # idle: wait for a batch (or a replay's next turn) a moment
+                wait = 0.02
+                if self._replaying:
+                    wait = min(wait, max(self._replay_at - time.monotonic(), 0.0005))
                 try:
-                    item = self._queue.get(timeout=0.005 if self._replaying else 0.02)
+                    item = self._queue.get(timeout=wait)
                 except queue.Empty:
                     continue
                 if item is None:
@@ -332,6 +342,19 @@ class KVEventPublisher:
             start = int.from_bytes(frames[1], "big")
             self._replaying.append(_Replay(envelope, start))
         return took
+
+    def _replay_within_budget(self) -> bool:
+        """Send a replay slice if the replay's budget (``REPLAY_SHARE`` of a core)
+        allows one now; whether one was sent."""
+        now = time.monotonic()
+        if not self._replaying or now < self._replay_at:
+            return False
+        started = time.thread_time()
+        self._send_replay_slice()
+        spent = time.thread_time() - started
+        self._replay_at = now + spent / REPLAY_SHARE
+        self.replay_cpu_s += spent
+        return True
 
     def _send_replay_slice(self) -> bool:
         """Send up to ``REPLAY_SLICE`` batches of the pending replays, a few per

@@ -464,3 +464,34 @@ def test_a_replay_flood_never_holds_up_the_live_feed_and_bad_requests_get_a_shor
         stop.set()
         ctx.term()
         f.close()
+
+
+def test_replay_takes_at_most_its_share_of_a_core(fabric, monkeypatch):
+    """After each slice the replay waits until the slice's CPU time is
+    ``REPLAY_SHARE`` of the time since (the clocks are the test's)."""
+    from fabric.coordinator import publisher as pub
+
+    pub_ = fabric.publisher
+    pub_.close()  # its thread stopped: the turns below are the test's alone
+    clock = {"wall": 100.0, "cpu": 5.0}
+    monkeypatch.setattr(pub.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(pub.time, "thread_time", lambda: clock["cpu"])
+    sent = []
+
+    def slice_():  # a slice that takes 2 ms of CPU
+        clock["cpu"] += 0.002
+        sent.append(clock["wall"])
+        return True
+
+    monkeypatch.setattr(pub_, "_send_replay_slice", slice_)
+    monkeypatch.setattr(pub_, "_replaying", [object()])
+    pub_._replay_at = 0.0
+    assert pub_._replay_within_budget()
+    for _ in range(5):
+        clock["wall"] += 0.002 / pub.REPLAY_SHARE - 0.001
+        assert not pub_._replay_within_budget(), "too soon: over its share"
+        clock["wall"] += 0.001
+        assert pub_._replay_within_budget()
+    gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+    assert all(g >= 0.002 / pub.REPLAY_SHARE - 1e-9 for g in gaps)
+    assert pub_.replay_cpu_s == pytest.approx(0.012)
