@@ -23,7 +23,7 @@ import torch
 
 from fabric.cache.keys import namespace_seed
 from fabric.config import FabricConfig
-from fabric.l3.direct import direct_reads
+from fabric.l3.direct import DirectReads, direct_reads
 from fabric.messages import (
     Backup,
     Batch,
@@ -408,12 +408,15 @@ class RankWorker:
 
     def close(self, release_l2: bool = False) -> None:
         """Release what this rank holds outside its pools: its collective groups
-        (their sockets; its peers' operations in them fail); with ``release_l2``
+        (their sockets; its peers' operations in them fail), the L3 directory its
+        own reads hold open; with ``release_l2``
         its shared L2 file too (the fabric is shutting down: nothing will come
         back for it)."""
         if self.mesh is not None:
             self.mesh.close()
             self.mesh = None
+        if isinstance(self.storage_io.link, DirectReads):  # the store's directory it holds
+            self.storage_io.link.close()
         if release_l2 and self.shared_l2 is not None:
             self.shared_l2.close(unlink=True)
             self.shared_l2 = None
