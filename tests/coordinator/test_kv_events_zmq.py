@@ -3,6 +3,7 @@ and DEALER for replay) and msgspec structs declared here to the vLLM / SGLang
 layout — nothing imported from kvfabric's own wire module."""
 
 import hashlib
+import itertools
 
 import msgspec
 import pytest
@@ -492,6 +493,6 @@ def test_replay_takes_at_most_its_share_of_a_core(fabric, monkeypatch):
         assert not pub_._replay_within_budget(), "too soon: over its share"
         clock["wall"] += 0.001
         assert pub_._replay_within_budget()
-    gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
     assert all(g >= 0.002 / pub.REPLAY_SHARE - 1e-9 for g in gaps)
     assert pub_.replay_cpu_s == pytest.approx(0.012)

@@ -7,6 +7,8 @@ namespace agree, and never where one differs."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -106,6 +108,7 @@ class HF:
     """A Hugging Face driver's ``FabricGenerator`` on the store's directory."""
 
     def __init__(self, path, s, model):
+        model = copy.deepcopy(model).to(DTYPES[s["dtype"]])  # it computes in the fabric's dtype
         self.gen = FabricGenerator(model, fabric_config(path, s), StoreOptions(path=str(path)))
         self.key = TokenKey(TOKENS, PAGE, namespace(s))
 
