@@ -25,8 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch
 
-from fabric.rank.shared_l2 import SharedL2, shm_dir
-from fabric.rank.worker import L2_CHECK_EVERY
+from fabric.rank.shared_l2 import L2_CHECK_EVERY, SharedL2, shm_dir
 
 
 def parse() -> argparse.Namespace:

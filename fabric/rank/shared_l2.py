@@ -63,6 +63,16 @@ MAX_NAMESPACE = 256
 # valid, CRC-32 of the rest, the page's CRC-32, namespace length, parent
 _FIXED = struct.Struct("<BIIH32s")
 SUFFIX = ".l2"
+# Of the pages a rank loads from L2 into L1, every this many is checked against
+# its checksum (every page backed up to L3 is; a restarted rank checks every page
+# it adopts). The cost: bench/shared_l2_checks.py.
+L2_CHECK_EVERY = 8
+
+
+class CorruptL2(RuntimeError):
+    """A shared L2 page changed outside the rank (it fails its checksum)."""
+
+
 STALE_S = 3600.0
 
 
@@ -145,6 +155,18 @@ class SharedL2:
         self.corrupt_pages += 1
         self.bad.add(slot)
         return False
+
+    def refuse_corrupt(self, slots: list[int], every: int, forget, rank: object) -> None:
+        """Raise ``CorruptL2`` (the command fails: the coordinator recomputes) when a
+        page about to be read is corrupt (``check``); ``forget`` drops the bad
+        slots' names first, so they are never adopted either."""
+        bad = self.check(slots, every)
+        if bad:
+            forget(bad)
+            raise CorruptL2(
+                f"rank {rank}: shared L2 pages in slots {sorted(set(bad))[:8]} failed "
+                f"their checksum (changed outside the rank); dropped"
+            )
 
     def check(self, slots: list[int], every: int = 1) -> list[int]:
         """The slots among ``slots`` about to be read that hold a corrupt page: any

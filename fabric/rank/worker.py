@@ -42,19 +42,11 @@ from fabric.rank.model import within
 from fabric.rank.parts import Parts
 from fabric.rank.pools import KVPool, Tiers, pick_device
 from fabric.rank.producer import KVFiller
+from fabric.rank.shared_l2 import L2_CHECK_EVERY
 from fabric.rank.storage_io import StorageIO, StorageLink
 from fabric.topology import Shard, Topology
 
 log = logging.getLogger(__name__)
-
-# Of the shared L2 pages loaded into L1, every this many is checked against its
-# checksum (every page backed up to L3 is; a restarted rank checks every page it
-# adopts). The cost: bench/shared_l2_checks.py.
-L2_CHECK_EVERY = 8
-
-
-class CorruptL2(RuntimeError):
-    """A shared L2 page changed outside the rank (it fails its checksum)."""
 
 
 @dataclass
@@ -332,18 +324,9 @@ class RankWorker:
         self._synchronize()
 
     def check_host(self, slots: list[int], every: int) -> None:
-        """Raise ``CorruptL2`` (the command fails: the coordinator recomputes) when a
-        shared L2 page about to be read is corrupt — one found so before, or one
-        of a sample (every ``every``-th page) whose checksum fails now; its name
-        is dropped first, so it is never adopted either."""
+        """Fail the command (``CorruptL2``) when a shared L2 page it reads is corrupt."""
         assert self.shared_l2 is not None
-        bad = self.shared_l2.check(slots, every)
-        if bad:
-            self.names.forget_host(bad)
-            raise CorruptL2(
-                f"rank {self.shard.rank}: shared L2 pages in slots {sorted(set(bad))[:8]} "
-                f"failed their checksum (changed outside the rank); dropped"
-            )
+        self.shared_l2.refuse_corrupt(slots, every, self.names.forget_host, self.shard.rank)
 
     def _synchronize(self) -> None:
         """On a GPU: wait until the work queued on the current stream is done."""

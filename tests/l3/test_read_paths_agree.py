@@ -128,15 +128,16 @@ def test_both_read_paths_serve_refuse_and_count_alike(tmp_path, backend, damage)
     service.detach()
 
 
-def deleted_fds() -> list[str]:
-    """This process's descriptors of files that were removed (disk not freed)."""
+def deleted_fds(under) -> list[str]:
+    """This process's descriptors of files under ``under`` that were removed (disk
+    not freed)."""
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.endswith(" (deleted)") and ".kvs" in target:
+        if target.endswith(" (deleted)") and target.startswith(str(under)):
             out.append(target)
     return out
 
@@ -148,16 +149,16 @@ def test_segments_removed_by_another_node_or_a_clear_are_not_held_open(tmp_path)
     cfg, service, _ = store(tmp_path, "segment")
     direct = DirectReads(service, cfg)
     assert len(direct.load(SUFFIX, HASHES)) == PAGES
-    assert deleted_fds() == []
+    assert deleted_fds(tmp_path) == []
     other = StorageService(cfg)  # another node's storage actor
     other.backend.clear()
     assert len(direct.load(SUFFIX, HASHES)) == 0
     assert len(service.load(SUFFIX, HASHES)) == 0
-    assert deleted_fds() == [], "a removed segment is closed once a read finds it gone"
+    assert deleted_fds(tmp_path) == [], "a removed segment is closed once a read finds it gone"
     direct.close()
     other.detach()
     service.detach()
-    assert deleted_fds() == []
+    assert deleted_fds(tmp_path) == []
 
 
 def test_eviction_frees_the_disk_it_says_it_freed(tmp_path, monkeypatch):
@@ -178,7 +179,7 @@ def test_eviction_frees_the_disk_it_says_it_freed(tmp_path, monkeypatch):
         direct.load(SUFFIX, hashes)
     on_disk = sum(p.stat().st_size for p in (tmp_path / "l3").glob("*.kvs"))
     service.stats()  # the other store's next call
-    assert deleted_fds() == []
+    assert deleted_fds(tmp_path) == []
     assert on_disk <= cap + 2 * (page + 4096), (on_disk, cap)
     direct.close()
     small.detach()

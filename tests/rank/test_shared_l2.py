@@ -273,7 +273,7 @@ def test_a_pages_checksum_covers_exactly_its_bytes_in_each_layout(tmp_path, layo
 def check_every_page(monkeypatch):
     import fabric.rank.worker as worker
 
-    monkeypatch.setattr(worker, "L2_CHECK_EVERY", 1)
+    monkeypatch.setattr(worker, "L2_CHECK_EVERY", 1)  # as the worker reads it
 
 
 def test_a_corrupt_l2_page_is_never_served_the_fabric_recomputes(tmp_path, check_every_page):
