@@ -18,6 +18,10 @@ from fabric.topology import Shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_SLICE_RUNS = 16
+# Between two host pools, pages of at least this many bytes move a run at a time
+# (one strided copy each, near memcpy speed), however scattered: a gather into a
+# temporary and a scatter out of it copy every byte twice (bench/datapath.py).
+_SLICE_PAGE_BYTES = 64 << 10
 
 
 def pick_device(preference: str) -> torch.device:
@@ -117,7 +121,8 @@ def copy_pages(
         return
     runs = page_runs(src_pages, dst_pages)
     s_view, d_view = src.pages, dst.pages
-    if len(runs) <= _MAX_SLICE_RUNS:
+    on_host = src.buffer.device.type == dst.buffer.device.type == "cpu"
+    if len(runs) <= _MAX_SLICE_RUNS or (on_host and _page_bytes(src) >= _SLICE_PAGE_BYTES):
         for s, d, n in runs:
             d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
     else:
@@ -125,6 +130,10 @@ def copy_pages(
         s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
         d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
         d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)
+
+
+def _page_bytes(pool: KVPool) -> int:
+    return pool.buffer.numel() // max(pool.num_pages, 1) * pool.buffer.element_size()
 
 
 def pages_to_bytes(pool: KVPool, pages: Sequence[int]):

@@ -32,6 +32,27 @@ def test_every_layout_round_trips_pages_through_l2(layout):
     assert torch.equal(l1.read_tokens(pages, offsets), expected)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("head_dim", [8, 2048])  # pages of 512 bytes and of 128 KiB
+def test_scattered_pages_of_any_size_land_in_their_slots_in_every_layout(layout, head_dim):
+    """Many scattered pages (more runs than are copied one by one when pages are
+    small; one strided copy each when they are large): each destination page is
+    its source page, and no other slot is touched."""
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=head_dim, layout=layout, dtype="float32")
+    shard = Topology(FabricConfig().topology).shard(0, model, 4)
+    src = KVPool(40, shard, model, torch.device("cpu"))
+    dst = KVPool(40, shard, model, torch.device("cpu"))
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    dst.buffer.fill_(7.0)
+    pages = list(range(0, 40, 2))  # 20 runs
+    slots = pages[::-1]
+    copy_pages(src, pages, dst, slots)
+    for p, s in zip(pages, slots, strict=True):
+        assert torch.equal(dst.pages[:, s], src.pages[:, p])
+    untouched = sorted(set(range(40)) - set(slots))
+    assert bool((dst.pages[:, untouched] == 7.0).all())
+
+
 def test_page_runs_merge_contiguous_pairs():
     assert page_runs([1, 2, 3, 7, 8], [4, 5, 6, 0, 1]) == [(1, 4, 3), (7, 0, 2)]
     assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
