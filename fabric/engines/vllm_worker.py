@@ -292,7 +292,8 @@ class WorkerSide:
 
     def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
-        return [], time.perf_counter() - started, self.pages.l2_put(keys, pages)
+        kept = self.pages.l2_put(keys, pages)
+        return [], time.perf_counter() - started, kept
 
     def load_errors(self) -> set[int]:
         self._finish_step()
