@@ -74,7 +74,11 @@ def fabric(workdir: Path):
 
 
 def run_engine(workdir: Path, *args: str) -> tuple[dict, str]:
-    """Run ``engine.py`` with ``args``; its result and what it logged."""
+    """Run ``engine.py`` with ``args``; its result and what it logged. A connector
+    without a node L2 directory of its own gets the module's (never /dev/shm)."""
+    if "--fabric" in args and "--l2-dir" not in args:
+        (workdir / "shm").mkdir(exist_ok=True)
+        args = (*args, "--l2-dir", str(workdir / "shm"), "--l2-bytes", str(64 << 20))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, str(ENGINE), "--model", str(workdir / "model"),
