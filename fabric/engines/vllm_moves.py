@@ -46,13 +46,10 @@ class L2Options:
 @dataclass
 class Fetched:
     """A job's pages found (in the node's L2) or read (from L3 into page buffers),
-    not yet in their blocks: ``parts`` in order, ``n`` pages in all."""
+    not yet in their blocks: ``parts`` in order."""
 
     parts: list[tuple[str, list, tuple[int, ...]]] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    n: int = 0
-    wanted: int = 0
     l2: int = 0  # pages found in the node's L2
     pinned: list = field(default_factory=list)  # its slots this load holds
 
@@ -116,7 +113,7 @@ class PageMoves:
         """Find the leading pages: those the node's L2 holds (checked in place), the
         others read from L3 into page buffers; the first that is neither ends it."""
         keys = self.keys(hashes)
-        f = Fetched(keys=keys, wanted=len(keys))
+        f = Fetched()
         if not self.layers:
             return f
         found: list = [None] * len(keys)
@@ -131,7 +128,6 @@ class PageMoves:
                     j += 1
                 if j > i:
                     f.parts.append(("l2", found[i:j], block_ids[i:j]))
-                    f.n += j - i
                     f.l2 += j - i
                 if j < len(keys) and found[j] is not None:
                     found[j] = None  # it failed its check: L3 may hold it whole
@@ -147,7 +143,6 @@ class PageMoves:
             n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
             if n:
                 f.parts.append(("l3", [buffer[:n], keys[i : i + n], buffer], block_ids[i : i + n]))
-                f.n += n
             if n < j - i:
                 return f
             i = j

@@ -95,25 +95,7 @@ def remove_regions(directory: Path, identity: str) -> int:
     """Remove the fabric's regions in ``directory`` that no engine uses (the
     fabric is shutting down); how many. A region an engine still has open stays
     (it goes once unused, with a later sweep)."""
-    removed = 0
-    for path in directory.glob(f"{PREFIX}{_fabric_part(identity)}-*{SUFFIX}"):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # an engine holds it
-            path.unlink(missing_ok=True)
-            removed += 1
-        finally:
-            os.close(fd)
-    return removed
+    return sweep_stale(directory, f"{PREFIX}{_fabric_part(identity)}-", older_s=0.0)
 
 
 def _now_ms() -> int:

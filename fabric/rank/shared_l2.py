@@ -286,8 +286,9 @@ def _page_spans(geometry: dict, slots: int):
 
 
 def sweep_stale(directory: Path, prefix: str = "kvfabric-", older_s: float = STALE_S) -> int:
-    """Remove shared L2 files that no process has open (no lock) and that were not
-    touched for ``older_s`` seconds: fabrics that died without shutting down."""
+    """Remove this user's shared L2 files that no process has open (no lock) and
+    that were not touched for ``older_s`` seconds: fabrics that died without
+    shutting down (with ``older_s`` 0: every one no process uses)."""
     removed = 0
     now = time.time()
     for path in directory.glob(f"{prefix}*{SUFFIX}"):
@@ -297,7 +298,11 @@ def sweep_stale(directory: Path, prefix: str = "kvfabric-", older_s: float = STA
             continue
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < older_s:
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_uid != os.getuid()
+                or now - st.st_mtime < older_s
+            ):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
