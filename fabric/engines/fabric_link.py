@@ -5,7 +5,10 @@ The engine must serve whatever happens to the fabric. A fabric that cannot be
 reached at start, or whose calls fail or take longer than ``timeout_s``, is
 *down*: one log line says so, every lookup answers "nothing cached" (the engine
 computes), and the link tries again after ``retry_s``. No call waits longer than
-``timeout_s``; reports of stored pages are sent without waiting for their reply.
+``timeout_s``; reports of stored pages are sent without waiting for their reply,
+and a lookup waits for the engine's earlier reports to land first (the
+coordinator's calls run concurrently, so without it a lookup could overtake
+the report of the pages it asks for).
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class FabricLink:
         ``answer``, or ``None`` when down."""
         if not chains or not self.up:
             return None
+        self._check_reports(in_flight=0)
+        if not self.up:
+            return None
         try:
             return self.coordinator.engine_lookup.remote(
                 tag, world, chains, leases, lease_s, release
@@ -139,17 +145,20 @@ class FabricLink:
         except Exception as exc:
             self._down(f"failed a report ({exc})")
 
-    def _check_reports(self) -> None:
-        """Collect replies that came; past the bound, wait for the oldest."""
+    def _check_reports(self, in_flight: int = MAX_REPORTS_IN_FLIGHT) -> None:
+        """Collect replies that came; wait for the oldest until no more than
+        ``in_flight`` are left."""
         import ray
 
         if not self._reports:
             return
         ready, pending = ray.wait(self._reports, num_returns=len(self._reports), timeout=0)
-        if len(pending) > MAX_REPORTS_IN_FLIGHT:
-            more, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+        if len(pending) > in_flight:
+            more, pending = ray.wait(
+                pending, num_returns=len(pending) - in_flight, timeout=self.timeout_s
+            )
             ready += more
-            if not more:
+            if len(pending) > in_flight:
                 self._down(f"did not answer a report within {self.timeout_s} s")
                 return
         self._reports = pending

@@ -439,3 +439,34 @@ def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_th
     assert not link.up
     assert wait_for(lambda: link.up, timeout=10)
     assert link.answer(link.ask(tag, 2, [chain])) == [1]
+
+
+@ray.remote
+class _SlowReports:
+    """A coordinator stand-in whose reports land late, as a busy one's may: a
+    lookup sent after a report must still see it."""
+
+    def __init__(self) -> None:
+        self.reported = 0
+
+    async def engine_report(self, tag, world, reports):
+        import asyncio
+
+        await asyncio.sleep(0.3)
+        self.reported += 1
+        return 0
+
+    async def engine_lookup(self, tag, world, chains, leases, lease_s, release):
+        return [self.reported] * len(chains)
+
+
+def test_an_engine_links_lookup_sees_every_report_it_sent_before(fabric):
+    from fabric.coordinator.engine_pages import StoredRun
+    from fabric.engines.fabric_link import FabricLink
+
+    link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
+    assert link.up
+    link.coordinator = _SlowReports.remote()
+    for _ in range(3):
+        link.report("00112233445566aa", 1, {0: [StoredRun("t", None, (b"\0" * 32,))]})
+    assert link.answer(link.ask("00112233445566aa", 1, [[b"\0" * 32]])) == [3]
