@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from fabric.l3 import direct as direct_module
 from fabric.l3 import segment
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import PREAMBLE, header_length
@@ -106,10 +107,17 @@ def outcome(service, read) -> tuple[int, dict[str, int]]:
     return len(rows), moved
 
 
+@pytest.mark.parametrize("reads", ["one_call", "a_call_a_page"])
 @pytest.mark.parametrize("backend", ["file", "segment"])
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
-def test_both_read_paths_serve_refuse_and_count_alike(tmp_path, backend, damage):
+def test_both_read_paths_serve_refuse_and_count_alike(
+    tmp_path, monkeypatch, backend, damage, reads
+):
+    """``a_call_a_page``: every page is a read of its own, so the direct read's
+    threads take them side by side and the refusal lies in another's run."""
     cfg, service, data = store(tmp_path, backend)
+    if reads == "a_call_a_page":
+        monkeypatch.setattr(direct_module, "_READ_CALL", data.shape[1])
     direct = DirectReads(service, cfg)
     if damage is vanished:  # gone between the rank's asking where and its read
         direct.plan(SUFFIX, HASHES)
@@ -117,13 +125,31 @@ def test_both_read_paths_serve_refuse_and_count_alike(tmp_path, backend, damage)
     else:
         damage(service)
         direct.plan(SUFFIX, HASHES)
-    by_direct = outcome(service, lambda: direct.load(SUFFIX, HASHES))
+    mine = np.full_like(data, 0xAA)  # rows the rank keeps: what is served is read into them
+    by_direct = outcome(service, lambda: direct.load(SUFFIX, HASHES, out=mine))
     by_actor = outcome(service, lambda: service.load(SUFFIX, HASHES))
     assert by_direct == by_actor, f"direct read {by_direct}, storage actor {by_actor}"
     n = by_direct[0]
     assert n <= 2, "nothing at or after the damaged page is served"
     rows = service.load(SUFFIX, HASHES)
     assert np.array_equal(rows, data[: len(rows)])
+    assert np.array_equal(mine[:n], data[:n])
+    direct.close()
+    service.detach()
+
+
+def test_a_direct_read_into_rows_that_do_not_fit_is_refused_by_name(tmp_path):
+    cfg, service, data = store(tmp_path, "segment")
+    direct = DirectReads(service, cfg)
+    for rows in (
+        np.zeros((PAGES - 1, data.shape[1]), np.uint8),  # too few
+        np.zeros((PAGES, data.shape[1] + 1), np.uint8),  # not a page a row
+        np.zeros((PAGES, data.shape[1] // 2), np.uint16),  # not bytes
+        np.zeros((data.shape[1], PAGES), np.uint8).T,  # not contiguous
+    ):
+        with pytest.raises(ValueError, match=f"{PAGES} pages of {data.shape[1]} bytes"):
+            direct.load(SUFFIX, HASHES, out=rows)
+    assert np.array_equal(direct.load(SUFFIX, HASHES), data)
     direct.close()
     service.detach()
 
