@@ -44,6 +44,7 @@ from fabric.rank.pools import KVPool, copy_pages
 from fabric.topology import Topology
 
 SUFFIX = "0-0-0"
+BACKUP_PAGES = 64  # pages per backup call, as a rank sends them
 
 
 def parse() -> argparse.Namespace:
@@ -70,14 +71,21 @@ def drop_cache(paths: list[pathlib.Path]) -> None:
 
 def timed(fn, repeats: int, before=None) -> float:
     """The median seconds of ``fn`` (``before`` runs untimed ahead of each)."""
-    times = []
+    return side_by_side({"x": fn}, repeats, before)["x"]
+
+
+def side_by_side(fns: dict, repeats: int, before=None) -> dict[str, float]:
+    """The median seconds of each of ``fns``, taken in turn in every repeat (so a
+    drift of the machine, the disk's cache above all, falls on all of them)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        if before is not None:
-            before()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            if before is not None:
+                before()
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def config(root: pathlib.Path, page_kib: int, *more: str) -> FabricConfig:
@@ -93,54 +101,119 @@ def config(root: pathlib.Path, page_kib: int, *more: str) -> FabricConfig:
     )  # fmt: skip
 
 
-def l3_reads(args: argparse.Namespace, work: pathlib.Path, auth: bool) -> dict[str, float]:
+def l3_store(args: argparse.Namespace, work: pathlib.Path, auth: bool):
+    """A segment store of ``--pages`` pages (authenticated with ``auth``)."""
     key_file = work / "auth.key"
     if auth and not key_file.exists():
         key_file.write_bytes(os.urandom(32))
         key_file.chmod(0o600)
     root = work / ("l3-auth" if auth else "l3")
-    more = [f"storage.auth_key_file={key_file}"] if auth else []
-    cfg = config(root, args.page_kib, *more)
+    cfg = config(root, args.page_kib, *([f"storage.auth_key_file={key_file}"] if auth else []))
     service = StorageService(cfg)
-    page = page_geometry(cfg)[1]
     rng = np.random.default_rng(0)
-    data = rng.integers(0, 256, (args.pages, page), dtype=np.uint8)
+    data = rng.integers(0, 256, (args.pages, page_geometry(cfg)[1]), dtype=np.uint8)
     hashes = [i.to_bytes(32, "big") for i in range(1, args.pages + 1)]
-    for start in range(0, args.pages, 64):
-        assert service.store(SUFFIX, hashes[start : start + 64], data[start : start + 64])
-    direct = DirectReads(service, cfg)
-    segments = sorted(root.glob("*.kvs"))
+    backup(service, hashes, data)
+    return cfg, service, hashes, data, root
+
+
+def backup(service: StorageService, hashes: list[bytes], data: np.ndarray) -> None:
+    for start in range(0, len(hashes), BACKUP_PAGES):
+        end = start + BACKUP_PAGES
+        assert service.store(SUFFIX, hashes[start:end], data[start:end])
+
+
+def l3_paths(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
+    """Reads warm and cold, and backups, each side by side with its raw peer."""
+    cfg, plain, hashes, data, root = l3_store(args, work, auth=False)
+    auth_cfg, authed, _, _, _ = l3_store(args, work, auth=True)
+    direct, direct_auth = DirectReads(plain, cfg), DirectReads(authed, auth_cfg)
     rows = np.zeros_like(data)  # a rank reads into rows it keeps, as the raw read does
-
-    def read_direct() -> None:
-        direct.plan(SUFFIX, hashes)
-        assert len(direct.load(SUFFIX, hashes, out=rows)) == args.pages
-
-    def read_service() -> None:
-        assert len(service.load(SUFFIX, hashes)) == args.pages
-
-    out = {
-        "direct_warm_s": timed(read_direct, args.repeats),
-        "direct_cold_s": timed(read_direct, args.repeats, lambda: drop_cache(segments)),
-        "service_warm_s": timed(read_service, args.repeats),
-    }
-    direct.close()
-    service.detach()
-    return out
-
-
-def raw_reads(args: argparse.Namespace, work: pathlib.Path, nbytes: int) -> dict[str, float]:
-    path = work / "raw.bin"
-    path.write_bytes(os.urandom(nbytes))
+    raw_path = work / "raw.bin"
+    data.tofile(raw_path)
+    nbytes = data.nbytes
     buf = bytearray(nbytes)
 
-    def read() -> None:
-        with open(path, "rb", buffering=0) as f:
+    def raw_read() -> None:
+        with open(raw_path, "rb", buffering=0) as f:
             assert f.readinto(buf) == nbytes
 
+    def read(reads: DirectReads):
+        def go() -> None:
+            reads.plan(SUFFIX, hashes)
+            assert len(reads.load(SUFFIX, hashes, out=rows)) == args.pages
+
+        return go
+
+    def through_actor(service: StorageService):
+        return lambda: len(service.load(SUFFIX, hashes)) == args.pages or sys.exit("short")
+
+    shard = Topology(cfg.topology).shard(0, cfg.model, cfg.cache.page_size)
+    l2 = KVPool(args.pages, shard, cfg.model, torch.device("cpu"), layers=cfg.model.layers)
+    l2.put_rows(range(args.pages), data)
+    batch = cfg.storage.transfer_batch_pages
+    staging = np.zeros((batch, data.shape[1]), np.uint8)
+    slots = list(range(args.pages))
+    random.Random(1).shuffle(slots)  # L2 slots are wherever the allocator had room
+
+    def prefetch() -> None:  # as a rank's (fabric.rank.storage_io): batches into L2 slots
+        direct.plan(SUFFIX, hashes)
+        for start in range(0, args.pages, batch):
+            got = direct.load(SUFFIX, hashes[start : start + batch], out=staging)
+            assert len(got) == min(batch, args.pages - start)
+            l2.put_rows(slots[start : start + len(got)], got)
+
+    say("L3 reads, warm")
+    warm = side_by_side(
+        {
+            "raw": raw_read,
+            "direct": read(direct),
+            "direct_auth": read(direct_auth),
+            "prefetch": prefetch,
+            "service": through_actor(plain),
+            "service_auth": through_actor(authed),
+        },
+        args.repeats,
+    )
+    say("L3 reads, cold (posix_fadvise DONTNEED before each)")
+    files = [raw_path, *root.glob("*.kvs")]
+    cold = side_by_side(
+        {"raw": raw_read, "direct": read(direct)}, args.repeats, lambda: drop_cache(files)
+    )
+    direct.close()
+    direct_auth.close()
+    say("L3 writes: backups and write-through against a raw write of the same bytes")
+
+    def raw_write() -> None:
+        with open(raw_path, "wb", buffering=0) as f:
+            assert f.write(memoryview(data).cast("B")) == nbytes
+
+    def write_through() -> None:  # a rank's: its L2 rows gathered, then stored
+        for start in range(0, args.pages, BACKUP_PAGES):
+            end = min(start + BACKUP_PAGES, args.pages)
+            assert plain.store(SUFFIX, hashes[start:end], l2.rows(range(start, end)))
+
+    def clear() -> None:
+        raw_path.unlink(missing_ok=True)
+        plain.backend.clear()
+        authed.backend.clear()
+
+    writes = side_by_side(
+        {
+            "raw": raw_write,
+            "backup": lambda: backup(plain, hashes, data),
+            "backup_auth": lambda: backup(authed, hashes, data),
+            "write_through": write_through,
+        },
+        args.repeats,
+        clear,
+    )
+    plain.detach()
+    authed.detach()
     return {
-        "raw_warm_s": timed(read, args.repeats),
-        "raw_cold_s": timed(read, args.repeats, lambda: drop_cache([path])),
+        **{f"{k}_warm_s": v for k, v in warm.items()},
+        **{f"{k}_cold_s": v for k, v in cold.items()},
+        **{f"{k}_write_s": v for k, v in writes.items()},
     }
 
 
@@ -164,37 +237,38 @@ def l2_to_l1(args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     args = parse()
     with tempfile.TemporaryDirectory(prefix="kvfabric-datapath-", dir=ROOT) as tmp:
-        work = pathlib.Path(tmp)
-        say(f"L3: {args.pages} pages of {args.page_kib} KiB, plain")
-        plain = l3_reads(args, work, auth=False)
-        say("L3: authenticated pages")
-        authed = l3_reads(args, work, auth=True)
-        nbytes = args.pages * args.page_kib * 1024
-        say("raw one-file reads of the same bytes")
-        raw = raw_reads(args, work, nbytes)
+        say(f"L3: {args.pages} pages of {args.page_kib} KiB")
+        t = l3_paths(args, pathlib.Path(tmp))
     say("L2 -> L1 against memcpy")
     copy = l2_to_l1(args)
-    gb = nbytes / 1e9
+    gb = args.pages * args.page_kib * 1024 / 1e9
+
+    def ratio(baseline: str, path: str) -> float:
+        return round(t[baseline] / t[path], 3)
+
     print(
         json.dumps(
             {
-                "direct_warm_over_raw": round(raw["raw_warm_s"] / plain["direct_warm_s"], 3),
-                "direct_cold_over_raw": round(raw["raw_cold_s"] / plain["direct_cold_s"], 3),
-                "auth_overhead": round(authed["direct_warm_s"] / plain["direct_warm_s"] - 1, 3),
+                "direct_warm_over_raw": ratio("raw_warm_s", "direct_warm_s"),
+                "direct_cold_over_raw": ratio("raw_cold_s", "direct_cold_s"),
+                "auth_overhead": round(t["direct_auth_warm_s"] / t["direct_warm_s"] - 1, 3),
                 "l2_to_l1_over_memcpy": round(copy["memcpy_s"] / copy["l2_to_l1_s"], 3),
-                "service_warm_over_raw": round(raw["raw_warm_s"] / plain["service_warm_s"], 3),
+                "prefetch_to_l2_over_raw": ratio("raw_warm_s", "prefetch_warm_s"),
+                "service_warm_over_raw": ratio("raw_warm_s", "service_warm_s"),
+                "service_auth_overhead": round(
+                    t["service_auth_warm_s"] / t["service_warm_s"] - 1, 3
+                ),
+                "backup_over_raw_write": ratio("raw_write_s", "backup_write_s"),
+                "backup_auth_over_raw_write": ratio("raw_write_s", "backup_auth_write_s"),
+                "write_through_over_raw_write": ratio("raw_write_s", "write_through_write_s"),
                 "gb_per_s": {
-                    "raw_warm": round(gb / raw["raw_warm_s"], 2),
-                    "raw_cold": round(gb / raw["raw_cold_s"], 2),
-                    "direct_warm": round(gb / plain["direct_warm_s"], 2),
-                    "direct_cold": round(gb / plain["direct_cold_s"], 2),
-                    "direct_auth_warm": round(gb / authed["direct_warm_s"], 2),
-                    "service_warm": round(gb / plain["service_warm_s"], 2),
+                    **{k[:-2]: round(gb / v, 2) for k, v in t.items()},
                     "l2_to_l1": round(copy["bytes"] / 1e9 / copy["l2_to_l1_s"], 2),
                     "memcpy": round(copy["bytes"] / 1e9 / copy["memcpy_s"], 2),
                 },
                 "pages": args.pages,
                 "page_kib": args.page_kib,
+                "repeats": args.repeats,
             }
         )
     )

@@ -52,13 +52,14 @@ class PageAuth:
             raise ConfigError(f"{setting}={path!r}: {exc}") from None
 
     @staticmethod
-    def _bound(key: str, provenance: Provenance) -> bytes:
+    def bound(key: str, provenance: Provenance) -> bytes:
+        """What a tag binds besides the payload: the page's key and model tag."""
         return key.encode("ascii") + b"\0" + provenance.tag.encode("ascii")
 
     def sign(self, payload: Any, provenance: Provenance, key: str) -> dict[str, bytes]:
         """Header fields that authenticate ``payload`` stored under ``key``."""
         nonce = os.urandom(12)
-        sealed = self._aead.encrypt(nonce, self._bound(key, provenance), payload)
+        sealed = self._aead.encrypt(nonce, self.bound(key, provenance), payload)
         return {"nonce": nonce, "mac": sealed[-16:]}
 
     def verify(self, header: dict, key: str, provenance: Provenance, payload: Any) -> bool:
@@ -66,5 +67,10 @@ class PageAuth:
         nonce, mac = header.get("nonce"), header.get("mac")
         if not isinstance(nonce, bytes) or len(nonce) != 12 or not isinstance(mac, bytes):
             return False
-        sealed = self._aead.encrypt(nonce, self._bound(key, provenance), payload)
+        return self.tag_ok(nonce, mac, self.bound(key, provenance), payload)
+
+    def tag_ok(self, nonce: bytes, mac: bytes, bound: bytes, payload: Any) -> bool:
+        """Whether ``mac`` (with ``nonce``, 12 bytes) is ``payload``'s tag for
+        ``bound`` (``PageAuth.bound``: its key and model tag)."""
+        sealed = self._aead.encrypt(nonce, bound, payload)
         return hmac.compare_digest(sealed[-16:], mac)

@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,7 +44,14 @@ import numpy as np
 from fabric.config import FabricConfig
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import Location
-from fabric.l3.format import PREAMBLE, FastCheck, Provenance, check_read, header_length
+from fabric.l3.format import (
+    PREAMBLE,
+    FastCheck,
+    Provenance,
+    check_read,
+    fast_check,
+    header_length,
+)
 from fabric.l3.format import page_key as make_key
 from fabric.l3.safe_open import open_regular
 from fabric.l3.service import component_provenances, provenance_bytes
@@ -110,6 +117,10 @@ class DirectReads:
     ) -> bool:
         return self.link.store(suffix, page_hashes, pages, component)
 
+    def row_bytes(self, suffix: str, component: str = "full") -> int:
+        """The bytes of one page of ``component`` on shard ``suffix`` (a row of ``load``)."""
+        return provenance_bytes(self.shapes[component, suffix])
+
     def plan(self, suffix: str, page_hashes: list[bytes], component: str = "full") -> None:
         """Ask where all of a prefetch's pages lie in one call; the loads of its
         batches then use the answer (one round trip a prefetch, not a batch)."""
@@ -144,13 +155,17 @@ class DirectReads:
         if where is None or not self._open_root(where[0]):
             rows = self.link.load(suffix, page_hashes, component)
             self.relayed_pages += len(rows)
+            if out is not None and len(rows):  # the caller's rows, as from a read here
+                out = _rows(out, len(rows), rows.shape[1])
+                out[:] = rows
+                rows = out
             return rows
         prov = self.shapes[component, suffix]
         located = where[1][: len(page_hashes)]
         out = _rows(out, len(located), provenance_bytes(prov))
         keys = [make_key(h, prov.tag, suffix) for h in page_hashes[: len(located)]]
         n, refused = 0, None
-        fast = FastCheck(prov, out.shape[1], self.auth)
+        fast = fast_check(prov, out.shape[1], self.auth)
         files: dict[str, int | str] = {}  # this load's open files, closed at its end
         try:
             runs = []
@@ -180,7 +195,11 @@ class DirectReads:
         return out[:n]
 
     def _read_runs(
-        self, runs: list[tuple], prov: Provenance, fast: FastCheck, files: dict[str, int | str]
+        self,
+        runs: list[tuple],
+        prov: Provenance,
+        fast: FastCheck,
+        files: dict[str, int | str],
     ) -> list[list[str | None]]:
         """Each run's outcomes (``_read_run``), in order, up to the first run with
         a refusal: ``READERS`` threads (this one among them) take every
@@ -192,8 +211,12 @@ class DirectReads:
             for i in range(first, len(runs), READERS):
                 if i > stop[0]:
                     break
-                done[i] = list(self._read_run(*runs[i], prov, fast, files))
-                if done[i] and done[i][-1] is not None:
+                try:
+                    done[i] = list(self._read_run(*runs[i], prov, fast, files))
+                except BaseException:
+                    stop[0] = -1  # every thread stops: the load ends with this
+                    raise
+                if done[i] and done[i][-1] is not None:  # a refusal (only ever the last)
                     stop[0] = min(stop[0], i)
             return done
 
@@ -203,7 +226,10 @@ class DirectReads:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(READERS - 1, thread_name_prefix="kvfabric-l3")
                 others = [self._pool.submit(read, k) for k in range(1, READERS)]
-        done = read(0)
+        try:
+            done = read(0)
+        finally:  # no thread reads into ``runs`` once the load returns or raises
+            wait(others)
         for other in others:
             done.update(other.result())
         return [done[i] for i in range(min(stop[0] + 1, len(runs)))]

@@ -209,6 +209,8 @@ def check_read(
         return header if isinstance(header, str) else "truncated"
     if got != len(head) + length:
         return "truncated"
+    if fast_check(provenance, length, auth)(head, payload, key):
+        return None
     return check_record(head, payload, provenance, key, auth)
 
 
@@ -243,7 +245,7 @@ class FastCheck:
     decodes to exactly the fields it compares), so nothing is weaker; what is
     saved is decoding and comparing each header in Python."""
 
-    _AUTH_TAIL = len(b"\xa5nonce\xc4\x0c") + 12 + len(b"\xa3mac\xc4\x10") + 16
+    _AUTH_TAIL = len(b"\xa5nonce\xc4\x0c") + 12 + len(b"\xa3mac\xc4\x10") + 16  # _NONCE, _MAC
 
     def __init__(self, provenance: Provenance, payload_len: int, auth: Any = None) -> None:
         pack = _packer()
@@ -253,6 +255,7 @@ class FastCheck:
         self._map = bytes([0x80 | fields]) + pack("v") + pack(FORMAT_VERSION) + pack("key")
         self._len = pack("len") + pack(payload_len) + pack("sum")
         self._prov = pack("prov") + pack(provenance.as_wire())
+        self._bound = b"\0" + provenance.tag.encode("ascii")  # after the key (PageAuth.bound)
 
     def __call__(self, head: Any, payload: Any, key: str) -> bool:
         """Whether ``head`` (preamble and header) and ``payload`` are the page
@@ -262,22 +265,43 @@ class FastCheck:
         if self.auth is None:
             body = before + pack(checksum(payload)) + self._prov
             return head == MAGIC + len(body).to_bytes(4, "little") + body
-        at, tail = PREAMBLE + len(before), len(head) - self._AUTH_TAIL
+        h = head if isinstance(head, bytes) else bytes(head)
+        at, tail = PREAMBLE + len(before), len(h) - self._AUTH_TAIL
         sum_end = tail - len(self._prov)
-        if sum_end <= at or head[PREAMBLE:at] != before or head[sum_end:tail] != self._prov:
+        if not (
+            sum_end > at
+            and h.startswith(MAGIC)
+            and int.from_bytes(h[len(MAGIC) : PREAMBLE], "little") == len(h) - PREAMBLE
+            and h.startswith(before, PREAMBLE)
+            and h.startswith(self._prov, sum_end)
+            and h.startswith(_NONCE, tail)
+            and h.startswith(_MAC, tail + len(_NONCE) + 12)
+        ):
             return False
-        value = bytes(head[at:sum_end])
-        try:  # one msgpack value, as a decoder reading the header would find it
-            msgpack.unpackb(value)
-        except Exception:
+        if _UINT_LEN.get(h[at]) != sum_end - at:  # the checksum: one msgpack integer
             return False
-        nonce, mac = bytes(head[tail + 8 : tail + 20]), bytes(head[-16:])
-        body = before + value + self._prov
-        body += pack("nonce") + pack(nonce) + pack("mac") + pack(mac)
-        if head != MAGIC + len(body).to_bytes(4, "little") + body:
-            return False
-        header = {"v": FORMAT_VERSION, "nonce": nonce, "mac": mac}
-        return bool(self.auth.verify(header, key, self.provenance, payload))
+        nonce, mac = h[tail + len(_NONCE) : tail + len(_NONCE) + 12], h[-16:]
+        return bool(self.auth.tag_ok(nonce, mac, key.encode("ascii") + self._bound, payload))
+
+
+# msgpack's unsigned integers by their first byte: how long each is.
+_UINT_LEN = {**dict.fromkeys(range(0x80), 1), 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
+_NONCE = b"\xa5nonce\xc4\x0c"  # the header's "nonce": 12 bytes
+_MAC = b"\xa3mac\xc4\x10"  # its "mac": 16 bytes
+
+
+def fast_check(provenance: Provenance, payload_len: int, auth: Any = None) -> FastCheck:
+    """The ``FastCheck`` of pages of ``provenance`` and length (made once)."""
+    key = (provenance, payload_len, auth)
+    check = _FAST.get(key)
+    if check is None:
+        if len(_FAST) >= 64:
+            _FAST.clear()
+        check = _FAST[key] = FastCheck(provenance, payload_len, auth)
+    return check
+
+
+_FAST: dict[tuple, FastCheck] = {}
 
 
 def _packer() -> Any:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from fabric.config import ModelConfig
@@ -136,11 +137,25 @@ def _page_bytes(pool: KVPool) -> int:
     return pool.buffer.numel() // max(pool.num_pages, 1) * pool.buffer.element_size()
 
 
+def _page_at_a_time(pool: KVPool) -> bool:
+    """Whether rows move to and from ``pool`` one strided copy a page (large pages
+    on the host: near memcpy speed) rather than one gather or scatter by index."""
+    return pool.buffer.device.type == "cpu" and _page_bytes(pool) >= _SLICE_PAGE_BYTES
+
+
 def pages_to_bytes(pool: KVPool, pages: Sequence[int]):
     """Pages as rows of bytes (``numpy`` uint8, one row per page) in the canonical
     order ``(2, page_tokens, layers, heads, head_dim)`` whatever the layout."""
-    idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
-    rows = pool.pages[:, idx].permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
+    pages = list(pages)
+    if _page_at_a_time(pool):
+        out = np.empty((len(pages), _page_bytes(pool)), dtype=np.uint8)
+        src, dst = _byte_pages(pool), _canonical(pool, out)
+        for s, d, n in page_runs(pages, range(len(pages))):
+            dst[:, d : d + n] = src[:, s : s + n]
+        return out
+    else:
+        idx = torch.as_tensor(pages, dtype=torch.long, device=pool.buffer.device)
+        rows = pool.pages[:, idx].permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
     row_bytes = rows[0].numel() * rows.element_size() if len(pages) else 0
     return rows.view(torch.uint8).reshape(len(pages), row_bytes).numpy()
 
@@ -152,6 +167,12 @@ def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
     n = len(pages)
     if not memoryview(rows).nbytes:
         return  # a stage without layers of this kind: empty pages
+    if _page_at_a_time(pool):
+        src = _canonical(pool, np.frombuffer(rows, dtype=np.uint8).reshape(n, -1))
+        dst = _byte_pages(pool)
+        for s, d, k in page_runs(range(n), pages):
+            dst[:, d : d + k] = src[:, s : s + k]
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers: we only read
         flat = torch.frombuffer(memoryview(rows).cast("B"), dtype=torch.uint8)
@@ -159,6 +180,22 @@ def bytes_to_pages(pool: KVPool, pages: Sequence[int], rows) -> None:
     values = flat.view(pool.buffer.dtype).view(shape).permute(1, 0, 2, 3, 4, 5)
     idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.buffer.device)
     pool.pages[:, idx] = values.to(pool.buffer.device)
+
+
+def _byte_pages(pool: KVPool) -> np.ndarray:
+    """A host pool's canonical view as ``numpy`` bytes (its last axis the head's
+    bytes): numpy copies a strided page with little per-call overhead and
+    without the GIL."""
+    view = pool.__dict__.get("_byte_pages")
+    if view is None:
+        view = pool.__dict__["_byte_pages"] = pool.pages.view(torch.uint8).numpy()
+    return view
+
+
+def _canonical(pool: KVPool, rows: np.ndarray) -> np.ndarray:
+    """``rows`` (a page a row) seen as ``_byte_pages`` sees the pool: K/V first."""
+    shape = (len(rows), 2, *_byte_pages(pool).shape[2:])
+    return rows.reshape(shape).transpose(1, 0, 2, 3, 4, 5)
 
 
 class StatePool:
