@@ -39,7 +39,9 @@ import torch
 
 from fabric.config import FabricConfig
 from fabric.l3.direct import DirectReads
+from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService, page_geometry
+from fabric.rank.node_l2 import NodeL2
 from fabric.rank.pools import KVPool, copy_pages
 from fabric.topology import Topology
 
@@ -52,6 +54,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--page-kib", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--block-kib", type=int, default=64, help="a vLLM block of one layer")
+    p.add_argument("--engine-layers", type=int, default=8)
     return p.parse_args()
 
 
@@ -234,11 +238,51 @@ def l2_to_l1(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def l2_to_blocks(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
+    """A vLLM worker's load of pages its node's L2 holds (``PageMoves``: found and
+    checked in place, then copied a layer at a time into the engine's blocks,
+    scattered) against ``torch`` copying the same bytes in one piece; ``{}``
+    where vLLM is not installed (``PageMoves`` runs inside it)."""
+    try:
+        from fabric.engines.vllm_moves import PageMoves
+        from fabric.engines.vllm_pages import Placement
+    except ImportError as exc:
+        say(f"node L2 -> blocks skipped: {exc} (run with the vLLM tier's python)")
+        return {}
+    layers, block = args.engine_layers, args.block_kib * 1024
+    pages, blocks = min(args.pages, 128), 1024
+    moves = PageMoves(
+        Provenance("bench", "vllm", "float16", (layers, block // 2), 16), Placement(1, 1), block
+    )
+    moves.layers = [torch.zeros(blocks, block // 2, dtype=torch.float16) for _ in range(layers)]
+    moves.l2 = NodeL2(work / "node-l2", block * layers, 2 * pages, moves.provenance.tag, "0-0-0")
+    hashes = tuple(i.to_bytes(32, "big") for i in range(1, pages + 1))
+    stored = torch.randint(0, 256, (pages, block * layers), dtype=torch.uint8)
+    assert moves.l2.put(moves.keys(hashes), stored) == pages
+    into = tuple(random.Random(2).sample(range(blocks), pages))
+
+    def load() -> None:
+        f = moves.fetch(hashes, into)
+        try:
+            for layer in range(layers):
+                moves.scatter_layer(f, layer)
+            assert moves.settle(f) == pages
+        finally:
+            moves.release(f)
+
+    src, dst = stored.view(-1), torch.empty_like(stored).view(-1)
+    t = side_by_side({"load": load, "memcpy": lambda: dst.copy_(src)}, args.repeats)
+    moves.l2.close()
+    return {"l2_to_blocks_s": t["load"], "blocks_memcpy_s": t["memcpy"], "bytes": stored.numel()}
+
+
 def main() -> None:
     args = parse()
     with tempfile.TemporaryDirectory(prefix="kvfabric-datapath-", dir=ROOT) as tmp:
         say(f"L3: {args.pages} pages of {args.page_kib} KiB")
         t = l3_paths(args, pathlib.Path(tmp))
+        say("node L2 -> a vLLM worker's blocks against memcpy")
+        blocks = l2_to_blocks(args, pathlib.Path(tmp))
     say("L2 -> L1 against memcpy")
     copy = l2_to_l1(args)
     gb = args.pages * args.page_kib * 1024 / 1e9
@@ -253,6 +297,15 @@ def main() -> None:
                 "direct_cold_over_raw": ratio("raw_cold_s", "direct_cold_s"),
                 "auth_overhead": round(t["direct_auth_warm_s"] / t["direct_warm_s"] - 1, 3),
                 "l2_to_l1_over_memcpy": round(copy["memcpy_s"] / copy["l2_to_l1_s"], 3),
+                **(
+                    {
+                        "l2_to_blocks_over_memcpy": round(
+                            blocks["blocks_memcpy_s"] / blocks["l2_to_blocks_s"], 3
+                        )
+                    }
+                    if blocks
+                    else {}
+                ),
                 "prefetch_to_l2_over_raw": ratio("raw_warm_s", "prefetch_warm_s"),
                 "service_warm_over_raw": ratio("raw_warm_s", "service_warm_s"),
                 "service_auth_overhead": round(

@@ -53,6 +53,35 @@ def test_scattered_pages_of_any_size_land_in_their_slots_in_every_layout(layout,
     assert bool((dst.pages[:, untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 2048])  # rows by one index copy; by strided runs
+def test_pages_leave_and_enter_a_pool_as_canonical_rows_in_every_layout(layout, dtype, head_dim):
+    """``rows``/``put_rows`` (L3's byte rows): K/V first, then tokens, layers,
+    heads, head_dim, whatever the layout; scattered slots, runs among them, rows
+    from a read-only buffer (Ray's object store), no other slot touched."""
+    import numpy as np
+
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=head_dim, layout=layout, dtype=dtype)
+    shard = Topology(FabricConfig().topology).shard(0, model, 4)
+    src = KVPool(12, shard, model, torch.device("cpu"))
+    src.buffer.copy_(torch.randn(src.buffer.shape).to(src.buffer.dtype))
+    slots = [9, 2, 3, 4, 11, 0]  # a run of three among scattered pages
+    rows = src.rows(slots)
+    idx = torch.tensor(slots)
+    canonical = src.pages[:, idx].permute(1, 0, 2, 3, 4, 5).contiguous()
+    assert np.array_equal(rows, canonical.view(torch.uint8).reshape(len(slots), -1).numpy())
+    dst = KVPool(12, shard, model, torch.device("cpu"))
+    dst.buffer.fill_(7.0)
+    read_only = rows.copy()
+    read_only.flags.writeable = False
+    into = [1, 5, 6, 7, 10, 8]
+    dst.put_rows(into, read_only)
+    for s, d in zip(slots, into, strict=True):
+        assert torch.equal(dst.pages[:, d], src.pages[:, s])
+    assert bool((dst.pages[:, [0, 2, 3, 4, 9, 11]] == 7.0).all())
+
+
 def test_page_runs_merge_contiguous_pairs():
     assert page_runs([1, 2, 3, 7, 8], [4, 5, 6, 0, 1]) == [(1, 4, 3), (7, 0, 2)]
     assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
