@@ -276,11 +276,57 @@ def l2_to_blocks(args: argparse.Namespace, work: pathlib.Path) -> dict[str, floa
     return {"l2_to_blocks_s": t["load"], "blocks_memcpy_s": t["memcpy"], "bytes": stored.numel()}
 
 
+def checksums(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
+    """Each checksum kvfabric could use, as a read uses it: a 256 KiB read from the
+    page cache, then the sum over it while the CPU cache holds it. GB/s of the
+    whole (read and sum) and of the read alone. zlib and zlib-ng always; xxhash
+    and crc32c where installed (``pip install -e '.[bench]'``)."""
+    import zlib
+
+    from zlib_ng import zlib_ng
+
+    sums = {"none": None, "crc32_zlib": zlib.crc32, "crc32_zlib_ng": zlib_ng.crc32}
+    try:
+        import xxhash
+
+        sums.update(xxh3_64=xxhash.xxh3_64_intdigest, xxh64=xxhash.xxh64_intdigest)
+    except ImportError:
+        say("checksums: xxhash not installed")
+    try:
+        import crc32c
+
+        sums["crc32c"] = crc32c.crc32c
+    except ImportError:
+        say("checksums: crc32c not installed")
+    call, nbytes = 256 << 10, args.pages * args.page_kib * 1024
+    path = work / "sums.bin"
+    path.write_bytes(os.urandom(nbytes))
+    out = np.zeros((nbytes // call, call), np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read_and(fn):
+        def go() -> None:
+            for i, row in enumerate(out):
+                os.preadv(fd, [row], i * call)
+                if fn is not None:
+                    fn(row)
+
+        return go
+
+    try:
+        t = side_by_side({name: read_and(fn) for name, fn in sums.items()}, args.repeats)
+    finally:
+        os.close(fd)
+    return {name: round(nbytes / 1e9 / v, 2) for name, v in t.items()}
+
+
 def main() -> None:
     args = parse()
     with tempfile.TemporaryDirectory(prefix="kvfabric-datapath-", dir=ROOT) as tmp:
         say(f"L3: {args.pages} pages of {args.page_kib} KiB")
         t = l3_paths(args, pathlib.Path(tmp))
+        say("checksums after a read")
+        sums = checksums(args, pathlib.Path(tmp))
         say("node L2 -> a vLLM worker's blocks against memcpy")
         blocks = l2_to_blocks(args, pathlib.Path(tmp))
     say("L2 -> L1 against memcpy")
@@ -319,6 +365,7 @@ def main() -> None:
                     "l2_to_l1": round(copy["bytes"] / 1e9 / copy["l2_to_l1_s"], 2),
                     "memcpy": round(copy["bytes"] / 1e9 / copy["memcpy_s"], 2),
                 },
+                "read_and_checksum_gb_per_s": sums,
                 "pages": args.pages,
                 "page_kib": args.page_kib,
                 "repeats": args.repeats,

@@ -52,7 +52,6 @@ from fabric.l3.format import (
     fast_check,
     header_length,
 )
-from fabric.l3.format import page_key as make_key
 from fabric.l3.safe_open import open_regular
 from fabric.l3.service import component_provenances, provenance_bytes
 
@@ -60,10 +59,13 @@ log = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _MAX_GAP = 256  # between two records read in one call: a frame and a key
+_RUN_CHECK = 4  # pages from which a run's headers are checked as one array
+_SKIP = memoryview(bytearray(_MAX_GAP))  # where the bytes between records go (never read)
 _RUN_PAGES = 300  # pages per read call (three iovecs each, under IOV_MAX)
 # Bytes per read call: a read's pages are checked while the CPU cache still
-# holds them (a checksum over a larger read reads it back from memory).
-_READ_CALL = 256 << 10
+# holds them (a checksum over a larger read reads it back from memory), and a
+# call carries enough small pages that its own cost is spread thin.
+_READ_CALL = 1 << 20
 # Reads in flight at once: a read from the page cache is a copy the kernel makes
 # with the GIL released, so two threads copy (and checksum) side by side, and
 # a cold read keeps the disk's queue fed.
@@ -163,7 +165,8 @@ class DirectReads:
         prov = self.shapes[component, suffix]
         located = where[1][: len(page_hashes)]
         out = _rows(out, len(located), provenance_bytes(prov))
-        keys = [make_key(h, prov.tag, suffix) for h in page_hashes[: len(located)]]
+        tag = prov.tag
+        keys = [f"{h.hex()}.{tag}.{suffix}" for h in page_hashes[: len(located)]]  # page_key
         n, refused = 0, None
         fast = fast_check(prov, out.shape[1], self.auth)
         files: dict[str, int | str] = {}  # this load's open files, closed at its end
@@ -174,12 +177,8 @@ class DirectReads:
                 if name not in files:
                     files[name] = self._open(name)
                 runs.append((located[start:end], keys[start:end], out[start:end]))
-            for outcomes in self._read_runs(runs, prov, fast, files):
-                for reason in outcomes:
-                    if reason is not None:
-                        refused = reason
-                        break
-                    n += 1
+            for served, refused in self._read_runs(runs, prov, fast, files):
+                n += served
                 if refused is not None:
                     break
         finally:
@@ -200,23 +199,23 @@ class DirectReads:
         prov: Provenance,
         fast: FastCheck,
         files: dict[str, int | str],
-    ) -> list[list[str | None]]:
-        """Each run's outcomes (``_read_run``), in order, up to the first run with
+    ) -> list[tuple[int, str | None]]:
+        """Each run's outcome (``_read_run``), in order, up to the first run with
         a refusal: ``READERS`` threads (this one among them) take every
         ``READERS``-th run, and none starts a run past a refusal already seen."""
         stop = [len(runs)]
 
-        def read(first: int) -> dict[int, list[str | None]]:
+        def read(first: int) -> dict[int, tuple[int, str | None]]:
             done = {}
             for i in range(first, len(runs), READERS):
                 if i > stop[0]:
                     break
                 try:
-                    done[i] = list(self._read_run(*runs[i], prov, fast, files))
+                    done[i] = self._read_run(*runs[i], prov, fast, files)
                 except BaseException:
                     stop[0] = -1  # every thread stops: the load ends with this
                     raise
-                if done[i] and done[i][-1] is not None:  # a refusal (only ever the last)
+                if done[i][1] is not None:
                     stop[0] = min(stop[0], i)
             return done
 
@@ -275,23 +274,21 @@ class DirectReads:
         prov: Provenance,
         fast: FastCheck,
         files: dict[str, int | str],
-    ) -> Iterator[str | None]:
+    ) -> tuple[int, str | None]:
         """Read ``run`` (records one after another in one file, or one page file)
-        into ``rows`` in one call, then check each page as the storage actor's
+        into ``rows`` in one call, then check its pages as the storage actor's
         reads do (``check_read``; ``fast`` first, which passes the common page
-        without decoding its header): ``None`` per page served, else why not
-        (the caller stops there). ``files``: descriptors opened so far."""
+        without decoding its header): how many leading pages are served, and
+        why the next is not (``None``: all are). ``files``: descriptors opened."""
         fd = files[run[0].file]
         if not isinstance(fd, int):
-            yield fd
-            return
+            return 0, fd
         try:
             heads, got = self._pread(fd, run, rows)
         except OSError:
             heads, got = [], 0
         if isinstance(heads, str):  # a page file whose preamble is not the format's
-            yield heads
-            return
+            return 0, heads
         last = run[-1]
         whole = (
             last.offset + last.head + last.payload - run[0].offset
@@ -300,19 +297,22 @@ class DirectReads:
         )
         passed = 0
         if got == whole:  # every record read whole: the fast check first
-            for head, key, row in zip(heads, keys, rows, strict=True):
-                if not fast(head, row, key):
-                    break
-                passed += 1
-                yield None
+            if isinstance(heads, np.ndarray):
+                check = fast.run if len(run) >= _RUN_CHECK else fast.one_by_one
+                passed = check(heads, rows, keys)
+            else:
+                for head, key, row in zip(heads, keys, rows, strict=True):
+                    if not fast(head, row, key):
+                        break
+                    passed += 1
             if passed == len(run):
-                return
+                return passed, None
         at = 0
         for i, (loc, key, row) in enumerate(zip(run, keys, rows, strict=True)):
             if i < passed:  # served by the fast check
                 at += len(heads[i]) + row.nbytes + _gap(run, i)
                 continue
-            head = heads[i] if i < len(heads) else bytearray(loc.head)
+            head = bytes(heads[i]) if i < len(heads) else bytes(loc.head)
             stored = loc.payload if loc.head > 0 else None
             mine = (
                 max(got - at, 0)
@@ -321,14 +321,18 @@ class DirectReads:
             )
             at += len(head) + row.nbytes + _gap(run, i)
             refused = check_read(head, row, mine, prov, key, self.auth, stored)
-            yield refused
             if refused is not None:
-                return
+                return i, refused
+        return len(run), None
 
     @staticmethod
-    def _pread(fd: int, run: list[Location], rows: np.ndarray) -> tuple[list[bytearray], int]:
-        """Headers into small buffers and payloads straight into ``rows``, in one
-        ``preadv`` (a whole page file: its preamble read first for its length)."""
+    def _pread(
+        fd: int, run: list[Location], rows: np.ndarray
+    ) -> tuple[np.ndarray | list[bytearray] | str, int]:
+        """Headers into a buffer and payloads straight into ``rows``, in one
+        ``preadv``: a run's headers as one array, a header a row, when they are
+        all one length (else a buffer each); a whole page file: its preamble
+        read first for its length."""
         first = run[0]
         if first.head <= 0:  # a page file: the preamble says how long its header is
             n = header_length(os.pread(fd, PREAMBLE, first.offset))
@@ -337,13 +341,20 @@ class DirectReads:
             head = bytearray(PREAMBLE + n)
             got = os.preadv(fd, [head, memoryview(rows[0]).cast("B"), bytearray(1)], first.offset)
             return [head], got  # a byte past the page: a file longer than its record
-        heads, iov = [], []
+        uniform = all(loc.head == first.head for loc in run)
+        heads = np.empty((len(run), first.head), np.uint8) if uniform else []
+        iov: list = []
+        end = first.offset
         for i, (loc, row) in enumerate(zip(run, rows, strict=True)):
-            heads.append(bytearray(loc.head))
-            iov += [heads[-1], memoryview(row).cast("B")]
-            gap = _gap(run, i)
-            if gap:
-                iov.append(bytearray(gap))  # the next record's frame and key
+            if loc.offset > end:
+                iov.append(_SKIP[: loc.offset - end])  # the record's frame and key
+            if uniform:
+                iov.append(heads[i])
+            else:
+                heads.append(bytearray(loc.head))
+                iov.append(heads[-1])
+            iov.append(row)
+            end = loc.offset + loc.head + loc.payload
         return heads, os.preadv(fd, iov, first.offset)
 
     def _close(self) -> None:
@@ -392,22 +403,23 @@ def _runs(located: list[Location], row_bytes: int) -> Iterator[tuple[int, int]]:
     """``[start, end)`` of each run of locations read in one call: records of one
     segment that follow one another closely (a backup's), of a page's length."""
     start = 0
-    for i in range(1, len(located) + 1):
-        if i < len(located):
-            prev, loc = located[i - 1], located[i]
-            near = 0 <= loc.offset - (prev.offset + prev.head + prev.payload) <= _MAX_GAP
-            if (
-                near
-                and loc.file == prev.file
-                and prev.head > 0
-                and loc.head > 0
-                and loc.payload == row_bytes
-                and i - start < _RUN_PAGES
-                and (i - start + 1) * row_bytes <= _READ_CALL
-            ):
-                continue
-        yield start, i
-        start = i
+    most = min(_RUN_PAGES, max(1, _READ_CALL // max(row_bytes, 1)))
+    prev = located[0] if located else None
+    for i in range(1, len(located)):
+        loc = located[i]
+        if not (
+            0 <= loc.offset - (prev.offset + prev.head + prev.payload) <= _MAX_GAP
+            and loc.file == prev.file
+            and prev.head > 0
+            and loc.head > 0
+            and loc.payload == row_bytes
+            and i - start < most
+        ):
+            yield start, i
+            start = i
+        prev = loc
+    if located:
+        yield start, len(located)
 
 
 def direct_reads(link: Any, config: FabricConfig) -> Any:

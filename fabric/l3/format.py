@@ -19,10 +19,12 @@ import hashlib
 import re
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 try:  # zlib-ng's CRC-32 (folded with carry-less multiplies) is zlib's, ~5x faster
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -256,6 +258,7 @@ class FastCheck:
         self._len = pack("len") + pack(payload_len) + pack("sum")
         self._prov = pack("prov") + pack(provenance.as_wire())
         self._bound = b"\0" + provenance.tag.encode("ascii")  # after the key (PageAuth.bound)
+        self._templates: dict[tuple[int, int], tuple | None] = {}
 
     def __call__(self, head: Any, payload: Any, key: str) -> bool:
         """Whether ``head`` (preamble and header) and ``payload`` are the page
@@ -282,6 +285,83 @@ class FastCheck:
             return False
         nonce, mac = h[tail + len(_NONCE) : tail + len(_NONCE) + 12], h[-16:]
         return bool(self.auth.tag_ok(nonce, mac, key.encode("ascii") + self._bound, payload))
+
+    def run(self, heads: np.ndarray, payloads: np.ndarray, keys: Sequence[str]) -> int:
+        """How many leading pages of a run pass, decided for the run at once:
+        ``heads`` one header a row (all of one length), ``payloads`` one page a
+        row. The headers are compared with what ``encode_header`` writes as one
+        array — the keys, the checksums and every other byte in columns — and
+        only where that finds a difference (or the run is not the common form)
+        does the page-by-page check (``__call__``) take over from there."""
+        n = len(keys)
+        if not n:
+            return 0
+        template = self._template(len(keys[0]), heads.shape[1])
+        if template is None or len(set(map(len, keys))) != 1:
+            return self.one_by_one(heads, payloads, keys, 0)
+        row, key_at, sum_at, fixed = template
+        expected = np.empty_like(heads)
+        expected[:] = row
+        expected[:, key_at : key_at + len(keys[0])] = np.frombuffer(
+            "".join(keys).encode("ascii"), dtype=np.uint8
+        ).reshape(n, -1)
+        if self.auth is None:
+            sums = np.array(list(map(checksum, payloads)), dtype=np.uint64)
+            if int(sums.min()) < 1 << 16:  # a short encoding: not this template's
+                return self.one_by_one(heads, payloads, keys, 0)
+            expected[:, sum_at : sum_at + 4] = sums.astype(">u4").view(np.uint8).reshape(n, 4)
+            same = (heads == expected).all(axis=1)
+        else:
+            same = (heads[:, fixed] == expected[:, fixed]).all(axis=1)
+        passed = n if bool(same.all()) else int(np.argmin(same))
+        if self.auth is not None:
+            tail = heads.shape[1] - self._AUTH_TAIL + len(_NONCE)
+            for i in range(passed):
+                nonce = heads[i, tail : tail + 12].tobytes()
+                mac = heads[i, -16:].tobytes()
+                bound = keys[i].encode("ascii") + self._bound
+                if not self.auth.tag_ok(nonce, mac, bound, payloads[i]):
+                    return i + self.one_by_one(heads, payloads, keys, i)
+        return passed + self.one_by_one(heads, payloads, keys, passed) if passed < n else n
+
+    def one_by_one(
+        self, heads: np.ndarray, payloads: np.ndarray, keys: Sequence[str], i: int = 0
+    ) -> int:
+        """From page ``i`` on, how many more pass ``__call__`` one at a time
+        (``heads``: a header a row)."""
+        start = i
+        while i < len(keys) and self(heads[i].tobytes(), payloads[i], keys[i]):
+            i += 1
+        return i - start
+
+    def _template(self, key_len: int, head_len: int) -> tuple | None:
+        """For headers of keys of ``key_len`` characters that are ``head_len``
+        bytes long: one header's bytes, where its key and checksum lie, and the
+        columns every header of the run shares (with ``auth``: all but the
+        checksum, nonce and tag); ``None`` for any other length."""
+        made = self._templates.get((key_len, head_len))
+        if made is None and (key_len, head_len) not in self._templates:
+            pack = _packer()
+            key = "k" * key_len
+            before = self._map + pack(key) + self._len
+            body = before + pack(0xFFFFFFFF) + self._prov  # a 4-byte checksum (0xce)
+            if self.auth is not None:
+                body += pack("nonce") + pack(b"\0" * 12) + pack("mac") + pack(b"\0" * 16)
+            head = MAGIC + len(body).to_bytes(4, "little") + body
+            if len(head) == head_len:
+                key_at = PREAMBLE + len(before) - len(self._len) - key_len
+                sum_at = PREAMBLE + len(before) + 1
+                fixed = np.ones(head_len, dtype=bool)  # (with auth: all but these)
+                if self.auth is not None:
+                    nonce_at = head_len - self._AUTH_TAIL + len(_NONCE)
+                    fixed[sum_at : sum_at + 4] = False
+                    fixed[nonce_at : nonce_at + 12] = False
+                    fixed[head_len - 16 :] = False  # the tag
+                made = (np.frombuffer(head, dtype=np.uint8), key_at, sum_at, fixed)
+            if len(self._templates) > 16:
+                self._templates.clear()
+            self._templates[key_len, head_len] = made
+        return made
 
 
 # msgpack's unsigned integers by their first byte: how long each is.

@@ -438,11 +438,12 @@ class SegmentBackend(L3Backend):
     def locate(self, keys: Sequence[str]) -> list[Location]:
         self._reap()
         out = []
+        now = time.time()
         for key in keys:
             entry = self._locate(check_key(key))
             if entry is None:
                 break
-            entry.segment.used = time.time()  # a read refreshes its segment
+            entry.segment.used = now  # a read refreshes its segment
             out.append(Location(entry.segment.name, entry.page, entry.head, entry.payload))
         return out
 

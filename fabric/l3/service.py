@@ -340,7 +340,8 @@ class StorageService:
         backend = self.backend
         if backend is None or (component, suffix) not in self.shapes:
             return None
-        where = backend.locate([self.key(h, suffix, component) for h in page_hashes])
+        tag = self.shapes[component, suffix].tag
+        where = backend.locate([f"{h.hex()}.{tag}.{suffix}" for h in page_hashes])  # page_key
         if where is None:
             return None
         return str(backend.root), where  # type: ignore[attr-defined]

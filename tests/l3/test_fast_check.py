@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,3 +65,59 @@ def test_a_damaged_page_the_fast_check_passes_is_one_the_full_check_serves(
     head, payload = (head, bytes(target)) if in_payload else (bytes(target), payload)
     if FastCheck(PROV, PAYLOAD, a)(head, payload, KEY):
         assert check_record(head, payload, PROV, KEY, a) is None
+
+
+@settings(max_examples=example_count(200, 3000), deadline=None)
+@given(
+    auth=st.booleans(),
+    pages=st.integers(1, 12),
+    damage=st.lists(
+        st.tuples(st.integers(0, 11), st.booleans(), st.integers(0, 4096), st.integers(1, 255)),
+        max_size=3,
+    ),
+    other_key=st.integers(-1, 11),
+)
+def test_a_run_checked_as_one_array_passes_exactly_what_page_by_page_passes(
+    auth, pages, damage, other_key
+):
+    """``FastCheck.run`` (a run's headers as one array) serves the same leading
+    pages as checking each page alone, and never one the full check refuses."""
+    import numpy as np
+
+    a = AUTH if auth else None
+    keys = [f"{(bytes([i + 1]) * 32).hex()}.{PROV.tag}.0-0-1" for i in range(pages)]
+    payloads = np.frombuffer(os.urandom(pages * PAYLOAD), np.uint8).reshape(pages, PAYLOAD).copy()
+    heads = [bytearray(encode_header(payloads[i], PROV, keys[i], a)) for i in range(pages)]
+    if len({len(h) for h in heads}) != 1:  # a checksum under 2**16: another length
+        return
+    for page, in_payload, at, bits in damage:
+        page %= pages
+        target = payloads[page] if in_payload else heads[page]
+        target[at % len(target)] ^= bits
+    if 0 <= other_key < pages:
+        keys[other_key] = keys[other_key].replace("0-0-1", "0-0-2")
+    array = np.array([list(h) for h in heads], dtype=np.uint8)
+    fast = FastCheck(PROV, PAYLOAD, a)
+    passed = fast.run(array, payloads, keys)
+    assert passed == fast.one_by_one(array, payloads, keys)
+    for i in range(passed):
+        assert check_record(bytes(heads[i]), payloads[i], PROV, keys[i], a) is None
+    if passed < pages and not damage:
+        assert passed == other_key
+
+
+def test_a_whole_run_of_the_common_form_is_checked_without_a_page_by_page_pass(monkeypatch):
+    import numpy as np
+
+    for a in (None, AUTH):
+        keys = [f"{(bytes([i + 1]) * 32).hex()}.{PROV.tag}.0-0-1" for i in range(8)]
+        payloads = np.zeros((8, PAYLOAD), np.uint8)
+        heads = []
+        while len(heads) < 8:  # pages whose checksums take 4 bytes (the common form)
+            payloads[len(heads)] = np.frombuffer(os.urandom(PAYLOAD), np.uint8)
+            head = encode_header(payloads[len(heads)], PROV, keys[len(heads)], a)
+            if checksum(payloads[len(heads)]) >= 1 << 16:
+                heads.append(list(head))
+        fast = FastCheck(PROV, PAYLOAD, a)
+        monkeypatch.setattr(fast, "one_by_one", lambda *args: pytest.fail("page by page"))
+        assert fast.run(np.array(heads, np.uint8), payloads, keys) == 8
