@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _MAX_GAP = 256  # between two records read in one call: a frame and a key
-_RUN_CHECK = 4  # pages from which a run's headers are checked as one array
+_RUN_CHECK = 16  # pages from which a run's headers are checked as one array
 _SKIP = memoryview(bytearray(_MAX_GAP))  # where the bytes between records go (never read)
 _RUN_PAGES = 300  # pages per read call (three iovecs each, under IOV_MAX)
 # Bytes per read call: a read's pages are checked while the CPU cache still

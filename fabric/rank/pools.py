@@ -19,9 +19,13 @@ from fabric.topology import Shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_SLICE_RUNS = 16
-# Between two host pools, pages of at least this many bytes move a run at a time
-# (one strided copy each, near memcpy speed), however scattered: a gather into a
-# temporary and a scatter out of it copy every byte twice (bench/datapath.py).
+# Between two host pools pages move a run at a time however scattered (one
+# strided copy each: a gather into a temporary and a scatter out of it copy every
+# byte twice): by numpy (~1 us a call) below this many bytes a page, by torch
+# (~5 us a call, but two threads) from it (bench/datapath.py --page-kib).
+_TORCH_PAGE_BYTES = 128 << 10
+# Rows of bytes move to and from a host pool a page (or run) at a time from
+# this many bytes a page; smaller ones by one index copy.
 _SLICE_PAGE_BYTES = 64 << 10
 
 
@@ -123,7 +127,11 @@ def copy_pages(
     runs = page_runs(src_pages, dst_pages)
     s_view, d_view = src.pages, dst.pages
     on_host = src.buffer.device.type == dst.buffer.device.type == "cpu"
-    if len(runs) <= _MAX_SLICE_RUNS or (on_host and _page_bytes(src) >= _SLICE_PAGE_BYTES):
+    if on_host and _page_bytes(src) < _TORCH_PAGE_BYTES:
+        s_bytes, d_bytes = _byte_pages(src), _byte_pages(dst)
+        for s, d, n in runs:
+            d_bytes[:, d : d + n] = s_bytes[:, s : s + n]
+    elif on_host or len(runs) <= _MAX_SLICE_RUNS:
         for s, d, n in runs:
             d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
     else:
