@@ -107,17 +107,24 @@ def outcome(service, read) -> tuple[int, dict[str, int]]:
     return len(rows), moved
 
 
-@pytest.mark.parametrize("reads", ["one_call", "a_call_a_page"])
+@pytest.mark.parametrize("reads", ["one_call", "a_call_a_page", "a_call_a_page_cold"])
 @pytest.mark.parametrize("backend", ["file", "segment"])
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
 def test_both_read_paths_serve_refuse_and_count_alike(
     tmp_path, monkeypatch, backend, damage, reads
 ):
     """``a_call_a_page``: every page is a read of its own, so the direct read's
-    threads take them side by side and the refusal lies in another's run."""
+    threads take them side by side and the refusal lies in another's run;
+    ``_cold``: the store's files out of the page cache first (more reads in flight)."""
     cfg, service, data = store(tmp_path, backend)
-    if reads == "a_call_a_page":
+    if reads.startswith("a_call_a_page"):
         monkeypatch.setattr(direct_module, "_READ_CALL", data.shape[1])
+    colds = []
+    if reads.endswith("_cold"):
+        cold = direct_module.DirectReads._cold
+        monkeypatch.setattr(
+            direct_module.DirectReads, "_cold", staticmethod(lambda *a: colds.append(cold(*a)))
+        )
     direct = DirectReads(service, cfg)
     if damage is vanished:  # gone between the rank's asking where and its read
         direct.plan(SUFFIX, HASHES)
@@ -126,7 +133,11 @@ def test_both_read_paths_serve_refuse_and_count_alike(
         damage(service)
         direct.plan(SUFFIX, HASHES)
     mine = np.full_like(data, 0xAA)  # rows the rank keeps: what is served is read into them
+    if reads.endswith("_cold"):
+        drop_cache(tmp_path)
     by_direct = outcome(service, lambda: direct.load(SUFFIX, HASHES, out=mine))
+    if reads.endswith("_cold") and damage is not vanished:
+        assert len(colds) == 1, "a load asks once whether the page cache holds it"
     by_actor = outcome(service, lambda: service.load(SUFFIX, HASHES))
     assert by_direct == by_actor, f"direct read {by_direct}, storage actor {by_actor}"
     n = by_direct[0]
@@ -136,6 +147,39 @@ def test_both_read_paths_serve_refuse_and_count_alike(
     assert np.array_equal(mine[:n], data[:n])
     direct.close()
     service.detach()
+
+
+def drop_cache(under) -> None:
+    """Every file under ``under`` out of the page cache."""
+    for root, _, names in os.walk(under):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def test_a_load_the_page_cache_does_not_hold_is_known_cold(tmp_path):
+    from fabric.l3.backend import Location
+
+    path = tmp_path / "pages.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    drop_cache(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        files = {"pages.bin": fd}
+        cold = DirectReads._cold(Location("pages.bin", 4096, 0, 4096), files)
+        if not cold and not direct_module._NOWAIT:
+            pytest.skip("this platform cannot ask the page cache (no RWF_NOWAIT)")
+        if not cold:
+            pytest.skip(f"{tmp_path} keeps its pages in memory (tmpfs): nothing is cold")
+        os.pread(fd, 8192, 4096)
+        assert not DirectReads._cold(Location("pages.bin", 4096, 0, 4096), files)
+        assert not DirectReads._cold(Location("pages.bin", 4096, 0, 4096), {"pages.bin": "miss"})
+    finally:
+        os.close(fd)
 
 
 def test_a_direct_read_into_rows_that_do_not_fit_is_refused_by_name(tmp_path):
