@@ -75,8 +75,8 @@ _READ_CALL = 1 << 20
 READERS = 2
 # Reads in flight when the page cache does not hold a load's first page: a cold
 # read waits on the disk, which serves a deeper queue faster (2 cores, a
-# virtual disk: 0.85 -> 0.93 of a raw one-file read, bench/datapath.py).
-COLD_READERS = 4
+# virtual disk: 0.85 -> ~0.9 of a raw one-file read, bench/datapath.py).
+COLD_READERS = 8
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
