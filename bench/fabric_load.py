@@ -15,10 +15,17 @@ and their ratio: what the actor shell costs beyond the core's own work.
 
     python3 bench/fabric_load.py --quick
     python3 bench/fabric_load.py --drivers 1,2,4,8 --no-compute-drivers 1,2,4,8,16 --seconds 30
+    python3 bench/fabric_load.py --batch 1,8,32,128     # the engine-step curve
 
 The last line is one JSON object: ``coordinator_cpu_over_core`` and
 ``requests_per_s`` at the largest driver count of the default mode, and
 ``no_compute_requests_per_s`` (the best of that mode's curve), beside both curves.
+
+With several ``--batch`` sizes (prompts a driver sends in one call, as an
+engine sends a step's requests), only the no-compute mode runs, at
+``--batch-drivers`` drivers (default 2), once per size: ``by_batch`` holds each
+size's row, and ``no_compute_requests_per_s`` and ``coordinator_cpu_over_core``
+are those at batch 32 (or the largest size below it).
 """
 
 from __future__ import annotations
@@ -258,11 +265,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--batch",
-        type=int,
-        default=1,
-        help="prompts a driver sends in one call (submit_many; 1: submit)",
+        default="1",
+        help="prompts a driver sends in one call (submit_many; 1: submit); several "
+        "sizes (1,8,32,128): the no-compute mode once per size",
     )
+    ap.add_argument("--batch-drivers", type=int, default=2, help="drivers at once, per size")
     args = ap.parse_args()
+    sizes = [int(n) for n in args.batch.split(",")]
+    if len(sizes) > 1:
+        batch_curve(args, sizes)
+        return
+    args.batch = sizes[0]
     counts = [int(n) for n in args.drivers.split(",")]
     free = [int(n) for n in args.no_compute_drivers.split(",")]
     seconds = args.seconds
@@ -311,6 +324,54 @@ def main() -> None:
                 "no_compute_requests_per_s": max(r["requests_per_s"] for r in none),
                 "default": default,
                 "no_compute": none,
+            }
+        )
+    )
+
+
+def batch_curve(args: argparse.Namespace, sizes: list[int]) -> None:
+    """The no-compute mode at ``--batch-drivers`` drivers, once per batch size."""
+    from fabric.client import launch
+
+    l3 = tempfile.mkdtemp(prefix="kvfabric-bench-load-")
+    config = FabricConfig().with_overrides(
+        [
+            f"storage.path={l3}", "storage.backend=segment", f"runtime.ray_namespace={NS}",
+            "runtime.dashboard=false", "runtime.name=load-batch", "model.filler=constant",
+            *args.set,
+        ]
+    )  # fmt: skip
+    seconds = 6.0 if args.quick else args.seconds
+    rows = []
+    fabric = launch(config, address="local", announce=False)
+    try:
+        for i, size in enumerate(sizes):
+            where = f"{args.profile}-batch{size}.txt" if args.profile else None
+            row = phase(fabric, args.batch_drivers, seconds, 100 * i, where, False, size)
+            row["batch"] = size
+            rows.append(row)
+            print(
+                f"batch {size:>4}: {row['requests_per_s']:>8} req/s, coordinator "
+                f"{row['coordinator_cpu_ms_per_request']} ms CPU/request (core "
+                f"{row['core_ms_per_request']} ms, x{row['coordinator_cpu_over_core']}), "
+                f"{row['rounds_per_request']} rounds/request",
+                file=sys.stderr,
+                flush=True,
+            )
+            fabric.settle(60)
+    finally:
+        fabric.shutdown()
+        shutil.rmtree(l3, ignore_errors=True)
+    at = max((r for r in rows if r["batch"] <= 32), key=lambda r: r["batch"], default=rows[0])
+    print(
+        json.dumps(
+            {
+                "seconds_per_size": seconds,
+                "drivers": args.batch_drivers,
+                "at_batch": at["batch"],
+                "no_compute_requests_per_s": at["requests_per_s"],
+                "coordinator_cpu_over_core": at["coordinator_cpu_over_core"],
+                "by_batch": rows,
             }
         )
     )

@@ -35,7 +35,6 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
@@ -44,40 +43,22 @@ import numpy as np
 from fabric.config import FabricConfig
 from fabric.l3.auth import PageAuth
 from fabric.l3.backend import Location
-from fabric.l3.format import (
-    PREAMBLE,
-    FastCheck,
-    Provenance,
-    check_read,
-    fast_check,
-    header_length,
-)
+from fabric.l3.format import FastCheck, Provenance, fast_check
+from fabric.l3.run_reads import cold, read_run, rows_for
+from fabric.l3.run_reads import runs as runs_of
 from fabric.l3.safe_open import open_regular
 from fabric.l3.service import component_provenances, provenance_bytes
 
 log = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
-_MAX_GAP = 256  # between two records read in one call: a frame and a key
-_RUN_CHECK = 16  # pages from which a run's headers are checked as one array
-_SKIP = memoryview(bytearray(_MAX_GAP))
-_PROBE = bytearray(
-    1
-)  # where a probe of the page cache reads to (never read)  # where the bytes between records go (never read)
-_RUN_PAGES = 300  # pages per read call (three iovecs each, under IOV_MAX)
-# Bytes per read call: a read's pages are checked while the CPU cache still
-# holds them (a checksum over a larger read reads it back from memory), and a
-# call carries enough small pages that its own cost is spread thin.
-_READ_CALL = 1 << 20
 # Reads in flight at once: a read from the page cache is a copy the kernel makes
-# with the GIL released, so two threads copy (and checksum) side by side, and
-# a cold read keeps the disk's queue fed.
+# with the GIL released, so two threads copy (and checksum) side by side.
 READERS = 2
 # Reads in flight when the page cache does not hold a load's first page: a cold
 # read waits on the disk, which serves a deeper queue faster (2 cores, a
 # virtual disk: 0.85 -> ~0.9 of a raw one-file read, bench/datapath.py).
 COLD_READERS = 8
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class StorageLink(Protocol):
@@ -166,13 +147,13 @@ class DirectReads:
             rows = self.link.load(suffix, page_hashes, component)
             self.relayed_pages += len(rows)
             if out is not None and len(rows):  # the caller's rows, as from a read here
-                out = _rows(out, len(rows), rows.shape[1])
+                out = rows_for(out, len(rows), rows.shape[1])
                 out[:] = rows
                 rows = out
             return rows
         prov = self.shapes[component, suffix]
         located = where[1][: len(page_hashes)]
-        out = _rows(out, len(located), provenance_bytes(prov))
+        out = rows_for(out, len(located), provenance_bytes(prov))
         tag = prov.tag
         keys = [f"{h.hex()}.{tag}.{suffix}" for h in page_hashes[: len(located)]]  # page_key
         n, refused = 0, None
@@ -180,7 +161,7 @@ class DirectReads:
         files: dict[str, int | str] = {}  # this load's open files, closed at its end
         try:
             runs = []
-            for start, end in _runs(located, out.shape[1]):
+            for start, end in runs_of(located, out.shape[1]):
                 name = located[start].file
                 if name not in files:
                     files[name] = self._open(name)
@@ -213,7 +194,7 @@ class DirectReads:
         one among them) take every one of that many runs in turn, and none
         starts a run past a refusal already seen."""
         stop = [len(runs)]
-        readers = COLD_READERS if runs and self._cold(runs[0][0][0], files) else READERS
+        readers = COLD_READERS if runs and cold(runs[0][0][0], files) else READERS
 
         def read(first: int) -> dict[int, tuple[int, str | None]]:
             done = {}
@@ -221,7 +202,7 @@ class DirectReads:
                 if i > stop[0]:
                     break
                 try:
-                    done[i] = self._read_run(*runs[i], prov, fast, files)
+                    done[i] = read_run(*runs[i], prov, fast, files, self.auth)
                 except BaseException:
                     stop[0] = -1  # every thread stops: the load ends with this
                     raise
@@ -243,22 +224,6 @@ class DirectReads:
         for other in others:
             done.update(other.result())
         return [done[i] for i in range(min(stop[0] + 1, len(runs)))]
-
-    @staticmethod
-    def _cold(first: Location, files: dict[str, int | str]) -> bool:
-        """Whether the page cache lacks the first byte of ``first``'s payload
-        (a read that would wait: ``RWF_NOWAIT``); ``False`` where that cannot be
-        asked."""
-        fd = files.get(first.file)
-        if not _NOWAIT or not isinstance(fd, int):
-            return False
-        try:
-            os.preadv(fd, [_PROBE], first.offset + max(first.head, 0), _NOWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False
 
     def _open_root(self, root: str) -> bool:
         """The store's directory, opened here once; ``False`` if this node lacks it."""
@@ -293,97 +258,6 @@ class DirectReads:
         finally:
             os.close(dir_fd)
 
-    def _read_run(
-        self,
-        run: list[Location],
-        keys: list[str],
-        rows: np.ndarray,
-        prov: Provenance,
-        fast: FastCheck,
-        files: dict[str, int | str],
-    ) -> tuple[int, str | None]:
-        """Read ``run`` (records one after another in one file, or one page file)
-        into ``rows`` in one call, then check its pages as the storage actor's
-        reads do (``check_read``; ``fast`` first, which passes the common page
-        without decoding its header): how many leading pages are served, and
-        why the next is not (``None``: all are). ``files``: descriptors opened."""
-        fd = files[run[0].file]
-        if not isinstance(fd, int):
-            return 0, fd
-        try:
-            heads, got = self._pread(fd, run, rows)
-        except OSError:
-            heads, got = [], 0
-        if isinstance(heads, str):  # a page file whose preamble is not the format's
-            return 0, heads
-        last = run[-1]
-        whole = (
-            last.offset + last.head + last.payload - run[0].offset
-            if last.head > 0
-            else len(heads[0]) + rows.shape[1]  # a page file: nothing past its record
-        )
-        passed = 0
-        if got == whole:  # every record read whole: the fast check first
-            if isinstance(heads, np.ndarray):
-                check = fast.run if len(run) >= _RUN_CHECK else fast.one_by_one
-                passed = check(heads, rows, keys)
-            else:
-                for head, key, row in zip(heads, keys, rows, strict=True):
-                    if not fast(head, row, key):
-                        break
-                    passed += 1
-            if passed == len(run):
-                return passed, None
-        at = 0
-        for i, (loc, key, row) in enumerate(zip(run, keys, rows, strict=True)):
-            if i < passed:  # served by the fast check
-                at += len(heads[i]) + row.nbytes + _gap(run, i)
-                continue
-            head = bytes(heads[i]) if i < len(heads) else bytes(loc.head)
-            stored = loc.payload if loc.head > 0 else None
-            mine = (
-                max(got - at, 0)
-                if i + 1 == len(run)
-                else min(max(got - at, 0), len(head) + row.nbytes)
-            )
-            at += len(head) + row.nbytes + _gap(run, i)
-            refused = check_read(head, row, mine, prov, key, self.auth, stored)
-            if refused is not None:
-                return i, refused
-        return len(run), None
-
-    @staticmethod
-    def _pread(
-        fd: int, run: list[Location], rows: np.ndarray
-    ) -> tuple[np.ndarray | list[bytearray] | str, int]:
-        """Headers into a buffer and payloads straight into ``rows``, in one
-        ``preadv``: a run's headers as one array, a header a row, when they are
-        all one length (else a buffer each); a whole page file: its preamble
-        read first for its length."""
-        first = run[0]
-        if first.head <= 0:  # a page file: the preamble says how long its header is
-            n = header_length(os.pread(fd, PREAMBLE, first.offset))
-            if isinstance(n, str):
-                return n, 0
-            head = bytearray(PREAMBLE + n)
-            got = os.preadv(fd, [head, memoryview(rows[0]).cast("B"), bytearray(1)], first.offset)
-            return [head], got  # a byte past the page: a file longer than its record
-        uniform = all(loc.head == first.head for loc in run)
-        heads = np.empty((len(run), first.head), np.uint8) if uniform else []
-        iov: list = []
-        end = first.offset
-        for i, (loc, row) in enumerate(zip(run, rows, strict=True)):
-            if loc.offset > end:
-                iov.append(_SKIP[: loc.offset - end])  # the record's frame and key
-            if uniform:
-                iov.append(heads[i])
-            else:
-                heads.append(bytearray(loc.head))
-                iov.append(heads[-1])
-            iov.append(row)
-            end = loc.offset + loc.head + loc.payload
-        return heads, os.preadv(fd, iov, first.offset)
-
     def _close(self) -> None:
         if self._root_fd is not None:
             with contextlib.suppress(OSError):
@@ -397,56 +271,6 @@ class DirectReads:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-def _rows(out: np.ndarray | None, n: int, row_bytes: int) -> np.ndarray:
-    """``n`` rows of ``row_bytes`` to read into: the first of ``out`` or new ones."""
-    if out is None:
-        return np.empty((n, row_bytes), dtype=np.uint8)
-    if (
-        out.dtype != np.uint8
-        or out.ndim != 2
-        or out.shape[0] < n
-        or out.shape[1] != row_bytes
-        or not out.flags.c_contiguous
-        or not out.flags.writeable
-    ):
-        raise ValueError(
-            f"a read of {n} pages of {row_bytes} bytes into rows {out.dtype}{list(out.shape)} "
-            "(writable, contiguous uint8, one page a row, as many rows as pages)"
-        )
-    return out[:n]
-
-
-def _gap(run: list[Location], i: int) -> int:
-    """Bytes between record ``i`` of ``run`` and the next one (0 after the last)."""
-    if i + 1 == len(run):
-        return 0
-    loc = run[i]
-    return run[i + 1].offset - (loc.offset + loc.head + loc.payload)
-
-
-def _runs(located: list[Location], row_bytes: int) -> Iterator[tuple[int, int]]:
-    """``[start, end)`` of each run of locations read in one call: records of one
-    segment that follow one another closely (a backup's), of a page's length."""
-    start = 0
-    most = min(_RUN_PAGES, max(1, _READ_CALL // max(row_bytes, 1)))
-    prev = located[0] if located else None
-    for i in range(1, len(located)):
-        loc = located[i]
-        if not (
-            0 <= loc.offset - (prev.offset + prev.head + prev.payload) <= _MAX_GAP
-            and loc.file == prev.file
-            and prev.head > 0
-            and loc.head > 0
-            and loc.payload == row_bytes
-            and i - start < most
-        ):
-            yield start, i
-            start = i
-        prev = loc
-    if located:
-        yield start, len(located)
 
 
 def direct_reads(link: Any, config: FabricConfig) -> Any:

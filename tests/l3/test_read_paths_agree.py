@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fabric.l3 import direct as direct_module
-from fabric.l3 import segment
+from fabric.l3 import run_reads, segment
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import PREAMBLE, header_length
 from fabric.l3.service import StorageService, page_geometry
@@ -118,13 +118,10 @@ def test_both_read_paths_serve_refuse_and_count_alike(
     ``_cold``: the store's files out of the page cache first (more reads in flight)."""
     cfg, service, data = store(tmp_path, backend)
     if reads.startswith("a_call_a_page"):
-        monkeypatch.setattr(direct_module, "_READ_CALL", data.shape[1])
+        monkeypatch.setattr(run_reads, "READ_CALL", data.shape[1])
     colds = []
     if reads.endswith("_cold"):
-        cold = direct_module.DirectReads._cold
-        monkeypatch.setattr(
-            direct_module.DirectReads, "_cold", staticmethod(lambda *a: colds.append(cold(*a)))
-        )
+        monkeypatch.setattr(direct_module, "cold", lambda *a: colds.append(run_reads.cold(*a)))
     direct = DirectReads(service, cfg)
     if damage is vanished:  # gone between the rank's asking where and its read
         direct.plan(SUFFIX, HASHES)
@@ -170,14 +167,14 @@ def test_a_load_the_page_cache_does_not_hold_is_known_cold(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         files = {"pages.bin": fd}
-        cold = DirectReads._cold(Location("pages.bin", 4096, 0, 4096), files)
-        if not cold and not direct_module._NOWAIT:
+        cold = run_reads.cold(Location("pages.bin", 4096, 0, 4096), files)
+        if not cold and not run_reads.NOWAIT:
             pytest.skip("this platform cannot ask the page cache (no RWF_NOWAIT)")
         if not cold:
             pytest.skip(f"{tmp_path} keeps its pages in memory (tmpfs): nothing is cold")
         os.pread(fd, 8192, 4096)
-        assert not DirectReads._cold(Location("pages.bin", 4096, 0, 4096), files)
-        assert not DirectReads._cold(Location("pages.bin", 4096, 0, 4096), {"pages.bin": "miss"})
+        assert not run_reads.cold(Location("pages.bin", 4096, 0, 4096), files)
+        assert not run_reads.cold(Location("pages.bin", 4096, 0, 4096), {"pages.bin": "miss"})
     finally:
         os.close(fd)
 
