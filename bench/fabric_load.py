@@ -23,7 +23,10 @@ The last line is one JSON object: ``coordinator_cpu_over_core`` and
 
 With several ``--batch`` sizes (prompts a driver sends in one call, as an
 engine sends a step's requests), only the no-compute mode runs, at
-``--batch-drivers`` drivers (default 2), once per size: ``by_batch`` holds each
+``--batch-drivers`` drivers (default 2), once per size, on prompts of up to 1,024
+tokens (a chat prompt's first and last 512) and an L1 and L2 that hold every
+driver's largest batch twice (as an
+engine's step fits its KV cache): ``by_batch`` holds each
 size's row, and ``no_compute_requests_per_s`` and ``coordinator_cpu_over_core``
 are those at batch 32 (or the largest size below it).
 """
@@ -48,6 +51,7 @@ from fabric.cli.exit import finish
 from fabric.config import FabricConfig
 
 NS = "kvfabric-bench-load"
+PROMPT_TOKENS = 1024  # the longest prompt of the batch curve (--batch with several sizes)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -58,10 +62,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def prompts_for(seed: int, max_tokens: int) -> list[bytes]:
+def prompts_for(seed: int, max_tokens: int, cut: bool = False) -> list[bytes]:
+    """The chats' prompts of up to ``max_tokens`` tokens; with ``cut``, every
+    prompt of 300 chats cut to its first and last ``max_tokens / 2`` (a shared
+    system prompt's start and the newest turn)."""
     from fabric.tools.workload import iter_packed, synthetic_trace
 
-    packed = [p for _, p in iter_packed(synthetic_trace(60, seed=seed), seed=seed)]
+    packed = [p for _, p in iter_packed(synthetic_trace(300 if cut else 60, seed=seed), seed=seed)]
+    if cut:
+        half = 4 * max_tokens // 2
+        return [p if len(p) <= 2 * half else p[:half] + p[-half:] for p in packed]
     return [p for p in packed if 0 < len(p) // 4 <= max_tokens]
 
 
@@ -84,7 +94,8 @@ def driver(
     from fabric.client import connect
 
     fabric = connect(name, address=address, ray_namespace=NS)
-    prompts = prompts_for(0, max_tokens)  # every driver the same chats, from its own point
+    # every driver the same chats, from its own point
+    prompts = prompts_for(0, abs(max_tokens), cut=max_tokens < 0)
     fabric.release(fabric.submit(prompts[0], timeout=120).lease)  # connected, warm
     ready.put(seed)
     go.wait()
@@ -137,6 +148,7 @@ def phase(
     profile: str | None = None,
     separate: bool = False,
     batch: int = 1,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """``drivers`` processes at once against ``fabric`` for ``seconds``; with
     ``profile``, py-spy samples the coordinator's process meanwhile (collapsed
@@ -145,7 +157,7 @@ def phase(
 
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    max_tokens = fabric.config.cache.device_tokens // 2
+    max_tokens = max_tokens or fabric.config.cache.device_tokens // 2
     procs = [
         ctx.Process(
             target=driver,
@@ -343,11 +355,22 @@ def batch_curve(args: argparse.Namespace, sizes: list[int]) -> None:
     )  # fmt: skip
     seconds = 6.0 if args.quick else args.seconds
     rows = []
+    # An engine's step fits its KV cache: prompts of up to two blocks, and an L1
+    # (and L2) that holds every driver's largest batch twice over.
+    room = max(config.cache.device_tokens, 2 * args.batch_drivers * max(sizes) * PROMPT_TOKENS)
+    config = config.with_overrides([f"cache.device_tokens={room}", f"cache.host_tokens={room}"])
     fabric = launch(config, address="local", announce=False)
     try:
+        prompts = prompts_for(0, PROMPT_TOKENS, cut=True)
+        for start in range(0, len(prompts), 32):  # every size then finds the same L1
+            for r in fabric.submit_many(prompts[start : start + 32], timeout=300):
+                fabric.release(r.lease)
+        fabric.settle(120)  # and its backups done
         for i, size in enumerate(sizes):
             where = f"{args.profile}-batch{size}.txt" if args.profile else None
-            row = phase(fabric, args.batch_drivers, seconds, 100 * i, where, False, size)
+            row = phase(  # (a negative count: every prompt cut to that many tokens)
+                fabric, args.batch_drivers, seconds, 100 * i, where, False, size, -PROMPT_TOKENS
+            )
             row["batch"] = size
             rows.append(row)
             print(
