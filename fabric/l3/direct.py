@@ -21,10 +21,13 @@ count them. The common page passes ``fabric.l3.format.FastCheck`` (a few byte
 compares and its checksum, no header decoded) and anything else gets the full
 check, which names the refusal.
 
-Speed (bench/datapath.py): reads are 256 KiB calls (checked while the CPU cache
-holds them), two threads take alternate calls (a read from the page cache is a
-kernel copy made with the GIL released), and pages go into rows the caller
-keeps (``out``), so a warm read runs at the raw one-file read's speed. Files are opened without following links, never blocking on a FIFO
+Speed (bench/datapath.py): reads are 1 MiB calls (``fabric.l3.run_reads``:
+checked while the CPU cache holds them), two threads take alternate calls (a
+read from the page cache is a kernel copy made with the GIL released; eight
+when the page cache lacks the load's first page), and pages go into rows the
+caller keeps (``out``), so a warm read runs at the raw one-file read's speed.
+
+Files are opened without following links, never blocking on a FIFO
 (``fabric.l3.safe_open``), and closed once the batch is read: a segment another
 node evicts or clears is never held open here (its disk is freed).
 """

@@ -73,7 +73,7 @@ _IOV = 1020  # iovecs per call, under IOV_MAX (1024 on Linux)
 _WRITE_CALL = 1 << 20  # bytes per write call (see _write_calls)
 # Bytes per read call: each read's pages are checked while the CPU cache still
 # holds them (a checksum over a larger read reads it back from memory).
-_READ_CALL = 256 << 10
+_READ_CALL = 1 << 20
 RESCAN_S = 1.0
 # How often, at most, the segments held open are checked for removal by someone
 # else (another node's eviction or clear): a removed one is closed, its disk freed.
