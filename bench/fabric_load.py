@@ -24,9 +24,9 @@ The last line is one JSON object: ``coordinator_cpu_over_core`` and
 With several ``--batch`` sizes (prompts a driver sends in one call, as an
 engine sends a step's requests), only the no-compute mode runs, at
 ``--batch-drivers`` drivers (default 2), once per size, on prompts of up to 1,024
-tokens (a chat prompt's first and last 512) and an L1 and L2 that hold every
-driver's largest batch twice (as an
-engine's step fits its KV cache): ``by_batch`` holds each
+tokens (a chat prompt's first and last 512) and an L1 and L2 that hold all
+of them, or every driver's largest batch twice if that is more (as an engine's
+step fits its KV cache), warmed and settled first: ``by_batch`` holds each
 size's row, and ``no_compute_requests_per_s`` and ``coordinator_cpu_over_core``
 are those at batch 32 (or the largest size below it).
 """
@@ -80,6 +80,7 @@ def driver(
     name: str,
     seed: int,
     max_tokens: int,
+    cut: bool,
     seconds: float,
     separate: bool,
     batch: int,
@@ -94,8 +95,7 @@ def driver(
     from fabric.client import connect
 
     fabric = connect(name, address=address, ray_namespace=NS)
-    # every driver the same chats, from its own point
-    prompts = prompts_for(0, abs(max_tokens), cut=max_tokens < 0)
+    prompts = prompts_for(0, max_tokens, cut)  # every driver the same chats, from its own point
     fabric.release(fabric.submit(prompts[0], timeout=120).lease)  # connected, warm
     ready.put(seed)
     go.wait()
@@ -149,10 +149,12 @@ def phase(
     separate: bool = False,
     batch: int = 1,
     max_tokens: int | None = None,
+    cut: bool = False,
 ) -> dict[str, Any]:
     """``drivers`` processes at once against ``fabric`` for ``seconds``; with
     ``profile``, py-spy samples the coordinator's process meanwhile (collapsed
-    stacks written there)."""
+    stacks written there); ``max_tokens`` and ``cut``: the prompts
+    (``prompts_for``)."""
     import ray
 
     ctx = mp.get_context("spawn")
@@ -166,6 +168,7 @@ def phase(
                 fabric.config.runtime.name,
                 first_seed + k,
                 max_tokens,
+                cut,
                 seconds,
                 separate,
                 batch,
@@ -356,20 +359,30 @@ def batch_curve(args: argparse.Namespace, sizes: list[int]) -> None:
     seconds = 6.0 if args.quick else args.seconds
     rows = []
     # An engine's step fits its KV cache: prompts of up to two blocks, and an L1
-    # (and L2) that holds every driver's largest batch twice over.
-    room = max(config.cache.device_tokens, 2 * args.batch_drivers * max(sizes) * PROMPT_TOKENS)
+    # (and L2) that holds all of them, or every driver's largest batch twice over
+    # if that is more (so a size's row does not depend on the other sizes run).
+    prompts = prompts_for(0, PROMPT_TOKENS, cut=True)
+    held = max(len(prompts), 2 * args.batch_drivers * max(sizes))
+    room = max(config.cache.device_tokens, held * PROMPT_TOKENS)
     config = config.with_overrides([f"cache.device_tokens={room}", f"cache.host_tokens={room}"])
     fabric = launch(config, address="local", announce=False)
     try:
-        prompts = prompts_for(0, PROMPT_TOKENS, cut=True)
         for start in range(0, len(prompts), 32):  # every size then finds the same L1
             for r in fabric.submit_many(prompts[start : start + 32], timeout=300):
                 fabric.release(r.lease)
         fabric.settle(120)  # and its backups done
         for i, size in enumerate(sizes):
             where = f"{args.profile}-batch{size}.txt" if args.profile else None
-            row = phase(  # (a negative count: every prompt cut to that many tokens)
-                fabric, args.batch_drivers, seconds, 100 * i, where, False, size, -PROMPT_TOKENS
+            row = phase(
+                fabric,
+                args.batch_drivers,
+                seconds,
+                100 * i,
+                where,
+                False,
+                size,
+                PROMPT_TOKENS,
+                True,
             )
             row["batch"] = size
             rows.append(row)
