@@ -498,7 +498,7 @@ ZmqAddress = Annotated[
 
 class EventsConfig(_Section):
     """KV events over ZMQ for a KV-aware router, in the layout vLLM and SGLang
-    publish (see the README): a PUB socket at ``endpoint`` (none while empty) and
+    publish (docs/observing.md): a PUB socket at ``endpoint`` (none while empty) and
     a ROUTER at ``replay_endpoint`` answering replay requests from the last
     ``buffer_batches`` batches. Needs ``cache.kv_events``."""
 

@@ -24,7 +24,7 @@ SIZES = (2 * 1024**2, 20 * 1024**2)
 
 
 def _capacities(text: str | None, config: FabricConfig) -> list[int]:
-    if not text:  # the config's tiers, and the 2M / 20M points the README quotes
+    if not text:  # the config's tiers, and the 2M / 20M points docs/running.md quotes
         cache = config.cache
         return sorted({cache.device_tokens, cache.device_tokens + cache.host_tokens, *SIZES})
     out = []

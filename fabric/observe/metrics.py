@@ -11,7 +11,7 @@ Most series are declared where their figure is defined (a ``Series`` on its
 field, ``fabric.observe.series``) and found by walking the figures; the few
 computed from several figures, and L3's and the KV publisher's (dicts from the
 storage actors and the publisher), are ``DERIVED`` here. ``METRICS`` is every
-series, the list the README documents. The HTTP endpoint binds to 127.0.0.1
+series, the list docs/observing.md documents. The HTTP endpoint binds to 127.0.0.1
 unless configured otherwise.
 """
 

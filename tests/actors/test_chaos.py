@@ -1,6 +1,6 @@
 """``kvfabric chaos`` on a two-node local Ray: a short seeded run injects faults
 into a fabric under load and its report proves nothing was lost. (The long
-soak with every fault kind is a documented command: README, "Chaos".)"""
+soak with every fault kind is a documented command: docs/chaos.md.)"""
 
 from __future__ import annotations
 

