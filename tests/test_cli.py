@@ -36,3 +36,24 @@ def test_run_s_text_says_what_each_tier_served_what_was_refused_and_the_latency(
     assert "4 rank actors" in text and "device" in text and "75.0%" in text
     assert "refused              1 requests: too long" in text
     assert "latency   p50 100.0 ms, p99 100.0 ms" in text
+
+
+def test_the_first_run_hint_is_said_once_per_user_and_never_fails(tmp_path, monkeypatch, capsys):
+    from fabric.cli.hint import first_run_hint
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("KVFABRIC_NO_HINT", raising=False)
+    first_run_hint("run")
+    assert capsys.readouterr().err.count("kvfabric: first run done. Next:") == 1
+    first_run_hint("run")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "other"))
+    monkeypatch.setenv("KVFABRIC_NO_HINT", "1")
+    first_run_hint("run")
+    assert capsys.readouterr().err == "" and not (tmp_path / "other").exists()
+    monkeypatch.delenv("KVFABRIC_NO_HINT")
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a state directory that cannot be made
+    monkeypatch.setenv("XDG_STATE_HOME", str(blocked))
+    first_run_hint("run")
+    assert capsys.readouterr().err == ""

@@ -8,6 +8,7 @@ import time
 import click
 
 from fabric import __version__
+from fabric.cli.hint import first_run_hint
 from fabric.cli.options import (
     config_options,
     emit,
@@ -109,6 +110,7 @@ def run(
         if not as_json:
             click.echo(run_text(out, topo.world_size))
         emit(out)
+        first_run_hint("run")
         if keep:
             _serve_until_interrupted(fabric)
     finally:

@@ -7,6 +7,7 @@ terminal run as separate processes, as a user runs them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -135,8 +136,9 @@ def test_pin_and_unpin_a_cached_prefix(fabric, kvfabric):
     assert bad.returncode == 2 and "TOKENS '1,x' is refused" in bad.stderr
 
 
-def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric):
+def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric, tmp_path):
     address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}  # a user who never ran it
     done = subprocess.run(
         [
             sys.executable,
@@ -158,9 +160,11 @@ def test_run_on_the_existing_cluster_prints_the_shared_schema(fabric):
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stdout.strip().splitlines()) == 1, "--json: only the result on stdout"
+    assert done.stderr.count("kvfabric: first run done. Next:") == 1, "the first-run hint"
     out = last_json(done)
     assert out["command"] == "run" and out["requests"] == 12 and out["served"] == 12
     assert sum(out["tokens_by_tier"].values()) > 0 and out["latency_ms"]["p50"] > 0
