@@ -4,6 +4,7 @@ RAG and mixed workloads — what ``kvfabric simulate --policies`` gives, for eve
 cell at once. Hit rates, not speed: the same numbers on any machine.
 
     python3 bench/eviction_policies.py                       # lru, 2q, a2q; 128K to 4M
+    python3 bench/eviction_policies.py --workloads scan_hot,tenant_gaps,drift --trace ''
     python3 bench/eviction_policies.py --policies lru,a2q --sizes 2M --requests 2000
 
 The last line is one JSON object: per source and size, each policy's hit rate,
@@ -25,6 +26,9 @@ from fabric.tools.simulate import core_replay
 from fabric.tools.workload import read_trace
 from fabric.tools.workloads import generated
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from unseen_workloads import UNSEEN
+
 TRACE = (
     pathlib.Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
 )
@@ -43,10 +47,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="128K,512K,1M,2M,4M", help="L1 tokens (K = 1024)")
     ap.add_argument("--requests", type=int, default=4000, help="of each generated workload")
     ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace ('' for none)")
+    ap.add_argument(
+        "--workloads",
+        default="chat,agent,rag,mixed,scan_hot,tenant_gaps,drift",
+        help="generated workloads: fabric.tools.workloads' and bench/unseen_workloads.py's "
+        "(shapes no policy was tuned on)",
+    )
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     sizes = [size(s) for s in args.sizes.split(",") if s]
-    sources = {kind: generated(kind, args.requests) for kind in ("chat", "agent", "rag", "mixed")}
+    sources = {
+        kind: UNSEEN[kind](args.requests, 0) if kind in UNSEEN else generated(kind, args.requests)
+        for kind in args.workloads.split(",")
+        if kind
+    }
     if args.trace:
         sources = {"mooncake": read_trace(args.trace), **sources}
     rates: dict[str, dict[int, dict[str, float]]] = {}

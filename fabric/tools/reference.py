@@ -61,12 +61,17 @@ def cli_markdown() -> str:
     from fabric.cli import cli
 
     lines = [_GENERATED, "# `kvfabric` command reference", ""]
-    lines += _command(cli, "kvfabric", level=2)
+    lines += _command(cli, "kvfabric", level=2, parent=None)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _command(command: click.Command, path: str, level: int) -> list[str]:
-    ctx = click.Context(command, info_name=path, terminal_width=100, max_content_width=100)
+def _command(
+    command: click.Command, path: str, level: int, parent: click.Context | None
+) -> list[str]:
+    settings = {"terminal_width": 100, "max_content_width": 100, **command.context_settings}
+    # As the command line makes them: a subcommand inherits its group's settings
+    # (``-h`` for help).
+    ctx = click.Context(command, info_name=path.rsplit(" ", 1)[-1], parent=parent, **settings)
     lines = [f"{'#' * level} `{path}`", "", "```text", command.get_usage(ctx), "```", ""]
     if command.help:
         lines += [inspect.cleandoc(command.help).replace("\b\n", ""), ""]
@@ -81,7 +86,7 @@ def _command(command: click.Command, path: str, level: int) -> list[str]:
         lines += ["| option | meaning |", "|---|---|", *rows, ""]
     if isinstance(command, click.Group):
         for name in command.list_commands(ctx):
-            lines += _command(command.get_command(ctx, name), f"{path} {name}", level + 1)
+            lines += _command(command.get_command(ctx, name), f"{path} {name}", level + 1, ctx)
     return lines
 
 
