@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import sys
 import tempfile
 
@@ -60,6 +61,7 @@ def _ray_only_where_marked(request: pytest.FixtureRequest):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
+    shutil.rmtree(os.environ.get("XDG_STATE_HOME", ""), ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,19 +1,10 @@
 """What each config key does, one line a key: the words of the generated
 configuration reference (``docs/configuration.md``, ``fabric.tools.reference``).
 The key's type, default and allowed values come from the schema itself
-(``fabric.config``); a test holds this table to exactly the schema's keys."""
+(``fabric.config``), and each section's words from its class's docstring; a
+test holds this table to exactly the schema's keys."""
 
 from __future__ import annotations
-
-SECTIONS = {
-    "cache": "The radix tree and its two in-memory tiers (sizes in tokens).",
-    "prefetch": "When and how long a request waits for pages from L3.",
-    "model": "The model whose KV the fabric keeps: its shape, and what computes it.",
-    "topology": "The model-parallel ranks: one rank actor per (pp, cp, tp).",
-    "runtime": "Ray, the coordinator's timing, failure handling and what it exposes.",
-    "storage": "L3, the persistent tier shared by every node.",
-    "events": "KV events (BlockStored/BlockRemoved) published over ZMQ.",
-}
 
 KEY_HELP = {
     # cache

@@ -28,8 +28,8 @@ def _cell(text: str) -> str:
 
 def config_markdown() -> str:
     """Every config key: its default, what is allowed and what it does."""
-    from fabric.config import describe_keys
-    from fabric.tools.config_help import KEY_HELP, SECTIONS
+    from fabric.config import FabricConfig, describe_keys
+    from fabric.tools.config_help import KEY_HELP
 
     lines = [
         _GENERATED,
@@ -46,7 +46,13 @@ def config_markdown() -> str:
         name = key["key"].split(".", 1)[0]
         if name != section:
             section = name
-            lines += ["", f"## `{name}`", "", SECTIONS[name], ""]
+            lines += [
+                "",
+                f"## `{name}`",
+                "",
+                _summary(FabricConfig.model_fields[name].annotation),
+                "",
+            ]
             lines += ["| key | default | allowed | what it does |", "|---|---|---|---|"]
         default = json.dumps(key["value"])
         lines.append(
@@ -54,6 +60,12 @@ def config_markdown() -> str:
             f"| {_cell(KEY_HELP[key['key']])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _summary(section: type) -> str:
+    """A config section's own words: its docstring's first paragraph."""
+    first = inspect.cleandoc(section.__doc__ or "").split("\n\n")[0]
+    return " ".join(first.split()).replace("``", "`")
 
 
 def cli_markdown() -> str:
