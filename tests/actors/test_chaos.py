@@ -28,6 +28,7 @@ def test_a_short_seeded_chaos_run_loses_nothing():
             nodes=2,
             fault_every_s=1.0,
             fault_hold_s=2.0,
+            warmup_fraction=0.1,  # 4.5 s of traffic before the first fault
             # The kinds that recover fastest here, so a minute sees several.
             faults=(
                 "coordinator_kill",
@@ -110,6 +111,7 @@ def test_a_node_lost_for_good_is_refused_fast_and_served_again_when_capacity_ret
             max_faults=1,
             nodes=2,
             fault_every_s=30.0,
+            warmup_fraction=0.1,
             faults=("node_lost_for_good",),
             overrides=("runtime.rank_absent_timeout_s=5",),
         ),
