@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace ('' for none)")
     ap.add_argument(
         "--workloads",
-        default="chat,agent,rag,mixed,scan_hot,tenant_gaps,drift",
+        default="chat,agent,rag,mixed,scan_hot,tenant_gaps,drift,churn",
         help="generated workloads: fabric.tools.workloads' and bench/unseen_workloads.py's "
         "(shapes no policy was tuned on)",
     )

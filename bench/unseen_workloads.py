@@ -14,7 +14,11 @@ terms (block ids of 512 tokens):
 - ``drift``: the popular prefixes change: phases of 400 requests, each with a
   new hot set of 24 prefixes (3-10 blocks, Zipf 1.0 within it), a fifth of the
   requests still asking for the previous phase's set, and a quick follow-up
-  (the same prefix again 1-3 requests later) a quarter of the time.
+  (the same prefix again 1-3 requests later) a quarter of the time;
+- ``churn``: short chats that come and go: 40% of requests start a new chat
+  over one of 20 system prompts (2-6 blocks), at most 24 chats live (one
+  dropped at random for each new one past that), each turn the whole chat so
+  far plus 1-3 new blocks — recency is nearly everything.
 """
 
 from __future__ import annotations
@@ -99,8 +103,26 @@ def drift(num_requests: int, seed: int = 0) -> list[Request]:
     return out
 
 
+def churn(num_requests: int, seed: int = 0) -> list[Request]:
+    rng, ids = random.Random(seed), itertools.count(8 * 10**9)
+    prompts = [[next(ids) for _ in range(rng.randint(2, 6))] for _ in range(20)]
+    chats: list[list[int]] = []
+    out = []
+    for i in range(num_requests):
+        if not chats or rng.random() < 0.4:
+            chats.append(list(rng.choice(prompts)))
+            if len(chats) > 24:
+                chats.pop(rng.randrange(len(chats)))
+        chat = rng.choice(chats)
+        chat.extend(next(ids) for _ in range(rng.randint(1, 3)))
+        out.append(_request(i, chat, rng))
+        chat.append(next(ids))  # the answer
+    return out
+
+
 UNSEEN: dict[str, Callable[[int, int], list[Request]]] = {
     "scan_hot": scan_hot,
     "tenant_gaps": tenant_gaps,
     "drift": drift,
+    "churn": churn,
 }
