@@ -1,7 +1,8 @@
 """The session's end: once the results are printed, a session that used Ray ends
 through ``fabric.cli.exit``.
 
-Each Ray test module starts and stops its own Ray, and Ray leaves a metrics exporter
+A session starts and stops Ray several times (the modules that share one Ray,
+tests/ray_session.py, then each module of its own Ray), and Ray leaves a metrics exporter
 thread behind in this process on every start (see ``fabric/cli/exit.py``). With
 several of them alive, the native exit handlers crashed the process with SIGSEGV
 after every test had passed, and CI read exit status 139. Python's own exit work
@@ -20,6 +21,7 @@ import tempfile
 import pytest
 
 from fabric.cli.exit import exit_process, ray_was_loaded
+from tests import ray_session
 
 _EXIT_STATUS = pytest.StashKey[int]()
 
@@ -44,6 +46,21 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvfabric-test-state-")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_only_where_shared(request: pytest.FixtureRequest):
+    """The shared Ray (``tests/ray_session.py``) is stopped before any module that
+    does not share it: one that starts its own Ray, or a cluster, or none. (An
+    autouse fixture runs before the module's own fixtures of its scope.)"""
+    if not getattr(request.module, "SHARES_RAY", False):
+        ray_session.stop_shared()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that share one Ray run first, one after another, so that Ray
+    starts once for all of them; every other module keeps its place."""
+    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "SHARES_RAY", False))
+
+
 @pytest.fixture(autouse=True)
 def _ray_only_where_marked(request: pytest.FixtureRequest):
     """A test that finds Ray running carries the ``ray`` marker, so that the fast tier
@@ -60,6 +77,7 @@ def _ray_only_where_marked(request: pytest.FixtureRequest):
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    ray_session.stop_shared()
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
     shutil.rmtree(os.environ.get("XDG_STATE_HOME", ""), ignore_errors=True)
 

@@ -18,11 +18,13 @@ import pytest
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 from fabric.cli import main  # noqa: E402
 from fabric.client import connect, launch  # noqa: E402
 from fabric.observe.report import SCHEMA  # noqa: E402
 from tests.helpers import prompt, small_config, storage_options  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 NAME = "kvfabric-cli"
 NS = "kvfabric-cli-tests"
@@ -30,7 +32,7 @@ NS = "kvfabric-cli-tests"
 
 @pytest.fixture(scope="module")
 def fabric(tmp_path_factory):
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
+    shared_ray()
     l3 = tmp_path_factory.mktemp("l3")
     f = launch(
         small_config(f"runtime.name={NAME}", f"runtime.ray_namespace={NS}", *storage_options(l3))
@@ -39,7 +41,6 @@ def fabric(tmp_path_factory):
         yield f
     finally:
         f.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture

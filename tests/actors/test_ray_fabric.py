@@ -20,8 +20,10 @@ from tests.helpers import (  # noqa: E402
     wait_for,
     where_now,
 )
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 NAME = "kvfabric-test"
 
@@ -37,7 +39,7 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def fabric():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="kvfabric-tests", log_to_driver=False)
+    shared_ray()
     f = launch(
         small_config(
             f"runtime.name={NAME}",
@@ -52,7 +54,6 @@ def fabric():
         yield f
     finally:
         f.shutdown()
-        ray.shutdown()
 
 
 def test_tp2_pp2_serves_verified_pages_through_evictions_and_load_backs(fabric):

@@ -11,10 +11,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from fabric.rank.shared_l2 import shm_dir  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for, where_now  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 NS = "kvfabric-keeps-l2"
 
@@ -22,17 +22,12 @@ pytestmark = [
     pytest.mark.ray,
     pytest.mark.skipif(shm_dir() is None, reason="no /dev/shm on this machine"),
 ]
+SHARES_RAY = True  # tests/ray_session.py
 
 
 @pytest.fixture(scope="module")
 def fabric():
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace=NS,
-        log_to_driver=False,
-        resources={HEAD_RESOURCE: 10},
-    )
+    shared_ray()
     f = launch(
         small_config(
             "runtime.name=keeps-l2",
@@ -45,7 +40,6 @@ def fabric():
         yield f
     finally:
         f.shutdown()
-        ray.shutdown()
 
 
 def a_pass(fabric, prompts) -> int:

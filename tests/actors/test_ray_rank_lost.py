@@ -10,19 +10,15 @@ ray = pytest.importorskip("ray")
 from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 
 @pytest.fixture(scope="module")
 def fabric():
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="kvfabric-lost",
-        log_to_driver=False,
-        resources={HEAD_RESOURCE: 10},
-    )
+    shared_ray()
     f = launch(
         small_config(
             "runtime.name=kvfabric-lost",
@@ -35,7 +31,6 @@ def fabric():
         yield f
     finally:
         f.shutdown()
-        ray.shutdown()
 
 
 def test_requests_fail_naming_a_rank_that_is_gone_for_good(fabric):

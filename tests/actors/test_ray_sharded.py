@@ -13,13 +13,14 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from fabric.rank.model import assemble, build_model  # noqa: E402
 from fabric.tools.chat import generate, model_overrides  # noqa: E402
 from tests.helpers import small_config, wait_for, where_now  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 NAME = "kvfabric-sharded"
 
@@ -40,19 +41,12 @@ def config():
 
 @pytest.fixture(scope="module")
 def fabric():
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace=NAME,
-        log_to_driver=False,
-        resources={HEAD_RESOURCE: 10},
-    )
+    shared_ray()
     f = launch(config())
     try:
         yield f
     finally:
         f.shutdown()
-        ray.shutdown()
 
 
 def words(seed: int, n: int) -> list[int]:

@@ -14,17 +14,18 @@ from tests.helpers import (  # noqa: E402
     small_config,
     wait_for,
 )
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 NS = "kvfabric-storage-tests"
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
+    shared_ray()
     yield
-    ray.shutdown()
 
 
 RANKS = 2  # TP=2 without PP: L3 is per shard either way, and each launch starts fewer ranks

@@ -10,29 +10,21 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from actors.factory import HEAD_RESOURCE  # noqa: E402
 from fabric.cli.render import status_text  # noqa: E402
 from fabric.client import launch  # noqa: E402
 from tests.helpers import prompt, small_config, wait_for  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
+SHARES_RAY = True  # tests/ray_session.py
 
 NS = "kvfabric-stragglers"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace=NS,
-        log_to_driver=False,
-        resources={HEAD_RESOURCE: 10},
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    shared_ray()
+    yield
 
 
 def make(name: str, policy: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
 import torch
 
 from fabric.client import launch
@@ -18,8 +17,10 @@ from fabric.engines.store import StoreOptions
 from fabric.rank.model import assemble, build_model
 from fabric.tools.chat import TINY_LLAMA, generate
 from tests.interop.support import adapter, fill_random, host_pool, sglang_hashes
+from tests.ray_session import shared_ray
 
 pytestmark = [pytest.mark.interop, pytest.mark.ray]
+SHARES_RAY = True  # tests/ray_session.py
 
 NS = "kvfabric-engines-tests"
 NAME = "engines"
@@ -28,7 +29,7 @@ NAME = "engines"
 @pytest.fixture(scope="module")
 def fabric(tmp_path_factory):
     path = tmp_path_factory.mktemp("l3")
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, log_to_driver=False)
+    shared_ray()
     config = FabricConfig().with_overrides(
         [
             *TINY_LLAMA,
@@ -44,7 +45,6 @@ def fabric(tmp_path_factory):
     f = launch(config, announce=False)
     yield f
     f.shutdown()
-    ray.shutdown()
 
 
 def store_options(fabric, transport: str) -> dict:
