@@ -176,8 +176,8 @@ class AdaptiveTwoQ(EvictionPolicy):
     name = "a2q"
     remembers = True
     ghost_factor = 4
-    # An eighth: a half (the first setting) gained 0.6 points more on the Mooncake
-    # trace at 2M but lost 1.0 to LRU on short churning chats (bench/unseen_workloads.py).
+    # An eighth: a half (the first setting) gained 0.9 points more on the Mooncake
+    # trace at 2M but lost 1.0 to LRU on short churning chats (docs/running.md).
     step = 0.125
 
     def __init__(self) -> None:

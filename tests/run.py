@@ -35,7 +35,9 @@ NICE = 19
 
 
 def pytest_argv(marker: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "tests", "-m", marker, *extra]
+    """Both tiers' command: ``tests`` unless ``extra`` names paths of its own."""
+    named = any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in extra)
+    return [sys.executable, "-m", "pytest", *([] if named else ["tests"]), "-m", marker, *extra]
 
 
 def lower_priority() -> None:
@@ -51,6 +53,11 @@ def main() -> int:
     # Every argument but --help is pytest's, options included (argparse would take
     # pytest's options for its own, so it sees only --help).
     ap.parse_args(["-h"] if {"-h", "--help"} & set(argv) else [])
+    if "-m" in argv or any(a.startswith("-m") for a in argv if a not in ("-m",)):
+        ap.error(
+            "-m is refused: each tier chooses its own markers; for a marker of your "
+            "own run python3 -m pytest tests -m ..."
+        )
     extra = argv
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as log:
