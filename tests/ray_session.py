@@ -5,10 +5,9 @@ other module (and every test without the ``ray`` marker) finds it stopped
 first (``tests/conftest.py``), and the session stops it at its end. The sharing
 modules run one after another (``tests/conftest.py`` orders them first), so
 Ray starts once for all of them instead of once each (4-5 s a start and stop
-on 2 cores). Each module still launches and shuts down its own fabric, under
-its own name and Ray namespace (``runtime.ray_namespace``), and a module that
-cannot see Ray running in its own way fails its own tests, not the next
-module's: what one module leaves behind is a stopped fabric's nothing.
+on 2 cores). Each module still launches its own fabric, under its own name and
+Ray namespace (``runtime.ray_namespace``), and shuts it down in its own fixture,
+so the next module finds Ray with nothing of the last one's left in it.
 
 Nothing here imports Ray until Ray is wanted: the fast tier imports this module."""
 
