@@ -91,21 +91,36 @@ class Ledger:
         """Under the lock: prefetch ``op_id``'s entry, created at ``tokens``."""
         return self.prefetch.setdefault(op_id, [tokens, False, False])
 
-    def wait_for_news(self, timeout: float, since: int | None = None) -> None:
+    def wait_for_news(
+        self, timeout: float, since: int | None = None, settle_s: float = 0.0
+    ) -> None:
         """Return once the report has changed since ``since`` (a ``news_seq`` read
         earlier; default: now), once nothing is in flight, or after ``timeout``
         seconds: a round's reply then carries what finished rather than the same
-        report again."""
+        report again. With ``settle_s``, news is not enough while work is still
+        in flight: the wait goes on up to ``settle_s`` after the news (within
+        ``timeout``) for the rest to finish, so that a round's own commands are
+        reported in its reply rather than needing a round of their own."""
         deadline = time.monotonic() + timeout
         with self.lock:
             seen = self.news_seq if since is None else since
-            while self.news_seq == seen and (
-                self.queue or self.storage_queue or self.copying or self.storing
-            ):
+            while self.news_seq == seen and self._in_flight():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 self.news.wait(left)
+            if settle_s <= 0:
+                return
+            settled = min(deadline, time.monotonic() + settle_s)
+            while self._in_flight():
+                left = settled - time.monotonic()
+                if left <= 0:
+                    return
+                self.news.wait(left)
+
+    def _in_flight(self) -> bool:
+        """Under the lock: whether a command is queued or running."""
+        return bool(self.queue or self.storage_queue or self.copying or self.storing)
 
     def report(self, index: int, incarnation: str) -> Report:
         with self.lock:

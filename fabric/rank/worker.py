@@ -134,13 +134,15 @@ class RankWorker:
 
     # -- message thread --------------------------------------------------------------
 
-    def accept(self, batch: Batch) -> None:
-        """Queue a batch's commands. A newer epoch starts counting afresh; an older
-        one is ignored; a command id seen before is not applied again."""
+    def accept(self, batch: Batch) -> int:
+        """Queue a batch's commands: how many were new. A newer epoch starts
+        counting afresh; an older one is ignored; a command id seen before is not
+        applied again."""
         ledger = self.ledger
+        queued = 0
         with ledger.lock:
             if batch.epoch < ledger.epoch:
-                return
+                return 0
             self._open_epoch(batch.epoch)
             addressed = self.index < len(batch.incarnations) and (
                 batch.incarnations[self.index] == self.incarnation
@@ -152,6 +154,7 @@ class RankWorker:
                 if cmd.cmd_id <= ledger.last_cmd_id:
                     continue
                 ledger.last_cmd_id = cmd.cmd_id
+                queued += 1
                 if isinstance(cmd, Compute) and self.needs_mesh:
                     ledger.mesh_keys[cmd.cmd_id] = self._mesh_key
                 if isinstance(cmd, Prefetch):
@@ -168,6 +171,7 @@ class RankWorker:
                 ledger.prefetch_ops.discard(op)
                 ledger.stopping.discard(op)
             ledger.ready.notify_all()
+        return queued
 
     def inventory(self, epoch: int) -> list[tuple[int, str, bytes, bytes, bytes]]:
         """The named L2 slots (``PageIndex.entries``) for a new coordinator opening

@@ -202,3 +202,47 @@ def test_a_rank_holds_its_reply_until_it_has_news_or_nothing_in_flight():
     rank.accept(f.core.next_batch())
     rank.ledger.wait_for_news(0.01)  # nobody runs it: the bound ends the wait
     assert rank.ledger.queue
+
+
+def test_a_settling_reply_waits_past_news_for_the_rest_of_its_step():
+    """``settle_s``: news of one command does not end the wait while another is
+    queued — the reply waits for it (so it needs no round of its own), within
+    ``settle_s``; without ``settle_s`` the first news ends it."""
+    import threading
+
+    f = LocalFabric(small_config("storage.backend=none"))
+    rank = f.ranks[0]
+    for i in (1, 2):
+        f.core.submit(pack_tokens(prompt(i, pages=2)))
+    batch = f.core.next_batch()
+    assert rank.accept(batch) == len(batch.commands) == len(rank.ledger.queue) > 1
+    assert rank.accept(batch) == 0, "a command seen before is not new"
+
+    def waiter(**settle) -> threading.Thread:
+        thread = threading.Thread(
+            target=rank.ledger.wait_for_news,
+            args=(60,),
+            kwargs={"since": rank.ledger.news_seq, **settle},
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    plain, settling = waiter(), waiter(settle_s=60)
+    assert rank.run_one(block=False)  # the first command: news
+    plain.join(30)
+    assert not plain.is_alive(), "without settle_s the first news ends the wait"
+    settling.join(0.2)
+    assert settling.is_alive(), "with settle_s it waits for the rest of the step"
+    while rank.run_one(block=False):
+        pass
+    settling.join(30)
+    assert not settling.is_alive(), "nothing in flight: the reply goes"
+    f.core.submit(pack_tokens(prompt(3, pages=2)))
+    f.core.submit(pack_tokens(prompt(4, pages=2)))
+    rank.accept(f.core.next_batch())
+    bounded = waiter(settle_s=0.05)
+    assert rank.run_one(block=False)  # news, and more still queued that nobody runs
+    bounded.join(30)
+    assert not bounded.is_alive(), "settle_s bounds the wait past the news"
+    assert rank.ledger.queue
