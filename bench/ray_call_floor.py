@@ -3,7 +3,10 @@ coordinator request (``bench/fabric_load.py``).
 
 A no-op method on a sync, a threaded (``max_concurrency=4``) and an async actor,
 called one at a time and pipelined (all calls in flight at once); the actor
-process's CPU per call (utime + stime from ``/proc``) and the wall time.
+process's CPU per call (utime + stime from ``/proc``) and the wall time. Then
+the floor under a consensus round (``RayRankGroup.round``): an async actor
+sends a 2 KB batch to 1 and to 2 actors that echo 64 bytes and awaits the
+replies, as the coordinator does each round; that actor's CPU per round.
 
     python3 bench/ray_call_floor.py [--calls 1000]
 """
@@ -11,6 +14,7 @@ process's CPU per call (utime + stime from ``/proc``) and the wall time.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import pathlib
@@ -39,6 +43,42 @@ class Async:
 
     async def noop(self) -> None:
         return None
+
+
+class Echo:
+    async def step(self, batch: bytes) -> bytes:
+        return batch[:64]
+
+
+class Rounds:
+    """An async actor that fans a batch out to ``ranks`` and awaits their replies."""
+
+    def __init__(self, ranks: list) -> None:
+        self.ranks = ranks
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def rounds(self, n: int, width: int) -> int:
+        batch = b"x" * 2048
+        for _ in range(n):
+            await asyncio.gather(*(r.step.remote(batch) for r in self.ranks[:width]))
+        return n
+
+
+def round_floor(calls: int) -> dict[str, float]:
+    """The fanning actor's CPU per round to 1 and to 2 echoing actors."""
+    echo = ray.remote(num_cpus=0, max_concurrency=1000)(Echo)
+    fan = ray.remote(num_cpus=0, max_concurrency=1000)(Rounds)
+    actor = fan.remote([echo.remote() for _ in range(2)])
+    pid = ray.get(actor.pid.remote())
+    out = {}
+    for width in (1, 2):
+        ray.get(actor.rounds.remote(100, width))  # warm
+        c0 = cpu_s(pid)
+        ray.get(actor.rounds.remote(calls, width))
+        out[f"round_to_{width}_cpu_ms"] = round(1e3 * (cpu_s(pid) - c0) / calls, 3)
+    return out
 
 
 def measure(actor, calls: int) -> dict[str, float]:
@@ -71,6 +111,7 @@ def main() -> None:
             "async": ray.remote(num_cpus=0, max_concurrency=1000)(Async),
         }
         result = {name: measure(cls.remote(), args.calls) for name, cls in kinds.items()}
+        rounds = round_floor(args.calls)
     finally:
         ray.shutdown()
     for name, r in result.items():
@@ -79,7 +120,12 @@ def main() -> None:
             f"{r['pipelined_actor_cpu_ms']} ms pipelined",
             file=sys.stderr,
         )
-    print(json.dumps(result))
+    print(
+        f"    round: {rounds['round_to_1_cpu_ms']} ms of the sender's CPU to 1 actor, "
+        f"{rounds['round_to_2_cpu_ms']} ms to 2",
+        file=sys.stderr,
+    )
+    print(json.dumps({**result, "round": rounds}))
 
 
 if __name__ == "__main__":
