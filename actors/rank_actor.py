@@ -24,13 +24,6 @@ from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
-# Past a step's first news, the share of ``runtime.round_wait_s`` its reply waits
-# for the rest of the step's commands: news of one command of many would
-# otherwise end the reply, and the rest need a round of their own (over a quarter of
-# the rounds at engine-step batches: bench/fabric_load.py --batch 32,33 gave
-# 0.043 rounds a request without it, 0.031 with it, and 10-17% less
-# coordinator CPU a request).
-SETTLE = 0.25
 
 
 class StorageActorLink:
@@ -187,8 +180,8 @@ class RankActor:
     def step(self, batch: bytes) -> bytes:
         """Queue a step's commands; return this rank's report (msgpack) once it has
         news — a command done, prefetch progress — or nothing in flight, or after
-        ``runtime.round_wait_s``. A step that brought commands waits a quarter of
-        that bound past its first news for the rest to finish (``SETTLE``)."""
+        ``runtime.round_wait_s``. A step that brought commands waits up to
+        ``runtime.round_settle_s`` past its first news for the rest to finish."""
         message = decode(batch, self.max_bytes)
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")
@@ -196,9 +189,9 @@ class RankActor:
         queued = self.worker.accept(message)
         if self._duplicate:  # chaos: the same message delivered twice
             self.worker.accept(message)
-        wait = self.config.runtime.round_wait_s
+        runtime = self.config.runtime
         self.worker.ledger.wait_for_news(
-            wait, since=seen, settle_s=wait * SETTLE if queued else 0.0
+            runtime.round_wait_s, since=seen, settle_s=runtime.round_settle_s if queued else 0.0
         )
         if self._reply_delay_s:
             time.sleep(self._reply_delay_s)

@@ -375,6 +375,11 @@ class RuntimeConfig(_Section):
     # to report, up to this long: the coordinator hears of each finished command at
     # once instead of polling for it with empty rounds (0: reply at once).
     round_wait_s: NonNegativeFloat = 0.02
+    # Past a round's first news, how long more a rank that the round brought
+    # commands holds its reply for the rest of them, within round_wait_s: news
+    # of one command of an engine step's many would otherwise end the reply, and
+    # the rest need a round of their own (0: reply at the first news).
+    round_settle_s: NonNegativeFloat = 0.005
     rank_timeout_s: PositiveFloat = 30.0
     # How long the ranks of a sharded model (model.filler=llama) wait in one
     # collective (forming their groups, an all-reduce or all-gather, a stage's send
@@ -423,6 +428,11 @@ class RuntimeConfig(_Section):
                 f"runtime.round_wait_s={self.round_wait_s} is refused: allowed is at most half "
                 f"of runtime.rank_timeout_s={self.rank_timeout_s} (a rank holding its reply "
                 "longer would count as absent)"
+            )
+        if self.round_settle_s > self.round_wait_s:
+            raise ValueError(
+                f"runtime.round_settle_s={self.round_settle_s} is refused: allowed is at most "
+                f"runtime.round_wait_s={self.round_wait_s} (the reply's whole bound)"
             )
         return self
 

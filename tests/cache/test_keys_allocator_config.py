@@ -124,6 +124,11 @@ def test_config_refuses_bad_values_naming_key_value_and_rule():
         FabricConfig().with_overrides(["runtime.lease_ttl_s=0"])
     with pytest.raises(ConfigError, match=r"runtime\.round_wait_s=3\.0 .*rank_timeout_s=5\.0"):
         FabricConfig().with_overrides(["runtime.round_wait_s=3", "runtime.rank_timeout_s=5"])
+    with pytest.raises(ConfigError, match=r"runtime\.round_settle_s=0\.03 .*round_wait_s=0\.02"):
+        FabricConfig().with_overrides(["runtime.round_settle_s=0.03"])
+    with pytest.raises(ConfigError, match=r"runtime\.round_settle_s=-1"):
+        FabricConfig().with_overrides(["runtime.round_settle_s=-1"])
+    assert FabricConfig().with_overrides(["runtime.round_settle_s=0"]).runtime.round_settle_s == 0
 
 
 def test_config_loads_json_toml_yaml_and_overrides(tmp_path):
