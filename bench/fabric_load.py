@@ -21,8 +21,8 @@ The last line is one JSON object: ``coordinator_cpu_over_core`` and
 ``requests_per_s`` at the largest driver count of the default mode, and
 ``no_compute_requests_per_s`` (the best of that mode's curve), beside both curves.
 
-With several ``--batch`` sizes (prompts a driver sends in one call, as an
-engine sends a step's requests), only the no-compute mode runs, at
+With ``--batch`` above 1, or several sizes (prompts a driver sends in one
+call, as an engine sends a step's requests), only the no-compute mode runs, at
 ``--batch-drivers`` drivers (default 2), once per size, on prompts of up to 1,024
 tokens (a chat prompt's first and last 512) and an L1 and L2 that hold all
 of them, or every driver's largest batch twice if that is more (as an engine's
@@ -281,13 +281,17 @@ def main() -> None:
     ap.add_argument(
         "--batch",
         default="1",
-        help="prompts a driver sends in one call (submit_many; 1: submit); several "
-        "sizes (1,8,32,128): the no-compute mode once per size",
+        help="prompts a driver sends in one call (submit_many; 1: submit, by driver "
+        "count in both modes); above 1 or several sizes (1,8,32,128): the no-compute mode "
+        "once per size, at --batch-drivers drivers",
     )
     ap.add_argument("--batch-drivers", type=int, default=2, help="drivers at once, per size")
     args = ap.parse_args()
     sizes = [int(n) for n in args.batch.split(",")]
-    if len(sizes) > 1:
+    if len(sizes) > 1 or sizes[0] > 1:
+        # Engine-sized steps need an L1 that holds every driver's call twice over
+        # (a driver keeps a call's leases until its next): the batch curve sizes
+        # it; the driver-count modes keep the default L1, where they would wait.
         batch_curve(args, sizes)
         return
     args.batch = sizes[0]
