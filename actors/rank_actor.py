@@ -181,7 +181,8 @@ class RankActor:
         """Queue a step's commands; return this rank's report (msgpack) once it has
         news — a command done, prefetch progress — or nothing in flight, or after
         ``runtime.round_wait_s``. A step that brought commands waits up to
-        ``runtime.round_settle_s`` past its first news for the rest to finish."""
+        ``runtime.round_settle_s`` past its first news for the computes and loads
+        still queued."""
         message = decode(batch, self.max_bytes)
         if not isinstance(message, Batch):
             raise InvalidMessage(f"a rank takes Batch messages, got {type(message).__name__}")

@@ -376,9 +376,10 @@ class RuntimeConfig(_Section):
     # once instead of polling for it with empty rounds (0: reply at once).
     round_wait_s: NonNegativeFloat = 0.02
     # Past a round's first news, how long more a rank that the round brought
-    # commands holds its reply for the rest of them, within round_wait_s: news
-    # of one command of an engine step's many would otherwise end the reply, and
-    # the rest need a round of their own (0: reply at the first news).
+    # commands holds its reply for the computes and loads still queued (what
+    # requests wait on), within round_wait_s: news of one compute of an engine
+    # step's many would otherwise end the reply, and the rest need a round of
+    # their own (0: reply at the first news).
     round_settle_s: NonNegativeFloat = 0.005
     rank_timeout_s: PositiveFloat = 30.0
     # How long the ranks of a sharded model (model.filler=llama) wait in one

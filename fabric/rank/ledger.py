@@ -52,6 +52,9 @@ class Ledger:
         """Under the lock: an epoch's queues and counters, empty."""
         self.queue: deque[Command] = deque()
         self.storage_queue: deque[Command] = deque()
+        # Computes and L2 -> L1 loads queued or running: what a request's result
+        # waits on (writes and backups run behind it).
+        self.awaited = 0
         self.last_cmd_id = 0
         self.computes_done = self.writes_done = self.loads_done = self.backups_done = 0
         self.failed: list[int] = []
@@ -97,10 +100,12 @@ class Ledger:
         """Return once the report has changed since ``since`` (a ``news_seq`` read
         earlier; default: now), once nothing is in flight, or after ``timeout``
         seconds: a round's reply then carries what finished rather than the same
-        report again. With ``settle_s``, news is not enough while work is still
-        in flight: the wait goes on up to ``settle_s`` after the news (within
-        ``timeout``) for the rest to finish, so that a round's own commands are
-        reported in its reply rather than needing a round of their own."""
+        report again. With ``settle_s``, news is not enough while a compute or a
+        load is still queued or running (``awaited``: what requests wait on): the
+        wait goes on up to ``settle_s`` after the news (within ``timeout``) for
+        them to finish, so that a round's own requests are reported in its reply
+        rather than needing a round of their own. Writes and backups do not hold
+        it: no result waits on them."""
         deadline = time.monotonic() + timeout
         with self.lock:
             seen = self.news_seq if since is None else since
@@ -112,7 +117,7 @@ class Ledger:
             if settle_s <= 0:
                 return
             settled = min(deadline, time.monotonic() + settle_s)
-            while self._in_flight():
+            while self.awaited:
                 left = settled - time.monotonic()
                 if left <= 0:
                     return

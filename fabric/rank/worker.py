@@ -155,6 +155,8 @@ class RankWorker:
                     continue
                 ledger.last_cmd_id = cmd.cmd_id
                 queued += 1
+                if isinstance(cmd, (Compute, Load)):
+                    ledger.awaited += 1
                 if isinstance(cmd, Compute) and self.needs_mesh:
                     ledger.mesh_keys[cmd.cmd_id] = self._mesh_key
                 if isinstance(cmd, Prefetch):
@@ -218,6 +220,8 @@ class RankWorker:
         finally:
             with ledger.lock:
                 ledger.copying = False
+                if epoch == ledger.epoch and isinstance(group[0], (Compute, Load)):
+                    ledger.awaited -= len(group)  # done or failed: nothing waits on it now
                 ledger.idle.notify_all()
         with ledger.lock:
             if epoch != ledger.epoch:

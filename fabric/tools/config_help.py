@@ -76,7 +76,7 @@ KEY_HELP = {
     "runtime.round_wait_s": "how long a rank may hold its reply to a round while it has work "
     "in flight and nothing new to report (at most half of rank_timeout_s)",
     "runtime.round_settle_s": "past a round's first news, how long more a rank holds its reply "
-    "for the rest of the commands that round brought (at most round_wait_s; 0: reply at once)",
+    "for the computes and loads still queued (at most round_wait_s; 0: reply at once)",
     "runtime.rank_timeout_s": "a rank silent this long in one round counts as absent",
     "runtime.collective_timeout_s": "how long a sharded model's rank waits in one collective "
     "before its compute fails and the epoch resets (at most half of rank_timeout_s)",

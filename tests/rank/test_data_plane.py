@@ -204,10 +204,11 @@ def test_a_rank_holds_its_reply_until_it_has_news_or_nothing_in_flight():
     assert rank.ledger.queue
 
 
-def test_a_settling_reply_waits_past_news_for_the_rest_of_its_step():
-    """``settle_s``: news of one command does not end the wait while another is
-    queued — the reply waits for it (so it needs no round of its own), within
-    ``settle_s``; without ``settle_s`` the first news ends it."""
+def test_a_settling_reply_waits_past_news_for_the_rest_of_its_steps_computes():
+    """``settle_s``: news of one compute does not end the wait while another
+    is queued — the reply waits for it (so it needs no round of its own),
+    within ``settle_s``; without ``settle_s`` the first news ends it. Writes
+    (no result waits on them) do not hold it."""
     import threading
 
     f = LocalFabric(small_config("storage.backend=none"))
@@ -215,7 +216,9 @@ def test_a_settling_reply_waits_past_news_for_the_rest_of_its_step():
     for i in (1, 2):
         f.core.submit(pack_tokens(prompt(i, pages=2)))
     batch = f.core.next_batch()
-    assert rank.accept(batch) == len(batch.commands) == len(rank.ledger.queue) > 1
+    kinds = [type(c).__name__ for c in batch.commands]
+    assert kinds == ["Compute", "Compute", "Write", "Write"], kinds
+    assert rank.accept(batch) == 4 and rank.ledger.awaited == 2
     assert rank.accept(batch) == 0, "a command seen before is not new"
 
     def waiter(**settle) -> threading.Thread:
@@ -229,20 +232,22 @@ def test_a_settling_reply_waits_past_news_for_the_rest_of_its_step():
         return thread
 
     plain, settling = waiter(), waiter(settle_s=60)
-    assert rank.run_one(block=False)  # the first command: news
+    assert rank.run_one(block=False)  # the first compute: news
     plain.join(30)
     assert not plain.is_alive(), "without settle_s the first news ends the wait"
     settling.join(0.2)
-    assert settling.is_alive(), "with settle_s it waits for the rest of the step"
-    while rank.run_one(block=False):
-        pass
+    assert settling.is_alive(), "with settle_s it waits for the second compute"
+    assert rank.run_one(block=False)  # the second compute
     settling.join(30)
-    assert not settling.is_alive(), "nothing in flight: the reply goes"
+    assert not settling.is_alive(), "no compute left: the reply goes"
+    assert [type(c).__name__ for c in rank.ledger.queue] == ["Write", "Write"]
+    assert rank.ledger.awaited == 0
+    rank.run_pending()
     f.core.submit(pack_tokens(prompt(3, pages=2)))
     f.core.submit(pack_tokens(prompt(4, pages=2)))
     rank.accept(f.core.next_batch())
     bounded = waiter(settle_s=0.05)
-    assert rank.run_one(block=False)  # news, and more still queued that nobody runs
+    assert rank.run_one(block=False)  # news, and a compute still queued that nobody runs
     bounded.join(30)
     assert not bounded.is_alive(), "settle_s bounds the wait past the news"
-    assert rank.ledger.queue
+    assert rank.ledger.awaited == 1
