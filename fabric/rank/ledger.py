@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from fabric.messages import Command, PrefetchProgress, Report
+from fabric.messages import Backup, Command, Compute, Load, Prefetch, PrefetchProgress, Report
 
 
 def run_all(run_one: Callable[..., bool]) -> int:
@@ -64,6 +64,16 @@ class Ledger:
         self.stopping: set[int] = set()
         # The mesh generation each queued compute runs in (from its batch).
         self.mesh_keys: dict[int, str] = {}
+
+    def enqueue(self, cmd: Command) -> None:
+        """Under the lock: queue a new command (``last_cmd_id`` moves to it) for
+        the transfer thread, or for the storage thread (prefetches, backups)."""
+        self.last_cmd_id = cmd.cmd_id
+        if isinstance(cmd, (Compute, Load)):
+            self.awaited += 1
+        if isinstance(cmd, Prefetch):
+            self.prefetch_ops.add(cmd.op_id)
+        (self.storage_queue if isinstance(cmd, (Prefetch, Backup)) else self.queue).append(cmd)
 
     def announce(self) -> None:
         """Under the lock: the report changed."""

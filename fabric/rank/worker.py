@@ -25,12 +25,10 @@ from fabric.cache.keys import namespace_seed
 from fabric.config import FabricConfig
 from fabric.l3.direct import DirectReads, direct_reads
 from fabric.messages import (
-    Backup,
     Batch,
     Command,
     Compute,
     Load,
-    Prefetch,
     Report,
     Write,
 )
@@ -153,18 +151,10 @@ class RankWorker:
             for cmd in batch.commands if addressed else ():
                 if cmd.cmd_id <= ledger.last_cmd_id:
                     continue
-                ledger.last_cmd_id = cmd.cmd_id
                 queued += 1
-                if isinstance(cmd, (Compute, Load)):
-                    ledger.awaited += 1
                 if isinstance(cmd, Compute) and self.needs_mesh:
                     ledger.mesh_keys[cmd.cmd_id] = self._mesh_key
-                if isinstance(cmd, Prefetch):
-                    ledger.prefetch_ops.add(cmd.op_id)
-                if isinstance(cmd, (Prefetch, Backup)):
-                    ledger.storage_queue.append(cmd)
-                else:
-                    ledger.queue.append(cmd)
+                ledger.enqueue(cmd)
             if batch.acked:
                 ledger.failed = [c for c in ledger.failed if c > batch.acked]
             ledger.stopping.update(op for op in batch.stop if op in ledger.prefetch_ops)
