@@ -231,7 +231,6 @@ def run_mode(
     label: str,
     profile: str | None,
     separate: bool,
-    batch: int,
 ) -> list[dict]:
     from fabric.client import launch
 
@@ -241,7 +240,7 @@ def run_mode(
         for i, drivers in enumerate(counts):
             last = i == len(counts) - 1
             where = f"{profile}-{label.replace(' ', '-')}.txt" if profile and last else None
-            row = phase(fabric, drivers, seconds, 100 * i, where, separate, batch)
+            row = phase(fabric, drivers, seconds, 100 * i, where, separate, 1)
             curve.append(row)
             print(
                 f"{label:>10} {drivers:>3} drivers: {row['requests_per_s']:>7} req/s, "
@@ -294,7 +293,6 @@ def main() -> None:
         # it; the driver-count modes keep the default L1, where they would wait.
         batch_curve(args, sizes)
         return
-    args.batch = sizes[0]
     counts = [int(n) for n in args.drivers.split(",")]
     free = [int(n) for n in args.no_compute_drivers.split(",")]
     seconds = args.seconds
@@ -316,7 +314,6 @@ def main() -> None:
             "default",
             args.profile,
             args.separate_release,
-            args.batch,
         )
         none = run_mode(
             FabricConfig().with_overrides(
@@ -327,7 +324,6 @@ def main() -> None:
             "no compute",
             args.profile,
             args.separate_release,
-            args.batch,
         )
     finally:
         shutil.rmtree(l3, ignore_errors=True)
@@ -337,7 +333,6 @@ def main() -> None:
             {
                 "seconds_per_count": seconds,
                 "release": "separate calls" if args.separate_release else "with the next submit",
-                "prompts_per_call": args.batch,
                 "coordinator_cpu_over_core": last["coordinator_cpu_over_core"],
                 "requests_per_s": last["requests_per_s"],
                 "no_compute_requests_per_s": max(r["requests_per_s"] for r in none),
