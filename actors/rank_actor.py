@@ -22,6 +22,7 @@ from fabric.rank.mesh import poll
 from fabric.rank.node_l2 import fabric_identity, remove_regions
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
+from fabric.round_sockets import RoundServer
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,10 @@ class RankActor:
         )
         for thread in self._threads:
             thread.start()
+        self.rounds: RoundServer | None = None
+        if runtime.round_transport == "zmq":  # fabric.round_sockets
+            host = ray.util.get_node_ip_address()
+            self.rounds = RoundServer(self.step, host, self.max_bytes)
 
     def _feed_metrics(self) -> None:
         """Ray's metrics from this rank's transfer counters, each second."""
@@ -224,6 +229,13 @@ class RankActor:
             f"kvfabric rank {worker.shard.rank} of {self.config.runtime.name} on "
             f"{worker.device}, node {node_ip()}"
         )
+
+    def round_endpoint(self) -> tuple[str, bytes]:
+        """Where this rank serves socket rounds, and the secret each must carry
+        (``runtime.round_transport = "zmq"``); raises when it serves none."""
+        if self.rounds is None:
+            raise RuntimeError("this rank serves no socket rounds (runtime.round_transport=ray)")
+        return self.rounds.endpoint, self.rounds.secret
 
     def ping(self) -> None:
         """A no-op, for measuring the bare cost of a call."""
@@ -333,6 +345,8 @@ class RankActor:
         """Stop; with ``release_l2``, remove the shared L2 file (the fabric is going),
         and the node L2 regions of the fabric's engines that none uses now."""
         self._stop.set()
+        if self.rounds is not None:
+            self.rounds.close()
         self.worker.close(release_l2=release_l2)
         where = shm_dir()
         if release_l2 and where is not None:

@@ -1,7 +1,8 @@
 """Every Ray call the coordinator makes to its ranks, in one place: their handles
 (looked up again by name after a rank's actor died for good), a round's fan-out with
-its deadline (on a compiled graph when ``runtime.compiled_rounds`` is on and works),
-each reply's time, and the other calls that go to every rank (inventories,
+its deadline (over the ranks' sockets when ``runtime.round_transport`` is ``zmq``,
+their addresses asked of each rank by a Ray call; on a compiled graph when
+``runtime.compiled_rounds`` is on and works), each reply's time, and the other calls that go to every rank (inventories,
 verification, reads, their one-line descriptions). It is the ``RankGroup`` of
 ``fabric.coordinator.driver``; the driver's tests use a fake one instead."""
 
@@ -21,6 +22,7 @@ from fabric.config import FabricConfig
 from fabric.coordinator.driver import Replies
 from fabric.coordinator.requests import Lease
 from fabric.messages import Report, decode
+from fabric.round_sockets import RoundSockets
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,9 @@ class RayRankGroup:
         # round (an operator or the chaos harness may have made a new one).
         self.dead: set[int] = set()
         self.compiled = CompiledRounds() if config.runtime.compiled_rounds else None
+        self.sockets: RoundSockets | None = None
+        if config.runtime.round_transport == "zmq":
+            self.sockets = RoundSockets(len(names), config.runtime.max_message_bytes)
 
     async def reports(self) -> list[Report]:
         replies = await asyncio.gather(*(a.report.remote() for a in self.handles))
@@ -48,13 +53,16 @@ class RayRankGroup:
     async def round(self, batch: bytes) -> Replies:
         """Send ``batch`` to every rank; each rank's reply, or why it gave none within
         ``runtime.rank_timeout_s``. On the compiled graph when it is on and works;
-        otherwise (and again after any graph failure) one call per rank."""
+        otherwise (and again after any graph failure) over the ranks' sockets, or
+        one call per rank (``runtime.round_transport``)."""
         if self.dead:
             await self._find_new_ranks()
         if self.compiled is not None and not self.dead:
             replies = await self.compiled.round(self.handles, batch, self.timeout_s)
             if replies is not None:  # a compiled round has no reply time per rank
                 return Replies(list(replies), [None] * len(replies))
+        if self.sockets is not None:
+            return await self._socket_round(self.sockets, batch)
         sent = time.perf_counter()
         calls = [asyncio.ensure_future(awaited(rank.step.remote(batch))) for rank in self.handles]
         replied: dict[int, float] = {}
@@ -80,8 +88,44 @@ class RayRankGroup:
         ]
         return Replies(out, reply_s)
 
+    async def _socket_round(self, sockets: RoundSockets, batch: bytes) -> Replies:
+        """A round over the ranks' sockets, linking first (within the round's
+        deadline) each rank that has no usable link: a new or restarted rank."""
+        started = time.monotonic()
+        absent = {}
+        unlinked = [i for i in range(len(self.handles)) if not sockets.usable(i)]
+        if unlinked:
+            absent = await self._link(sockets, unlinked)
+        left = max(0.0, self.timeout_s - (time.monotonic() - started))
+        replies, reply_s = await sockets.round(batch, left, absent)
+        return Replies(replies, reply_s)
+
+    async def _link(self, sockets: RoundSockets, indices: list[int]) -> dict[int, str]:
+        """Ask each rank of ``indices`` for its round socket and link it; returns
+        why, for each rank that gave none."""
+        calls = {
+            i: asyncio.ensure_future(awaited(self.handles[i].round_endpoint.remote()))
+            for i in indices
+        }
+        _, pending = await asyncio.wait(calls.values(), timeout=self.timeout_s)
+        absent = {}
+        for index, call in calls.items():
+            if call in pending:
+                call.cancel()
+                absent[index] = f"no round socket named within {self.timeout_s} s"
+            elif call.exception() is not None:
+                exc = call.exception()
+                absent[index] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if isinstance(exc, ray.exceptions.ActorDiedError):
+                    self.dead.add(index)
+            else:
+                sockets.connect(index, *call.result())
+        return absent
+
     def restart(self, index: int) -> None:
         """Kill rank ``index``'s actor with a restart: Ray starts it anew."""
+        if self.sockets is not None:
+            self.sockets.drop(index)
         with contextlib.suppress(Exception):
             ray.kill(self.handles[index], no_restart=False)
 
@@ -95,6 +139,8 @@ class RayRankGroup:
             if handle._actor_id != self.handles[index]._actor_id:
                 self.handles[index] = handle
                 self.dead.discard(index)
+                if self.sockets is not None:
+                    self.sockets.drop(index)
                 log.warning("rank %s has a new actor: using it", self.names[index])
 
     # -- calls to every rank besides the rounds ---------------------------------------------
@@ -137,5 +183,7 @@ class RayRankGroup:
         return list(await asyncio.gather(*(r.info.remote() for r in self.handles)))
 
     async def stop(self) -> None:
+        if self.sockets is not None:
+            self.sockets.close()
         if self.compiled is not None:
             await self.compiled.drop("stopped", failed=False)

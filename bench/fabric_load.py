@@ -62,6 +62,22 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each of process ``pid``'s threads, summed by thread name
+    (Python's threads, Ray's and ZeroMQ's own carry names)."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
 def prompts_for(seed: int, max_tokens: int, cut: bool = False) -> list[bytes]:
     """The chats' prompts of up to ``max_tokens`` tokens; with ``cut``, every
     prompt of 300 chats cut to its first and last ``max_tokens / 2`` (a shared
@@ -185,7 +201,7 @@ def phase(
     for _ in procs:
         ready.get(timeout=300)
     pid = ray.get(fabric.coordinator.where.remote(), timeout=30)[0]
-    before, cpu_before = fabric.stats(), cpu_s(pid)
+    before, cpu_before, threads_before = fabric.stats(), cpu_s(pid), thread_cpu_s(pid)
     started = time.monotonic()
     go.set()
     spy = None
@@ -197,6 +213,8 @@ def phase(
         spy.wait(timeout=60)
     elapsed = time.monotonic() - started
     cpu, after = cpu_s(pid) - cpu_before, fabric.stats()
+    threads = thread_cpu_s(pid)
+    by_thread = {n: t - threads_before.get(n, 0.0) for n, t in threads.items()}
     for p in procs:
         p.join(timeout=60)
     latencies = sorted(x for _, lat, _, _ in results for x in lat)
@@ -221,6 +239,12 @@ def phase(
             (after["counters"]["rounds"] - before["counters"]["rounds"]) / max(1, finished), 3
         ),
         "l1_hit_fraction": round(tiers["device"] / tokens, 3),
+        # Where the coordinator's CPU went, by thread: ms per request.
+        "coordinator_ms_per_request_by_thread": {
+            name: round(1e3 * t / max(1, finished), 4)
+            for name, t in sorted(by_thread.items(), key=lambda kv: -kv[1])
+            if t > 0
+        },
     }
 
 

@@ -391,6 +391,12 @@ class RuntimeConfig(_Section):
     # one RPC per rank): faster rounds, but every rank actor and the coordinator
     # then poll their channels on a core each, busy or idle. Off by default.
     compiled_rounds: bool = Field(False, description="true or false")
+    # How a round's batch reaches the ranks and their reports come back: "zmq", a
+    # socket per rank (each rank binds one on its node's address and hands the
+    # coordinator its address and a secret by a Ray call), or "ray", one actor
+    # call per rank (7x the coordinator's CPU per round: bench/ray_call_floor.py).
+    # Compiled rounds, when on, take precedence over both.
+    round_transport: Literal["zmq", "ray"] = Field("zmq", description="zmq or ray")
     rank_absent_timeout_s: PositiveFloat = 60.0
     # Stragglers (fabric.coordinator.stragglers): a rank slow in a round replies
     # later than the others' median by more than straggler_lag_s and more than

@@ -1,0 +1,258 @@
+"""Both ends of the socket rounds (``runtime.round_transport = "zmq"``): a round's
+batch to every rank and their reports back over ZeroMQ instead of one Ray call per
+rank, at about a seventh of the coordinator's CPU per rank
+(``bench/ray_call_floor.py``), which is most of a round's cost at engine-step
+batches.
+
+**The rank's end** (``RoundServer``) binds a ROUTER socket on its node's address
+(a port the kernel picks) and serves it on a thread of its own: each message is
+one round's batch, answered with the rank's report by the same ``step`` a Ray
+call runs. The coordinator learns the address and a secret made there by a Ray
+call to the rank (``RankActor.round_endpoint``), so a message without the secret
+is dropped unanswered: the socket listens on the cluster's network, and only the
+process that asked the rank through Ray may drive it.
+
+**The coordinator's end** (``RoundSockets``) holds one DEALER socket per rank and
+gathers a round's replies in the event loop. What a Ray call would have told, the
+sockets tell too:
+
+- a rank whose process ends closes its connection: a monitor on each socket
+  hears it, and the round ends for that rank at once with the reason (as a call
+  to a dead actor fails at once), rather than at the deadline;
+- a rank that does not reply in time is named as such; its late reply carries an
+  old sequence number and is dropped when it comes;
+- a rank whose step raised says why, and counts as absent for the round.
+
+A link lost either way is dropped: the caller (``actors.rank_group``) asks the
+rank, through Ray, for its new address before the next round (a restarted rank
+binds a new port).
+
+Frames, coordinator to rank: the secret, the round's sequence number (8 bytes),
+the batch. Rank to coordinator: the sequence number, then ``OK`` and the report,
+or ``FAILED`` and why the step raised (``"TypeName: message"``, as a failed Ray
+call reads). A message that breaks that shape, or exceeds the message bound, is
+dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+OK, FAILED = b"\x00", b"\x01"
+SECRET_BYTES = 16
+SEQ_BYTES = 8
+POLL_MS = 100  # how often the serving thread looks at its stop flag
+
+
+class RoundServer:
+    def __init__(self, step: Callable[[bytes], bytes], host: str, max_bytes: int) -> None:
+        """Bind on ``host`` (an IP address of this node) and serve ``step`` until
+        ``close``. ``max_bytes`` bounds a batch; a larger message is dropped."""
+        self.step = step
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.served = 0
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-rounds", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                frames = sock.recv_multipart()
+                reply = self._answer(frames[1:])
+                if reply is None:
+                    self.dropped += 1
+                    continue
+                sock.send_multipart([frames[0], *reply])
+                self.served += 1
+        except zmq.ZMQError:
+            if not self._stop.is_set():
+                log.exception("the round socket failed: rounds now reach this rank by Ray only")
+        finally:
+            sock.close(linger=0)
+            self._ctx.term()
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        """The reply to one message, or ``None`` to drop it."""
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            return None
+        secret, seq, batch = frames
+        if not hmac.compare_digest(secret, self.secret):
+            return None
+        try:
+            return [seq, OK, self.step(batch)]
+        except Exception as exc:  # the coordinator counts this rank as absent this round
+            return [seq, FAILED, f"{type(exc).__name__}: {str(exc)[:200]}".encode()]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop serving and close the socket (a round in progress finishes first)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+class _Link:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, secret: bytes, max_bytes: int):
+        self.endpoint, self.secret = endpoint, secret
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SEQ_BYTES + 64)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(endpoint)
+        self.lost: str | None = None  # why the link is unusable
+        self.recv: asyncio.Future | None = None
+        self.watch: asyncio.Future | None = None
+
+    def close(self) -> None:
+        for fut in (self.recv, self.watch):
+            if fut is not None:
+                fut.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class RoundSockets:
+    def __init__(self, count: int, max_bytes: int) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.max_bytes = max_bytes
+        self.links: list[_Link | None] = [None] * count
+        self.seq = 0
+        # The round in progress: its pending rank indices and how one finishes.
+        self._pending: set[int] = set()
+        self._finish: Callable[[int, bytes | str, float | None], None] | None = None
+
+    def usable(self, index: int) -> bool:
+        """Whether rank ``index`` has a link that is not known to be lost."""
+        link = self.links[index]
+        return link is not None and link.lost is None
+
+    def connect(self, index: int, endpoint: str, secret: bytes) -> None:
+        """Link rank ``index`` at ``endpoint`` (dropping its old link)."""
+        self.drop(index)
+        link = _Link(self._ctx, endpoint, secret, self.max_bytes)
+        link.watch = asyncio.ensure_future(self._watch(index, link))
+        self.links[index] = link
+
+    def drop(self, index: int) -> None:
+        link, self.links[index] = self.links[index], None
+        if link is not None:
+            link.close()
+
+    async def _watch(self, index: int, link: _Link) -> None:
+        """Mark the link lost when the rank's side of the connection closes."""
+        try:
+            await link.monitor.recv_multipart()
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        link.lost = f"the rank's round socket at {link.endpoint} closed (its process ended?)"
+        if link.recv is not None:
+            link.recv.cancel()
+        if self._finish is not None and self.links[index] is link:
+            self._finish(index, link.lost, None)
+
+    async def round(
+        self, batch: bytes, timeout_s: float, absent: Mapping[int, str] | None = None
+    ) -> tuple[list[bytes | str], list[float | None]]:
+        """Send ``batch`` to every linked rank; per rank, its report bytes or why
+        there is none (``absent`` names why for ranks the caller could not link),
+        and how long its reply took."""
+        self.seq += 1
+        seq = self.seq.to_bytes(SEQ_BYTES, "little")
+        count = len(self.links)
+        out: list[bytes | str] = [""] * count
+        reply_s: list[float | None] = [None] * count
+        done = asyncio.get_running_loop().create_future()
+        pending = self._pending = set()
+        sent = time.perf_counter()
+
+        def finish(index: int, value: bytes | str, took: float | None) -> None:
+            if index in pending:
+                out[index], reply_s[index] = value, took
+                pending.discard(index)
+                if not pending and not done.done():
+                    done.set_result(None)
+
+        for index, link in enumerate(self.links):
+            if link is None or link.lost is not None:
+                why = link.lost if link is not None else None
+                out[index] = why or (absent or {}).get(index) or "no round socket to this rank"
+                continue
+            try:
+                link.sock.send_multipart([link.secret, seq, batch], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:  # its queue is full: the rank has long stopped reading
+                link.lost = f"the round could not be sent to {link.endpoint}: {exc}"
+                out[index] = link.lost
+                continue
+            pending.add(index)
+            self._listen(index, link, seq, sent, finish)
+        self._finish = finish
+        try:
+            if pending:
+                await asyncio.wait([done], timeout=timeout_s)
+        finally:
+            self._finish = None
+            for index in list(pending):
+                link = self.links[index]
+                if link is not None and link.recv is not None:
+                    link.recv.cancel()
+                finish(index, f"no reply within {timeout_s} s", None)
+        return out, reply_s
+
+    def _listen(
+        self,
+        index: int,
+        link: _Link,
+        seq: bytes,
+        sent: float,
+        finish: Callable[[int, bytes | str, float | None], None],
+    ) -> None:
+        """Wait for rank ``index``'s reply to round ``seq`` (dropping late replies to
+        earlier rounds) and hand it to ``finish``."""
+
+        def heard(fut: asyncio.Future) -> None:
+            if fut.cancelled():
+                return
+            if fut.exception() is not None:
+                finish(index, f"{type(fut.exception()).__name__}: {fut.exception()}", None)
+                return
+            frames = fut.result()
+            if len(frames) != 3 or frames[0] != seq:  # a late reply to an earlier round
+                self._listen(index, link, seq, sent, finish)
+                return
+            if frames[1] == OK:
+                finish(index, frames[2], time.perf_counter() - sent)
+            elif frames[1] == FAILED:
+                finish(index, frames[2].decode(errors="replace"), None)
+            else:
+                finish(index, f"a malformed reply from {link.endpoint}", None)
+
+        link.recv = link.sock.recv_multipart()
+        link.recv.add_done_callback(heard)
+
+    def close(self) -> None:
+        for index in range(len(self.links)):
+            self.drop(index)
+        self._ctx.destroy(linger=0)
