@@ -24,6 +24,7 @@ from actors.engine_calls import EngineCalls
 from actors.rank_group import RayRankGroup
 from actors.ray_metrics import CoordinatorMetrics, node_ip
 from actors.storage_group import StorageGroup
+from actors.submit_calls import SubmitCalls
 from fabric.cache.results import PinResult
 from fabric.config import FabricConfig, StorageConfig
 from fabric.coordinator.core import CoordinatorCore
@@ -50,7 +51,7 @@ def _seconds(value: Any) -> float:
     return float(value)
 
 
-class CoordinatorActor(EngineCalls):
+class CoordinatorActor(EngineCalls, SubmitCalls):
     def __init__(self, config: dict, rank_names: list[str], storage_names: list[str] | str) -> None:
         """``storage_names``: the storage actors' (one name: one actor)."""
         self.config = FabricConfig.from_dict(config)
@@ -334,6 +335,7 @@ class CoordinatorActor(EngineCalls):
         if self._task is not None:
             self._task.cancel()
         await self.ranks.stop()
+        self._close_calls()
         if self.publisher is not None:
             self.publisher.close()
 

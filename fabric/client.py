@@ -6,8 +6,9 @@
     fabric.release(result.lease)
     fabric.shutdown()
 
-While Ray restarts the coordinator, calls raise ``ray.exceptions.ActorUnavailableError``;
-the restarted coordinator takes back the L2 pages every rank still holds, old
+While Ray restarts the coordinator, calls raise ``ray.exceptions.ActorUnavailableError``
+(a submit waiting on the coordinator's socket when it ended, ``CallLost``); the
+restarted coordinator takes back the L2 pages every rank still holds, old
 leases are gone, so a driver simply submits again.
 """
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fabric.cache.keys import pack_tokens
+from fabric.call_sockets import CallLink, CallLost, SubmitCall, encode_call, open_link
 from fabric.config import FabricConfig, RuntimeConfig
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.driver import cluster
@@ -54,6 +57,13 @@ class Fabric:
         self._deployment = deployment
         self._owns_ray = owns_ray
         self._recorded = ""
+        # Submits over the coordinator's socket (fabric.call_sockets): a link once
+        # made; False: Ray calls for good (configured, Ray Client, unreachable).
+        rt = config.runtime
+        self._calls: CallLink | bool | None = (
+            None if rt.submit_transport == "zmq" and not _through_ray_client() else False
+        )
+        self._calls_lock = threading.Lock()
 
     @property
     def cluster_address(self) -> str:
@@ -90,6 +100,13 @@ class Fabric:
         then). Past ``timeout`` the request is aborted and ``TimeoutError`` raised;
         nothing stays held."""
         request_id = request_id or uuid.uuid4().hex  # to abort it by, if it times out
+        link = self._link()
+        if link is not None:
+            call = SubmitCall(
+                [self._pack(tokens)], namespace, priority, [request_id], _job_id(), session,
+                self._leases(release),
+            )  # fmt: skip
+            return self._submit_over(link, call, timeout)[0]
         ref = self.submit_async(tokens, namespace, priority, request_id, session, release)
         try:
             return self.result(ref, timeout=timeout)
@@ -146,6 +163,13 @@ class Fabric:
         input (``InvalidInput``). Past ``timeout`` every one of them is aborted and
         ``TimeoutError`` raised; nothing stays held."""
         ids = [uuid.uuid4().hex for _ in prompts]
+        link = self._link()
+        if link is not None:
+            call = SubmitCall(
+                [self._pack(p) for p in prompts], namespace, priority, list(ids), _job_id(),
+                session, self._leases(release),
+            )  # fmt: skip
+            return self._submit_over(link, call, timeout)
         ref = self.coordinator.submit_many.remote(
             [self._pack(p) for p in prompts],
             namespace,
@@ -162,6 +186,54 @@ class Fabric:
             raise TimeoutError(
                 f"{len(ids)} requests did not finish within {timeout} s; they were aborted"
             ) from None
+
+    def _link(self) -> CallLink | None:
+        """The link to the coordinator's call socket, made on first use; ``None``:
+        this call goes over Ray (``runtime.submit_transport=ray``, Ray Client, a
+        socket that does not answer from here, or a coordinator restarting)."""
+        with self._calls_lock:
+            if isinstance(self._calls, CallLink) and not self._calls.check():
+                self._calls.close()
+                self._calls = None  # the coordinator restarted: ask it again
+            if self._calls is None:
+                made = open_link(
+                    lambda: self.result(self.coordinator.call_endpoint.remote(), timeout=30),
+                    self.config.runtime.max_message_bytes,
+                    self._release_late,
+                )
+                if made is not True:
+                    self._calls = made
+            return self._calls if isinstance(self._calls, CallLink) else None
+
+    def _submit_over(
+        self, link: CallLink, call: SubmitCall, timeout: float | None
+    ) -> list[RequestResult]:
+        """``call`` over the socket; past ``timeout`` its requests are aborted and
+        the leases of any that finished meanwhile released."""
+        seq = link.send(encode_call(call))
+        try:
+            results = link.receive(seq, timeout)
+        except TimeoutError:
+            for rid in call.request_ids:
+                with contextlib.suppress(Exception):
+                    self.abort(rid)  # type: ignore[arg-type]
+            with contextlib.suppress(Exception):
+                self._release_late(link.receive(seq, _ABANDON_WAIT_S) or [])
+            raise TimeoutError(
+                f"{len(call.prompts)} request(s) did not finish within {timeout} s; "
+                "they were aborted"
+            ) from None
+        except CallLost as exc:
+            raise CallLost(f"{exc}: the coordinator is restarting; submit again") from None
+        assert results is not None
+        return results
+
+    def _release_late(self, results: Sequence[RequestResult]) -> None:
+        """Let go the leases of results no caller waits for any more."""
+        for late in results:
+            if late.lease is not None:
+                with contextlib.suppress(Exception):
+                    self.release(late.lease)
 
     @staticmethod
     def _leases(release: Lease | Sequence[Lease] | None) -> list[Lease]:
@@ -344,6 +416,10 @@ class Fabric:
         """Stop the actors this handle launched (and Ray, if it started it)."""
         import ray
 
+        with self._calls_lock:
+            if isinstance(self._calls, CallLink):
+                self._calls.close()
+            self._calls = False
         if self._deployment is not None:
             with contextlib.suppress(Exception):
                 ray.get(self.coordinator.stop.remote(), timeout=10)

@@ -397,6 +397,10 @@ class RuntimeConfig(_Section):
     # call per rank (7x the coordinator's CPU per round: bench/ray_call_floor.py).
     # Compiled rounds, when on, take precedence over both.
     round_transport: Literal["zmq", "ray"] = Field("zmq", description="zmq or ray")
+    # How a driver's submit and submit_many reach the coordinator: "zmq", a socket
+    # the coordinator binds (its address and a secret asked by a Ray call; a driver
+    # that cannot reach it goes on over Ray), or "ray", an actor call each.
+    submit_transport: Literal["zmq", "ray"] = Field("zmq", description="zmq or ray")
     rank_absent_timeout_s: PositiveFloat = 60.0
     # Stragglers (fabric.coordinator.stragglers): a rank slow in a round replies
     # later than the others' median by more than straggler_lag_s and more than

@@ -81,6 +81,8 @@ KEY_HELP = {
     "runtime.collective_timeout_s": "how long a sharded model's rank waits in one collective "
     "before its compute fails and the epoch resets (at most half of rank_timeout_s)",
     "runtime.compiled_rounds": "consensus rounds on a Ray Compiled Graph",
+    "runtime.submit_transport": "how drivers' submits reach the coordinator: zmq, a socket "
+    "(its address and secret asked by Ray; Ray calls where it cannot be reached), or ray",
     "runtime.round_transport": "how rounds reach the ranks: zmq, a socket per rank "
     "(its address and secret asked of the rank by Ray), or ray, one actor call per rank",
     "runtime.rank_absent_timeout_s": "requests fail, naming the rank, once a rank is absent "

@@ -1,0 +1,63 @@
+"""The coordinator's socket for drivers' submits (``runtime.submit_transport``,
+``fabric.call_sockets``): made on the first driver's asking, served in the actor's
+event loop, answered by the actor's own ``submit_many``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+
+from fabric.call_sockets import CallServer, SubmitCall
+from fabric.config import FabricConfig
+from fabric.coordinator.requests import Lease, RequestResult
+from fabric.errors import FabricError
+
+
+class SubmitCalls:
+    """Mixed into ``CoordinatorActor``: ``config`` is its configuration and
+    ``submit_many`` its call."""
+
+    config: FabricConfig
+    _call_server: CallServer | None = None
+
+    async def submit_many(
+        self,
+        prompts: Sequence[bytes],
+        namespace: str = "default",
+        priority: int = 0,
+        request_ids: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        session: str | None = None,
+        release: Sequence[Lease] = (),
+    ) -> list[RequestResult]:
+        raise NotImplementedError
+
+    async def call_endpoint(self) -> tuple[str, bytes]:
+        """Where drivers send their submits, and the secret each must carry
+        (``runtime.submit_transport = "zmq"``)."""
+        if self.config.runtime.submit_transport != "zmq":
+            raise FabricError(
+                "this fabric takes submits as Ray calls (runtime.submit_transport=ray)"
+            )
+        if self._call_server is None:
+            host = ray.util.get_node_ip_address()
+            max_bytes = self.config.runtime.max_message_bytes
+            self._call_server = CallServer(self._submit_call, host, max_bytes)
+        return self._call_server.endpoint, self._call_server.secret
+
+    async def _submit_call(self, call: SubmitCall) -> list[RequestResult]:
+        return await self.submit_many(
+            call.prompts,
+            call.namespace,
+            call.priority,
+            call.request_ids,
+            call.owner,
+            call.session,
+            call.release,
+        )
+
+    def _close_calls(self) -> None:
+        if self._call_server is not None:
+            self._call_server.close()
+            self._call_server = None

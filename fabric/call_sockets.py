@@ -1,0 +1,276 @@
+"""Drivers' submits over a socket (``runtime.submit_transport = "zmq"``): a call of
+``submit`` or ``submit_many`` reaches the coordinator over ZeroMQ instead of as a
+Ray actor call, which costs the coordinator about a millisecond of CPU in Ray's
+own threads whatever the call carries (``bench/fabric_load.py`` shows it by
+thread); at engine-step batches that was a third of its CPU per request.
+
+**The coordinator's end** (``CallServer``) binds a ROUTER socket on its node's
+address and serves it in its event loop: each message is one call, encoded with
+msgspec (``SubmitCall``), answered with the call's results, or with the type
+and text of the error it raised. A driver learns the address and a secret by a
+Ray call (``CoordinatorActor.call_endpoint``); a message without the secret is
+dropped unanswered.
+
+**The driver's end** (``CallLink``) holds a DEALER socket per thread (a socket is
+not thread safe). Before its first call it pings the coordinator; a driver that
+cannot reach the address (Ray Client from outside the cluster's network, a
+firewall) is told so and the ``Fabric`` handle goes on over Ray calls. A
+coordinator whose process ends closes the connection: the call raises
+``CallLost`` at once (as a Ray call to a dead actor fails), and the handle asks
+the restarted coordinator for its new address on the next call.
+
+Frames, driver to coordinator: the secret, a sequence number (8 bytes), the call
+(empty: a ping). Back: the sequence number, then ``OK`` and the results, or
+``FAILED`` and ``(type name, message)``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from fabric.coordinator.requests import Lease, RequestResult
+
+log = logging.getLogger(__name__)
+
+OK, FAILED = b"\x00", b"\x01"
+SECRET_BYTES = 16
+SEQ_BYTES = 8
+
+
+class SubmitCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One ``submit_many`` call, as the actor method takes it."""
+
+    prompts: list[bytes]
+    namespace: str
+    priority: int
+    request_ids: list[str | None]
+    owner: str | None
+    session: str | None
+    release: list[Lease]
+
+
+_CALL = msgspec.msgpack.Decoder(SubmitCall)
+_RESULTS = msgspec.msgpack.Decoder(list[RequestResult])
+_ERROR = msgspec.msgpack.Decoder(tuple[str, str])
+_ENCODE = msgspec.msgpack.Encoder()
+
+
+def encode_call(call: SubmitCall) -> bytes:
+    return _ENCODE.encode(call)
+
+
+class CallLost(ConnectionError):
+    """The coordinator's end of the socket closed during a call (its process ended):
+    whether the call was served is unknown; a driver submits again."""
+
+
+class CallServer:
+    def __init__(
+        self,
+        submit: Callable[[SubmitCall], Awaitable[list[RequestResult]]],
+        host: str,
+        max_bytes: int,
+    ) -> None:
+        """Bind on ``host`` and serve calls with ``submit`` until ``close``; call
+        from inside the running event loop."""
+        self.submit = submit
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.served = 0
+        self.dropped = 0
+        self._calls: set[asyncio.Future] = set()
+        self._task = asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if (
+                len(frames) != 4
+                or len(frames[2]) != SEQ_BYTES
+                or not hmac.compare_digest(frames[1], self.secret)
+            ):
+                self.dropped += 1
+                continue
+            if not frames[3]:  # a ping
+                await self._sock.send_multipart([frames[0], frames[2], OK, b""])
+                continue
+            call = asyncio.ensure_future(self._answer(frames[0], frames[2], frames[3]))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _answer(self, peer: bytes, seq: bytes, payload: bytes) -> None:
+        try:
+            results = await self.submit(_CALL.decode(payload))
+            reply = [peer, seq, OK, _ENCODE.encode(results)]
+        except msgspec.ValidationError as exc:
+            reply = [peer, seq, FAILED, _ENCODE.encode(("InvalidInput", f"a bad call: {exc}"))]
+        except Exception as exc:
+            reply = [peer, seq, FAILED, _ENCODE.encode((type(exc).__name__, str(exc)))]
+        self.served += 1
+        await self._sock.send_multipart(reply)
+
+    def close(self) -> None:
+        self._task.cancel()
+        for call in list(self._calls):
+            call.cancel()
+        self._sock.close(linger=0)
+        self._ctx.destroy(linger=0)
+
+
+class _ThreadSocket:
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SEQ_BYTES + 64)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class CallLink:
+    def __init__(
+        self,
+        endpoint: str,
+        secret: bytes,
+        max_bytes: int,
+        stale: Callable[[list[RequestResult]], None] | None = None,
+    ) -> None:
+        """``stale`` takes the results of a call this link stopped waiting for that
+        came later (to release their leases)."""
+        self.endpoint, self.secret, self.max_bytes = endpoint, secret, max_bytes
+        self.stale = stale
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[_ThreadSocket] = []
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self.lost = False
+
+    def _socket(self) -> _ThreadSocket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = _ThreadSocket(self._ctx, self.endpoint, self.max_bytes)
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def send(self, payload: bytes) -> int:
+        """Send one call (``b""``: a ping); returns its sequence number."""
+        with self._lock:
+            seq = next(self._seq)
+        self._socket().sock.send_multipart(
+            [self.secret, seq.to_bytes(SEQ_BYTES, "little"), payload], copy=len(payload) < 65536
+        )
+        return seq
+
+    def receive(self, seq: int, timeout: float | None) -> list[RequestResult] | None:
+        """The results of call ``seq`` (``None`` for a ping's reply). Raises
+        ``TimeoutError`` past ``timeout``, ``CallLost`` when the coordinator's end
+        closed, and the call's own error (``fabric.errors`` types by name, others
+        as ``FabricError``)."""
+        sock = self._socket()
+        want = seq.to_bytes(SEQ_BYTES, "little")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            events = dict(sock.poller.poll(None if left is None else int(left * 1000)))
+            if not events:
+                raise TimeoutError(f"no reply from the coordinator within {timeout} s")
+            if sock.monitor in events:
+                self.lost = True
+                raise CallLost(f"the coordinator's call socket at {self.endpoint} closed")
+            frames = sock.sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            if frames[0] != want:  # a call this thread stopped waiting for
+                if frames[1] == OK and frames[2] and self.stale is not None:
+                    self.stale(_RESULTS.decode(frames[2]))
+                continue
+            if frames[1] == OK:
+                return _RESULTS.decode(frames[2]) if frames[2] else None
+            raise _error(*_ERROR.decode(frames[2]))
+
+    def check(self) -> bool:
+        """Whether the link still stands, as far as this thread's socket has heard
+        (a coordinator that ended since this thread's last call closed it)."""
+        sock = getattr(self._local, "sock", None)
+        if sock is not None and sock.monitor.poll(0):
+            self.lost = True
+        return not self.lost
+
+    def ping(self, timeout: float) -> bool:
+        """Whether the coordinator answers within ``timeout``."""
+        try:
+            self.receive(self.send(b""), timeout)
+            return True
+        except (TimeoutError, CallLost):
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+        self._ctx.destroy(linger=0)
+
+
+def open_link(
+    ask: Callable[[], tuple[str, bytes]],
+    max_bytes: int,
+    stale: Callable[[list[RequestResult]], None],
+    ping_s: float = 5.0,
+) -> CallLink | bool:
+    """A link to the coordinator's call socket (``ask`` names its address and
+    secret); ``False`` when it does not answer from here within ``ping_s`` (calls
+    go over Ray from now on), ``True`` when the coordinator could not be asked now
+    (over Ray this time; asked again next time)."""
+    try:
+        endpoint, secret = ask()
+    except Exception as exc:  # restarting, say
+        log.debug("the coordinator named no call socket now: %s", exc)
+        return True
+    link = CallLink(endpoint, secret, max_bytes, stale)
+    if link.ping(ping_s):
+        return link
+    link.close()
+    log.warning(
+        "submits go as Ray calls: the coordinator's call socket at %s does not answer "
+        "from here within %s s",
+        endpoint,
+        ping_s,
+    )
+    return False
+
+
+def _error(kind: str, message: str) -> Exception:
+    """The exception a call raised in the coordinator, as the driver raises it."""
+    from fabric import errors
+
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.FabricError):
+        return cls(message)
+    return errors.FabricError(f"{kind}: {message}")

@@ -1,0 +1,180 @@
+"""Drivers' submits over a socket (``fabric.call_sockets``) without Ray: a
+``CallServer`` on an event loop of its own thread, standing for the coordinator,
+with a ``submit`` the test controls."""
+
+import asyncio
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from fabric.call_sockets import CallLink, CallLost, CallServer, SubmitCall, encode_call, open_link
+from fabric.coordinator.requests import Lease, RequestResult
+from fabric.errors import FabricError, InvalidInput
+
+MAX = 1 << 20
+LEASE = Lease("r0", "t" * 32, 3, "default", 8, (4, 5), 300.0, ((1, 2),), ())
+
+
+class Coordinator:
+    """A CallServer on its own loop; ``submit`` answers calls."""
+
+    def __init__(self, submit):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.calls = []
+
+        async def make():
+            async def recorded(call):
+                self.calls.append(call)
+                return await submit(call)
+
+            return CallServer(recorded, "127.0.0.1", MAX)
+
+        self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(10)
+
+    def link(self, stale=None):
+        return CallLink(self.server.endpoint, self.server.secret, MAX, stale)
+
+    def close(self, server_only=False):
+        self.loop.call_soon_threadsafe(self.server.close)
+        if not server_only:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def call(*prompts, release=()):
+    ids = [f"r{i}" for i in range(len(prompts))]
+    return SubmitCall(list(prompts), "default", 0, ids, "job-1", None, list(release))
+
+
+async def served(call):
+    return [
+        RequestResult(rid, len(p) // 4, computed_tokens=len(p) // 4, lease=LEASE)
+        for rid, p in zip(call.request_ids, call.prompts, strict=True)
+    ]
+
+
+def test_a_call_brings_its_results_and_the_leases_it_let_go_arrive_whole():
+    c = Coordinator(served)
+    link = c.link()
+    try:
+        assert link.ping(10)
+        results = link.receive(
+            link.send(encode_call(call(b"\0" * 8, b"\0" * 16, release=[LEASE]))), 30
+        )
+    finally:
+        link.close()
+        c.close()
+    assert [(r.request_id, r.prompt_tokens, r.lease) for r in results] == [
+        ("r0", 2, LEASE),
+        ("r1", 4, LEASE),
+    ]
+    assert c.calls[0].release == [LEASE] and c.calls[0].owner == "job-1"
+
+
+def test_the_coordinators_errors_are_raised_by_their_own_type():
+    async def refuse(call):
+        if call.namespace == "default":
+            raise InvalidInput("namespace 'default' is refused")
+        raise KeyError("boom")
+
+    c = Coordinator(refuse)
+    link = c.link()
+    try:
+        with pytest.raises(InvalidInput, match="'default' is refused"):
+            link.receive(link.send(encode_call(call(b"\0" * 4))), 30)
+        other = SubmitCall([b"\0" * 4], "ns", 0, ["x"], None, None, [])
+        with pytest.raises(FabricError, match="KeyError: 'boom'"):
+            link.receive(link.send(encode_call(other)), 30)
+        # A call that does not decode is refused as bad input, naming the field.
+        with pytest.raises(InvalidInput, match=r"a bad call: .*\$\[2\]"):
+            bad = msgspec.msgpack.encode([[], "default", "high", [], None, None, []])
+            link.receive(link.send(bad), 30)
+    finally:
+        link.close()
+        c.close()
+
+
+def test_a_message_without_the_secret_is_dropped_unanswered():
+    c = Coordinator(served)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(c.server.endpoint)
+    try:
+        raw.send_multipart([b"\0" * len(c.server.secret), b"\0" * 8, encode_call(call(b"\0" * 4))])
+        raw.send_multipart([c.server.secret, b"short", b""])
+        assert raw.poll(500) == 0
+        assert c.calls == [] and c.server.dropped == 2
+    finally:
+        raw.close()
+        ctx.term()
+        c.close()
+
+
+def test_a_late_reply_goes_to_the_stale_handler_not_to_the_next_call():
+    release = threading.Event()
+
+    async def slow_first(call):
+        if call.request_ids == ["slow"]:
+            await asyncio.to_thread(release.wait, 30)
+        return await served(call)
+
+    late = []
+    c = Coordinator(slow_first)
+    link = c.link(stale=late.extend)
+    try:
+        first = SubmitCall([b"\0" * 4], "default", 0, ["slow"], None, None, [])
+        with pytest.raises(TimeoutError):
+            link.receive(link.send(encode_call(first)), 0.2)
+        release.set()
+        results = link.receive(link.send(encode_call(call(b"\0" * 8))), 30)
+    finally:
+        release.set()
+        link.close()
+        c.close()
+    assert [r.request_id for r in results] == ["r0"]
+    assert [r.request_id for r in late] == ["slow"]
+
+
+def test_a_closed_coordinator_ends_a_waiting_call_at_once_not_at_its_timeout():
+    """The call's timeout is an hour: it ends because the connection closed."""
+    entered = threading.Event()
+
+    async def hang(call):
+        entered.set()
+        await asyncio.sleep(3600)
+
+    c = Coordinator(hang)
+    link = c.link()
+    try:
+        seq = link.send(encode_call(call(b"\0" * 4)))
+        assert entered.wait(30)
+        c.close(server_only=True)  # as the coordinator's process ending closes it
+        with pytest.raises(CallLost, match="closed"):
+            link.receive(seq, 3600)
+        assert link.lost
+    finally:
+        link.close()
+        c.close()
+
+
+def test_an_address_that_does_not_answer_means_ray_calls_and_an_unasked_one_a_retry():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # binds, never answers
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        made = open_link(lambda: (f"tcp://127.0.0.1:{port}", b"s" * 16), MAX, print, ping_s=0.3)
+        assert made is False
+
+        def restarting():
+            raise ConnectionError("the coordinator is restarting")
+
+        assert open_link(restarting, MAX, print) is True
+    finally:
+        silent.close()
+        ctx.term()
