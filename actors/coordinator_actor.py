@@ -32,6 +32,7 @@ from fabric.coordinator.driver import CoordinatorDriver, Step
 from fabric.coordinator.figures import figures, one_line, status_view
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
+from fabric.coordinator.waiters import Waiters
 from fabric.errors import InvalidInput
 from fabric.l3 import parse_options
 from fabric.l3.service import backend_spec
@@ -60,7 +61,7 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
         if isinstance(storage_names, str):
             storage_names = [storage_names]
         self.storage = StorageGroup.named(self.config, storage_names)
-        self.futures: dict[str, asyncio.Future] = {}
+        self.waiters = Waiters()
         self._task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -156,19 +157,16 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
             )
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
-        futures = [asyncio.get_running_loop().create_future() for _ in rids]
-        self.futures.update(zip(rids, futures, strict=True))
+        results = self.waiters.wait(rids)
         self._wake()
-        return list(await asyncio.gather(*futures))
+        return await results
 
     async def append(self, lease: Lease, tokens: bytes, owner: str | None = None) -> RequestResult:
         """Decode: the KV of ``tokens`` generated after a leased request; the result
         carries a new lease on all its tokens (the given one is consumed)."""
-        rid = self.core.append(lease, tokens, owner)
-        future = asyncio.get_running_loop().create_future()
-        self.futures[rid] = future
+        result = self.waiters.wait([self.core.append(lease, tokens, owner)])
         self._wake()
-        return await future
+        return (await result)[0]
 
     async def end_session(self, session: str) -> bool:
         ended = self.core.end_session(session)
@@ -362,10 +360,7 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
     def _start_afresh(self, error: str) -> None:
         """Last resort: fail everything pending and drop the core; the next call
         starts a new one (a new epoch: ranks reset, L3 stays)."""
-        for rid, future in list(self.futures.items()):
-            if not future.done():
-                future.set_result(RequestResult(rid, 0, error=error))
-        self.futures.clear()
+        self.waiters.fail_all(error)
         self.driver = self._driver()
         self._task = None
 
@@ -445,6 +440,4 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
         for result in results:
             if metrics is not None and result.error is None:
                 metrics.request_seconds.observe(result.latency_s)
-            future = self.futures.pop(result.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(result)
+            self.waiters.deliver(result)

@@ -66,8 +66,27 @@ _ERROR = msgspec.msgpack.Decoder(tuple[str, str])
 _ENCODE = msgspec.msgpack.Encoder()
 
 
-def encode_call(call: SubmitCall) -> bytes:
-    return _ENCODE.encode(call)
+def encode_call(call: SubmitCall) -> bytes | None:
+    """The call's bytes; ``None`` when an argument is not of its type (or does not
+    encode: a str that is not UTF-8, an int past 64 bits): such a call goes as a
+    Ray call, and the coordinator's own checks name what is wrong with it."""
+    text = (str, type(None))
+    typed = (
+        isinstance(call.prompts, list)
+        and all(type(p) is bytes for p in call.prompts)
+        and type(call.namespace) is str
+        and type(call.priority) is int
+        and all(isinstance(r, text) for r in call.request_ids)
+        and isinstance(call.owner, text)
+        and isinstance(call.session, text)
+        and all(type(lease) is Lease for lease in call.release)
+    )
+    if not typed:
+        return None
+    try:
+        return _ENCODE.encode(call)
+    except (UnicodeEncodeError, OverflowError, TypeError, ValueError):
+        return None
 
 
 class CallLost(ConnectionError):

@@ -100,13 +100,13 @@ class Fabric:
         then). Past ``timeout`` the request is aborted and ``TimeoutError`` raised;
         nothing stays held."""
         request_id = request_id or uuid.uuid4().hex  # to abort it by, if it times out
-        link = self._link()
-        if link is not None:
-            call = SubmitCall(
-                [self._pack(tokens)], namespace, priority, [request_id], _job_id(), session,
-                self._leases(release),
-            )  # fmt: skip
-            return self._submit_over(link, call, timeout)[0]
+        call = SubmitCall(
+            [self._pack(tokens)], namespace, priority, [request_id], _job_id(), session,
+            self._leases(release),
+        )  # fmt: skip
+        over = self._over_socket(call)
+        if over is not None:
+            return self._submit_over(*over, timeout)[0]
         ref = self.submit_async(tokens, namespace, priority, request_id, session, release)
         try:
             return self.result(ref, timeout=timeout)
@@ -163,13 +163,13 @@ class Fabric:
         input (``InvalidInput``). Past ``timeout`` every one of them is aborted and
         ``TimeoutError`` raised; nothing stays held."""
         ids = [uuid.uuid4().hex for _ in prompts]
-        link = self._link()
-        if link is not None:
-            call = SubmitCall(
-                [self._pack(p) for p in prompts], namespace, priority, list(ids), _job_id(),
-                session, self._leases(release),
-            )  # fmt: skip
-            return self._submit_over(link, call, timeout)
+        call = SubmitCall(
+            [self._pack(p) for p in prompts], namespace, priority, list(ids), _job_id(),
+            session, self._leases(release),
+        )  # fmt: skip
+        over = self._over_socket(call)
+        if over is not None:
+            return self._submit_over(*over, timeout)
         ref = self.coordinator.submit_many.remote(
             [self._pack(p) for p in prompts],
             namespace,
@@ -205,12 +205,20 @@ class Fabric:
                     self._calls = made
             return self._calls if isinstance(self._calls, CallLink) else None
 
+    def _over_socket(self, call: SubmitCall) -> tuple[CallLink, SubmitCall, bytes] | None:
+        """The link and the call's bytes when ``call`` goes over the socket."""
+        link = self._link()
+        if link is None:
+            return None
+        data = encode_call(call)
+        return None if data is None else (link, call, data)
+
     def _submit_over(
-        self, link: CallLink, call: SubmitCall, timeout: float | None
+        self, link: CallLink, call: SubmitCall, data: bytes, timeout: float | None
     ) -> list[RequestResult]:
-        """``call`` over the socket; past ``timeout`` its requests are aborted and
-        the leases of any that finished meanwhile released."""
-        seq = link.send(encode_call(call))
+        """``call`` (``data``, encoded) over the socket; past ``timeout`` its requests
+        are aborted and the leases of any that finished meanwhile released."""
+        seq = link.send(data)
         try:
             results = link.receive(seq, timeout)
         except TimeoutError:

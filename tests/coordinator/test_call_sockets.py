@@ -178,3 +178,25 @@ def test_an_address_that_does_not_answer_means_ray_calls_and_an_unasked_one_a_re
     finally:
         silent.close()
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("namespace", "tenant-\udcff"),  # not UTF-8
+        ("namespace", 7),
+        ("priority", True),  # a bool is not an int
+        ("priority", 1 << 70),  # past 64 bits
+        ("prompts", [bytearray(b"\0" * 4)]),
+        ("request_ids", [3]),
+        ("session", b"s"),
+        ("release", [("r0", "t")]),
+    ],
+)
+def test_a_call_with_an_argument_not_of_its_type_is_left_to_ray_calls(field, value):
+    """``None``: the call goes as a Ray call, and the coordinator's own checks name
+    the bad value (as they did before the socket)."""
+    args = {f: getattr(call(b"\0" * 4), f) for f in SubmitCall.__struct_fields__}
+    args[field] = value
+    assert encode_call(SubmitCall(**args)) is None
+    assert encode_call(call(b"\0" * 4, release=[LEASE])) is not None
