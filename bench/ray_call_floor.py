@@ -5,8 +5,10 @@ A no-op method on a sync, a threaded (``max_concurrency=4``) and an async actor,
 called one at a time and pipelined (all calls in flight at once); the actor
 process's CPU per call (utime + stime from ``/proc``) and the wall time. Then
 the floor under a consensus round (``RayRankGroup.round``): an async actor
-sends a 2 KB batch to 1 and to 2 actors that echo 64 bytes and awaits the
-replies, as the coordinator does each round; that actor's CPU per round.
+sends a 2 KB batch to 1, 2 and 4 actors that echo 64 bytes and awaits the
+replies, as the coordinator does each round; that actor's CPU per round, over
+Ray calls and over the ranks' sockets (``fabric.round_sockets``, the project's
+own code on both ends: ``runtime.round_transport``).
 
     python3 bench/ray_call_floor.py [--calls 1000]
 """
@@ -46,8 +48,16 @@ class Async:
 
 
 class Echo:
+    def __init__(self) -> None:
+        from fabric.round_sockets import RoundServer
+
+        self.server = RoundServer(lambda batch: batch[:64], "127.0.0.1", 1 << 20)
+
     async def step(self, batch: bytes) -> bytes:
         return batch[:64]
+
+    async def endpoint(self) -> tuple[str, bytes]:
+        return self.server.endpoint, self.server.secret
 
 
 class Rounds:
@@ -65,19 +75,39 @@ class Rounds:
             await asyncio.gather(*(r.step.remote(batch) for r in self.ranks[:width]))
         return n
 
+    async def socket_rounds(self, n: int, width: int) -> int:
+        from fabric.round_sockets import RoundSockets
+
+        sockets = RoundSockets(width, 1 << 20)
+        for i, rank in enumerate(self.ranks[:width]):
+            sockets.connect(i, *await rank.endpoint.remote())
+        batch = b"x" * 2048
+        try:
+            for _ in range(n):
+                replies, _ = await sockets.round(batch, 30.0)
+                assert all(isinstance(r, bytes) for r in replies), replies
+        finally:
+            sockets.close()
+        return n
+
+
+WIDTHS = (1, 2, 4)
+
 
 def round_floor(calls: int) -> dict[str, float]:
-    """The fanning actor's CPU per round to 1 and to 2 echoing actors."""
+    """The fanning actor's CPU per round to 1, 2 and 4 echoing actors, over Ray
+    calls and over sockets."""
     echo = ray.remote(num_cpus=0, max_concurrency=1000)(Echo)
     fan = ray.remote(num_cpus=0, max_concurrency=1000)(Rounds)
-    actor = fan.remote([echo.remote() for _ in range(2)])
+    actor = fan.remote([echo.remote() for _ in range(max(WIDTHS))])
     pid = ray.get(actor.pid.remote())
     out = {}
-    for width in (1, 2):
-        ray.get(actor.rounds.remote(100, width))  # warm
-        c0 = cpu_s(pid)
-        ray.get(actor.rounds.remote(calls, width))
-        out[f"round_to_{width}_cpu_ms"] = round(1e3 * (cpu_s(pid) - c0) / calls, 3)
+    for kind, method in (("round", actor.rounds), ("socket_round", actor.socket_rounds)):
+        for width in WIDTHS:
+            ray.get(method.remote(100, width))  # warm
+            c0 = cpu_s(pid)
+            ray.get(method.remote(calls, width))
+            out[f"{kind}_to_{width}_cpu_ms"] = round(1e3 * (cpu_s(pid) - c0) / calls, 3)
     return out
 
 
@@ -120,11 +150,9 @@ def main() -> None:
             f"{r['pipelined_actor_cpu_ms']} ms pipelined",
             file=sys.stderr,
         )
-    print(
-        f"    round: {rounds['round_to_1_cpu_ms']} ms of the sender's CPU to 1 actor, "
-        f"{rounds['round_to_2_cpu_ms']} ms to 2",
-        file=sys.stderr,
-    )
+    for kind, label in (("round", "Ray calls"), ("socket_round", "sockets")):
+        per = ", ".join(f"{rounds[f'{kind}_to_{w}_cpu_ms']} to {w}" for w in WIDTHS)
+        print(f"    round over {label}: ms of the sender's CPU {per}", file=sys.stderr)
     print(json.dumps({**result, "round": rounds}))
 
 
