@@ -22,7 +22,7 @@ from fabric.rank.mesh import poll
 from fabric.rank.node_l2 import fabric_identity, remove_regions
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
-from fabric.round_sockets import RoundServer
+from fabric.round_sockets import RoundServer, ray_tls
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class RankActor:
         for thread in self._threads:
             thread.start()
         self.rounds: RoundServer | None = None
-        if runtime.round_transport == "zmq":  # fabric.round_sockets
+        if runtime.round_transport == "zmq" and not ray_tls():  # fabric.round_sockets
             host = ray.util.get_node_ip_address()
             self.rounds = RoundServer(self.step, host, self.max_bytes)
 

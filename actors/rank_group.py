@@ -22,7 +22,7 @@ from fabric.config import FabricConfig
 from fabric.coordinator.driver import Replies
 from fabric.coordinator.requests import Lease
 from fabric.messages import Report, decode
-from fabric.round_sockets import RoundSockets
+from fabric.round_sockets import RoundSockets, ray_tls
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class RayRankGroup:
         self.dead: set[int] = set()
         self.compiled = CompiledRounds() if config.runtime.compiled_rounds else None
         self.sockets: RoundSockets | None = None
-        if config.runtime.round_transport == "zmq":
+        if config.runtime.round_transport == "zmq" and not ray_tls():
             self.sockets = RoundSockets(len(names), config.runtime.max_message_bytes)
 
     async def reports(self) -> list[Report]:

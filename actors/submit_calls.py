@@ -12,6 +12,7 @@ from fabric.call_sockets import CallServer, SubmitCall
 from fabric.config import FabricConfig
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.errors import FabricError
+from fabric.round_sockets import ray_tls
 
 
 class SubmitCalls:
@@ -36,9 +37,10 @@ class SubmitCalls:
     async def call_endpoint(self) -> tuple[str, bytes]:
         """Where drivers send their submits, and the secret each must carry
         (``runtime.submit_transport = "zmq"``)."""
-        if self.config.runtime.submit_transport != "zmq":
+        if self.config.runtime.submit_transport != "zmq" or ray_tls():
             raise FabricError(
-                "this fabric takes submits as Ray calls (runtime.submit_transport=ray)"
+                "this fabric takes submits as Ray calls (runtime.submit_transport=ray, or "
+                "Ray's traffic encrypted: RAY_USE_TLS)"
             )
         if self._call_server is None:
             host = ray.util.get_node_ip_address()

@@ -29,6 +29,7 @@ from fabric.config import FabricConfig, RuntimeConfig
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.driver import cluster
 from fabric.errors import FabricError
+from fabric.round_sockets import ray_tls
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ class Fabric:
         self._owns_ray = owns_ray
         self._recorded = ""
         # Submits over the coordinator's socket (fabric.call_sockets): a link once
-        # made; False: Ray calls for good (configured, Ray Client, unreachable).
+        # made; False: Ray calls for good (configured, Ray Client, Ray's traffic
+        # encrypted, unreachable).
         rt = config.runtime
         self._calls: CallLink | bool | None = (
-            None if rt.submit_transport == "zmq" and not _through_ray_client() else False
+            None
+            if rt.submit_transport == "zmq" and not (_through_ray_client() or ray_tls())
+            else False
         )
         self._calls_lock = threading.Lock()
 

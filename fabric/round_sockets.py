@@ -31,7 +31,8 @@ Frames, coordinator to rank: the secret, the round's sequence number (8 bytes),
 the batch. Rank to coordinator: the sequence number, then ``OK`` and the report,
 or ``FAILED`` and why the step raised (``"TypeName: message"``, as a failed Ray
 call reads). A message that breaks that shape, or exceeds the message bound, is
-dropped."""
+dropped. Under a Ray cluster whose own traffic is encrypted (``RAY_USE_TLS``)
+rounds go as Ray calls instead (``ray_tls``): these sockets are not encrypted."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -53,6 +55,13 @@ OK, FAILED = b"\x00", b"\x01"
 SECRET_BYTES = 16
 SEQ_BYTES = 8
 POLL_MS = 100  # how often the serving thread looks at its stop flag
+
+
+def ray_tls() -> bool:
+    """Whether Ray's own traffic is encrypted (``RAY_USE_TLS``, set for every process
+    of such a cluster): these sockets are not, so rounds and submits then go as
+    Ray calls whatever ``runtime.round_transport`` and ``submit_transport`` say."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
 
 
 class RoundServer:

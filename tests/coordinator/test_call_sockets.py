@@ -200,3 +200,26 @@ def test_a_call_with_an_argument_not_of_its_type_is_left_to_ray_calls(field, val
     args[field] = value
     assert encode_call(SubmitCall(**args)) is None
     assert encode_call(call(b"\0" * 4, release=[LEASE])) is not None
+
+
+class Unasked:
+    """A coordinator handle that must not be asked for its call socket."""
+
+    class call_endpoint:  # stands for an actor method
+        @staticmethod
+        def remote():
+            raise AssertionError("asked for the call socket")
+
+
+@pytest.mark.parametrize("how", ["config", "tls"])
+def test_a_handle_takes_ray_calls_when_configured_or_rays_traffic_is_encrypted(monkeypatch, how):
+    from fabric.client import Fabric
+    from fabric.config import FabricConfig
+
+    if how == "tls":
+        monkeypatch.setenv("RAY_USE_TLS", "1")
+        config = FabricConfig()
+    else:
+        monkeypatch.delenv("RAY_USE_TLS", raising=False)
+        config = FabricConfig().with_overrides(["runtime.submit_transport=ray"])
+    assert Fabric(Unasked(), config)._link() is None

@@ -178,3 +178,14 @@ def test_ranks_without_a_link_are_absent_with_the_callers_reason():
     finally:
         server.close()
     assert replies == ["rank 0 is restarting", b"x", "no round socket to this rank"]
+
+
+def test_under_rays_encrypted_traffic_rounds_and_submits_go_as_ray_calls(monkeypatch):
+    """The sockets are not encrypted: with RAY_USE_TLS on, Ray calls carry both."""
+    from fabric.round_sockets import ray_tls
+
+    for value, encrypted in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("RAY_USE_TLS", value)
+        assert ray_tls() is encrypted
+    monkeypatch.delenv("RAY_USE_TLS")
+    assert ray_tls() is False
