@@ -1,7 +1,10 @@
 """Consensus rounds on a Ray Compiled Graph (``runtime.compiled_rounds``): served
 pages verify, a rank killed mid-traffic drops the graph (the round goes again
 with plain calls) and a new one is compiled for the restarted rank, and a
-restarted coordinator serves. Two ranks only: each actor in a graph polls a core."""
+restarted coordinator serves. Two ranks only: each actor in a graph polls a core.
+Rounds that fall back, and the drivers' submits, go as Ray calls here
+(``runtime.round_transport=ray``, ``submit_transport=ray``): the tests that cover
+the Ray-call transports."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ def fabric():
             "runtime.name=compiled",
             f"runtime.ray_namespace={NS}",
             "runtime.compiled_rounds=true",
+            "runtime.round_transport=ray",
+            "runtime.submit_transport=ray",
             "runtime.rank_timeout_s=10",
             "topology.pp=1",
         ),
@@ -52,6 +57,11 @@ def test_requests_are_served_through_the_compiled_graph(fabric):
     assert c["active"] and c["compiles"] == 1 and c["failures"] == 0
     assert c["rounds"] > 0
     fabric.check_integrity()
+    # The Ray-call transports: no rank serves a round socket, no submit went by one.
+    for rank in fabric._deployment.ranks:
+        with pytest.raises(ray.exceptions.RayTaskError, match="serves no socket rounds"):
+            ray.get(rank.round_endpoint.remote(), timeout=30)
+    assert fabric._calls is False
 
 
 def _incarnation(rank):
