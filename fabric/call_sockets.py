@@ -2,7 +2,7 @@
 ``submit`` or ``submit_many`` reaches the coordinator over ZeroMQ instead of as a
 Ray actor call, which costs the coordinator about a millisecond of CPU in Ray's
 own threads whatever the call carries (``bench/fabric_load.py`` shows it by
-thread); at engine-step batches that was a third of its CPU per request.
+thread); at engine-step batches that was a fifth or more of its CPU per request.
 
 **The coordinator's end** (``CallServer``) binds a ROUTER socket on its node's
 address and serves it in its event loop: each message is one call, encoded with

@@ -69,6 +69,18 @@ class Fabric:
         )
         self._calls_lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A handle sent to another process (a Ray task, a Serve replica) links to
+        the coordinator's socket anew there: a socket and a lock do not travel."""
+        state = self.__dict__.copy()
+        state["_calls"] = None if state["_calls"] is not False else False
+        del state["_calls_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._calls_lock = threading.Lock()
+
     @property
     def cluster_address(self) -> str:
         """The GCS address (HOST:PORT) of the Ray cluster this fabric runs on."""

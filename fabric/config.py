@@ -394,7 +394,7 @@ class RuntimeConfig(_Section):
     # How a round's batch reaches the ranks and their reports come back: "zmq", a
     # socket per rank (each rank binds one on its node's address and hands the
     # coordinator its address and a secret by a Ray call), or "ray", one actor
-    # call per rank (7x the coordinator's CPU per round: bench/ray_call_floor.py).
+    # call per rank (4-6x the coordinator's CPU per round: bench/ray_call_floor.py).
     # Compiled rounds, when on, take precedence over both.
     round_transport: Literal["zmq", "ray"] = Field("zmq", description="zmq or ray")
     # How a driver's submit and submit_many reach the coordinator: "zmq", a socket

@@ -223,3 +223,21 @@ def test_a_handle_takes_ray_calls_when_configured_or_rays_traffic_is_encrypted(m
         monkeypatch.delenv("RAY_USE_TLS", raising=False)
         config = FabricConfig().with_overrides(["runtime.submit_transport=ray"])
     assert Fabric(Unasked(), config)._link() is None
+
+
+def test_a_handle_sent_to_another_process_links_anew_there():
+    import pickle
+
+    from fabric.client import Fabric
+    from fabric.config import FabricConfig
+
+    linked = Fabric(Unasked(), FabricConfig())
+    linked._calls = CallLink("tcp://127.0.0.1:9", b"s" * 16, MAX)
+    try:
+        copy = pickle.loads(pickle.dumps(linked))
+    finally:
+        linked._calls.close()
+    assert copy._calls is None  # asks the coordinator for its socket on first use
+    assert copy._calls_lock.acquire(blocking=False)
+    ray_calls = Fabric(Unasked(), FabricConfig().with_overrides(["runtime.submit_transport=ray"]))
+    assert pickle.loads(pickle.dumps(ray_calls))._calls is False
