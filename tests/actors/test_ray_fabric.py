@@ -350,6 +350,11 @@ def test_a_restarted_coordinator_adopts_what_the_ranks_hold_in_l2_and_serves_it(
     for r in results:
         assert fabric.verify(r, p) == [True] * 4
         fabric.release(r.lease)
+    # The handle's socket went with the old process: it links to the new one.
+    old_link = fabric._calls
+    r = fabric.submit(p, timeout=60)
+    assert r.error is None and fabric._calls is not old_link and fabric._calls.lost is False
+    fabric.release(r.lease)
     fabric.check_integrity()
 
 
