@@ -12,12 +12,13 @@ Ray call (``CoordinatorActor.call_endpoint``); a message without the secret is
 dropped unanswered.
 
 **The driver's end** (``CallLink``) holds a DEALER socket per thread (a socket is
-not thread safe). Before its first call it pings the coordinator; a driver that
-cannot reach the address (Ray Client from outside the cluster's network, a
-firewall) is told so and the ``Fabric`` handle goes on over Ray calls. A
-coordinator whose process ends closes the connection: the call raises
-``CallLost`` at once (as a Ray call to a dead actor fails), and the handle asks
-the restarted coordinator for its new address on the next call.
+not thread safe; those of threads that ended close when the next one is made).
+Before its first call it pings the coordinator; a driver that cannot reach the
+address (Ray Client from outside the cluster's network, a firewall) is told so
+and the ``Fabric`` handle goes on over Ray calls. A coordinator whose process
+ends closes the connection: the call raises ``CallLost`` at once (as a Ray call
+to a dead actor fails), and the handle asks the restarted coordinator for its
+new address on the next call.
 
 Frames, driver to coordinator: the secret, a sequence number (8 bytes), the call
 (empty: a ping). Back: the sequence number, then ``OK`` and the results, or
@@ -184,7 +185,7 @@ class CallLink:
         self.stale = stale
         self._ctx = zmq.Context()
         self._local = threading.local()
-        self._sockets: list[_ThreadSocket] = []
+        self._sockets: dict[threading.Thread, _ThreadSocket] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self.lost = False
@@ -194,7 +195,11 @@ class CallLink:
         if sock is None:
             sock = self._local.sock = _ThreadSocket(self._ctx, self.endpoint, self.max_bytes)
             with self._lock:
-                self._sockets.append(sock)
+                # The sockets of threads that have ended close here (a server's
+                # pool that replaces its threads would otherwise gather them).
+                for thread in [t for t in self._sockets if not t.is_alive()]:
+                    self._sockets.pop(thread).close()
+                self._sockets[threading.current_thread()] = sock
         return sock
 
     def send(self, payload: bytes) -> int:
@@ -251,7 +256,7 @@ class CallLink:
 
     def close(self) -> None:
         with self._lock:
-            for sock in self._sockets:
+            for sock in self._sockets.values():
                 sock.close()
             self._sockets.clear()
         self._ctx.destroy(linger=0)

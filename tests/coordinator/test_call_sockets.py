@@ -241,3 +241,25 @@ def test_a_handle_sent_to_another_process_links_anew_there():
     assert copy._calls_lock.acquire(blocking=False)
     ray_calls = Fabric(Unasked(), FabricConfig().with_overrides(["runtime.submit_transport=ray"]))
     assert pickle.loads(pickle.dumps(ray_calls))._calls is False
+
+
+def test_each_thread_calls_on_its_own_socket_and_ended_threads_sockets_close():
+    c = Coordinator(served)
+    link = c.link()
+    got = {}
+
+    def one(k):
+        got[k] = link.receive(link.send(encode_call(call(b"\0" * 4 * (k + 1)))), 30)
+
+    try:
+        for k in range(3):  # one after another: each thread ends before the next
+            t = threading.Thread(target=one, args=(k,))
+            t.start()
+            t.join(30)
+        one(3)  # this thread's own
+        open_now = len(link._sockets)
+    finally:
+        link.close()
+        c.close()
+    assert [got[k][0].prompt_tokens for k in range(4)] == [1, 2, 3, 4]
+    assert open_now == 1  # this thread's: each ended thread's closed as the next was made
