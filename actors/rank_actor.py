@@ -235,6 +235,8 @@ class RankActor:
         (``runtime.round_transport = "zmq"``); raises when it serves none."""
         if self.rounds is None:
             raise RuntimeError("this rank serves no socket rounds (runtime.round_transport=ray)")
+        if self.rounds.failed is not None:  # the coordinator names it as the rank's absence
+            raise RuntimeError(f"this rank's round socket failed: {self.rounds.failed}")
         return self.rounds.endpoint, self.rounds.secret
 
     def ping(self) -> None:

@@ -78,6 +78,7 @@ class RoundServer:
         self.endpoint = f"tcp://{host}:{port}"
         self.served = 0
         self.dropped = 0
+        self.failed: str | None = None  # why the socket stopped serving, if it did
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-rounds", daemon=True)
         self._thread.start()
@@ -95,9 +96,10 @@ class RoundServer:
                     continue
                 sock.send_multipart([frames[0], *reply])
                 self.served += 1
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             if not self._stop.is_set():
-                log.exception("the round socket failed: rounds now reach this rank by Ray only")
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.exception("the round socket failed: this rank serves no more socket rounds")
         finally:
             sock.close(linger=0)
             self._ctx.term()
