@@ -119,7 +119,13 @@ class CallServer:
 
     async def _serve(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError:
+                if self._sock.closed:
+                    return
+                log.exception("a call could not be received; serving the next")
+                continue
             if (
                 len(frames) != 4
                 or len(frames[2]) != SEQ_BYTES
@@ -128,7 +134,7 @@ class CallServer:
                 self.dropped += 1
                 continue
             if not frames[3]:  # a ping
-                await self._sock.send_multipart([frames[0], frames[2], OK, b""])
+                await self._reply([frames[0], frames[2], OK, b""])
                 continue
             call = asyncio.ensure_future(self._answer(frames[0], frames[2], frames[3]))
             self._calls.add(call)
@@ -143,7 +149,16 @@ class CallServer:
         except Exception as exc:
             reply = [peer, seq, FAILED, _ENCODE.encode((type(exc).__name__, str(exc)))]
         self.served += 1
-        await self._sock.send_multipart(reply)
+        await self._reply(reply)
+
+    async def _reply(self, frames: list[bytes]) -> None:
+        """Send a reply; one that cannot go (the socket closing) is dropped: its
+        driver's call ends by its timeout or, if the coordinator ends, at once."""
+        try:
+            await self._sock.send_multipart(frames)
+        except zmq.ZMQError:
+            if not self._sock.closed:
+                log.warning("a reply to a driver could not be sent", exc_info=True)
 
     def close(self) -> None:
         self._task.cancel()

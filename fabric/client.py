@@ -222,12 +222,15 @@ class Fabric:
             return self._calls if isinstance(self._calls, CallLink) else None
 
     def _over_socket(self, call: SubmitCall) -> tuple[CallLink, SubmitCall, bytes] | None:
-        """The link and the call's bytes when ``call`` goes over the socket."""
+        """The link and the call's bytes when ``call`` goes over the socket (not one
+        whose arguments are not of their types, nor one past the message bound)."""
         link = self._link()
         if link is None:
             return None
         data = encode_call(call)
-        return None if data is None else (link, call, data)
+        if data is None or len(data) > self.config.runtime.max_message_bytes:
+            return None  # as a Ray call: the coordinator names what is wrong with it
+        return link, call, data
 
     def _submit_over(
         self, link: CallLink, call: SubmitCall, data: bytes, timeout: float | None

@@ -263,3 +263,16 @@ def test_each_thread_calls_on_its_own_socket_and_ended_threads_sockets_close():
         c.close()
     assert [got[k][0].prompt_tokens for k in range(4)] == [1, 2, 3, 4]
     assert open_now == 1  # this thread's: each ended thread's closed as the next was made
+
+
+def test_a_call_past_the_message_bound_goes_as_a_ray_call():
+    from fabric.client import Fabric
+    from fabric.config import FabricConfig
+
+    f = Fabric(Unasked(), FabricConfig().with_overrides(["runtime.max_message_bytes=4096"]))
+    f._calls = CallLink("tcp://127.0.0.1:9", b"s" * 16, 4096)
+    try:
+        assert f._over_socket(call(b"\0" * 400)) is not None
+        assert f._over_socket(call(b"\0" * 4096)) is None
+    finally:
+        f._calls.close()
