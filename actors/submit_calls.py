@@ -4,13 +4,13 @@ event loop, answered by the actor's own ``submit_many``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 
 import ray
 
 from fabric.call_sockets import CallServer, SubmitCall
 from fabric.config import FabricConfig
-from fabric.coordinator.requests import Lease, RequestResult
+from fabric.coordinator.requests import RequestResult
 from fabric.errors import FabricError
 from fabric.round_sockets import ray_tls
 
@@ -20,19 +20,8 @@ class SubmitCalls:
     ``submit_many`` its call."""
 
     config: FabricConfig
+    submit_many: Callable[..., Awaitable[list[RequestResult]]]
     _call_server: CallServer | None = None
-
-    async def submit_many(
-        self,
-        prompts: Sequence[bytes],
-        namespace: str = "default",
-        priority: int = 0,
-        request_ids: Sequence[str | None] | None = None,
-        owner: str | None = None,
-        session: str | None = None,
-        release: Sequence[Lease] = (),
-    ) -> list[RequestResult]:
-        raise NotImplementedError
 
     async def call_endpoint(self) -> tuple[str, bytes]:
         """Where drivers send their submits, and the secret each must carry

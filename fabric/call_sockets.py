@@ -41,12 +41,9 @@ import zmq
 import zmq.asyncio
 
 from fabric.coordinator.requests import Lease, RequestResult
+from fabric.round_sockets import FAILED, OK, SECRET_BYTES, SEQ_BYTES, bind_router
 
 log = logging.getLogger(__name__)
-
-OK, FAILED = b"\x00", b"\x01"
-SECRET_BYTES = 16
-SEQ_BYTES = 8
 
 
 class SubmitCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -107,11 +104,7 @@ class CallServer:
         self.submit = submit
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self._sock, self.endpoint = bind_router(self._ctx, host, max_bytes)
         self.served = 0
         self.dropped = 0
         self._calls: set[asyncio.Future] = set()

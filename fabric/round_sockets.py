@@ -64,6 +64,16 @@ def ray_tls() -> bool:
     return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
 
 
+def bind_router(ctx: zmq.Context, host: str, max_bytes: int) -> tuple[zmq.Socket, str]:
+    """A ROUTER socket of ``ctx`` bound on ``host`` at a port the kernel picks, that
+    drops messages past ``max_bytes`` (plus the frames around them); its address."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}"
+
+
 class RoundServer:
     def __init__(self, step: Callable[[bytes], bytes], host: str, max_bytes: int) -> None:
         """Bind on ``host`` (an IP address of this node) and serve ``step`` until
@@ -71,11 +81,7 @@ class RoundServer:
         self.step = step
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self._sock, self.endpoint = bind_router(self._ctx, host, max_bytes)
         self.served = 0
         self.dropped = 0
         self.failed: str | None = None  # why the socket stopped serving, if it did
