@@ -123,7 +123,7 @@ class Fabric:
         over = self._over_socket(call)
         if over is not None:
             return self._submit_over(*over, timeout)[0]
-        ref = self.submit_async(tokens, namespace, priority, request_id, session, release)
+        ref = self.submit_async(call.prompts[0], namespace, priority, request_id, session, release)
         try:
             return self.result(ref, timeout=timeout)
         except TimeoutError:
@@ -187,7 +187,7 @@ class Fabric:
         if over is not None:
             return self._submit_over(*over, timeout)
         ref = self.coordinator.submit_many.remote(
-            [self._pack(p) for p in prompts],
+            call.prompts,
             namespace,
             priority,
             ids,

@@ -157,8 +157,7 @@ class RoundSockets:
         self.max_bytes = max_bytes
         self.links: list[_Link | None] = [None] * count
         self.seq = 0
-        # The round in progress: its pending rank indices and how one finishes.
-        self._pending: set[int] = set()
+        # How a rank of the round in progress finishes (its disconnect, say).
         self._finish: Callable[[int, bytes | str, float | None], None] | None = None
 
     def usable(self, index: int) -> bool:
@@ -202,7 +201,7 @@ class RoundSockets:
         out: list[bytes | str] = [""] * count
         reply_s: list[float | None] = [None] * count
         done = asyncio.get_running_loop().create_future()
-        pending = self._pending = set()
+        pending: set[int] = set()
         sent = time.perf_counter()
 
         def finish(index: int, value: bytes | str, took: float | None) -> None:
