@@ -9,7 +9,6 @@ storage actor) and awaits all replies together, with a deadline.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -32,7 +31,7 @@ from fabric.coordinator.driver import CoordinatorDriver, Step
 from fabric.coordinator.figures import figures, one_line, status_view
 from fabric.coordinator.publisher import KVEventPublisher
 from fabric.coordinator.requests import Lease, RequestResult
-from fabric.coordinator.waiters import Waiters
+from fabric.coordinator.waiters import Waiters, Wakeup
 from fabric.errors import InvalidInput
 from fabric.l3 import parse_options
 from fabric.l3.service import backend_spec
@@ -64,7 +63,7 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
         self.waiters = Waiters()
         self._task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup: Wakeup | None = None
         self._next_owner_check = 0.0
         self._storage_spec: tuple[str, dict[str, Any]] | None = None
         self._next_storage_check = 0.0
@@ -101,7 +100,7 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
             if self.config.events.enabled and self.publisher is None:
                 self.publisher = KVEventPublisher(self.config.events, self.config.cache.page_size)
                 self.driver.publish = self.publisher.publish
-            self._wakeup = asyncio.Event()
+            self._wakeup = Wakeup()
             # A restarted coordinator takes back the L2 pages every rank still holds
             # (none when a rank cannot say: it adopts only what all of them hold).
             self._storage_spec = await self.storage.spec()
@@ -378,14 +377,12 @@ class CoordinatorActor(EngineCalls, SubmitCalls):
                     self._deliver(self.core.reclaim(owner))
         if not self.core.idle:
             return
-        self._wakeup.clear()
         wake_at = [self._next_owner_check] if self.core.owners() else []
         expiry = self.core.next_expiry()
         if expiry is not None:
             wake_at.append(expiry)
         timeout = max(0.0, min(wake_at) - time.monotonic()) if wake_at else None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        await self._wakeup.sleep(timeout)
 
     async def _sync_storage(self) -> None:
         """Make every storage actor hold the backend this coordinator says is

@@ -38,10 +38,9 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from fabric.coordinator.requests import Lease, RequestResult
-from fabric.round_sockets import FAILED, OK, SECRET_BYTES, SEQ_BYTES, bind_router
+from fabric.round_sockets import FAILED, OK, SECRET_BYTES, SEQ_BYTES, LoopSocket, bind_router
 
 log = logging.getLogger(__name__)
 
@@ -103,32 +102,23 @@ class CallServer:
         from inside the running event loop."""
         self.submit = submit
         self.secret = secrets.token_bytes(SECRET_BYTES)
-        self._ctx = zmq.asyncio.Context()
-        self._sock, self.endpoint = bind_router(self._ctx, host, max_bytes)
+        self._ctx = zmq.Context()
+        sock, self.endpoint = bind_router(self._ctx, host, max_bytes)
         self.served = 0
         self.dropped = 0
         self._calls: set[asyncio.Future] = set()
-        self._task = asyncio.ensure_future(self._serve())
+        self._sock = LoopSocket(sock, self._heard)
 
-    async def _serve(self) -> None:
-        while True:
-            try:
-                frames = await self._sock.recv_multipart()
-            except zmq.ZMQError:
-                if self._sock.closed:
-                    return
-                log.exception("a call could not be received; serving the next")
-                continue
-            if (
-                len(frames) != 4
-                or len(frames[2]) != SEQ_BYTES
-                or not hmac.compare_digest(frames[1], self.secret)
-            ):
-                self.dropped += 1
-                continue
-            if not frames[3]:  # a ping
-                await self._reply([frames[0], frames[2], OK, b""])
-                continue
+    def _heard(self, frames: list[bytes]) -> None:
+        if (
+            len(frames) != 4
+            or len(frames[2]) != SEQ_BYTES
+            or not hmac.compare_digest(frames[1], self.secret)
+        ):
+            self.dropped += 1
+        elif not frames[3]:  # a ping
+            self._reply([frames[0], frames[2], OK, b""])
+        else:
             call = asyncio.ensure_future(self._answer(frames[0], frames[2], frames[3]))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
@@ -142,22 +132,21 @@ class CallServer:
         except Exception as exc:
             reply = [peer, seq, FAILED, _ENCODE.encode((type(exc).__name__, str(exc)))]
         self.served += 1
-        await self._reply(reply)
+        self._reply(reply)
 
-    async def _reply(self, frames: list[bytes]) -> None:
+    def _reply(self, frames: list[bytes]) -> None:
         """Send a reply; one that cannot go (the socket closing) is dropped: its
         driver's call ends by its timeout or, if the coordinator ends, at once."""
         try:
-            await self._sock.send_multipart(frames)
+            self._sock.send(frames)
         except zmq.ZMQError:
-            if not self._sock.closed:
+            if not self._sock.sock.closed:
                 log.warning("a reply to a driver could not be sent", exc_info=True)
 
     def close(self) -> None:
-        self._task.cancel()
         for call in list(self._calls):
             call.cancel()
-        self._sock.close(linger=0)
+        self._sock.close()
         self._ctx.destroy(linger=0)
 
 

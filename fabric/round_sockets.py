@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Mapping
 
 import zmq
-import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +71,47 @@ def bind_router(ctx: zmq.Context, host: str, max_bytes: int) -> tuple[zmq.Socket
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SECRET_BYTES + SEQ_BYTES + 64)
     port = sock.bind_to_random_port(f"tcp://{host}")
     return sock, f"tcp://{host}:{port}"
+
+
+class LoopSocket:
+    """A ZeroMQ socket served in the running asyncio loop without a future per
+    message: its descriptor wakes the loop, which then takes every message
+    waiting (``DRAIN`` a turn) and hands each to ``heard``; sends go at once,
+    never waiting (``zmq.Again`` when the socket's queue is full). ZeroMQ's
+    descriptor signals edges, not levels, so after each send the socket is asked
+    whether messages wait (a send may have taken in the signal for them)."""
+
+    DRAIN = 64  # messages taken a loop turn, so that no socket starves the others
+
+    def __init__(self, sock: zmq.Socket, heard: Callable[[list[bytes]], None]) -> None:
+        self.sock, self._heard = sock, heard
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self.drain)
+        self._loop.call_soon(self.drain)  # what came before the descriptor was watched
+
+    def drain(self) -> None:
+        sock = self.sock
+        for _ in range(self.DRAIN):
+            try:
+                if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # nothing after all, or the socket is closing
+                return
+            self._heard(frames)
+        self._loop.call_soon(self.drain)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self.drain)
+
+    def close(self) -> None:
+        """Stop watching the socket and close it (from the loop's thread)."""
+        if not self.sock.closed:
+            self._loop.remove_reader(self._fd)
+            self.sock.close(linger=0)
 
 
 class RoundServer:
@@ -130,35 +170,42 @@ class RoundServer:
 
 
 class _Link:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, secret: bytes, max_bytes: int):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        secret: bytes,
+        max_bytes: int,
+        heard: Callable[[list[bytes]], None],
+        lost: Callable[[list[bytes]], None],
+    ) -> None:
         self.endpoint, self.secret = endpoint, secret
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SEQ_BYTES + 64)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(endpoint)
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + SEQ_BYTES + 64)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        self.sock = LoopSocket(sock, heard)
+        self.monitor = LoopSocket(monitor, lost)
         self.lost: str | None = None  # why the link is unusable
-        self.recv: asyncio.Future | None = None
-        self.watch: asyncio.Future | None = None
 
     def close(self) -> None:
-        for fut in (self.recv, self.watch):
-            if fut is not None:
-                fut.cancel()
         with contextlib.suppress(zmq.ZMQError):
-            self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+            self.sock.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
 
 
 class RoundSockets:
     def __init__(self, count: int, max_bytes: int) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self.max_bytes = max_bytes
         self.links: list[_Link | None] = [None] * count
         self.seq = 0
-        # How a rank of the round in progress finishes (its disconnect, say).
-        self._finish: Callable[[int, bytes | str, float | None], None] | None = None
+        # The round in progress: its sequence number, when it was sent, and how a
+        # rank of it finishes (its reply, its disconnect).
+        self._round: tuple[bytes, float, Callable[[int, bytes | str, float | None], None]] | None
+        self._round = None
 
     def usable(self, index: int) -> bool:
         """Whether rank ``index`` has a link that is not known to be lost."""
@@ -166,10 +213,23 @@ class RoundSockets:
         return link is not None and link.lost is None
 
     def connect(self, index: int, endpoint: str, secret: bytes) -> None:
-        """Link rank ``index`` at ``endpoint`` (dropping its old link)."""
+        """Link rank ``index`` at ``endpoint`` (dropping its old link); from the loop."""
         self.drop(index)
-        link = _Link(self._ctx, endpoint, secret, self.max_bytes)
-        link.watch = asyncio.ensure_future(self._watch(index, link))
+        link: _Link | None = None
+
+        def heard(frames: list[bytes]) -> None:
+            if self.links[index] is link:
+                self._heard(index, frames)
+
+        def lost(_event: list[bytes]) -> None:
+            """The rank's side of the connection closed."""
+            assert link is not None
+            if link.lost is None:
+                link.lost = f"the rank's round socket at {endpoint} closed (its process ended?)"
+            if self._round is not None and self.links[index] is link:
+                self._round[2](index, link.lost, None)
+
+        link = _Link(self._ctx, endpoint, secret, self.max_bytes, heard, lost)
         self.links[index] = link
 
     def drop(self, index: int) -> None:
@@ -177,17 +237,18 @@ class RoundSockets:
         if link is not None:
             link.close()
 
-    async def _watch(self, index: int, link: _Link) -> None:
-        """Mark the link lost when the rank's side of the connection closes."""
-        try:
-            await link.monitor.recv_multipart()
-        except (asyncio.CancelledError, zmq.ZMQError):
+    def _heard(self, index: int, frames: list[bytes]) -> None:
+        """Rank ``index``'s reply: to the round in progress, or a late one, dropped."""
+        if self._round is None or len(frames) != 3 or frames[0] != self._round[0]:
             return
-        link.lost = f"the rank's round socket at {link.endpoint} closed (its process ended?)"
-        if link.recv is not None:
-            link.recv.cancel()
-        if self._finish is not None and self.links[index] is link:
-            self._finish(index, link.lost, None)
+        _, sent, finish = self._round
+        if frames[1] == OK:
+            finish(index, frames[2], time.perf_counter() - sent)
+        elif frames[1] == FAILED:
+            finish(index, frames[2].decode(errors="replace"), None)
+        else:
+            link = self.links[index]
+            finish(index, f"a malformed reply from {link.endpoint if link else '?'}", None)
 
     async def round(
         self, batch: bytes, timeout_s: float, absent: Mapping[int, str] | None = None
@@ -200,9 +261,9 @@ class RoundSockets:
         count = len(self.links)
         out: list[bytes | str] = [""] * count
         reply_s: list[float | None] = [None] * count
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
         pending: set[int] = set()
-        sent = time.perf_counter()
 
         def finish(index: int, value: bytes | str, took: float | None) -> None:
             if index in pending:
@@ -211,62 +272,29 @@ class RoundSockets:
                 if not pending and not done.done():
                     done.set_result(None)
 
+        self._round = (seq, time.perf_counter(), finish)
         for index, link in enumerate(self.links):
             if link is None or link.lost is not None:
                 why = link.lost if link is not None else None
                 out[index] = why or (absent or {}).get(index) or "no round socket to this rank"
                 continue
             try:
-                link.sock.send_multipart([link.secret, seq, batch], flags=zmq.NOBLOCK, copy=False)
+                link.sock.send([link.secret, seq, batch])
             except zmq.ZMQError as exc:  # its queue is full: the rank has long stopped reading
                 link.lost = f"the round could not be sent to {link.endpoint}: {exc}"
                 out[index] = link.lost
                 continue
             pending.add(index)
-            self._listen(index, link, seq, sent, finish)
-        self._finish = finish
+        timer = loop.call_later(timeout_s, lambda: done.done() or done.set_result(None))
         try:
             if pending:
-                await asyncio.wait([done], timeout=timeout_s)
+                await done
         finally:
-            self._finish = None
+            timer.cancel()
+            self._round = None
             for index in list(pending):
-                link = self.links[index]
-                if link is not None and link.recv is not None:
-                    link.recv.cancel()
                 finish(index, f"no reply within {timeout_s} s", None)
         return out, reply_s
-
-    def _listen(
-        self,
-        index: int,
-        link: _Link,
-        seq: bytes,
-        sent: float,
-        finish: Callable[[int, bytes | str, float | None], None],
-    ) -> None:
-        """Wait for rank ``index``'s reply to round ``seq`` (dropping late replies to
-        earlier rounds) and hand it to ``finish``."""
-
-        def heard(fut: asyncio.Future) -> None:
-            if fut.cancelled():
-                return
-            if fut.exception() is not None:
-                finish(index, f"{type(fut.exception()).__name__}: {fut.exception()}", None)
-                return
-            frames = fut.result()
-            if len(frames) != 3 or frames[0] != seq:  # a late reply to an earlier round
-                self._listen(index, link, seq, sent, finish)
-                return
-            if frames[1] == OK:
-                finish(index, frames[2], time.perf_counter() - sent)
-            elif frames[1] == FAILED:
-                finish(index, frames[2].decode(errors="replace"), None)
-            else:
-                finish(index, f"a malformed reply from {link.endpoint}", None)
-
-        link.recv = link.sock.recv_multipart()
-        link.recv.add_done_callback(heard)
 
     def close(self) -> None:
         for index in range(len(self.links)):

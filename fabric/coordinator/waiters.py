@@ -49,3 +49,32 @@ class Waiters:
         """Every request still waited for ends with ``error``."""
         for rid in list(self._by_request):
             self.deliver(RequestResult(rid, 0, error=error))
+
+
+class Wakeup:
+    """What the step loop sleeps on while idle: ``set`` wakes the sleep in progress
+    (a set while none is in progress is not kept, as ``asyncio.Event`` after
+    ``clear``). One future a sleep and a timer, where ``asyncio.wait_for`` of an
+    event costs a task, a waiter and more loop turns; call from inside the loop."""
+
+    __slots__ = ("_sleep",)
+
+    def __init__(self) -> None:
+        self._sleep: asyncio.Future | None = None
+
+    def set(self) -> None:
+        sleep = self._sleep
+        if sleep is not None and not sleep.done():
+            sleep.set_result(None)
+
+    async def sleep(self, timeout: float | None) -> None:
+        """Until ``set`` or ``timeout`` seconds (``None``: until ``set``)."""
+        loop = asyncio.get_running_loop()
+        self._sleep = sleep = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, self.set)
+        try:
+            await sleep
+        finally:
+            self._sleep = None
+            if timer is not None:
+                timer.cancel()
