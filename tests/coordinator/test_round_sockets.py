@@ -3,10 +3,12 @@ standing for ranks, each with a ``step`` the test controls."""
 
 import asyncio
 import threading
+import time
 
+import pytest
 import zmq
 
-from fabric.round_sockets import RoundServer, RoundSockets
+from fabric.round_sockets import LoopSocket, RoundServer, RoundSockets
 
 MAX = 1 << 20
 
@@ -189,3 +191,113 @@ def test_under_rays_encrypted_traffic_rounds_and_submits_go_as_ray_calls(monkeyp
         assert ray_tls() is encrypted
     monkeypatch.delenv("RAY_USE_TLS")
     assert ray_tls() is False
+
+
+def pair():
+    """A ROUTER bound on loopback and a DEALER connected to it (one context)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    return ctx, router, dealer
+
+
+def test_a_loop_socket_takes_what_came_before_it_watched_and_more_than_a_turns_worth():
+    ctx, router, dealer = pair()
+    count = LoopSocket.DRAIN * 3 + 5
+    for i in range(count):
+        dealer.send(str(i).encode())
+
+    async def go():
+        heard = []
+        got_all = asyncio.get_running_loop().create_future()
+
+        def take(frames):
+            heard.append(frames[1])
+            if len(heard) == count:
+                got_all.set_result(None)
+
+        while not router.poll(0):  # every message is queued before the socket is watched
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        sock = LoopSocket(router, take)
+        try:
+            await asyncio.wait_for(got_all, 30)
+        finally:
+            sock.close()
+        return heard
+
+    try:
+        heard = run(go())
+    finally:
+        dealer.close(linger=0)
+        ctx.destroy(linger=0)
+    assert heard == [str(i).encode() for i in range(count)]
+
+
+def test_a_message_that_comes_while_the_socket_sends_elsewhere_is_not_missed():
+    """A send takes in the descriptor's signal for a message that came just before
+    it: the socket must ask after each send whether messages wait, or the
+    message sits unseen until another one comes."""
+    ctx, router, dealer = pair()
+    replies = []
+
+    def peer():
+        dealer.send(b"A")
+        time.sleep(0.15)  # while the loop is held, answering A later
+        dealer.send(b"B")
+        deadline = time.monotonic() + 10
+        while len(replies) < 2 and time.monotonic() < deadline:
+            if dealer.poll(100):
+                replies.append(dealer.recv())
+
+    async def go():
+        loop = asyncio.get_running_loop()
+
+        def answer_a_late(to):
+            time.sleep(0.3)  # the loop is busy: B arrives unseen meanwhile
+            sock.send([to, b"re:A"])
+
+        def heard(frames):
+            if frames[1] == b"A":
+                loop.call_soon(answer_a_late, frames[0])
+            else:
+                sock.send([frames[0], b"re:" + frames[1]])
+
+        sock = LoopSocket(router, heard)
+        talker = threading.Thread(target=peer)
+        talker.start()
+        try:
+            await asyncio.to_thread(talker.join)
+        finally:
+            sock.close()
+
+    try:
+        run(go())
+    finally:
+        dealer.close(linger=0)
+        ctx.destroy(linger=0)
+    assert replies == [b"re:A", b"re:B"]
+
+
+def test_a_loop_socket_send_to_a_full_queue_raises_and_close_stops_watching():
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)  # connected to nobody: nothing can be queued
+    dealer.linger = 0
+
+    async def go():
+        sock = LoopSocket(dealer, lambda frames: None)
+        try:
+            with pytest.raises(zmq.Again):
+                sock.send([b"x"])
+        finally:
+            sock.close()
+        assert dealer.closed
+        sock.close()  # twice is harmless
+        await asyncio.sleep(0.05)  # the loop runs on with the descriptor no longer watched
+
+    try:
+        run(go())
+    finally:
+        ctx.destroy(linger=0)
