@@ -16,7 +16,9 @@ stands on, side by side in one run (issue "datapath"):
 
 Prints one JSON line: ``direct_warm_over_raw``, ``direct_cold_over_raw``
 (throughput over the raw read's), ``auth_overhead`` (authenticated direct read
-time over plain, less 1), ``l2_to_l1_over_memcpy``, with the GB/s behind them.
+time over plain, less 1), ``l2_to_l1_over_memcpy``, with the GB/s behind them;
+``auth_floor_one_thread``: a 256 KiB read and its tag over the same read and its
+CRC, on one thread, less 1 (the least the tag can add, whatever the read path).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from fabric.config import FabricConfig
+from fabric.l3.auth import PageAuth
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService, page_geometry
@@ -298,6 +301,12 @@ def checksums(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
         sums["crc32c"] = crc32c.crc32c
     except ImportError:
         say("checksums: crc32c not installed")
+    # The tag an authenticated page carries instead of the CRC (AES-GCM's GHASH,
+    # ``PageAuth.tag_ok``): read and tag over read and CRC, on one thread, is
+    # what the tag adds to a read at the least on this machine.
+    auth, bound = PageAuth(os.urandom(32)), b"k" * 80 + b"\0model"
+    nonce, mac = os.urandom(12), bytes(16)
+    sums["aes_gcm_tag"] = lambda row: auth.tag_ok(nonce, mac, bound, row)
     call, nbytes = 256 << 10, args.pages * args.page_kib * 1024
     path = work / "sums.bin"
     path.write_bytes(os.urandom(nbytes))
@@ -342,6 +351,8 @@ def main() -> None:
                 "direct_warm_over_raw": ratio("raw_warm_s", "direct_warm_s"),
                 "direct_cold_over_raw": ratio("raw_cold_s", "direct_cold_s"),
                 "auth_overhead": round(t["direct_auth_warm_s"] / t["direct_warm_s"] - 1, 3),
+                # The least the tag adds to a read on one thread (checksums above).
+                "auth_floor_one_thread": round(sums["crc32_zlib_ng"] / sums["aes_gcm_tag"] - 1, 3),
                 "l2_to_l1_over_memcpy": round(copy["memcpy_s"] / copy["l2_to_l1_s"], 3),
                 **(
                     {
