@@ -7,7 +7,9 @@ head_dim)`` (K/V first), so copies and token writes are written once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,9 +23,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 _MAX_SLICE_RUNS = 16
 # Between two host pools pages move a run at a time however scattered (one
 # strided copy each: a gather into a temporary and a scatter out of it copy every
-# byte twice): by numpy (~1 us a call) below this many bytes a page, by torch
-# (~5 us a call, but two threads) from it (bench/datapath.py --page-kib).
-_TORCH_PAGE_BYTES = 128 << 10
+# byte twice), by numpy (~1 us a call, without the GIL; torch's strided copy
+# costs ~5 us a call). From this many bytes a copy, torch's threads share the
+# runs (a thread's part at least a few pages: bench/datapath.py --page-kib).
+_SHARED_COPY_BYTES = 4 << 20
 # Rows of bytes move to and from a host pool a page (or run) at a time from
 # this many bytes a page; smaller ones by one index copy.
 _SLICE_PAGE_BYTES = 64 << 10
@@ -127,11 +130,9 @@ def copy_pages(
     runs = page_runs(src_pages, dst_pages)
     s_view, d_view = src.pages, dst.pages
     on_host = src.buffer.device.type == dst.buffer.device.type == "cpu"
-    if on_host and _page_bytes(src) < _TORCH_PAGE_BYTES:
-        s_bytes, d_bytes = _byte_pages(src), _byte_pages(dst)
-        for s, d, n in runs:
-            d_bytes[:, d : d + n] = s_bytes[:, s : s + n]
-    elif on_host or len(runs) <= _MAX_SLICE_RUNS:
+    if on_host:
+        _copy_runs(_byte_pages(src), _byte_pages(dst), runs, _page_bytes(src))
+    elif len(runs) <= _MAX_SLICE_RUNS:
         for s, d, n in runs:
             d_view[:, d : d + n].copy_(s_view[:, s : s + n], non_blocking=True)
     else:
@@ -139,6 +140,43 @@ def copy_pages(
         s_idx = torch.as_tensor(src_pages, dtype=torch.long, device=src.buffer.device)
         d_idx = torch.as_tensor(dst_pages, dtype=torch.long, device=device)
         d_view[:, d_idx] = s_view[:, s_idx].to(device, non_blocking=True)
+
+
+def _copy_runs(src: np.ndarray, dst: np.ndarray, runs: list, page_bytes: int) -> None:
+    """Copy ``runs`` (``page_runs``) of ``src``'s pages into ``dst`` (byte views of
+    host pools), shared among torch's threads when the copy is large."""
+
+    def copy(part: list) -> None:
+        for s, d, n in part:
+            dst[:, d : d + n] = src[:, s : s + n]
+
+    total = sum(n for _, _, n in runs) * page_bytes
+    threads = min(torch.get_num_threads(), len(runs), max(1, total // _SHARED_COPY_BYTES))
+    if threads <= 1:
+        copy(runs)
+        return
+    pool = _copy_pool(threads - 1)
+    step = -(-len(runs) // threads)  # each thread a stretch of runs: streams the prefetcher follows
+    parts = [runs[i : i + step] for i in range(0, len(runs), step)]
+    others = [pool.submit(copy, part) for part in parts[1:]]
+    try:
+        copy(parts[0])
+    finally:
+        for other in others:
+            other.result()
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    """The threads (made once per count) that share large host copies."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, "kvfabric-copy")
+        return pool
 
 
 def _page_bytes(pool: KVPool) -> int:

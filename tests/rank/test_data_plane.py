@@ -54,6 +54,34 @@ def test_scattered_pages_of_any_size_land_in_their_slots_in_every_layout(layout,
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_large_host_copy_shared_among_threads_lands_every_page(layout, monkeypatch):
+    """Past ``_SHARED_COPY_BYTES`` the runs of a host copy are split among torch's
+    threads: every page still lands in its slot, and nothing else is touched."""
+    import fabric.rank.pools as pools
+
+    model = ModelConfig(layers=2, kv_heads=2, head_dim=64, layout=layout, dtype="float32")
+    shard = Topology(FabricConfig().topology).shard(0, model, 4)
+    src = KVPool(64, shard, model, torch.device("cpu"))
+    dst = KVPool(64, shard, model, torch.device("cpu"))
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    dst.buffer.fill_(7.0)
+    pages = [p for p in range(64) if p % 3]  # 42 runs of one page (the slots reversed)
+    slots = pages[::-1]
+    monkeypatch.setattr(pools, "_SHARED_COPY_BYTES", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        copy_pages(src, pages, dst, slots)
+    finally:
+        torch.set_num_threads(threads)
+    assert 2 in pools._POOLS  # two threads besides the caller's took runs
+    for p, s in zip(pages, slots, strict=True):
+        assert torch.equal(dst.pages[:, s], src.pages[:, p])
+    untouched = sorted(set(range(64)) - set(slots))
+    assert bool((dst.pages[:, untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [8, 2048])  # rows by one index copy; by strided runs
 def test_pages_leave_and_enter_a_pool_as_canonical_rows_in_every_layout(layout, dtype, head_dim):
