@@ -4,6 +4,7 @@ with a ``submit`` the test controls."""
 
 import asyncio
 import threading
+import time
 
 import msgspec
 import pytest
@@ -131,6 +132,9 @@ def test_a_late_reply_goes_to_the_stale_handler_not_to_the_next_call():
         with pytest.raises(TimeoutError):
             link.receive(link.send(encode_call(first)), 0.2)
         release.set()
+        deadline = time.monotonic() + 30
+        while c.server.served < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the late reply is on its way before the next call goes
         results = link.receive(link.send(encode_call(call(b"\0" * 8))), 30)
     finally:
         release.set()
