@@ -5,7 +5,7 @@ payload), zlib-ng's CRC-32, and keyed BLAKE3 where ``blake3`` is installed
 (``pip install -e '.[bench]'``), each on one thread and on two at once (whether
 the library releases the GIL while it hashes).
 
-    python3 bench/auth_tags.py [--page-kib 256] [--pages 4] [--seconds 1]
+    python3 bench/auth_tags.py [--page-kib 256] [--pages 4] [--seconds 1] [--others]
 
 Prints one JSON line: GB/s by check and thread count, and
 ``tag_over_crc_cpu`` (the tag's CPU per byte over the CRC's, one thread).
@@ -34,22 +34,48 @@ def parse() -> argparse.Namespace:
     p.add_argument("--page-kib", type=int, default=256)
     p.add_argument("--pages", type=int, default=4, help="pages a thread checks over and over")
     p.add_argument("--seconds", type=float, default=1.0, help="per check and thread count")
+    p.add_argument(
+        "--others",
+        action="store_true",
+        help="also cryptography's other MACs (ChaCha20-"
+        "Poly1305, Poly1305, AES-OCB3, AES-GCM-SIV): a swap of the tag's primitive",
+    )
     return p.parse_args()
 
 
-def checks() -> dict:
+def checks(others: bool = False) -> dict:
     auth = PageAuth(os.urandom(32))
     nonce, mac, bound = os.urandom(12), bytes(16), b"k" * 64 + b"\0model"
     found = {
         "crc32": checksum,
         "aes_gcm_tag": lambda page: auth.tag_ok(nonce, mac, bound, page),
     }
+    if others:
+        found.update(other_macs())
     try:
         import blake3
     except ImportError:
         return found
     key = os.urandom(32)
     found["blake3_keyed"] = lambda page: blake3.blake3(page, key=key).digest()
+    return found
+
+
+def other_macs() -> dict:
+    """The other MACs ``cryptography`` offers, each over the page as the tag
+    kvfabric uses is (associated data, a short plaintext): what a swap of the
+    primitive could gain (``--others``)."""
+    from cryptography.hazmat.primitives.ciphers import aead
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    bound, nonce, key = b"k" * 64 + b"\0model", os.urandom(12), os.urandom(32)
+    made = {
+        "chacha20_poly1305": aead.ChaCha20Poly1305(key),
+        "aes_ocb3": aead.AESOCB3(key[:16]),
+        "aes_gcm_siv": aead.AESGCMSIV(key[:16]),
+    }
+    found = {name: (lambda page, a=a: a.encrypt(nonce, bound, page)) for name, a in made.items()}
+    found["poly1305"] = lambda page: Poly1305.generate_tag(key, page)
     return found
 
 
@@ -82,7 +108,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, (args.pages, args.page_kib * 1024), dtype=np.uint8)
     out: dict = {}
-    for name, check in checks().items():
+    for name, check in checks(args.others).items():
         for threads in (1, 2):
             print(f"auth_tags: {name}, {threads} thread(s)", file=sys.stderr, flush=True)
             out[f"{name}_{threads}t_gb_per_s"] = round(rate(check, pages, threads, args.seconds), 2)
