@@ -23,8 +23,9 @@ check, which names the refusal.
 
 Speed (bench/datapath.py): reads are 1 MiB calls (``fabric.l3.run_reads``:
 checked while the CPU cache holds them), two threads take alternate calls (a
-read from the page cache is a kernel copy made with the GIL released; eight
-when the page cache lacks the load's first page), and pages go into rows the
+read from the page cache is a kernel copy made with the GIL released; one,
+in file order, when the page cache lacks the load's first page: the kernel's
+readahead keeps the disk busy then), and pages go into rows the
 caller keeps (``out``), so a warm read runs at the raw one-file read's speed.
 
 Files are opened without following links, never blocking on a FIFO
@@ -58,10 +59,13 @@ _DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0
 # Reads in flight at once: a read from the page cache is a copy the kernel makes
 # with the GIL released, so two threads copy (and checksum) side by side.
 READERS = 2
-# Reads in flight when the page cache does not hold a load's first page: a cold
-# read waits on the disk, which serves a deeper queue faster (2 cores, a
-# virtual disk: 0.85 -> ~0.9 of a raw one-file read, bench/datapath.py).
-COLD_READERS = 8
+# Reads in flight when the page cache does not hold a load's first page: one,
+# in file order, so that the kernel sees a sequential reader and reads ahead
+# (``read_ahead_kb``) while this thread checks what came. Several readers taking
+# alternate runs look random to readahead, and each read then waits on the disk
+# (2 cores, a virtual disk with 8 MiB readahead: 0.65-0.93 of a raw one-file
+# read with eight readers, 0.89-0.99 with one, bench/datapath.py).
+COLD_READERS = 1
 
 
 class StorageLink(Protocol):
