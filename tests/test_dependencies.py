@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fabric", "actors", "policies")
 # Extras a user installs on purpose; the code imports them lazily and says how.
-OPTIONAL_EXTRAS = ("redis", "model", "plot", "sglang", "vllm")
+OPTIONAL_EXTRAS = ("redis", "auth", "model", "plot", "sglang", "vllm")
 
 
 def _norm(name: str) -> str:

@@ -247,12 +247,15 @@ class FastCheck:
     decodes to exactly the fields it compares), so nothing is weaker; what is
     saved is decoding and comparing each header in Python."""
 
-    _AUTH_TAIL = len(b"\xa5nonce\xc4\x0c") + 12 + len(b"\xa3mac\xc4\x10") + 16  # _NONCE, _MAC
-
     def __init__(self, provenance: Provenance, payload_len: int, auth: Any = None) -> None:
         pack = _packer()
         self.provenance = provenance
         self.auth = auth
+        # With ``auth``: the nonce's length (which names the MAC, ``PageAuth``),
+        # its field, and the bytes from that field to the header's end.
+        self._nonce_len = auth.nonce_bytes(payload_len) if auth is not None else 0
+        self._nonce = _NONCE + bytes([self._nonce_len])
+        self._auth_tail = len(self._nonce) + self._nonce_len + len(_MAC) + 16
         fields = 7 if auth is not None else 5
         self._map = bytes([0x80 | fields]) + pack("v") + pack(FORMAT_VERSION) + pack("key")
         self._len = pack("len") + pack(payload_len) + pack("sum")
@@ -269,7 +272,7 @@ class FastCheck:
             body = before + pack(checksum(payload)) + self._prov
             return head == MAGIC + len(body).to_bytes(4, "little") + body
         h = head if isinstance(head, bytes) else bytes(head)
-        at, tail = PREAMBLE + len(before), len(h) - self._AUTH_TAIL
+        at, tail, nonce_at = PREAMBLE + len(before), len(h) - self._auth_tail, len(self._nonce)
         sum_end = tail - len(self._prov)
         if not (
             sum_end > at
@@ -277,13 +280,13 @@ class FastCheck:
             and int.from_bytes(h[len(MAGIC) : PREAMBLE], "little") == len(h) - PREAMBLE
             and h.startswith(before, PREAMBLE)
             and h.startswith(self._prov, sum_end)
-            and h.startswith(_NONCE, tail)
-            and h.startswith(_MAC, tail + len(_NONCE) + 12)
+            and h.startswith(self._nonce, tail)
+            and h.startswith(_MAC, tail + nonce_at + self._nonce_len)
         ):
             return False
         if _UINT_LEN.get(h[at]) != sum_end - at:  # the checksum: one msgpack integer
             return False
-        nonce, mac = h[tail + len(_NONCE) : tail + len(_NONCE) + 12], h[-16:]
+        nonce, mac = h[tail + nonce_at : tail + nonce_at + self._nonce_len], h[-16:]
         return bool(self.auth.tag_ok(nonce, mac, key.encode("ascii") + self._bound, payload))
 
     def run(self, heads: np.ndarray, payloads: np.ndarray, keys: Sequence[str]) -> int:
@@ -315,9 +318,9 @@ class FastCheck:
             same = (heads[:, fixed] == expected[:, fixed]).all(axis=1)
         passed = n if bool(same.all()) else int(np.argmin(same))
         if self.auth is not None:
-            tail = heads.shape[1] - self._AUTH_TAIL + len(_NONCE)
+            tail = heads.shape[1] - self._auth_tail + len(self._nonce)
             for i in range(passed):
-                nonce = heads[i, tail : tail + 12].tobytes()
+                nonce = heads[i, tail : tail + self._nonce_len].tobytes()
                 mac = heads[i, -16:].tobytes()
                 bound = keys[i].encode("ascii") + self._bound
                 if not self.auth.tag_ok(nonce, mac, bound, payloads[i]):
@@ -346,16 +349,18 @@ class FastCheck:
             before = self._map + pack(key) + self._len
             body = before + pack(0xFFFFFFFF) + self._prov  # a 4-byte checksum (0xce)
             if self.auth is not None:
-                body += pack("nonce") + pack(b"\0" * 12) + pack("mac") + pack(b"\0" * 16)
+                body += (
+                    pack("nonce") + pack(b"\0" * self._nonce_len) + pack("mac") + pack(b"\0" * 16)
+                )
             head = MAGIC + len(body).to_bytes(4, "little") + body
             if len(head) == head_len:
                 key_at = PREAMBLE + len(before) - len(self._len) - key_len
                 sum_at = PREAMBLE + len(before) + 1
                 fixed = np.ones(head_len, dtype=bool)  # (with auth: all but these)
                 if self.auth is not None:
-                    nonce_at = head_len - self._AUTH_TAIL + len(_NONCE)
+                    nonce_at = head_len - self._auth_tail + len(self._nonce)
                     fixed[sum_at : sum_at + 4] = False
-                    fixed[nonce_at : nonce_at + 12] = False
+                    fixed[nonce_at : nonce_at + self._nonce_len] = False
                     fixed[head_len - 16 :] = False  # the tag
                 made = (np.frombuffer(head, dtype=np.uint8), key_at, sum_at, fixed)
             if len(self._templates) > 16:
@@ -366,7 +371,7 @@ class FastCheck:
 
 # msgpack's unsigned integers by their first byte: how long each is.
 _UINT_LEN = {**dict.fromkeys(range(0x80), 1), 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
-_NONCE = b"\xa5nonce\xc4\x0c"  # the header's "nonce": 12 bytes
+_NONCE = b"\xa5nonce\xc4"  # the header's "nonce" (then its length: 12 or 16 bytes)
 _MAC = b"\xa3mac\xc4\x10"  # its "mac": 16 bytes
 
 

@@ -1,7 +1,8 @@
 """A rank's own L3 read (``fabric.l3.direct``) is as strict as the storage actor's
 (``L3Backend.get``): both paths are fed the same damaged stores — every kind of
-damage, on both file backends — and must serve the same pages, refuse the same
-page for the same reason, and count it the same way."""
+damage, on both file backends, plain and authenticated pages (both MACs) — and
+must serve the same pages, refuse the same page for the same reason, and count
+it the same way."""
 
 from __future__ import annotations
 
@@ -23,8 +24,20 @@ PAGES = 6
 HASHES = [bytes([i + 1]) * 32 for i in range(PAGES)]
 
 
-def store(tmp_path, backend: str):
-    cfg = config(tmp_path, f"storage.backend={backend}")
+# Plain pages; authenticated ones of 128 bytes (an AES-GCM tag) and of 64 KiB
+# (AEGIS-128X4, ``fabric.l3.auth.AEGIS_FROM``).
+TAGS = {
+    "plain": [],
+    "gcm": ["storage.auth_key_file={secret}"],
+    "aegis": ["storage.auth_key_file={secret}", "model.head_dim=4096"],
+}
+
+
+def store(tmp_path, backend: str, tags: str = "plain"):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a secret of the store's writers")
+    more = [o.format(secret=secret) for o in TAGS[tags]]
+    cfg = config(tmp_path, f"storage.backend={backend}", *more)
     service = StorageService(cfg)
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, (PAGES, page_geometry(cfg)[1]), dtype=np.uint8)
@@ -107,16 +120,18 @@ def outcome(service, read) -> tuple[int, dict[str, int]]:
     return len(rows), moved
 
 
+@pytest.mark.parametrize("tags", list(TAGS))
 @pytest.mark.parametrize("reads", ["one_call", "a_call_a_page", "a_call_a_page_cold"])
 @pytest.mark.parametrize("backend", ["file", "segment"])
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
 def test_both_read_paths_serve_refuse_and_count_alike(
-    tmp_path, monkeypatch, backend, damage, reads
+    tmp_path, monkeypatch, backend, damage, reads, tags
 ):
     """``a_call_a_page``: every page is a read of its own, so the direct read's
     threads take them side by side and the refusal lies in another's run;
     ``_cold``: the store's files out of the page cache first (more reads in flight)."""
-    cfg, service, data = store(tmp_path, backend)
+    cfg, service, data = store(tmp_path, backend, tags)
+    assert (service.backend.auth is not None) == (tags != "plain")
     if reads.startswith("a_call_a_page"):
         monkeypatch.setattr(run_reads, "READ_CALL", data.shape[1])
     colds = []
