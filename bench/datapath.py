@@ -12,7 +12,11 @@ stands on, side by side in one run (issue "datapath"):
 - L2 -> L1: the rank's page copy (``fabric.rank.pools.copy_pages``, pages in a
   shuffled order) against ``torch`` copying the same bytes in one piece.
 
-    python3 bench/datapath.py [--pages 256] [--page-kib 256] [--repeats 5]
+    python3 bench/datapath.py [--pages 256] [--page-kib 256] [--repeats 5] [--aes-gcm-only]
+
+``--aes-gcm-only`` tags every authenticated page with AES-GCM, as kvfabric did
+before pages of 64 KiB and more took AEGIS-128X4 tags: the same run's
+``auth_overhead`` with the older tag.
 
 Prints one JSON line: ``direct_warm_over_raw``, ``direct_cold_over_raw``
 (throughput over the raw read's), ``auth_overhead`` (authenticated direct read
@@ -60,6 +64,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--block-kib", type=int, default=64, help="a vLLM block of one layer")
     p.add_argument("--engine-layers", type=int, default=8)
+    p.add_argument("--aes-gcm-only", action="store_true", help="AES-GCM tags on every page")
     return p.parse_args()
 
 
@@ -332,6 +337,8 @@ def checksums(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
 
 def main() -> None:
     args = parse()
+    if args.aes_gcm_only:  # every page signed with a 12-byte nonce: AES-GCM's tag
+        PageAuth.nonce_bytes = staticmethod(lambda payload_len: 12)
     with tempfile.TemporaryDirectory(prefix="kvfabric-datapath-", dir=ROOT) as tmp:
         say(f"L3: {args.pages} pages of {args.page_kib} KiB")
         t = l3_paths(args, pathlib.Path(tmp))
@@ -381,6 +388,7 @@ def main() -> None:
                 "pages": args.pages,
                 "page_kib": args.page_kib,
                 "repeats": args.repeats,
+                "tags": "aes-gcm" if args.aes_gcm_only else "by page length",
             }
         )
     )

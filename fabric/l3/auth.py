@@ -7,8 +7,8 @@ A tag binds the page's key and model tag and every payload byte: an AEAD whose
 payload, with a random nonce per page. The nonce's length names the AEAD:
 
 - **AEGIS-128X4** (``pyaegis``, libaegis), a 16-byte nonce, for payloads of
-  ``AEGIS_FROM`` bytes and more: ~37 GB/s at 256 KiB on one core of the
-  reference machine against AES-GCM's ~20 (``bench/auth_tags.py``), so a read
+  ``AEGIS_FROM`` bytes and more: 30-34 GB/s at 256 KiB on one core of the
+  project's machine against AES-GCM's 19-20 (``bench/auth_tags.py``), so a read
   and its tag cost little more than a read and its CRC. Random 128-bit nonces
   keep a key safe for far more pages than any store holds.
 - **AES-GCM** (``cryptography``), a 12-byte nonce, for smaller payloads, where
@@ -35,7 +35,8 @@ _GCM_DOMAIN = b"kvfabric/l3-page-auth/v1\0"
 _AEGIS_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4/v1\0"
 MIN_SECRET_BYTES = 16
 # Payloads from this length on are tagged with AEGIS-128X4: below it AES-GCM's
-# call costs less (the two meet near 64 KiB, bench/auth_tags.py --others).
+# call costs less (one thread, ``bench/auth_tags.py --page-kib N``: at 32 KiB
+# GCM 10.7 GB/s, AEGIS 10.1; at 64 KiB 14.9 and 17.9; at 128 KiB 17.0 and 26.7).
 AEGIS_FROM = 64 << 10
 GCM_NONCE, AEGIS_NONCE = 12, 16
 

@@ -123,8 +123,9 @@ KEY_HELP = {
     "storage.dynamic_modules": "modules the `dynamic` backend may import",
     "storage.options": "the backend's options (`--set 'storage.options={host: 10.0.0.5}'`)",
     "storage.transfer_batch_pages": "pages per L3 batch (progress is reported per batch)",
-    "storage.auth_key_file": "a secret: every L3 page carries an AES-GCM tag, and a page "
-    "without a valid one is a miss (`refused_auth`); empty: CRC and key binding only",
+    "storage.auth_key_file": "a secret: every L3 page carries a keyed tag (AEGIS-128X4 on "
+    "pages of 64 KiB and more, AES-GCM on smaller ones; pip install 'kvfabric[auth]'), and a "
+    "page without a valid one is a miss (`refused_auth`); empty: CRC and key binding only",
     # events
     "events.endpoint": "the KV event PUB socket's address (needs cache.kv_events)",
     "events.replay_endpoint": "the replay ROUTER socket's address",
