@@ -18,7 +18,7 @@ from fabric.l3.direct import DirectReads
 from fabric.l3.format import PREAMBLE, Provenance
 from fabric.l3.service import StorageService
 
-from .test_read_paths_agree import HASHES, SUFFIX, outcome, record, store
+from .test_read_paths_agree import HASHES, SUFFIX, outcome, payload_bit, record, store
 
 PROV = Provenance("m", "layer_first", "float16", (2, 16, 2, 2, 8), 16)
 KEY = f"{'ab' * 32}.{PROV.tag}.0-0-1"
@@ -92,6 +92,11 @@ def test_a_store_tagged_with_aes_gcm_only_is_served_by_both_read_paths(
     assert outcome(service, lambda: direct.load(SUFFIX, HASHES, out=rows)) == (len(HASHES), {})
     assert np.array_equal(rows, data)
     assert outcome(service, lambda: service.load(SUFFIX, HASHES)) == (len(HASHES), {})
+    payload_bit(service)  # page 2's payload damaged: both paths stop there alike
+    direct.plan(SUFFIX, HASHES)
+    damaged = (2, {"refused_checksum": 1})
+    assert outcome(service, lambda: direct.load(SUFFIX, HASHES, out=rows)) == damaged
+    assert outcome(service, lambda: service.load(SUFFIX, HASHES)) == damaged
     direct.close()
     service.detach()
 
