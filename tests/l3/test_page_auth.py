@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
@@ -63,12 +64,31 @@ def test_a_nonce_names_its_mac_and_no_other_length_or_mix_passes(monkeypatch):
         {"nonce": older["nonce"] + bytes(4), "mac": older["mac"]}, KEY, PROV, page
     )
     assert not auth.verify({"nonce": tagged["nonce"][:12], "mac": tagged["mac"]}, KEY, PROV, page)
+    assert not auth.verify({"nonce": os.urandom(16), "mac": tagged["mac"]}, KEY, PROV, page)
     for n in (0, 8, 11, 13, 15, 17, 32):
         forged = {"nonce": tagged["nonce"][:n].ljust(n, b"\0"), "mac": tagged["mac"]}
         assert not auth.verify(forged, KEY, PROV, page)
     for bad in ({}, {"nonce": tagged["nonce"]}, {"nonce": "x" * 16, "mac": tagged["mac"]},
                 {"nonce": tagged["nonce"], "mac": tagged["mac"][:8]}):  # fmt: skip
         assert not auth.verify(bad, KEY, PROV, page)
+
+
+def test_threads_tagging_at_once_each_get_their_pages_tags():
+    """One ``PageAuth`` shared by a rank's reader threads: each thread's MAC state
+    is its own, so tags made side by side are each the page's."""
+    auth = PageAuth(SECRET)
+    pages = [payload((1 << 20) + i) for i in range(4)]  # long tags: the threads overlap
+    tags = [auth.sign(p, PROV, KEY) for p in pages]
+
+    def check(i: int) -> bool:
+        ok = True
+        for _ in range(50):
+            ok &= auth.verify(tags[i], KEY, PROV, pages[i])
+            ok &= not auth.verify(tags[i], KEY, PROV, pages[(i + 1) % 4])
+        return ok
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, range(4)))
 
 
 @pytest.mark.parametrize("backend", ["file", "segment"])
