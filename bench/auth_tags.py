@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from fabric.l3.auth import PageAuth
+from fabric.l3.auth import AEGIS_NONCE, PageAuth
 from fabric.l3.format import checksum
 
 
@@ -112,7 +112,9 @@ def main() -> None:
         for threads in (1, 2):
             print(f"auth_tags: {name}, {threads} thread(s)", file=sys.stderr, flush=True)
             out[f"{name}_{threads}t_gb_per_s"] = round(rate(check, pages, threads, args.seconds), 2)
-    tag = "aegis_128x4_tag" if PageAuth.nonce_bytes(pages.shape[1]) == 16 else "aes_gcm_tag"
+    tag = (
+        "aegis_128x4_tag" if PageAuth.nonce_bytes(pages.shape[1]) == AEGIS_NONCE else "aes_gcm_tag"
+    )
     out["tag"] = tag
     out["tag_over_crc_cpu"] = round(out["crc32_1t_gb_per_s"] / out[f"{tag}_1t_gb_per_s"], 2)
     out["page_kib"] = args.page_kib

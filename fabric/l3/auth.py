@@ -39,7 +39,7 @@ _AEGIS_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4/v1\0"
 MIN_SECRET_BYTES = 16
 # Payloads from this length on are tagged with AEGIS-128X4: below it AES-GCM's
 # call costs less (one thread, ``bench/auth_tags.py --page-kib N``: at 32 KiB
-# GCM 10.7 GB/s, AEGIS 10.1; at 64 KiB 14.9 and 17.9; at 128 KiB 17.0 and 26.7).
+# GCM 10.9 GB/s, AEGIS-MAC 9.2; at 64 KiB 11.8 and 13.7; at 128 KiB 14.3 and 21.9).
 AEGIS_FROM = 64 << 10
 GCM_NONCE, AEGIS_NONCE = 12, 16
 
@@ -88,7 +88,7 @@ class PageAuth:
     @staticmethod
     def nonce_bytes(payload_len: int) -> int:
         """The nonce's length ``sign`` gives a payload of ``payload_len`` bytes
-        (it names the AEAD: 16 bytes AEGIS-128X4, 12 AES-GCM)."""
+        (it names the MAC: 16 bytes AEGIS-128X4's, 12 AES-GCM's)."""
         return AEGIS_NONCE if payload_len >= AEGIS_FROM else GCM_NONCE
 
     def sign(self, payload: Any, provenance: Provenance, key: str) -> dict[str, bytes]:
