@@ -1,7 +1,9 @@
 """What an authenticated L3 page's tag costs against the CRC-32 it replaces, on
 pages the CPU cache holds (as a direct read checks them, ``fabric.l3.run_reads``):
-the two tags kvfabric computes (``PageAuth.tag_ok``: AEGIS-128X4, which pages
-from 64 KiB carry, and AES-GCM's, which smaller ones carry), zlib-ng's CRC-32,
+the two tags kvfabric writes (``PageAuth.tag_ok``: AEGIS-128X4's, which pages
+from 64 KiB carry, and AES-GCM's, which smaller ones carry), AEGIS-128X4's MAC
+mode (the tag pages from 64 KiB carried before: read, no longer written),
+zlib-ng's CRC-32,
 and keyed BLAKE3 where ``blake3`` is installed (``pip install -e '.[bench]'``),
 each on one thread and on two at once (whether the library releases the GIL
 while it hashes).
@@ -27,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from fabric.l3.auth import AEGIS_NONCE, PageAuth
+from fabric.l3.auth import AEGIS_MAC_NONCE, AEGIS_NONCE, GCM_NONCE, PageAuth
 from fabric.l3.format import checksum
 
 
@@ -48,7 +50,11 @@ def parse() -> argparse.Namespace:
 def checks(others: bool = False) -> dict:
     auth, bound = PageAuth(os.urandom(32)), b"k" * 64 + b"\0model"
     found = {"crc32": checksum}
-    for name, nonce in (("aegis_128x4_tag", os.urandom(16)), ("aes_gcm_tag", os.urandom(12))):
+    for name, nonce in (
+        ("aegis_128x4_tag", os.urandom(AEGIS_NONCE)),
+        ("aes_gcm_tag", os.urandom(GCM_NONCE)),
+        ("aegis_128x4_mac_mode_tag", os.urandom(AEGIS_MAC_NONCE)),
+    ):
         found[name] = lambda page, nonce=nonce: auth.tag_ok(nonce, bytes(16), bound, page)
     if others:
         found.update(other_macs())

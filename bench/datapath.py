@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from fabric.config import FabricConfig
-from fabric.l3.auth import PageAuth
+from fabric.l3.auth import AEGIS_NONCE, GCM_NONCE, PageAuth
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import Provenance
 from fabric.l3.service import StorageService, page_geometry
@@ -311,7 +311,10 @@ def checksums(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
     # AEGIS-128X4 on a page of 256 KiB, AES-GCM's on small ones): read and tag over
     # read and CRC, on one thread, is what the tag adds to a read at the least.
     auth, bound = PageAuth(os.urandom(32)), b"k" * 80 + b"\0model"
-    for name, nonce in (("aegis_tag", os.urandom(16)), ("aes_gcm_tag", os.urandom(12))):
+    for name, nonce in (
+        ("aegis_tag", os.urandom(AEGIS_NONCE)),
+        ("aes_gcm_tag", os.urandom(GCM_NONCE)),
+    ):
         sums[name] = lambda row, nonce=nonce: auth.tag_ok(nonce, bytes(16), bound, row)
     call, nbytes = 256 << 10, args.pages * args.page_kib * 1024
     path = work / "sums.bin"
@@ -338,7 +341,7 @@ def checksums(args: argparse.Namespace, work: pathlib.Path) -> dict[str, float]:
 def main() -> None:
     args = parse()
     if args.aes_gcm_only:  # every page signed with a 12-byte nonce: AES-GCM's tag
-        PageAuth.nonce_bytes = staticmethod(lambda payload_len: 12)
+        PageAuth.nonce_bytes = staticmethod(lambda payload_len: GCM_NONCE)
     with tempfile.TemporaryDirectory(prefix="kvfabric-datapath-", dir=ROOT) as tmp:
         say(f"L3: {args.pages} pages of {args.page_kib} KiB")
         t = l3_paths(args, pathlib.Path(tmp))

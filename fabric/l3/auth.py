@@ -2,24 +2,32 @@
 the store (shared storage: other tenants' workers, other engines, operators)
 cannot make a page the fabric serves without the secret.
 
-A tag binds the page's key and model tag and every payload byte, with a random
-nonce per page whose length names the MAC:
+A tag binds the page's key and model tag (the *bound*) and every payload byte,
+with a random nonce per page whose length names the MAC:
 
-- **AEGIS-128X4's MAC** (AEGIS-MAC: ``pyaegis``, libaegis), a 16-byte nonce,
-  for payloads of ``AEGIS_FROM`` bytes and more: over the nonce, the key and
-  model tag (their length first) and the payload. A keyed PRF that needs no
-  unique nonce; 30-34 GB/s at 256 KiB on one core of the project's machine
-  against AES-GCM's 19-20 (``bench/auth_tags.py``), so a read and its tag cost
-  little more than a read and its CRC.
+- **AEGIS-128X4** (``pyaegis``, libaegis), a 32-byte nonce, for payloads of
+  ``AEGIS_FROM`` bytes and more: the AEAD's tag over the payload as associated
+  data and an empty message, under a nonce derived from the page's
+  (``aegis_nonce``: SHA-256 of the page's nonce and the bound, its first 16
+  bytes). An AEAD with an empty message is a MAC of its associated data (GMAC is
+  AES-GCM used so): a tag that verifies for a nonce and payload never tagged
+  together is a forgery against the AEAD's integrity, which AEGIS's analysis
+  covers while the tagging side never repeats a nonce; a fresh random 32-byte
+  nonce per page sees to that, and the bound cannot change without the derived
+  nonce changing (short of a SHA-256 second preimage). One call into libaegis a
+  page (one GIL hand-off, as the CRC's): 30-46 GB/s on one core of the
+  project's machine against AES-GCM's 19-20 (``bench/auth_tags.py``).
 - **AES-GCM** (``cryptography``), a 12-byte nonce, for smaller payloads, where
-  its cheaper call wins: the key and model tag as the (discarded) plaintext,
-  the payload as associated data. Random 96-bit nonces keep a key safe for
-  about 2**32 such pages (NIST SP 800-38D): rotate the secret (and clear L3)
-  well before.
+  its cheaper call wins: the bound as the (discarded) plaintext, the payload as
+  associated data. Random 96-bit nonces keep a key safe for about 2**32 such
+  pages (NIST SP 800-38D): rotate the secret (and clear L3) well before.
+- **AEGIS-128X4's MAC mode**, a 16-byte nonce: read, never written. Pages from
+  64 KiB carried it from kvfabric's first AEGIS tags until these (four calls a
+  page, so more GIL hand-offs between a rank's reader threads).
 
-A reader accepts either, whatever the page's length (a store written before
-AEGIS tags is still served). Each has its own key: SHA-256 of its domain string
-and the secret. A page without a valid tag is a miss counted ``refused_auth``.
+A reader accepts each, whatever the page's length (a store written before is
+still served). Each has its own key: SHA-256 of its domain string and the
+secret. A page without a valid tag is a miss counted ``refused_auth``.
 """
 
 from __future__ import annotations
@@ -35,13 +43,16 @@ from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
 
 _GCM_DOMAIN = b"kvfabric/l3-page-auth/v1\0"
-_AEGIS_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4/v1\0"
+_AEGIS_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4-aead/v1\0"
+_NONCE_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4-nonce/v1\0"
+_MAC_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4/v1\0"  # the MAC mode's (read only)
 MIN_SECRET_BYTES = 16
 # Payloads from this length on are tagged with AEGIS-128X4: below it AES-GCM's
 # call costs less (one thread, ``bench/auth_tags.py --page-kib N``: at 32 KiB
 # GCM 10.9 GB/s, AEGIS-MAC 9.2; at 64 KiB 11.8 and 13.7; at 128 KiB 14.3 and 21.9).
 AEGIS_FROM = 64 << 10
-GCM_NONCE, AEGIS_NONCE = 12, 16
+GCM_NONCE, AEGIS_NONCE, AEGIS_MAC_NONCE = 12, 32, 16
+_NONCES = (GCM_NONCE, AEGIS_NONCE, AEGIS_MAC_NONCE)
 
 
 class PageAuth:
@@ -61,8 +72,10 @@ class PageAuth:
                 f"authenticated L3 pages need pyaegis ({exc}): pip install 'kvfabric[auth]'"
             ) from None
         self._gcm = AESGCM(hashlib.sha256(_GCM_DOMAIN + secret).digest())
-        self._mac_type = AegisMac128X4
+        self._aegis = _aegis_128x4()
         self._aegis_key = hashlib.sha256(_AEGIS_DOMAIN + secret).digest()[:16]
+        self._mac_type = AegisMac128X4
+        self._mac_key = hashlib.sha256(_MAC_DOMAIN + secret).digest()[:16]
         self._macs = threading.local()  # a MAC state a thread, reset for each tag
         self._buffer = cffi.FFI().from_buffer  # a payload handed to libaegis uncopied
 
@@ -88,7 +101,7 @@ class PageAuth:
     @staticmethod
     def nonce_bytes(payload_len: int) -> int:
         """The nonce's length ``sign`` gives a payload of ``payload_len`` bytes
-        (it names the MAC: 16 bytes AEGIS-128X4's, 12 AES-GCM's)."""
+        (it names the MAC: 32 bytes AEGIS-128X4's, 12 AES-GCM's)."""
         return AEGIS_NONCE if payload_len >= AEGIS_FROM else GCM_NONCE
 
     def sign(self, payload: Any, provenance: Provenance, key: str) -> dict[str, bytes]:
@@ -104,19 +117,79 @@ class PageAuth:
         return self.tag_ok(nonce, mac, self.bound(key, provenance), payload)
 
     def tag_ok(self, nonce: bytes, mac: bytes, bound: bytes, payload: Any) -> bool:
-        """Whether ``mac`` (with ``nonce``: 12 or 16 bytes) is ``payload``'s tag
-        for ``bound`` (``PageAuth.bound``: its key and model tag)."""
-        if len(nonce) not in (GCM_NONCE, AEGIS_NONCE):
+        """Whether ``mac`` (with ``nonce``: 12, 16 or 32 bytes) is ``payload``'s
+        tag for ``bound`` (``PageAuth.bound``: its key and model tag)."""
+        if len(nonce) == AEGIS_NONCE:  # libaegis compares the tag (in constant time)
+            return len(mac) == 16 and self._aegis.ok(
+                self._aegis_key, aegis_nonce(nonce, bound), mac, self._buffer(payload)
+            )
+        if len(nonce) not in _NONCES:
             return False
         return hmac.compare_digest(self._tag(nonce, bound, payload), mac)
 
     def _tag(self, nonce: bytes, bound: bytes, payload: Any) -> bytes:
-        if len(nonce) != AEGIS_NONCE:
+        if len(nonce) == AEGIS_NONCE:  # the AEAD's tag of an empty message
+            return self._aegis.tag(
+                self._aegis_key, aegis_nonce(nonce, bound), self._buffer(payload)
+            )
+        if len(nonce) == GCM_NONCE:
             return self._gcm.encrypt(nonce, bound, payload)[-16:]
-        mac = getattr(self._macs, "mac", None)
+        mac = getattr(self._macs, "mac", None)  # the MAC mode (pages written before)
         if mac is None:  # its own nonce all zeros (libaegis allows it): the page's is input
-            mac = self._macs.mac = self._mac_type(self._aegis_key, bytes(AEGIS_NONCE), 16)
+            mac = self._macs.mac = self._mac_type(self._mac_key, bytes(AEGIS_MAC_NONCE), 16)
         mac.reset()
         mac.update(nonce + len(bound).to_bytes(2, "little") + bound)
         mac.update(self._buffer(payload))
         return mac.final()
+
+
+def aegis_nonce(nonce: bytes, bound: bytes) -> bytes:
+    """The AEGIS-128X4 nonce of a page's tag: SHA-256 of the page's own nonce and
+    the bound (its length first), its first 16 bytes."""
+    made = hashlib.sha256(_NONCE_DOMAIN + nonce + len(bound).to_bytes(2, "little") + bound)
+    return made.digest()[:16]
+
+
+def _aegis_128x4() -> Any:
+    """AEGIS-128X4's tag of an empty message over associated data, made and
+    checked in one call into libaegis: through ``pyaegis``'s own cffi module
+    where it has one (``tag``, ``ok``), else through its ``Aegis128X4`` class
+    (the same call, behind a few more Python steps)."""
+    try:
+        from pyaegis._aegis_ffi import ffi, lib
+    except ImportError:
+        return _AegisClass()
+    return _AegisLib(ffi, lib)
+
+
+class _AegisLib:
+    def __init__(self, ffi: Any, lib: Any) -> None:
+        self._ffi, self._encrypt = ffi, lib.aegis128x4_encrypt_detached
+        self._decrypt = lib.aegis128x4_decrypt_detached
+
+    def tag(self, key: bytes, nonce: bytes, data: Any) -> bytes:
+        out, null = self._ffi.new("uint8_t[16]"), self._ffi.NULL
+        if self._encrypt(null, out, 16, null, 0, data, len(data), nonce, key) != 0:
+            raise RuntimeError("libaegis failed to tag a page")
+        return bytes(self._ffi.buffer(out))
+
+    def ok(self, key: bytes, nonce: bytes, mac: bytes, data: Any) -> bool:
+        null = self._ffi.NULL
+        return self._decrypt(null, null, 0, mac, 16, data, len(data), nonce, key) == 0
+
+
+class _AegisClass:
+    def __init__(self) -> None:
+        from pyaegis import Aegis128X4, DecryptionError
+
+        self._aegis, self._refused = Aegis128X4(tag_size=16), DecryptionError
+
+    def tag(self, key: bytes, nonce: bytes, data: Any) -> bytes:
+        return self._aegis.encrypt(key, nonce, b"", data)
+
+    def ok(self, key: bytes, nonce: bytes, mac: bytes, data: Any) -> bool:
+        try:
+            self._aegis.decrypt(key, nonce, mac, data)
+        except self._refused:
+            return False
+        return True

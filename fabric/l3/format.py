@@ -262,6 +262,7 @@ class FastCheck:
         self._prov = pack("prov") + pack(provenance.as_wire())
         self._bound = b"\0" + provenance.tag.encode("ascii")  # after the key (PageAuth.bound)
         self._templates: dict[tuple[int, int], tuple | None] = {}
+        self._parts: dict[tuple[int, int], tuple] = {}  # (``_auth_parts``)
 
     def __call__(self, head: Any, payload: Any, key: str) -> bool:
         """Whether ``head`` (preamble and header) and ``payload`` are the page
@@ -272,22 +273,47 @@ class FastCheck:
             body = before + pack(checksum(payload)) + self._prov
             return head == MAGIC + len(body).to_bytes(4, "little") + body
         h = head if isinstance(head, bytes) else bytes(head)
-        at, tail, nonce_at = PREAMBLE + len(before), len(h) - self._auth_tail, len(self._nonce)
-        sum_end = tail - len(self._prov)
+        raw_key = key.encode("ascii")
+        parts = self._parts.get((len(raw_key), len(h)))
+        if parts is None:
+            parts = self._auth_parts(len(raw_key), len(h))
+        if not parts:  # not the form this key's header takes: ``check_read`` decides
+            return False
+        before, key_at, after_key, sum_end, after_sum, nonce_at, after_nonce, mac_at = parts
         if not (
-            sum_end > at
-            and h.startswith(MAGIC)
-            and int.from_bytes(h[len(MAGIC) : PREAMBLE], "little") == len(h) - PREAMBLE
-            and h.startswith(before, PREAMBLE)
-            and h.startswith(self._prov, sum_end)
-            and h.startswith(self._nonce, tail)
-            and h.startswith(_MAC, tail + nonce_at + self._nonce_len)
+            h.startswith(before)
+            and h.startswith(raw_key, key_at)
+            and h.startswith(after_key, key_at + len(raw_key))
+            and h.startswith(after_sum, sum_end)
+            and h.startswith(after_nonce, nonce_at + self._nonce_len)
         ):
             return False
-        if _UINT_LEN.get(h[at]) != sum_end - at:  # the checksum: one msgpack integer
-            return False
-        nonce, mac = h[tail + nonce_at : tail + nonce_at + self._nonce_len], h[-16:]
-        return bool(self.auth.tag_ok(nonce, mac, key.encode("ascii") + self._bound, payload))
+        nonce, mac = h[nonce_at : nonce_at + self._nonce_len], h[mac_at:]
+        return bool(self.auth.tag_ok(nonce, mac, raw_key + self._bound, payload))
+
+    def _auth_parts(self, key_len: int, head_len: int) -> tuple:
+        """Where an authenticated header of a key of ``key_len`` characters that
+        is ``head_len`` bytes long holds what: the bytes before its key, the
+        key's offset, the bytes from the key to the checksum's value (a 4-byte
+        integer, not compared: the tag covers the payload), where that ends, the
+        bytes from there to the nonce, the nonce's offset, the bytes from the
+        nonce to the tag, the tag's offset; ``()`` for any other form."""
+        template = self._template(key_len, head_len)
+        parts: tuple = ()
+        if template is not None:
+            row, key_at, sum_at, _ = template
+            head = row.tobytes()
+            nonce_at = head_len - self._auth_tail + len(self._nonce)
+            after_nonce = nonce_at + self._nonce_len
+            parts = (
+                head[:key_at], key_at, head[key_at + key_len : sum_at], sum_at + 4,
+                head[sum_at + 4 : nonce_at], nonce_at, head[after_nonce : head_len - 16],
+                head_len - 16,
+            )  # fmt: skip
+        if len(self._parts) > 16:
+            self._parts.clear()
+        self._parts[key_len, head_len] = parts
+        return parts
 
     def run(self, heads: np.ndarray, payloads: np.ndarray, keys: Sequence[str]) -> int:
         """How many leading pages of a run pass, decided for the run at once:
@@ -369,8 +395,6 @@ class FastCheck:
         return made
 
 
-# msgpack's unsigned integers by their first byte: how long each is.
-_UINT_LEN = {**dict.fromkeys(range(0x80), 1), 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
 _NONCE = b"\xa5nonce\xc4"  # the header's "nonce" (then its length: 12 or 16 bytes)
 _MAC = b"\xa3mac\xc4\x10"  # its "mac": 16 bytes
 

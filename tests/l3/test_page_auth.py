@@ -1,7 +1,8 @@
 """An authenticated page's tag (``fabric.l3.auth.PageAuth``) binds the page's
 key, its model tag and every payload byte, under AEGIS-128X4 for pages from
 ``AEGIS_FROM`` bytes and AES-GCM below; the nonce's length names the MAC, a
-reader takes either, and nothing else passes."""
+reader takes each (and the MAC mode's tags of stores written before), and
+nothing else passes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from fabric.errors import ConfigError
-from fabric.l3.auth import AEGIS_FROM, PageAuth
+from fabric.l3.auth import AEGIS_FROM, AEGIS_MAC_NONCE, AEGIS_NONCE, GCM_NONCE, PageAuth
 from fabric.l3.direct import DirectReads
 from fabric.l3.format import PREAMBLE, Provenance
 from fabric.l3.service import StorageService
@@ -31,7 +32,7 @@ def payload(size: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "size, nonce", [(512, 12), (AEGIS_FROM - 1, 12), (AEGIS_FROM, 16), (1 << 20, 16)]
+    "size, nonce", [(512, 12), (AEGIS_FROM - 1, 12), (AEGIS_FROM, 32), (1 << 20, 32)]
 )
 def test_a_tag_binds_the_key_the_model_and_every_payload_byte(size, nonce):
     auth, page = PageAuth(SECRET), payload(size)
@@ -52,33 +53,41 @@ def test_a_tag_binds_the_key_the_model_and_every_payload_byte(size, nonce):
     assert other["nonce"] != header["nonce"] and other["mac"] != header["mac"]
 
 
-def test_a_nonce_names_its_mac_and_no_other_length_or_mix_passes(monkeypatch):
+def signed_as(nonce: int, auth: PageAuth, page: np.ndarray) -> dict:
+    """``page``'s tag fields under a ``nonce``-byte nonce, whatever its length
+    (12: AES-GCM's, 16: AEGIS's MAC mode, as stores written before have them)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(PageAuth, "nonce_bytes", staticmethod(lambda n: nonce))
+        return auth.sign(page, PROV, KEY)
+
+
+def test_a_nonce_names_its_mac_and_no_other_length_or_mix_passes():
     auth, page = PageAuth(SECRET), payload(AEGIS_FROM)
-    tagged = auth.sign(page, PROV, KEY)
-    with monkeypatch.context() as m:  # as a store written before AEGIS tags has it
-        m.setattr(PageAuth, "nonce_bytes", staticmethod(lambda n: 12))
-        older = auth.sign(page, PROV, KEY)
-    assert len(older["nonce"]) == 12 and auth.verify(older, KEY, PROV, page)
-    # A GCM tag under a 16-byte nonce, an AEGIS tag under 12: neither MAC's.
-    assert not auth.verify(
-        {"nonce": older["nonce"] + bytes(4), "mac": older["mac"]}, KEY, PROV, page
-    )
-    assert not auth.verify({"nonce": tagged["nonce"][:12], "mac": tagged["mac"]}, KEY, PROV, page)
-    assert not auth.verify({"nonce": os.urandom(16), "mac": tagged["mac"]}, KEY, PROV, page)
-    for n in (0, 8, 11, 13, 15, 17, 32):
-        forged = {"nonce": tagged["nonce"][:n].ljust(n, b"\0"), "mac": tagged["mac"]}
-        assert not auth.verify(forged, KEY, PROV, page)
-    for bad in ({}, {"nonce": tagged["nonce"]}, {"nonce": "x" * 16, "mac": tagged["mac"]},
-                {"nonce": tagged["nonce"], "mac": tagged["mac"][:8]}):  # fmt: skip
-        assert not auth.verify(bad, KEY, PROV, page)
+    tags = {n: signed_as(n, auth, page) for n in (GCM_NONCE, AEGIS_MAC_NONCE, AEGIS_NONCE)}
+    assert len(auth.sign(page, PROV, KEY)["nonce"]) == AEGIS_NONCE  # what is written
+    for n, tag in tags.items():
+        assert len(tag["nonce"]) == n and auth.verify(tag, KEY, PROV, page), n
+        for other in tags:  # one MAC's tag under another's nonce length
+            if other != n:
+                nonce = tag["nonce"][:other].ljust(other, b"\0")
+                assert not auth.verify({"nonce": nonce, "mac": tag["mac"]}, KEY, PROV, page)
+        for length in (0, 8, 11, 13, 15, 17, 31, 33, 64):
+            forged = {"nonce": tag["nonce"][:length].ljust(length, b"\0"), "mac": tag["mac"]}
+            assert not auth.verify(forged, KEY, PROV, page), (n, length)
+        for bad in ({}, {"nonce": tag["nonce"]}, {"nonce": "x" * n, "mac": tag["mac"]},
+                    {"nonce": tag["nonce"], "mac": tag["mac"][:8]},
+                    {"nonce": tag["nonce"], "mac": tag["mac"] + bytes(16)},
+                    {"nonce": os.urandom(n), "mac": tag["mac"]}):  # fmt: skip
+            assert not auth.verify(bad, KEY, PROV, page), (n, bad)
 
 
-def test_threads_tagging_at_once_each_get_their_pages_tags():
-    """One ``PageAuth`` shared by a rank's reader threads: each thread's MAC state
-    is its own, so tags made side by side are each the page's."""
+@pytest.mark.parametrize("nonce", [AEGIS_NONCE, AEGIS_MAC_NONCE, GCM_NONCE])
+def test_threads_tagging_at_once_each_get_their_pages_tags(nonce):
+    """One ``PageAuth`` shared by a rank's reader threads: tags made side by side
+    (the MAC mode's from a state each thread keeps) are each the page's."""
     auth = PageAuth(SECRET)
     pages = [payload((1 << 20) + i) for i in range(4)]  # long tags: the threads overlap
-    tags = [auth.sign(p, PROV, KEY) for p in pages]
+    tags = [signed_as(nonce, auth, p) for p in pages]
 
     def check(i: int) -> bool:
         ok = True
@@ -91,20 +100,22 @@ def test_threads_tagging_at_once_each_get_their_pages_tags():
         assert all(pool.map(check, range(4)))
 
 
+@pytest.mark.parametrize("nonce", [GCM_NONCE, AEGIS_MAC_NONCE])
 @pytest.mark.parametrize("backend", ["file", "segment"])
-def test_a_store_tagged_with_aes_gcm_only_is_served_by_both_read_paths(
-    tmp_path, monkeypatch, backend
+def test_a_store_tagged_by_an_earlier_kvfabric_is_served_by_both_read_paths(
+    tmp_path, monkeypatch, backend, nonce
 ):
-    """Pages of 64 KiB an earlier kvfabric tagged with AES-GCM: each read path
-    serves them (by the full check) and refuses a damaged one alike."""
+    """Pages of 64 KiB an earlier kvfabric tagged with AES-GCM or AEGIS's MAC
+    mode: each read path serves them (by the full check) and refuses a damaged
+    one alike."""
     with monkeypatch.context() as m:
-        m.setattr(PageAuth, "nonce_bytes", staticmethod(lambda n: 12))
+        m.setattr(PageAuth, "nonce_bytes", staticmethod(lambda n: nonce))
         cfg, writer, data = store(tmp_path, backend, "aegis")
     path, offset, head, _ = record(writer, 0)
     with open(path, "rb") as f:
         f.seek(offset + PREAMBLE)
         header = msgpack.unpackb(f.read(head - PREAMBLE))
-    assert len(header["nonce"]) == 12 and data.shape[1] >= AEGIS_FROM
+    assert len(header["nonce"]) == nonce and data.shape[1] >= AEGIS_FROM
     writer.detach()
     service = StorageService(cfg)
     direct = DirectReads(service, cfg)
