@@ -263,6 +263,8 @@ class FastCheck:
         self._bound = b"\0" + provenance.tag.encode("ascii")  # after the key (PageAuth.bound)
         self._templates: dict[tuple[int, int], tuple | None] = {}
         self._parts: dict[tuple[int, int], tuple] = {}  # (``_auth_parts``)
+        if auth is not None:  # the nonce's and tag's lengths are the header's form's
+            self._tag_ok = auth.checker(self._nonce_len)
 
     def __call__(self, head: Any, payload: Any, key: str) -> bool:
         """Whether ``head`` (preamble and header) and ``payload`` are the page
@@ -273,23 +275,30 @@ class FastCheck:
             body = before + pack(checksum(payload)) + self._prov
             return head == MAGIC + len(body).to_bytes(4, "little") + body
         h = head if isinstance(head, bytes) else bytes(head)
+        return self._authed(h, 0, len(h), key, payload)
+
+    def _authed(self, heads: bytes, at: int, head_len: int, key: str, payload: Any) -> bool:
+        """``__call__`` with ``auth`` for the header of ``head_len`` bytes at
+        ``at`` in ``heads`` (one header, or a run's one after another): its
+        fixed parts compared as slices, then its tag."""
         raw_key = key.encode("ascii")
-        parts = self._parts.get((len(raw_key), len(h)))
+        parts = self._parts.get((len(raw_key), head_len))
         if parts is None:
-            parts = self._auth_parts(len(raw_key), len(h))
+            parts = self._auth_parts(len(raw_key), head_len)
         if not parts:  # not the form this key's header takes: ``check_read`` decides
             return False
         before, key_at, after_key, sum_end, after_sum, nonce_at, after_nonce, mac_at = parts
+        nonce_end = at + nonce_at + self._nonce_len
         if not (
-            h.startswith(before)
-            and h.startswith(raw_key, key_at)
-            and h.startswith(after_key, key_at + len(raw_key))
-            and h.startswith(after_sum, sum_end)
-            and h.startswith(after_nonce, nonce_at + self._nonce_len)
+            heads.startswith(before, at)
+            and heads.startswith(raw_key, at + key_at)
+            and heads.startswith(after_key, at + key_at + len(raw_key))
+            and heads.startswith(after_sum, at + sum_end)
+            and heads.startswith(after_nonce, nonce_end)
         ):
             return False
-        nonce, mac = h[nonce_at : nonce_at + self._nonce_len], h[mac_at:]
-        return bool(self.auth.tag_ok(nonce, mac, raw_key + self._bound, payload))
+        nonce, mac = heads[at + nonce_at : nonce_end], heads[at + mac_at : at + head_len]
+        return self._tag_ok(nonce, mac, raw_key + self._bound, payload)
 
     def _auth_parts(self, key_len: int, head_len: int) -> tuple:
         """Where an authenticated header of a key of ``key_len`` characters that
@@ -359,6 +368,13 @@ class FastCheck:
         """From page ``i`` on, how many more pass ``__call__`` one at a time
         (``heads``: a header a row)."""
         start = i
+        if self.auth is not None:  # the run's headers as one bytes object
+            whole, width = heads[i:].tobytes(), heads.shape[1]
+            while i < len(keys) and self._authed(
+                whole, (i - start) * width, width, keys[i], payloads[i]
+            ):
+                i += 1
+            return i - start
         while i < len(keys) and self(heads[i].tobytes(), payloads[i], keys[i]):
             i += 1
         return i - start

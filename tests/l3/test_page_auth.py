@@ -136,3 +136,18 @@ def test_without_pyaegis_a_secret_is_a_config_error_naming_the_extra(monkeypatch
     monkeypatch.setitem(sys.modules, "pyaegis", None)
     with pytest.raises(ConfigError, match=r"need pyaegis .*pip install 'kvfabric\[auth\]'"):
         PageAuth(SECRET)
+
+
+def test_without_pyaegis_cffi_module_its_class_makes_the_same_tags(monkeypatch):
+    """Where ``pyaegis`` has no ``_aegis_ffi`` module (another release), its
+    ``Aegis128X4`` class makes and checks the same AEGIS tags."""
+    page, fast = payload(AEGIS_FROM + 3), PageAuth(SECRET)
+    monkeypatch.setitem(sys.modules, "pyaegis._aegis_ffi", None)
+    slow = PageAuth(SECRET)
+    for signer, reader in ((fast, slow), (slow, fast), (slow, slow)):
+        header = signer.sign(page, PROV, KEY)
+        assert len(header["nonce"]) == AEGIS_NONCE and reader.verify(header, KEY, PROV, page)
+        flipped = page.copy()
+        flipped[7] ^= 1
+        assert not reader.verify(header, KEY, PROV, flipped)
+        assert not reader.verify({**header, "mac": bytes(16)}, KEY, PROV, page)
