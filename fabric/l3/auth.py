@@ -14,11 +14,12 @@ with a random nonce per page whose length names the MAC:
   together is a forgery against the AEAD's integrity, which AEGIS's analysis
   covers while the tagging side never repeats a nonce; a fresh random 32-byte
   nonce per page sees to that, and the bound cannot change without the derived
-  nonce changing (short of a SHA-256 second preimage). One call into libaegis a
-  page (one GIL hand-off, as the CRC's): 30-46 GB/s on one core of the
-  project's machine against AES-GCM's 19-20 (``bench/auth_tags.py``).
+  nonce changing (short of a second preimage of its 128 bits). One call into libaegis a
+  page (one GIL hand-off, as the CRC's): 34 GB/s at 256 KiB on one core of the
+  project's machine, the CRC's speed, against AES-GCM's 18.5
+  (``bench/auth_tags.py``).
 - **AES-GCM** (``cryptography``), a 12-byte nonce, for smaller payloads, where
-  its cheaper call wins: the bound as the (discarded) plaintext, the payload as
+  its call costs as little: the bound as the (discarded) plaintext, the payload as
   associated data. Random 96-bit nonces keep a key safe for about 2**32 such
   pages (NIST SP 800-38D): rotate the secret (and clear L3) well before.
 - **AEGIS-128X4's MAC mode**, a 16-byte nonce: read, never written. Pages from
@@ -48,8 +49,8 @@ _NONCE_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4-nonce/v1\0"
 _MAC_DOMAIN = b"kvfabric/l3-page-auth/aegis-128x4/v1\0"  # the MAC mode's (read only)
 MIN_SECRET_BYTES = 16
 # Payloads from this length on are tagged with AEGIS-128X4: below it AES-GCM's
-# call costs less (one thread, ``bench/auth_tags.py --page-kib N``: at 32 KiB
-# GCM 10.9 GB/s, AEGIS-MAC 9.2; at 64 KiB 11.8 and 13.7; at 128 KiB 14.3 and 21.9).
+# call costs as little (one thread, ``bench/auth_tags.py --page-kib N``: at 32 KiB
+# GCM 7.2 GB/s, AEGIS 7.4; at 64 KiB 10.9 and 13.0; at 128 KiB 12.5 and 20.5).
 AEGIS_FROM = 64 << 10
 GCM_NONCE, AEGIS_NONCE, AEGIS_MAC_NONCE = 12, 32, 16
 _NONCES = (GCM_NONCE, AEGIS_NONCE, AEGIS_MAC_NONCE)
