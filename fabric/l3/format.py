@@ -358,7 +358,7 @@ class FastCheck:
                 nonce = heads[i, tail : tail + self._nonce_len].tobytes()
                 mac = heads[i, -16:].tobytes()
                 bound = keys[i].encode("ascii") + self._bound
-                if not self.auth.tag_ok(nonce, mac, bound, payloads[i]):
+                if not self._tag_ok(nonce, mac, bound, payloads[i]):
                     return i + self.one_by_one(heads, payloads, keys, i)
         return passed + self.one_by_one(heads, payloads, keys, passed) if passed < n else n
 
@@ -411,7 +411,7 @@ class FastCheck:
         return made
 
 
-_NONCE = b"\xa5nonce\xc4"  # the header's "nonce" (then its length: 12 or 16 bytes)
+_NONCE = b"\xa5nonce\xc4"  # the header's "nonce" (then its length: 12, 16 or 32 bytes)
 _MAC = b"\xa3mac\xc4\x10"  # its "mac": 16 bytes
 
 
