@@ -300,6 +300,10 @@ class FastCheck:
         nonce, mac = heads[at + nonce_at : nonce_end], heads[at + mac_at : at + head_len]
         return self._tag_ok(nonce, mac, raw_key + self._bound, payload)
 
+    def _nonce_at(self, head_len: int) -> int:
+        """Where the nonce's bytes begin in an authenticated header of ``head_len``."""
+        return head_len - self._auth_tail + len(self._nonce)
+
     def _auth_parts(self, key_len: int, head_len: int) -> tuple:
         """Where an authenticated header of a key of ``key_len`` characters that
         is ``head_len`` bytes long holds what: the bytes before its key, the
@@ -312,7 +316,7 @@ class FastCheck:
         if template is not None:
             row, key_at, sum_at, _ = template
             head = row.tobytes()
-            nonce_at = head_len - self._auth_tail + len(self._nonce)
+            nonce_at = self._nonce_at(head_len)
             after_nonce = nonce_at + self._nonce_len
             parts = (
                 head[:key_at], key_at, head[key_at + key_len : sum_at], sum_at + 4,
@@ -353,7 +357,7 @@ class FastCheck:
             same = (heads[:, fixed] == expected[:, fixed]).all(axis=1)
         passed = n if bool(same.all()) else int(np.argmin(same))
         if self.auth is not None:
-            tail = heads.shape[1] - self._auth_tail + len(self._nonce)
+            tail = self._nonce_at(heads.shape[1])
             for i in range(passed):
                 nonce = heads[i, tail : tail + self._nonce_len].tobytes()
                 mac = heads[i, -16:].tobytes()
@@ -400,7 +404,7 @@ class FastCheck:
                 sum_at = PREAMBLE + len(before) + 1
                 fixed = np.ones(head_len, dtype=bool)  # (with auth: all but these)
                 if self.auth is not None:
-                    nonce_at = head_len - self._auth_tail + len(self._nonce)
+                    nonce_at = self._nonce_at(head_len)
                     fixed[sum_at : sum_at + 4] = False
                     fixed[nonce_at : nonce_at + self._nonce_len] = False
                     fixed[head_len - 16 :] = False  # the tag
