@@ -4,21 +4,24 @@ the connector's scheduler side makes goes through here.
 The engine must serve whatever happens to the fabric. A fabric that cannot be
 reached at start, or whose calls fail or take longer than ``timeout_s``, is
 *down*: one log line says so, every lookup answers "nothing cached" (the engine
-computes), and the link tries again after ``retry_s``. No call waits longer than
-``timeout_s``; reports of stored pages are sent without waiting for their reply,
-and a lookup waits for the engine's earlier reports to land first (the
-coordinator's calls run concurrently, so without it a lookup could overtake
-the report of the pages it asks for).
+computes), and the link tries again after ``retry_s`` — on a thread of its own,
+so that no engine step waits for a connection. No step waits on the fabric
+longer than ``timeout_s`` in all. Reports of stored pages and releases of
+leases are sent without waiting for their reply, and a lookup waits for the
+engine's earlier reports to land first (the coordinator's calls run
+concurrently, so without it a lookup could overtake the report of the pages it
+asks for). Calls larger than the coordinator takes are split.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.coordinator.engine_pages import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
 from fabric.engines.store import StoreOptions
 
 log = logging.getLogger(__name__)
@@ -49,24 +52,58 @@ class FabricLink:
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
+        self._connecting: threading.Thread | None = None
+        self._connected: tuple[Any, StoreOptions | None] | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Attach at start-up, waiting at most ``timeout_s`` (so the first requests
+        can hit); a fabric not there by then is tried again later."""
+        self._try_connect()
+        thread = self._connecting
+        if thread is not None:
+            thread.join(self.timeout_s)
+        self._take_connection()
 
     @property
     def up(self) -> bool:
-        """Whether calls go to the fabric now (connecting first when it is time to try)."""
+        """Whether calls go to the fabric now (a connection is tried, on a thread of
+        its own, when it is time to; never waited for here)."""
+        self._take_connection()
         if self.coordinator is None and self.clock() >= self._retry_at:
-            self._connect()
+            self._try_connect()
         return self.coordinator is not None
+
+    def _try_connect(self) -> None:
+        if self._connecting is not None:
+            return
+        self._retry_at = self.clock() + self.retry_s
+        self._connecting = threading.Thread(
+            target=self._connect, name="kvfabric-connect", daemon=True
+        )
+        self._connecting.start()
 
     def _connect(self) -> None:
         from fabric.client import connect
 
         try:
             fabric = connect(self.name, self.address, self.ray_namespace)
+            result: Any = (fabric.coordinator, store_options(fabric.config))
         except Exception as exc:
-            self._down(f"cannot be reached ({exc})")
+            result = exc
+        with self._lock:
+            self._connected = result
+
+    def _take_connection(self) -> None:
+        with self._lock:
+            result, self._connected = self._connected, None
+        if result is None:
             return
-        self.coordinator = fabric.coordinator
-        self.store = store_options(fabric.config)
+        self._connecting = None
+        if isinstance(result, Exception):
+            self._down(f"cannot be reached ({result})")
+            return
+        self.coordinator, self.store = result
         log.info(
             "kvfabric connector: attached to fabric %r (L3 %s)",
             self.name,
@@ -88,49 +125,68 @@ class FabricLink:
             )
             self._said_down = True
 
-    def ask(
+    def lookup(
         self,
         tag: str,
         world: int,
         chains: list[list[bytes]],
-        leases: list[str] | None = None,
-        lease_s: float = 0.0,
-        release: list[str] | None = None,
-    ) -> Any:
-        """Send one step's lookups (their matches leased under ``leases`` for
-        ``lease_s``, the leases ``release`` names ended); a handle for
-        ``answer``, or ``None`` when down."""
-        if not chains or not self.up:
-            return None
-        self._check_reports(in_flight=0)
-        if not self.up:
-            return None
-        try:
-            return self.coordinator.engine_lookup.remote(
-                tag, world, chains, leases, lease_s, release
-            )
-        except Exception as exc:
-            self._down(f"failed a lookup ({exc})")
-            return None
-
-    def answer(self, handle: Any) -> list[int] | None:
-        """The hits of a step's lookups; ``None`` when the fabric failed them."""
+        leases: list[str] | None,
+        lease_s: float,
+        release: list[str],
+        deadline: float,
+    ) -> list[int] | None:
+        """One step's lookups (their matches leased under ``leases`` for ``lease_s``;
+        the leases ``release`` names ended first), in as many calls as the
+        coordinator's bound asks, all answered by ``deadline``; ``None`` when the
+        fabric is down or failed them."""
         import ray
 
-        if handle is None:
+        if not chains or not self.up:
             return None
+        if not self._check_reports(in_flight=0, deadline=deadline):
+            return None
+        handles = []
         try:
-            return ray.get(handle, timeout=self.timeout_s)
+            for at in range(0, len(chains), MAX_CHAINS_PER_CALL):
+                part = slice(at, at + MAX_CHAINS_PER_CALL)
+                handles.append(
+                    self.coordinator.engine_lookup.remote(
+                        tag, world, chains[part], leases[part] if leases else None, lease_s,
+                        release[:MAX_CHAINS_PER_CALL] if at == 0 else [],
+                    )
+                )  # fmt: skip
+            rest = release[MAX_CHAINS_PER_CALL:]
+            if rest:
+                self.release(tag, world, rest)
+            answers = ray.get(handles, timeout=max(deadline - self.clock(), 0.001))
         except Exception as exc:
             self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
             return None
+        return [hit for part in answers for hit in part]
+
+    def release(self, tag: str, world: int, names: Sequence[str]) -> None:
+        """End leases (their pages are loaded): sent without waiting."""
+        if not names or not tag or not self.up:
+            return
+        try:
+            for at in range(0, len(names), MAX_CHAINS_PER_CALL):
+                part = list(names[at : at + MAX_CHAINS_PER_CALL])
+                self._reports.append(
+                    self.coordinator.engine_lookup.remote(tag, world, [], None, 0.0, part)
+                )
+        except Exception as exc:
+            self._down(f"failed a release ({exc})")
+            return
+        self._check_reports()
 
     def report(self, tag: str, world: int, stored: dict[int, list[StoredRun]]) -> None:
-        """Send ranks' reports of stored pages (their reply is not waited for)."""
+        """Send ranks' reports of stored pages (their reply is not waited for), in
+        parts the coordinator takes."""
         if not stored or not self.up:
             return
         try:
-            self._reports.append(self.coordinator.engine_report.remote(tag, world, stored))
+            for part in _report_parts(stored):
+                self._reports.append(self.coordinator.engine_report.remote(tag, world, part))
         except Exception as exc:
             self._down(f"failed a report ({exc})")
             return
@@ -141,33 +197,56 @@ class FabricLink:
         if not hashes or not self.up:
             return
         try:
-            self._reports.append(self.coordinator.engine_forget.remote(tag, world, list(hashes)))
+            for at in range(0, len(hashes), MAX_PAGES_PER_CALL):
+                part = list(hashes[at : at + MAX_PAGES_PER_CALL])
+                self._reports.append(self.coordinator.engine_forget.remote(tag, world, part))
         except Exception as exc:
             self._down(f"failed a report ({exc})")
+            return
+        self._check_reports()
 
-    def _check_reports(self, in_flight: int = MAX_REPORTS_IN_FLIGHT) -> None:
+    def _check_reports(
+        self, in_flight: int = MAX_REPORTS_IN_FLIGHT, deadline: float | None = None
+    ) -> bool:
         """Collect replies that came; wait for the oldest until no more than
-        ``in_flight`` are left."""
+        ``in_flight`` are left (at most until ``deadline``, or ``timeout_s``).
+        Whether the fabric is still up."""
         import ray
 
         if not self._reports:
-            return
+            return True
         ready, pending = ray.wait(self._reports, num_returns=len(self._reports), timeout=0)
         if len(pending) > in_flight:
-            more, pending = ray.wait(
-                pending, num_returns=len(pending) - in_flight, timeout=self.timeout_s
-            )
+            wait_s = self.timeout_s if deadline is None else max(deadline - self.clock(), 0.0)
+            more, pending = ray.wait(pending, num_returns=len(pending) - in_flight, timeout=wait_s)
             ready += more
             if len(pending) > in_flight:
                 self._down(f"did not answer a report within {self.timeout_s} s")
-                return
+                return False
         self._reports = pending
         for ref in ready:
             try:
                 ray.get(ref, timeout=0)
             except Exception as exc:
                 self._down(f"failed a report ({type(exc).__name__}: {exc})")
-                return
+                return False
+        return True
+
+    def close(self) -> None:
+        """Wait (at most ``timeout_s``) for the reports in flight to land."""
+        if self.coordinator is not None and self._reports:
+            self._check_reports(in_flight=0)
+
+
+def _report_parts(stored: dict[int, list[StoredRun]]) -> list[dict[int, list[StoredRun]]]:
+    """``stored`` cut into reports of at most ``MAX_CHAINS_PER_CALL`` runs per rank."""
+    parts: list[dict[int, list[StoredRun]]] = []
+    for rank, runs in stored.items():
+        for n, at in enumerate(range(0, len(runs), MAX_CHAINS_PER_CALL)):
+            if n == len(parts):
+                parts.append({})
+            parts[n][rank] = list(runs[at : at + MAX_CHAINS_PER_CALL])
+    return parts
 
 
 def store_options(config: Any) -> StoreOptions | None:

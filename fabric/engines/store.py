@@ -233,8 +233,15 @@ class DirectStore(PageStore):
             return [False] * len(keys)
 
     def _load(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int | None:
+        """A page another process stored may not be indexed here yet (segments are
+        rescanned at most once a second): a missing one is looked for again after
+        a rescan before it counts as missing."""
         try:
-            return self.backend.get(keys, out, provenance)
+            n = self.backend.get(keys, out, provenance)
+            if n < len(keys) and not self.backend.present(keys[n : n + 1])[0]:
+                if self.backend.refresh():
+                    n += self.backend.get(keys[n:], out[n:], provenance)
+            return n
         except OSError as exc:
             log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")

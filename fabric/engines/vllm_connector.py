@@ -40,11 +40,15 @@ from fabric.engines.store import parse_options
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricConnectorStats,
+    FabricHandshake,
     FabricStepMeta,
     attention_group,
     block_bytes,
+    checkpoint_of,
+    engine_identity,
     page_provenance,
     placement_of,
+    rank_identity,
 )
 from fabric.engines.vllm_scheduler import SchedulerSide
 from fabric.engines.vllm_worker import L2Options, WorkerSide
@@ -54,6 +58,24 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+log = logging.getLogger(__name__)
+
+
+def _backends(vllm_config: Any) -> dict[str, str]:
+    """The attention backend and implementation in use, per layer (what lays a
+    block out in memory)."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    out = {}
+    for name, layer in context.items():
+        backend = getattr(layer, "attn_backend", None)
+        get_name = getattr(backend, "get_name", None)
+        out[name] = "/".join(
+            [str(get_name() if callable(get_name) else backend),
+             type(getattr(layer, "impl", None)).__name__]
+        )  # fmt: skip
+    return out
 
 
 def _log_to_stderr() -> None:
@@ -86,11 +108,11 @@ class KvFabricConnector(KVConnectorBase_V1):
         self.options: ConnectorOptions = parse_options(
             ConnectorOptions, transfer.kv_connector_extra_config or {}, "kv_connector_extra_config"
         )
-        self.provenance = page_provenance(vllm_config, kv_cache_config)
         placement = placement_of(vllm_config)
         group = attention_group(kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._identity = ""  # this worker's pages' identity, once its KV cache is known
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A page that fails a check must be recomputed, never fail the request.
@@ -102,8 +124,8 @@ class KvFabricConnector(KVConnectorBase_V1):
     def _scheduler_side(self, placement: Any, block_size: int) -> SchedulerSide:
         o = self.options
         link = FabricLink(o.fabric, o.address, o.ray_namespace, o.timeout_s, o.retry_s)
-        side = SchedulerSide(o, self.provenance.tag, placement.suffixes(), block_size, link)
-        link.up  # noqa: B018 - attach at start-up, so the first requests can hit
+        side = SchedulerSide(o, placement.suffixes(), block_size, link)
+        link.start()  # attach at start-up, so the first requests can hit
         return side
 
     def _worker_side(self, placement: Any, group: Any, kv_cache_config: Any) -> WorkerSide:
@@ -119,14 +141,37 @@ class KvFabricConnector(KVConnectorBase_V1):
             get_pp_group().rank_in_group,
         )
         return WorkerSide(
-            self.provenance,
             placement,
             list(group.layer_names),
             kv_cache_config.num_blocks,
             block_bytes(kv_cache_config),
             StoreOptions(path=o.path) if o.path else None,
             L2Options(o.l2_bytes, o.l2_dir, o.fabric, o.ray_namespace),
+            timeout_s=o.timeout_s,
         )
+
+    # -- the engine's identity (vLLM's connector handshake) -----------------------------
+
+    def get_handshake_metadata(self) -> FabricHandshake | None:
+        if self.worker_side is None:
+            return None
+        return FabricHandshake(self.worker_side.placement.rank, self._identity)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        if self.scheduler_side is None:
+            return
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        ranks = {
+            pp * tp + tp_rank: meta
+            for (pp, tp_rank), meta in metadata.items()
+            if isinstance(meta, FabricHandshake)
+        }
+        self.scheduler_side.handshake(ranks)
+
+    def reset_cache(self) -> bool:
+        """After a weight update (``reset_prefix_cache(reset_connector=True)``): pages
+        this engine stored before are never served to it after (a new epoch)."""
+        return self.scheduler_side.reset() if self.scheduler_side is not None else True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -135,8 +180,19 @@ class KvFabricConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Take the KV cache, and name this rank's pages' identity from everything
+        that makes their bytes (``rank_identity``), the layout in use included."""
         assert self.worker_side is not None
-        self.worker_side.register(kv_caches)
+        config, kv_cache_config = self._vllm_config, self._kv_cache_config
+        try:
+            engine = engine_identity(config, checkpoint_of(config))
+            digest = rank_identity(engine, kv_cache_config, kv_caches, _backends(config))
+        except ConfigError as exc:
+            log.error("kvfabric connector: %s; this engine computes every prompt", exc)
+            self.worker_side.register({}, page_provenance(kv_cache_config, "0" * 64))
+            return
+        self.worker_side.register(kv_caches, page_provenance(kv_cache_config, digest))
+        self._identity = "" if self.worker_side.broken else digest
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -161,7 +217,8 @@ class KvFabricConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
             return None, None
-        return None, self.worker_side.finished_loads() or None
+        sent = self.worker_side.finished_sends()
+        return sent or None, self.worker_side.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors() if self.worker_side is not None else set()
@@ -206,14 +263,14 @@ class KvFabricConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:
-            self.scheduler_side.worker_output(
-                connector_output.kv_connector_worker_meta, connector_output.finished_recving
-            )
+            self.scheduler_side.worker_output(connector_output.kv_connector_worker_meta)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.pending_writes()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        if self.scheduler_side is not None:
-            self.scheduler_side.finished(request)
-        return False, None
+        """Whether vLLM keeps the request's blocks for now: while an asynchronous
+        load writes them, or until its last whole pages are stored."""
+        if self.scheduler_side is None:
+            return False, None
+        return self.scheduler_side.finished(request, block_ids), None

@@ -59,12 +59,31 @@ class Fetched:
     pinned: list = field(default_factory=list)  # its slots this load holds
 
 
+class Cancelled(Exception):
+    """A load was given up on (it took longer than the step may wait): its blocks
+    are not written any more."""
+
+
+class LoadGuard:
+    """What a load thread holds while it writes blocks: once ``cancel`` returns,
+    no block is written by it again (vLLM may have given them to another request)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+
+
 class PageMoves:
     """This rank's blocks (``layers``: one row of bytes-worth of elements per
-    block, a tensor per layer), its L3 store and its node L2."""
+    block, a tensor per layer), its L3 store and its node L2. ``provenance`` is
+    the rank's pages' (set once its KV cache is known)."""
 
-    def __init__(self, provenance: Provenance, placement: Placement, block_bytes: int) -> None:
-        self.provenance = provenance
+    def __init__(self, placement: Placement, block_bytes: int) -> None:
+        self.provenance: Provenance | None = None
         self.placement = placement
         self.block_bytes = block_bytes
         self.layers: list[torch.Tensor] = []
@@ -76,8 +95,8 @@ class PageMoves:
         # L2 later, giving the buffer back once done.
         self.promoter: Callable[[list[str], torch.Tensor, torch.Tensor], None] | None = None
 
-    def keys(self, hashes: tuple[bytes, ...]) -> list[str]:
-        tag, suffix = self.provenance.tag, self.placement.suffix
+    def keys(self, tag: str, hashes: tuple[bytes, ...]) -> list[str]:
+        suffix = self.placement.suffix
         return [page_key(h, tag, suffix) for h in hashes]
 
     def buffer(self) -> torch.Tensor:
@@ -93,18 +112,24 @@ class PageMoves:
             if len(self._free) < MAX_FREE_BUFFERS:
                 self._free.append(buffer)
 
-    def load_one(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> tuple[int, int]:
-        """Read the leading pages into their blocks, a batch at a time; how many,
-        and how many of them came from the node's L2."""
+    def load_one(
+        self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...], guard: LoadGuard
+    ) -> tuple[int, int]:
+        """Read the leading pages into their blocks, a batch at a time, while
+        ``guard`` is not cancelled; how many, and how many of them came from the
+        node's L2."""
         if not self.layers:
             return 0, 0
         done = l2 = 0
         for start in range(0, len(hashes), self.batch_pages):
             end = min(start + self.batch_pages, len(hashes))
-            f = self.fetch(hashes[start:end], block_ids[start:end])
+            f = self.fetch(tag, hashes[start:end], block_ids[start:end])
             try:
-                for layer in range(len(self.layers)):
-                    self.scatter_layer(f, layer)
+                with guard.lock:
+                    if guard.cancelled:
+                        raise Cancelled
+                    for layer in range(len(self.layers)):
+                        self.scatter_layer(f, layer)
                 n = self.settle(f)
             finally:
                 self.release(f)
@@ -114,10 +139,11 @@ class PageMoves:
                 break
         return done, l2
 
-    def fetch(self, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
+    def fetch(self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
         """Find the leading pages: those the node's L2 holds (checked in place), the
         others read from L3 into page buffers; the first that is neither ends it."""
-        keys = self.keys(hashes)
+        assert self.provenance is not None
+        keys = self.keys(tag, hashes)
         f = Fetched()
         if not self.layers:
             return f

@@ -1,27 +1,40 @@
 """What a vLLM engine attached through ``KvFabricConnector`` and the fabric agree
-on: the connector's options, the provenance and keys of its pages, and the
+on: the connector's options, the identity and keys of its pages, and the
 messages between its scheduler side and its workers.
 
 One fabric page is one vLLM block of one rank: every layer's KV of the block's
 tokens, for the KV heads that rank holds (TP) in the layers of its stage (PP).
 Pages are named by kvfabric's own chain hash over the block's tokens, seeded by
 the namespace (``fabric.cache.keys``): the tenant the connector serves, with the
-request's cache salt and LoRA adapter folded in, so requests that must not share
-KV never share a key. The provenance names everything that makes a block's
-bytes what they are — model, dtype, block size, layers, heads and head size per
-rank, the TP/PP split, vLLM's version, the device and attention backend (the
-block's layout in memory) — so engines share pages exactly when those agree.
+request's cache salt and LoRA adapter (its weights' fingerprint) folded in, so
+requests that must not share KV never share a key.
+
+A page's key also carries the engine's tag: a digest of everything that makes a
+block's bytes what they are. Each worker computes its rank's identity once its
+KV cache exists (``rank_identity``): the checkpoint's content (a fingerprint of
+its files, so weights replaced in place are a new identity), revision, load
+format, quantization, model and exact KV cache dtypes, the model configuration
+as vLLM runs it (RoPE scaling and overrides included), the TP/PP split, vLLM's
+version and device, and its own layers, KV cache spec, attention backend and
+tensor layout as they are in use. The workers hand their digests to the
+scheduler side at start (vLLM's connector handshake), which names the engine's
+tag from all of them and an epoch that ``reset_cache`` renews, and sends the
+tag with every load and store. Two engines share pages exactly when every rank
+agrees; a page's header carries its rank's identity too, checked on every read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -32,6 +45,8 @@ from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
+
+log = logging.getLogger(__name__)
 
 
 class ConnectorOptions(BaseModel):
@@ -131,41 +146,147 @@ def attention_group(kv_cache_config: Any) -> Any:
             f"this one has {kinds}"
         )
     spec = groups[0].kv_cache_spec
-    if getattr(spec, "sliding_window", None) or getattr(spec, "use_mla", False):
+    if getattr(spec, "sliding_window", None):
         raise ConfigError(
-            f"KvFabricConnector serves full attention with separate K and V; "
-            f"this model's KV cache is {type(spec).__name__}"
+            f"KvFabricConnector serves full attention; this model's KV cache keeps a "
+            f"sliding window of {spec.sliding_window} tokens ({type(spec).__name__})"
+        )
+    if getattr(spec, "use_mla", False):
+        raise ConfigError(
+            f"KvFabricConnector serves attention with separate K and V; this model's KV "
+            f"cache is latent (MLA, {type(spec).__name__})"
         )
     return groups[0]
 
 
-def page_provenance(vllm_config: Any, kv_cache_config: Any) -> Provenance:
-    """The provenance of every page this engine's ranks store (the same on each:
-    the shard is in the key's suffix)."""
+# KV cache dtypes whose block holds every byte of its KV (scales, where there are
+# any, are per layer and come from the checkpoint). Others keep per-token scales
+# beside the blocks, which a page would not carry: the connector refuses them.
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def engine_identity(vllm_config: Any, checkpoint: str) -> dict[str, Any]:
+    """Everything engine-wide that makes a block's bytes what they are, the
+    checkpoint's content (``checkpoint``: its fingerprint) first: two engines
+    share pages only when all of it agrees. ``ConfigError`` for a KV cache dtype
+    whose pages would not hold all of their KV."""
     import vllm
     from vllm.platforms import current_platform
 
-    group = attention_group(kv_cache_config)
-    spec = group.kv_cache_spec
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    dtype = str(spec.dtype).removeprefix("torch.")
-    head_v = spec.head_size_v or spec.head_size
+    cache_dtype = str(cache.cache_dtype)
+    if cache_dtype not in SERVED_CACHE_DTYPES:
+        raise ConfigError(
+            f"KvFabricConnector: kv_cache_dtype={cache_dtype!r} keeps scales beside the KV "
+            f"blocks, which pages would not carry; served are {list(SERVED_CACHE_DTYPES)}"
+        )
+    hf_config = model.hf_config.to_dict() if hasattr(model.hf_config, "to_dict") else {}
     identity = {
         "vllm": vllm.__version__,
         "device": current_platform.device_type,
-        "attention_backend": str(vllm_config.attention_config.backend),
-        "cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+        "checkpoint": checkpoint,
+        "revision": model.revision,
+        "code_revision": getattr(model, "code_revision", None),
+        "load_format": str(vllm_config.load_config.load_format),
+        "quantization": str(model.quantization),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": cache_dtype,
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", [])),
+        # The model's configuration as vLLM runs it, overrides applied: RoPE and its
+        # scaling (K is cached after RoPE), quantization, sliding windows, heads.
+        "hf_config": hf_config,
+        "hf_overrides": getattr(model, "hf_overrides", None),
         "tp": parallel.tensor_parallel_size,
         "pp": parallel.pipeline_parallel_size,
-        "layers": list(group.layer_names),
-        "head_size_v": head_v,
-        "kv_quant": str(getattr(spec, "kv_quant_mode", "")),
     }
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    if hf_config.get("rope_scaling") or hf_config.get("rope_parameters"):
+        identity["max_model_len"] = model.max_model_len  # some scalings depend on it
+    return identity
+
+
+def checkpoint_of(vllm_config: Any) -> str:
+    """The fingerprint of the weights this engine loaded (``fabric.engines.fingerprint``):
+    the model directory or file, or a Hugging Face repo's local snapshot. A model
+    whose files cannot be found gets a fingerprint of its own (logged): its pages
+    are never shared with another process."""
+    from fabric.engines.fingerprint import fingerprint
+
+    model = vllm_config.model_config
+    name = str(model.model)
+    try:
+        if os.path.exists(name):
+            return fingerprint(name)
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            name,
+            revision=model.revision,
+            cache_dir=vllm_config.load_config.download_dir,
+            local_files_only=True,
+        )
+        return fingerprint(local)
+    except Exception as exc:
+        log.warning(
+            "kvfabric connector: the checkpoint of %r cannot be fingerprinted (%s); this "
+            "engine's pages are shared with no other engine process",
+            name, exc,
+        )  # fmt: skip
+        return "unshared-" + os.urandom(16).hex()
+
+
+def rank_identity(
+    engine: dict[str, Any], kv_cache_config: Any, kv_caches: dict[str, Any], backends: dict
+) -> str:
+    """The digest (64 hex digits) of one rank's pages: the engine's identity and
+    this rank's own — its layers (its pipeline stage's), the KV cache spec, and
+    the attention backend and tensor layout actually in use (``backends``: the
+    backend's name per layer)."""
+    group = attention_group(kv_cache_config)
+    spec = group.kv_cache_spec
+    layers = []
+    for name in group.layer_names:
+        kv = kv_caches.get(name)
+        layers.append(
+            [name, backends.get(name), list(getattr(kv, "shape", ())),
+             list(kv.stride()) if hasattr(kv, "stride") else None, str(getattr(kv, "dtype", ""))]
+        )  # fmt: skip
+    identity = {
+        "engine": engine,
+        "spec": {
+            "type": type(spec).__name__,
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "head_size_v": spec.head_size_v or spec.head_size,
+            "dtype": str(spec.dtype),
+            "kv_quant": str(getattr(spec, "kv_quant_mode", "")),
+        },
+        "cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+        "layers": layers,
+    }
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(b"kvfabric/vllm-rank\0" + blob).hexdigest()
+
+
+def engine_tag(rank_digests: list[str], epoch: str) -> str:
+    """The tag of an engine's page keys: every rank's identity (in rank order) and
+    the engine's epoch (``""`` for the weights on disk; a new random one at each
+    ``reset_cache``, so pages stored before it are never served after it)."""
+    blob = json.dumps([rank_digests, epoch]).encode()
+    return hashlib.sha256(b"kvfabric/vllm-engine\0" + blob).hexdigest()[:16]
+
+
+def page_provenance(kv_cache_config: Any, rank_digest: str) -> Provenance:
+    """The provenance a rank's pages carry in their headers (checked on every
+    read): its own identity, and its shard's shape."""
+    group = attention_group(kv_cache_config)
+    spec = group.kv_cache_spec
     return Provenance(
-        model_id=str(vllm_config.model_config.model),
-        layout=f"vllm-block/{digest}",
-        dtype=dtype,
+        model_id="vllm",
+        layout=f"vllm-block/{rank_digest[:32]}",
+        dtype=str(spec.dtype).removeprefix("torch."),
         shard_shape=(len(group.layer_names), spec.num_kv_heads, spec.block_size, spec.head_size),
         page_size=spec.block_size,
     )
@@ -179,27 +300,54 @@ def block_bytes(kv_cache_config: Any) -> int:
     return spec.num_kv_heads * spec.block_size * (spec.head_size + head_v) * itemsize
 
 
-def request_namespace(tenant: str, cache_salt: str | None, lora_name: str | None) -> str:
+def request_namespace(tenant: str, cache_salt: str | None, lora: str | None) -> str:
     """The kvfabric namespace of a request's pages: the tenant, with the cache salt
-    and LoRA adapter (hashed, so any value fits) when the request has them."""
+    and LoRA adapter (``lora``: its identity, ``lora_identity``) hashed in when the
+    request has them, so any value fits."""
     namespace = tenant
     extra = []
     if cache_salt:
         extra.append("salt=" + hashlib.sha256(cache_salt.encode()).hexdigest()[:32])
-    if lora_name:
-        extra.append("lora=" + hashlib.sha256(lora_name.encode()).hexdigest()[:32])
+    if lora:
+        extra.append("lora=" + hashlib.sha256(lora.encode()).hexdigest()[:32])
     if extra:
         namespace += "/" + ",".join(extra)
     assert len(namespace) <= MAX_NAMESPACE_CHARS
     return check_namespace(namespace)
 
 
+def lora_identity(lora_request: Any) -> str:
+    """What names a LoRA adapter's effect on KV: its weights' fingerprint (its
+    directory's), so two adapters of one name but other weights, or one adapter
+    replaced in place, never share pages. An adapter whose files cannot be read
+    gets an identity of its own (logged): its pages are shared with no other
+    engine process."""
+    from fabric.engines.fingerprint import fingerprint
+
+    path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", None)
+    try:
+        if not path:
+            raise FileNotFoundError("the LoRA request names no path")
+        return "lora:" + fingerprint(path)
+    except OSError as exc:
+        log.warning(
+            "kvfabric connector: LoRA adapter %r cannot be fingerprinted (%s); its pages "
+            "are shared with no other engine process",
+            getattr(lora_request, "lora_name", "?"), exc,
+        )  # fmt: skip
+        return "lora-unshared:" + os.urandom(16).hex()
+
+
 @dataclass(frozen=True)
 class PageLoad:
-    """Pages a worker reads into blocks: before the step's forward, or, when
-    ``asynchronous``, on its load thread, reporting the request when done."""
+    """Pages a worker reads into blocks, under the engine's page tag ``tag``:
+    before the step's forward or, when ``asynchronous``, on its load thread,
+    reporting the request when done. Every rank reports how many it loaded under
+    ``load_id`` (``FabricWorkerMeta.loaded``)."""
 
+    load_id: int
     req_id: str
+    tag: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     asynchronous: bool = False
@@ -207,44 +355,62 @@ class PageLoad:
 
 @dataclass(frozen=True)
 class PageSave:
-    """Blocks a worker stores as pages after the step's forward."""
+    """Blocks a worker stores as pages under the tag ``tag`` once the step's
+    forward is done (blocks computed this step or earlier)."""
 
+    tag: str
     run: StoredRun
     block_ids: tuple[int, ...]
 
 
 @dataclass
 class FabricStepMeta(KVConnectorMetadata):
-    """Scheduler -> workers, each step: what to load and store, and where the
-    store is (once the fabric has said; ``None`` until then)."""
+    """Scheduler -> workers, each step: what to load and store, where the store is
+    (once the fabric has said; ``None`` until then), and the finished requests
+    whose blocks vLLM keeps for this step's stores (``finished``: each worker
+    reports them sent once it has gathered them)."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
     store: StoreOptions | None = None
+    finished: list[str] = field(default_factory=list)
 
 
 @dataclass
 class FabricWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, each step, merged over ranks by vLLM: by rank, the
-    pages it stored, the pages it could not load, and the pages whose store it
-    was asked for ended (stored, failed or skipped)."""
+    """Workers -> scheduler, each step, merged over ranks by vLLM:
 
-    stored: dict[int, list[StoredRun]] = field(default_factory=dict)
-    failed: dict[int, list[bytes]] = field(default_factory=dict)
-    ended: dict[int, list[bytes]] = field(default_factory=dict)
+    - ``stored``: ``(tag, rank, run)`` for the pages a rank stored;
+    - ``failed``: ``(tag, rank, page hash)`` for the first page of a load a rank
+      could not load (missing, or refused by a check);
+    - ``ended``: ``(rank, page hash)`` for each page whose store a rank was asked
+      for and ended (stored, failed, dropped or skipped);
+    - ``loaded``: ``(rank, load_id, pages)`` for each load a rank ended, with how
+      many leading pages it loaded (the rest are load errors)."""
+
+    stored: list[tuple[str, int, StoredRun]] = field(default_factory=list)
+    failed: list[tuple[str, int, bytes]] = field(default_factory=list)
+    ended: list[tuple[int, bytes]] = field(default_factory=list)
+    loaded: list[tuple[int, int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> FabricWorkerMeta:
         assert isinstance(other, FabricWorkerMeta)
-        stored = {**self.stored}
-        for rank, runs in other.stored.items():
-            stored[rank] = stored.get(rank, []) + runs
-        failed = {**self.failed}
-        for rank, hashes in other.failed.items():
-            failed[rank] = failed.get(rank, []) + hashes
-        ended = {**self.ended}
-        for rank, hashes in other.ended.items():
-            ended[rank] = ended.get(rank, []) + hashes
-        return FabricWorkerMeta(stored, failed, ended)
+        return FabricWorkerMeta(
+            self.stored + other.stored,
+            self.failed + other.failed,
+            self.ended + other.ended,
+            self.loaded + other.loaded,
+        )
+
+
+@dataclass
+class FabricHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start (vLLM's handshake): the rank and the
+    digest of its pages' identity (``rank_identity``; ``""``: the worker cannot
+    serve its KV cache, and the engine runs without the fabric)."""
+
+    rank: int
+    identity: str
 
 
 # The figures a worker counts between two of vLLM's stats intervals.
@@ -257,6 +423,9 @@ STAT_KEYS = (
     "store_seconds",
     "l2_loaded_pages",
     "l2_stored_pages",
+    "store_dropped_pages",
+    "l2_promotions_dropped",
+    "load_timeouts",
 )
 
 

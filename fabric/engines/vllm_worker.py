@@ -2,21 +2,25 @@
 
 vLLM's KV blocks are this rank's L1 pool; the node's L2 (shared memory, shared
 by the node's engines) and the fabric's L3 lie under it (``vllm_moves``). A
-step's loads run before its forward or, once the forward is seen to wait for
-each layer (``wait_for_layer_load``), layer by layer on a step thread while the
-forward runs; with ``load_async`` they run on a load thread while the engine
-steps on. A step's stores are gathered layer by layer as the forward computes
-them (``save_kv_layer``) and written to L3 and the node's L2 by a writer thread
-while the engine steps on (reported stored once in L3). Each rank reads and
-writes only its own shard's keys (the key's suffix is its pipeline stage and
-TP rank), so two ranks never share a page — the trap a single file per prompt
-falls into at TP=2.
+step's loads run on a step thread: before the forward, or — once the forward is
+seen to wait for each layer (``wait_for_layer_load``) — layer by layer while
+the forward runs; with ``load_async`` they run on a load thread while the
+engine steps on. A step's stores are gathered layer by layer as the forward
+computes them (``save_kv_layer``) and written to L3 and the node's L2 by a
+writer thread while the engine steps on (reported stored once in L3). Each rank
+reads and writes only its own shard's keys (the key's suffix is its pipeline
+stage and TP rank), under the engine's tag that each job carries.
 
 A page that is missing or fails a check is never served: its block and every
 later one of that request are reported to vLLM as load errors, and vLLM
-recomputes them. A worker whose KV caches the connector cannot serve (a layout
-it does not know) stores nothing and reports every load as an error, so the
-engine still serves every request, computed.
+recomputes them; every load's outcome (how many pages it loaded) goes to the
+scheduler side, which stores nothing computed over a load that failed. No wait
+on storage outlasts ``timeout_s``: a load not done by then is given up (its
+blocks are load errors, and the thread that was reading it writes no block
+again), and stores past the write queue's bound wait for it at most that long,
+then are dropped and counted. A worker whose KV caches the connector cannot
+serve (a layout it does not know) stores nothing and reports every load as an
+error, so the engine still serves every request, computed.
 """
 
 from __future__ import annotations
@@ -25,14 +29,23 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
 
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions, open_store
-from fabric.engines.vllm_moves import STAGING_BYTES, Fetched, L2Options, PageMoves
+from fabric.engines.vllm_moves import (
+    STAGING_BYTES,
+    Cancelled,
+    Fetched,
+    L2Options,
+    LoadGuard,
+    PageMoves,
+)
 from fabric.engines.vllm_pages import (
     STAT_KEYS,
     FabricConnectorStats,
@@ -47,19 +60,28 @@ from fabric.rank.node_l2 import fabric_identity, open_node_l2
 
 log = logging.getLogger(__name__)
 
-# Stores on the writer thread before a step waits for the oldest.
-MAX_WRITES_IN_FLIGHT = 2
+# Bytes of page buffers queued for the writer thread (stores and promotions into
+# the node's L2) before a store waits for the oldest — at most ``timeout_s``, and
+# not at all when the oldest has been writing longer than that (a wedged store):
+# past it, stores are dropped and counted. Host memory stays bounded when L3 is
+# slower than the engine computes.
+MAX_QUEUED_WRITE_BYTES = 4 * STAGING_BYTES
 
 
 @dataclass
 class StepLoad:
-    """One step's synchronous loads, read on the step thread layer by layer: the
-    forward waits for each layer's event (``wait_for_layer_load``)."""
+    """One step's synchronous loads on the step thread: layer by layer (the forward
+    waits for each layer's event, ``wait_for_layer_load``), or whole before the
+    forward. ``guard`` stops its block writes once the step gives up on it."""
 
     jobs: list[PageLoad]
     events: list[threading.Event]
+    deadline: float
+    layerwise: bool
+    guard: LoadGuard = field(default_factory=LoadGuard)
     waited: set[int] = field(default_factory=set)
     future: Future | None = None
+    timed_out: bool = False
 
 
 @dataclass
@@ -67,55 +89,77 @@ class StepSave:
     """One step's stores gathered layer by layer as the forward computes them
     (``save_kv_layer``); the rest when the forward is done."""
 
-    jobs: list[tuple[StoredRun, tuple[int, ...], torch.Tensor]]
+    jobs: list[tuple[str, StoredRun, tuple[int, ...], torch.Tensor]]
     gathered: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Write:
+    tag: str
+    run: StoredRun | None  # None: a promotion into the node's L2
+    future: Future
+    buffer: torch.Tensor
+    started: float
 
 
 class WorkerSide:
     def __init__(
         self,
-        provenance: Provenance,
         placement: Placement,
         layer_names: list[str],
         num_blocks: int,
         block_bytes: int,
         options_store: StoreOptions | None,
         l2: L2Options | None = None,
+        timeout_s: float = 5.0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        self.provenance = provenance
+        self.provenance: Provenance | None = None
         self.placement = placement
         self.layer_names = layer_names
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
-        self.pages = PageMoves(provenance, placement, block_bytes)
+        self.timeout_s = timeout_s
+        self.clock = clock or time.monotonic
+        self.pages = PageMoves(placement, block_bytes)
         self.pages.promoter = self._promote_later
         self._l2_options = l2 or L2Options(max_bytes=0)
         self._configured_store = options_store
         self._broken = ""
         self._load_errors: set[int] = set()
-        self._stored: list[StoredRun] = []
-        self._failed: list[bytes] = []
-        self._ended: list[bytes] = []  # pages whose store ended since the last report
+        self._stored: list[tuple[str, int, StoredRun]] = []
+        self._failed: list[tuple[str, int, bytes]] = []
+        self._ended: list[tuple[int, bytes]] = []  # stores ended since the last report
+        self._outcomes: list[tuple[int, int, int]] = []  # (rank, load id, pages loaded)
+        self._sent: set[str] = set()  # finished requests whose last pages are gathered
         self.stats = FabricConnectorStats()
         # Asynchronous loads: one thread reads them in order while the engine steps.
         self._loader: ThreadPoolExecutor | None = None
-        self._loading: dict[str, tuple[PageLoad, Future]] = {}
-        # A step's loads layer by layer: once the forward is seen to wait for every
-        # layer, the step thread reads while the forward runs up to its first layer.
+        self._loading: dict[str, tuple[PageLoad, Future, LoadGuard, float]] = {}
+        # A step's loads: on the step thread, layer by layer once the forward is
+        # seen to wait for every layer, else whole before the forward.
         self._stepper: ThreadPoolExecutor | None = None
         self._waits_seen: set[int] = set()
         self._step: StepLoad | None = None
         self._step_save: StepSave | None = None
         # Stores: one thread writes them in order; each holds its page buffer.
         self._writer: ThreadPoolExecutor | None = None
-        self._writes: deque[tuple[StoredRun | None, Future, torch.Tensor]] = deque()
+        self._writes: deque[_Write] = deque()
+        self._queued_bytes = 0
+
+    @property
+    def broken(self) -> str:
+        """Why this worker neither loads nor stores (``""``: it serves)."""
+        return self._broken
 
     # -- register_kv_caches -------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's KV cache tensors as this rank's pages; a layout the connector
-        cannot serve turns the worker off (logged: the engine computes)."""
+    def register(self, kv_caches: dict[str, torch.Tensor], provenance: Provenance) -> None:
+        """Take vLLM's KV cache tensors as this rank's pages, of ``provenance``; a
+        layout the connector cannot serve turns the worker off (logged: the engine
+        computes)."""
+        self.provenance = self.pages.provenance = provenance
         try:
             self.pages.layers = [
                 self._block_rows(name, kv_caches.get(name)) for name in self.layer_names
@@ -126,9 +170,10 @@ class WorkerSide:
             self.pages.layers = []
             return
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-layers")
         o = self._l2_options
         self.pages.l2 = open_node_l2(
-            o.directory, fabric_identity(o.fabric, o.ray_namespace), self.provenance.tag,
+            o.directory, fabric_identity(o.fabric, o.ray_namespace), provenance.layout,
             self.placement.suffix, self.pages.page_bytes, o.max_bytes,
         )  # fmt: skip
 
@@ -167,28 +212,37 @@ class WorkerSide:
 
     def load(self, meta: FabricStepMeta) -> None:
         """Start the step: its asynchronous loads go to the load thread; its others
-        are read before the forward, or — once the forward is known to wait for
-        each layer — on the step thread, layer by layer, while the forward runs."""
+        run on the step thread — waited for here, before the forward, or, once the
+        forward is known to wait for each layer, layer by layer while it runs."""
         self._finish_step()
         self._open(meta.store)
         sync = []
         for job in meta.loads:
-            if job.asynchronous:
+            if not job.asynchronous:
+                sync.append(job)
+            elif self.pages.layers:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
-                self._loading[job.req_id] = (job, self._loader.submit(self._timed_load, job))
+                guard = LoadGuard()
+                future = self._loader.submit(self._timed_load, job, guard)
+                self._loading[job.req_id] = (job, future, guard, self.clock())
             else:
-                sync.append(job)
-        pages = sum(len(job.hashes) for job in sync)
-        if sync and self._layerwise and pages * self.pages.page_bytes <= STAGING_BYTES * 4:
-            if self._stepper is None:
-                self._stepper = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-layers")
-            step = StepLoad(sync, [threading.Event() for _ in self.pages.layers])
-            step.future = self._stepper.submit(self._load_layers, step)
-            self._step = step
-        else:
-            for job in sync:
-                self._loaded(job, self._timed_load(job))
+                self._loading[job.req_id] = (job, _done((0, 0.0, 0)), LoadGuard(), self.clock())
+        if sync:
+            if self._stepper is None:  # no KV cache this worker can serve
+                for job in sync:
+                    self._loaded(job, (0, 0.0, 0))
+            else:
+                pages = sum(len(job.hashes) for job in sync)
+                small = pages * self.pages.page_bytes <= STAGING_BYTES * 4
+                layerwise = self._layerwise and small
+                events = [threading.Event() for _ in self.pages.layers]
+                step = StepLoad(sync, events, self.clock() + self.timeout_s, layerwise)
+                work = self._load_layers if layerwise else self._load_whole
+                step.future = self._stepper.submit(work, step)
+                self._step = step
+                if not layerwise:
+                    self._finish_step()  # read before the forward
         self._begin_saves(meta)
 
     @property
@@ -196,7 +250,8 @@ class WorkerSide:
         return bool(self.pages.layers) and len(self._waits_seen) == len(self.pages.layers)
 
     def wait_layer(self, name: str) -> None:
-        """The forward is about to read layer ``name``: wait until it is loaded."""
+        """The forward is about to read layer ``name``: wait until it is loaded (at
+        most until the step's deadline: past it, the step's loads are given up)."""
         i = self.layer_index.get(name)
         if i is None:
             return
@@ -208,20 +263,42 @@ class WorkerSide:
                     "by layer from the next step"
                 )
         step = self._step
-        if step is not None:
-            step.events[i].wait()
-            step.waited.add(i)
+        if step is None:
+            return
+        if not step.events[i].wait(max(step.deadline - self.clock(), 0.0)):
+            self._give_up(step)
+        step.waited.add(i)
+
+    def _give_up(self, step: StepLoad) -> None:
+        """The step's loads took longer than ``timeout_s``: none of them writes a
+        block any more, and all are load errors (vLLM recomputes them)."""
+        if step.timed_out:
+            return
+        step.guard.cancel()
+        step.timed_out = True
+        for event in step.events:
+            event.set()
+        self.stats.data["load_timeouts"] += len(step.jobs)
+        log.warning(
+            "kvfabric connector: a step's loads took longer than %.1f s; recomputed",
+            self.timeout_s,
+        )
 
     def _load_layers(self, step: StepLoad) -> list[tuple[int, float, int]]:
         started = time.perf_counter()
         fetched: list[Fetched] = []
         try:
-            fetched = [self.pages.fetch(job.hashes, job.block_ids) for job in step.jobs]
+            fetched = [self.pages.fetch(job.tag, job.hashes, job.block_ids) for job in step.jobs]
             for layer, event in enumerate(step.events):
-                for f in fetched:
-                    self.pages.scatter_layer(f, layer)
+                with step.guard.lock:
+                    if step.guard.cancelled:
+                        raise Cancelled
+                    for f in fetched:
+                        self.pages.scatter_layer(f, layer)
                 event.set()
             done = [(self.pages.settle(f), f.l2) for f in fetched]
+        except Cancelled:
+            done = [(0, 0)] * len(step.jobs)
         except Exception as exc:  # a load that fails is recomputed, never fatal
             log.warning("kvfabric connector: loading a step's pages failed: %s", exc)
             done = [(0, 0)] * len(step.jobs)
@@ -233,16 +310,26 @@ class WorkerSide:
         seconds = time.perf_counter() - started
         return [(n, seconds / len(step.jobs), l2) for n, l2 in done]
 
+    def _load_whole(self, step: StepLoad) -> list[tuple[int, float, int]]:
+        return [self._timed_load(job, step.guard) for job in step.jobs]
+
     def _finish_step(self) -> None:
-        """Take the outcome of the step's layer-by-layer loads (once the forward is
-        done). A forward that read a layer without waiting for it may have read a
-        block not yet loaded: those blocks are all reported failed (vLLM recomputes
-        them) and loads are read before the forward from then on."""
+        """Take the outcome of the step's loads (before the forward, or once it is
+        done), waiting at most until the step's deadline. A forward that read a
+        layer without waiting for it may have read a block not yet loaded: those
+        blocks are all reported failed (vLLM recomputes them) and loads are read
+        before the forward from then on."""
         step, self._step = self._step, None
         if step is None or step.future is None:
             return
-        outcomes = step.future.result()
-        if len(step.waited) < len(step.events):
+        try:
+            outcomes = step.future.result(timeout=max(step.deadline - self.clock(), 0.0))
+        except FutureTimeout:
+            self._give_up(step)
+            outcomes = [(0, self.timeout_s, 0)] * len(step.jobs)
+        if step.timed_out:
+            outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
+        elif step.layerwise and len(step.waited) < len(step.events):
             log.warning(
                 "kvfabric connector: the forward did not wait for layers %s; their loads "
                 "are recomputed and later loads read before the forward",
@@ -253,10 +340,12 @@ class WorkerSide:
         for job, outcome in zip(step.jobs, outcomes, strict=True):
             self._loaded(job, outcome)
 
-    def _timed_load(self, job: PageLoad) -> tuple[int, float, int]:
+    def _timed_load(self, job: PageLoad, guard: LoadGuard) -> tuple[int, float, int]:
         started = time.perf_counter()
         try:
-            n, l2 = self.pages.load_one(job.hashes, job.block_ids)
+            n, l2 = self.pages.load_one(job.tag, job.hashes, job.block_ids, guard)
+        except Cancelled:
+            n, l2 = 0, 0
         except Exception as exc:  # a load that fails is recomputed, never fatal
             log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
             n, l2 = 0, 0
@@ -264,31 +353,57 @@ class WorkerSide:
 
     def _loaded(self, job: PageLoad, outcome: tuple[int, float, int]) -> None:
         n, seconds, l2 = outcome
+        rank = self.placement.rank
+        self._outcomes.append((rank, job.load_id, n))
         self.stats.data["load_seconds"] += seconds
         self.stats.data["loaded_pages"] += n
         self.stats.data["l2_loaded_pages"] += min(l2, n)
         if n < len(job.hashes):
             self._load_errors.update(job.block_ids[n:])
-            self._failed.append(job.hashes[n])
+            self._failed.append((job.tag, rank, job.hashes[n]))
             self.stats.data["load_failed_pages"] += len(job.hashes) - n
 
     def finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads are done (their failed blocks join
-        ``load_errors`` in the same step)."""
+        """Requests whose asynchronous loads are done, or given up after
+        ``timeout_s`` (their failed blocks join ``load_errors`` in the same step)."""
         self._finish_step()
-        done = {rid for rid, (_, future) in self._loading.items() if future.done()}
-        for rid in done:
-            job, future = self._loading.pop(rid)
-            self._loaded(job, future.result())
+        now, done = self.clock(), set()
+        for rid, (job, future, guard, since) in list(self._loading.items()):
+            if future.done():
+                outcome = future.result()
+            elif now - since > self.timeout_s:
+                guard.cancel()
+                self.stats.data["load_timeouts"] += 1
+                log.warning(
+                    "kvfabric connector: a load of %d pages took longer than %.1f s; recomputed",
+                    len(job.hashes), self.timeout_s,
+                )  # fmt: skip
+                outcome = (0, now - since, 0)
+            else:
+                continue
+            del self._loading[rid]
+            self._loaded(job, outcome)
+            done.add(rid)
         return done
+
+    def finished_sends(self) -> set[str]:
+        """Finished requests whose last pages were gathered (vLLM may free their
+        blocks: ``get_finished``'s sending side)."""
+        sent, self._sent = self._sent, set()
+        return sent
 
     def _promote_later(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
         """Keep pages read from L3 in the node's L2 too, for the node's next reader
-        (on the writer thread: the load does not wait for it)."""
-        if self._writer is None:
+        (on the writer thread: the load does not wait for it; dropped when the
+        write queue is full)."""
+        self._written()
+        nbytes = buffer.numel()
+        if self._writer is None or self._queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
             self.pages.give(buffer)
+            self.stats.data["l2_promotions_dropped"] += len(keys)
             return
-        self._writes.append((None, self._writer.submit(self._put_l2, keys, pages), buffer))
+        future = self._writer.submit(self._put_l2, keys, pages)
+        self._queue(_Write("", None, future, buffer, self.clock()))
 
     def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
@@ -315,10 +430,8 @@ class WorkerSide:
         for job in meta.saves:
             for start in range(0, len(job.run.hashes), self.pages.batch_pages):
                 end = min(start + self.pages.batch_pages, len(job.run.hashes))
-                hashes = job.run.hashes
-                parent = hashes[start - 1] if start else job.run.parent
-                run = StoredRun(job.run.namespace, parent, hashes[start:end])
-                jobs.append((run, job.block_ids[start:end], self.pages.buffer()))
+                run = _part(job.run, start, end)
+                jobs.append((job.tag, run, job.block_ids[start:end], self.pages.buffer()))
         self._step_save = StepSave(jobs)
 
     def save_layer(self, name: str) -> None:
@@ -326,51 +439,91 @@ class WorkerSide:
         step, i = self._step_save, self.layer_index.get(name)
         if step is None or i is None or i in step.gathered:
             return
-        for run, block_ids, buffer in step.jobs:
+        for _, run, block_ids, buffer in step.jobs:
             self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, i)
         step.gathered.add(i)
 
     def save(self, meta: FabricStepMeta) -> None:
         """The forward is done: gather what is not gathered yet; the writer thread
-        stores the pages."""
+        stores the pages (within the write queue's bound)."""
         self._finish_step()
         self._open(meta.store)
         step, self._step_save = self._step_save, None
+        rank = self.placement.rank
         if self.pages.store is None or not self.pages.layers:
-            self._ended += [h for job in meta.saves for h in job.run.hashes]  # skipped
+            self._ended += [(rank, h) for job in meta.saves for h in job.run.hashes]  # skipped
             if step is not None:
-                for _, _, buffer in step.jobs:
+                for *_, buffer in step.jobs:
                     self.pages.give(buffer)
+            self._sent.update(meta.finished)
             return
-        writer = self._writer
-        assert writer is not None
+        deadline = self.clock() + self.timeout_s
         if step is not None:
-            for run, block_ids, buffer in step.jobs:
+            for tag, run, block_ids, buffer in step.jobs:
+                if not self._room(buffer.numel(), deadline):
+                    self._drop(run, buffer)
+                    continue
                 for layer in range(len(self.pages.layers)):
                     if layer not in step.gathered:
                         self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, layer)
-                pages = buffer[: len(run.hashes)]
-                self._writes.append((run, writer.submit(self._write, run, pages), buffer))
-            self._written()
-            return
-        for job in meta.saves:
-            hashes = job.run.hashes
-            for start in range(0, len(hashes), self.pages.batch_pages):
-                end = min(start + self.pages.batch_pages, len(hashes))
-                while len(self._writes) >= MAX_WRITES_IN_FLIGHT:
-                    self._written(wait=True)
-                buffer = self.pages.buffer()
-                for layer in range(len(self.pages.layers)):
-                    self.pages.gather_layer(buffer[: end - start], job.block_ids[start:end], layer)
-                parent = hashes[start - 1] if start else job.run.parent
-                run = StoredRun(job.run.namespace, parent, hashes[start:end])
-                future = writer.submit(self._write, run, buffer[: end - start])
-                self._writes.append((run, future, buffer))
+                self._submit(tag, run, buffer)
+        else:
+            for job in meta.saves:
+                hashes = job.run.hashes
+                for start in range(0, len(hashes), self.pages.batch_pages):
+                    end = min(start + self.pages.batch_pages, len(hashes))
+                    run = _part(job.run, start, end)
+                    if not self._room(self.pages.batch_pages * self.pages.page_bytes, deadline):
+                        self._drop(run, None)
+                        continue
+                    buffer = self.pages.buffer()
+                    for layer in range(len(self.pages.layers)):
+                        self.pages.gather_layer(
+                            buffer[: end - start], job.block_ids[start:end], layer
+                        )
+                    self._submit(job.tag, run, buffer)
+        self._sent.update(meta.finished)  # their blocks are gathered: vLLM may free them
+        self._written()
 
-    def _write(self, run: StoredRun, pages: torch.Tensor) -> tuple[list[bool], float, int]:
+    def _room(self, nbytes: int, deadline: float) -> bool:
+        """Whether ``nbytes`` more fit the write queue, waiting for the oldest write
+        until ``deadline`` — not at all when it has been writing longer than
+        ``timeout_s`` (a wedged store)."""
+        self._written()
+        while self._writes and self._queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
+            oldest, now = self._writes[0], self.clock()
+            if now - oldest.started > self.timeout_s or now >= deadline:
+                return False
+            try:
+                oldest.future.exception(timeout=deadline - now)
+            except FutureTimeout:
+                return False
+            self._written()
+        return True
+
+    def _drop(self, run: StoredRun, buffer: torch.Tensor | None) -> None:
+        """A store the write queue has no room for: not stored (a later miss)."""
+        if buffer is not None:
+            self.pages.give(buffer)
+        self.stats.data["store_dropped_pages"] += len(run.hashes)
+        self._ended += [(self.placement.rank, h) for h in run.hashes]
+
+    def _submit(self, tag: str, run: StoredRun, buffer: torch.Tensor) -> None:
+        assert self._writer is not None
+        pages = buffer[: len(run.hashes)]
+        future = self._writer.submit(self._write, tag, run, pages)
+        self._queue(_Write(tag, run, future, buffer, self.clock()))
+
+    def _queue(self, write: _Write) -> None:
+        self._writes.append(write)
+        self._queued_bytes += write.buffer.numel()
+
+    def _write(
+        self, tag: str, run: StoredRun, pages: torch.Tensor
+    ) -> tuple[list[bool], float, int]:
         started = time.perf_counter()
-        assert self.pages.store is not None
-        keys = self.pages.keys(run.hashes)
+        assert self.pages.store is not None and self.provenance is not None
+        keys = self.pages.keys(tag, run.hashes)
         try:
             ok = self.pages.store.store(keys, pages.numpy(), self.provenance)
         except Exception as exc:  # a store that fails is a later miss, never fatal
@@ -379,35 +532,31 @@ class WorkerSide:
         l2 = self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
         return ok, time.perf_counter() - started, l2
 
-    def _written(self, wait: bool = False) -> None:
-        """Take the stores the writer finished (the oldest, at least, if ``wait``)."""
-        while self._writes and (wait or self._writes[0][1].done()):
-            run, future, buffer = self._writes.popleft()
-            ok, seconds, l2 = future.result()
-            self.pages.give(buffer)
-            wait = False
+    def _written(self) -> None:
+        """Take the stores the writer finished."""
+        rank = self.placement.rank
+        while self._writes and self._writes[0].future.done():
+            write = self._writes.popleft()
+            self._queued_bytes -= write.buffer.numel()
+            ok, seconds, l2 = write.future.result()
+            self.pages.give(write.buffer)
             self.stats.data["l2_stored_pages"] += l2
-            if run is None:  # a promotion into the node's L2
+            if write.run is None:  # a promotion into the node's L2
                 continue
-            self._ended += run.hashes
+            self._ended += [(rank, h) for h in write.run.hashes]
             self.stats.data["store_seconds"] += seconds
             self.stats.data["stored_pages"] += sum(ok)
             self.stats.data["store_failed_pages"] += len(ok) - sum(ok)
-            self._stored += _stored_runs(run, ok)
+            self._stored += [(write.tag, rank, run) for run in _stored_runs(write.run, ok)]
 
     # -- build_connector_worker_meta, get_kv_connector_stats ----------------------------
 
     def worker_meta(self) -> FabricWorkerMeta | None:
         self._written()
-        if not self._stored and not self._failed and not self._ended:
+        if not (self._stored or self._failed or self._ended or self._outcomes):
             return None
-        rank = self.placement.rank
-        meta = FabricWorkerMeta(
-            {rank: self._stored} if self._stored else {},
-            {rank: self._failed} if self._failed else {},
-            {rank: self._ended} if self._ended else {},
-        )
-        self._stored, self._failed, self._ended = [], [], []
+        meta = FabricWorkerMeta(self._stored, self._failed, self._ended, self._outcomes)
+        self._stored, self._failed, self._ended, self._outcomes = [], [], [], []
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:
@@ -417,21 +566,51 @@ class WorkerSide:
         return stats
 
     def close(self) -> None:
+        """Let the stores in flight end (at most ``timeout_s`` in all), stop the
+        threads and close the store and the node's L2."""
+        deadline = self.clock() + self.timeout_s
+        step = self._step
+        if step is not None:
+            step.guard.cancel()
+        for _, _, guard, _ in self._loading.values():
+            guard.cancel()
         while self._writes:
-            self._written(wait=True)
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
-        for pool in (self._loader, self._stepper):
+            write = self._writes[0]
+            try:
+                write.future.exception(timeout=max(deadline - self.clock(), 0.0))
+            except FutureTimeout:
+                log.warning(
+                    "kvfabric connector: %d stores not done within %.1f s at shutdown; "
+                    "left unfinished",
+                    len(self._writes), self.timeout_s,
+                )  # fmt: skip
+                break
+            self._written()
+        busy = bool(self._writes) or any(not f.done() for _, f, _, _ in self._loading.values())
+        busy |= step is not None and step.future is not None and not step.future.done()
+        for pool in (self._writer, self._loader, self._stepper):
             if pool is not None:
-                pool.shutdown(wait=True)
-        self._loader = self._stepper = None
+                pool.shutdown(wait=not busy, cancel_futures=True)
+        self._writer = self._loader = self._stepper = None
+        if busy:
+            return  # a thread may still use the store and the region: the process ends them
         if self.pages.store is not None:
             self.pages.store.close()
             self.pages.store = None
         if self.pages.l2 is not None:
             self.pages.l2.close()
             self.pages.l2 = None
+
+
+def _part(run: StoredRun, start: int, end: int) -> StoredRun:
+    parent = run.hashes[start - 1] if start else run.parent
+    return StoredRun(run.namespace, parent, run.hashes[start:end])
+
+
+def _done(result: object) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
@@ -441,7 +620,6 @@ def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
         if good and start is None:
             start = i
         elif not good and start is not None:
-            parent = run.hashes[start - 1] if start else run.parent
-            runs.append(StoredRun(run.namespace, parent, run.hashes[start:i]))
+            runs.append(_part(run, start, i))
             start = None
     return runs

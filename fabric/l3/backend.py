@@ -121,6 +121,12 @@ class L3Backend(ABC):
         not files a reader can open (the default)."""
         return None
 
+    def refresh(self) -> bool:
+        """Pick up other writers' pages now (a reader about to call a page another
+        process says it stored missing); whether anything was looked at anew. The
+        default: a backend that sees every writer's pages at once."""
+        return False
+
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it exists (unverified)."""
         return [self._exists(check_key(key)) for key in keys]

@@ -276,6 +276,11 @@ class SegmentBackend(L3Backend):
         for tid in [t for t, s in self._appending.items() if s is seg]:
             del self._appending[tid]
 
+    def refresh(self) -> bool:
+        with self._lock:
+            self._rescan()
+        return True
+
     def _refresh_on_miss(self) -> bool:
         """Pick up other writers' pages, at most once per ``RESCAN_S``."""
         with self._lock:

@@ -2,16 +2,25 @@
 every engine process on the node attached to the same fabric reads and writes.
 
 An engine that computed a prefix leaves its pages here as well as in L3; the
-next engine on the node (another process, a Ray Serve replica, the same engine
-restarted) copies them from shared memory straight into its KV blocks, without
-a file read. Engines on other nodes read L3.
+next engine on the node (another process, a Ray Serve replica) copies them from
+shared memory straight into its KV blocks, without a file read. Engines on
+other nodes read L3.
 
 Layout: a header (magic, then the msgpack geometry: page size, slots, ways,
-the provenance tag and rank suffix its pages belong to), one fixed record per
-slot, then the pages (page aligned). A record is ``seq | stamp | pinned until
-| CRC-32 of the page | key digest``. The table is set-associative: a page's key
+the layout and rank suffix its pages belong to), one fixed record per slot,
+then the pages (page aligned). A record is ``seq | stamp | pinned until |
+CRC-32 of the page | key digest``. The table is set-associative: a page's key
 picks its set (``ways`` slots); a store replaces the least recently used way
 that no reader holds.
+
+Names and life: a region's file name carries its owner's uid, the fabric, the
+rank's page layout and its shard, so two users never share or squat a name.
+The file is sparse: memory is reserved for a slot's page (``fallocate``) when
+the slot is first written, so a region grows as pages come, up to its
+``l2_bytes``, and a full shared memory costs a page not kept, never a fault.
+Every process using a region holds a shared lock on it; the last one to close
+it removes it, and an opener first removes this user's regions no process holds
+(engines that died).
 
 Leases: a reader pins the slots it found until it has copied them (``find``
 with ``pin_ms``, ``unpin``); a store never replaces a pinned slot (when every
@@ -19,18 +28,21 @@ way of the set is pinned, the page is simply not kept). A pin is a time, not a
 count, so a reader that dies holds nothing for long.
 
 Concurrency, across processes and threads, without a lock on reads: a writer
-holds its set's byte-range lock, makes ``seq`` odd, writes the page, its
+holds its set's lock — a byte-range lock across processes and a thread lock
+within one, both shared by every opener of the file in the process (one
+mapping per file and process) — makes ``seq`` odd, writes the page, its
 checksum and key, and makes ``seq`` even again. A reader takes a slot only
 when ``seq`` is even and the key matches, checks the page's checksum in place,
 copies it into the engine's blocks, and reads ``seq`` again: a slot rewritten
-meanwhile is a failed load (recomputed by the engine), never bytes. A writer
-killed mid-write leaves ``seq`` odd: the slot is empty to readers and the next
-writer takes it.
+meanwhile is a failed load (recomputed by the engine), never bytes. ``seq``
+only grows, emptied slots included, so a (slot, seq) a reader holds never
+matches again once the slot changed. A writer killed mid-write leaves ``seq``
+odd: the slot is empty to readers and the next writer takes it.
 
 Trust: the file is made owner-only and opened without following links. One
 found with another owner is refused; one whose mode lets others write is
 repaired (mode 0600) and emptied, since anything in it may have been written by
-anyone; one of another geometry is rebuilt if no process uses it, else not
+anyone; one of another geometry is made anew if no process uses it, else not
 used. Every page read is checked against its checksum. Nothing here raises
 into the engine: a region that cannot be used is logged once and the engine
 runs on L3 alone.
@@ -82,94 +94,155 @@ def fabric_identity(name: str, ray_namespace: str) -> str:
     return f"{name}|{ray_namespace}"
 
 
-def _fabric_part(identity: str) -> str:
-    return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
+def _part(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
-def region_name(identity: str, tag: str, suffix: str) -> str:
-    """The file name of one engine shard's region for the fabric ``identity``."""
-    return f"{PREFIX}{_fabric_part(identity)}-{tag}-{suffix}{SUFFIX}"
+def _owner_prefix() -> str:
+    return f"{PREFIX}{os.getuid()}-"
+
+
+def region_name(identity: str, layout: str, suffix: str) -> str:
+    """The file name of one engine shard's region: this user's, for the fabric
+    ``identity``, pages of ``layout`` (the rank's page identity) and shard ``suffix``."""
+    return f"{_owner_prefix()}{_part(identity)}-{_part(layout)}-{suffix}{SUFFIX}"
 
 
 def remove_regions(directory: Path, identity: str) -> int:
-    """Remove the fabric's regions in ``directory`` that no engine uses (the
-    fabric is shutting down); how many. A region an engine still has open stays
-    (it goes once unused, with a later sweep)."""
-    return sweep_stale(directory, f"{PREFIX}{_fabric_part(identity)}-", older_s=0.0)
+    """Remove this user's regions of the fabric ``identity`` in ``directory`` that no
+    engine uses (the fabric is shutting down); how many. A region an engine still
+    has open stays (its last user removes it)."""
+    return sweep_stale(directory, f"{_owner_prefix()}{_part(identity)}-", older_s=0.0)
 
 
 def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000  # node-wide clock: every process agrees
 
 
+class _Mapping:
+    """One region file as this process maps it: every ``NodeL2`` of the process on
+    the same file shares it (its descriptor, its mapping and its set locks), so
+    two engines in one process never interleave a record, and one closing never
+    drops the other's byte-range locks (POSIX drops them at any close)."""
+
+    def __init__(self, path: Path, fd: int, geometry: dict) -> None:
+        self.path, self.fd, self.geometry = path, fd, geometry
+        self.slots, self.ways = geometry["slots"], geometry["ways"]
+        self.page_bytes = geometry["page_bytes"]
+        self.pool_at = _pool_at(self.slots)
+        self.mm = mmap.mmap(fd, self.pool_at + self.slots * self.page_bytes)
+        self.view = memoryview(self.mm)
+        self.pool = torch.frombuffer(
+            self.mm, dtype=torch.uint8, offset=self.pool_at, count=self.slots * self.page_bytes
+        ).view(self.slots, self.page_bytes)
+        self.locks = [threading.Lock() for _ in range(64)]
+        self.users = 1
+
+
+_MAPPED: dict[tuple[int, int], _Mapping] = {}
+_MAPPED_LOCK = threading.Lock()
+
+
+def _pool_at(slots: int) -> int:
+    return -(-(HEADER + slots * _RECORD.size) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class NodeL2:
     """One engine shard's pages in the node's shared memory (see the module)."""
 
-    def __init__(self, path: Path, page_bytes: int, slots: int, tag: str, suffix: str) -> None:
+    def __init__(self, path: Path, page_bytes: int, slots: int, layout: str, suffix: str) -> None:
         if page_bytes <= 0 or slots < WAYS:
             raise ValueError(f"a region needs page_bytes > 0 and >= {WAYS} slots")
         self.path = path
-        self.page_bytes = page_bytes
         want = {"page_bytes": page_bytes, "slots": slots - slots % WAYS, "ways": WAYS,
-                "tag": tag, "suffix": suffix}  # fmt: skip
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            geometry = self._attach(fd, want)
-            self.slots, self.ways = geometry["slots"], geometry["ways"]
-            self.sets = self.slots // self.ways
-            self.pool_at = self._pool_at(self.slots)
-            self.mm = mmap.mmap(fd, self.pool_at + self.slots * page_bytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
-        self.view = memoryview(self.mm)
-        self.pool = torch.frombuffer(
-            self.mm, dtype=torch.uint8, offset=self.pool_at, count=self.slots * page_bytes
-        ).view(self.slots, page_bytes)
-        self._local = [threading.Lock() for _ in range(64)]  # byte-range locks are per process
-        self.counters = {"refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0}
+                "layout": layout, "suffix": suffix}  # fmt: skip
+        self._map = self._attach(want)
+        self.page_bytes = page_bytes
+        self.slots, self.ways = self._map.slots, self._map.ways
+        self.sets = self.slots // self.ways
+        self.pool_at = self._map.pool_at
+        self.view = self._map.view
+        self.pool = self._map.pool
+        self.fd = self._map.fd
+        self.counters = {"refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0, "no_space": 0}
 
-    @staticmethod
-    def _pool_at(slots: int) -> int:
-        return -(-(HEADER + slots * _RECORD.size) // mmap.PAGESIZE) * mmap.PAGESIZE
+    def _attach(self, want: dict) -> _Mapping:
+        """This process's mapping of the region at ``path``: shared with an opener of
+        the same file in this process, else the file checked and taken (or made),
+        held with a shared lock for life. A file removed by its last user while it
+        was opened here is opened anew."""
+        for _ in range(4):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    raise PermissionError(
+                        f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
+                        f"mode {stat.filemode(st.st_mode)}): refused"
+                    )
+                with _MAPPED_LOCK:
+                    mapping = _MAPPED.get((st.st_dev, st.st_ino))
+                    if mapping is not None:
+                        if not _same(mapping.geometry, want):
+                            raise OSError(
+                                f"{self.path} is in use with another geometry "
+                                f"({mapping.geometry}); not used"
+                            )
+                        mapping.users += 1
+                        os.close(fd)
+                        return mapping
+                geometry = self._take(fd, st, want)
+                if geometry is None:  # removed meanwhile, or made anew: open again
+                    os.close(fd)
+                    continue
+                mapping = _Mapping(self.path, fd, geometry)
+                with _MAPPED_LOCK:
+                    _MAPPED[(st.st_dev, st.st_ino)] = mapping
+                return mapping
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                raise
+        raise OSError(f"{self.path} kept changing while it was opened; not used")
 
-    def _attach(self, fd: int, want: dict) -> dict:
-        """Check the file and take (or make) its geometry; hold it shared for life."""
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise PermissionError(
-                f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
-                f"mode {stat.filemode(st.st_mode)}): refused"
-            )
-        exposed = st.st_mode & 0o077
+    def _take(self, fd: int, st: os.stat_result, want: dict) -> dict | None:
+        """Lock the file (shared, for life) and take its geometry, making the region
+        when the file is new; ``None`` when the path no longer names this file (its
+        last user removed it) or it was removed to be made anew."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
         except OSError:
             fcntl.flock(fd, fcntl.LOCK_SH)
             alone = False
-        found = self._geometry(fd)
-        if exposed:
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None
+        found = _geometry(fd)
+        if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
             log.warning(
                 "node L2 %s had mode %s (others could write it): repaired to 0600 and emptied",
                 self.path, stat.filemode(st.st_mode),
             )  # fmt: skip
             if found is not None:
-                self._empty(fd, found)
-        if found is not None and all(found.get(k) == want[k] for k in want if k != "slots"):
+                _empty(fd, found)
+        if found is not None and _same(found, want):
             if alone:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             return found
         if not alone:
             raise OSError(f"{self.path} is in use with another geometry ({found}); not used")
-        os.ftruncate(fd, 0)
-        size = self._pool_at(want["slots"]) + want["slots"] * want["page_bytes"]
+        if st.st_size:  # another geometry, or none that holds together: made anew
+            os.unlink(self.path)
+            return None
+        size = _pool_at(want["slots"]) + want["slots"] * want["page_bytes"]
         try:
-            # Reserve every page now: a shared memory too small fails here, not
-            # later as a SIGBUS on a page first touched.
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)  # sparse: a slot's page is reserved when first written
+            os.posix_fallocate(fd, 0, _pool_at(want["slots"]))  # the records, now
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
@@ -178,28 +251,6 @@ class NodeL2:
         os.pwrite(fd, len(head).to_bytes(4, "little") + head, 0)
         fcntl.flock(fd, fcntl.LOCK_SH)
         return want
-
-    def _geometry(self, fd: int) -> dict | None:
-        """The file's geometry, or ``None`` when it has none that holds together."""
-        head = os.pread(fd, HEADER, 0)
-        size = int.from_bytes(head[:4], "little")
-        if len(head) < 4 + size or size > HEADER - 4 or head[4:12] != MAGIC:
-            return None
-        try:
-            found = msgpack.unpackb(head[12 : 4 + size])
-        except Exception:
-            return None
-        if not isinstance(found, dict):
-            return None
-        slots, ways, page = found.get("slots"), found.get("ways"), found.get("page_bytes")
-        if not all(isinstance(v, int) and v > 0 for v in (slots, ways, page)) or slots % ways:
-            return None
-        if os.fstat(fd).st_size != self._pool_at(slots) + slots * page:
-            return None
-        return found
-
-    def _empty(self, fd: int, geometry: dict) -> None:
-        os.pwrite(fd, bytes(geometry["slots"] * _RECORD.size), HEADER)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -274,7 +325,7 @@ class NodeL2:
         first = n * self.ways
         start, length = self._record_at(first), self.ways * _RECORD.size
         view = self.view
-        with self._local[n % len(self._local)]:
+        with self._map.locks[n % len(self._map.locks)]:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, length, start)
             try:
                 victim, oldest, now = first, None, _now_ms()
@@ -291,9 +342,17 @@ class NodeL2:
                     self.counters["pinned_full"] += 1
                     return False
                 at = self._record_at(victim)
-                if oldest is not None and oldest >= 0:
-                    self.counters["replaced"] += 1
                 seq = _SEQ.unpack_from(view, at)[0]
+                if not seq:  # never written: reserve its page first
+                    try:
+                        os.posix_fallocate(
+                            self.fd, self.pool_at + victim * self.page_bytes, self.page_bytes
+                        )
+                    except OSError:
+                        self.counters["no_space"] += 1
+                        return False
+                if oldest >= 0:
+                    self.counters["replaced"] += 1
                 writing = seq if seq & 1 else seq + 1
                 _SEQ.pack_into(view, at, writing)  # odd: readers keep off
                 self.pool[victim].copy_(page)
@@ -306,23 +365,80 @@ class NodeL2:
         return True
 
     def close(self) -> None:
-        """Stop using the region. It stays for the node's other engines and the
-        engine's next start; the fabric's shutdown removes it once no engine
-        uses it (``remove_regions``), and a region no process used for an hour
-        is removed by the next opener on the node."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.pool = None  # type: ignore[assignment]
+        """Stop using the region; the last user on the node removes it."""
+        mapping, self._map = self._map, None  # type: ignore[assignment]
+        if mapping is None:
+            return
+        self.pool = self.view = None  # type: ignore[assignment]
+        with _MAPPED_LOCK:
+            mapping.users -= 1
+            if mapping.users:
+                return
+            st = os.fstat(mapping.fd)
+            _MAPPED.pop((st.st_dev, st.st_ino), None)
+        mapping.pool = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError, ValueError):  # a tensor still uses it
-            self.view.release()
-            self.mm.close()
+            mapping.view.release()
+            mapping.mm.close()
+        try:
+            fcntl.flock(mapping.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            now = os.stat(mapping.path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(mapping.path)  # no other user: the region goes
+        except OSError:
+            pass  # another process uses it, or it is gone already
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(mapping.fd)
+
+
+def _same(found: dict, want: dict) -> bool:
+    return all(found.get(k) == want[k] for k in want if k != "slots")
+
+
+def _geometry(fd: int) -> dict | None:
+    """The file's geometry, or ``None`` when it has none that holds together."""
+    head = os.pread(fd, HEADER, 0)
+    size = int.from_bytes(head[:4], "little")
+    if len(head) < 4 + size or size > HEADER - 4 or head[4:12] != MAGIC:
+        return None
+    try:
+        found = msgpack.unpackb(head[12 : 4 + size])
+    except Exception:
+        return None
+    if not isinstance(found, dict):
+        return None
+    slots, ways, page = found.get("slots"), found.get("ways"), found.get("page_bytes")
+    if not all(isinstance(v, int) and v > 0 for v in (slots, ways, page)) or slots % ways:
+        return None
+    if os.fstat(fd).st_size != _pool_at(slots) + slots * page:
+        return None
+    return found
+
+
+def _empty(fd: int, geometry: dict) -> None:
+    """Empty every slot, set by set under its lock; each slot's ``seq`` moves on
+    (never back), so no reader's (slot, seq) matches again."""
+    slots, ways = geometry["slots"], geometry["ways"]
+    for first in range(0, slots, ways):
+        start, length = HEADER + first * _RECORD.size, ways * _RECORD.size
+        fcntl.lockf(fd, fcntl.LOCK_EX, length, start)
+        try:
+            records = bytearray(os.pread(fd, length, start))
+            for i in range(ways):
+                seq = _SEQ.unpack_from(records, i * _RECORD.size)[0]
+                _RECORD.pack_into(records, i * _RECORD.size, (seq | 1) + 1, 0, 0, 0, bytes(16))
+            os.pwrite(fd, bytes(records), start)
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
 
 
 def open_node_l2(
-    directory: str, identity: str, tag: str, suffix: str, page_bytes: int, max_bytes: int
+    directory: str, identity: str, layout: str, suffix: str, page_bytes: int, max_bytes: int
 ) -> NodeL2 | None:
     """The region for this shard, or ``None`` (logged) where there is none to use:
-    ``max_bytes`` 0, no shared memory, too small for a set of pages, refused."""
+    ``max_bytes`` 0, no shared memory, too small for a set of pages, refused.
+    This user's regions no process uses (engines that died) are removed first."""
     if max_bytes <= 0:
         return None
     where = Path(directory) if directory else shm_dir()
@@ -337,10 +453,10 @@ def open_node_l2(
         )  # fmt: skip
         return None
     with contextlib.suppress(OSError):
-        sweep_stale(where, PREFIX)
-    path = where / region_name(identity, tag, suffix)
+        sweep_stale(where, _owner_prefix(), older_s=0.0)
+    path = where / region_name(identity, layout, suffix)
     try:
-        return NodeL2(path, page_bytes, slots, tag, suffix)
+        return NodeL2(path, page_bytes, slots, layout, suffix)
     except OSError as exc:
         why = "shared memory is full" if exc.errno == errno.ENOSPC else str(exc)
         log.error("node L2 %s: %s; engines on this node use L3 alone", path, why)

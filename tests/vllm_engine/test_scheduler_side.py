@@ -1,7 +1,9 @@
 """The connector's scheduler side without an engine: one coordinator call per step
 for every request added before it, hits cut to whole blocks before the last token,
-stores planned once per completed block, the L3 fallback and reports, with a
-fake link in place of Ray and requests shaped as vLLM's."""
+stores planned once per completed block and only over loads every rank loaded,
+the save cursor following vLLM's rollback, delayed frees for finished requests,
+resumed requests asking again, the L3 fallback and reports — with a fake link in
+place of Ray and requests shaped as vLLM's."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import pytest
 
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import DirectStore, StoreOptions, parse_options
-from fabric.engines.vllm_pages import ConnectorOptions, FabricWorkerMeta, request_namespace
+from fabric.engines.vllm_pages import (
+    ConnectorOptions,
+    FabricHandshake,
+    FabricWorkerMeta,
+    engine_tag,
+    request_namespace,
+)
 from fabric.engines.vllm_scheduler import SchedulerSide
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance, page_key
@@ -20,8 +28,8 @@ from fabric.l3.format import Provenance, page_key
 pytestmark = pytest.mark.vllm
 
 BLOCK = 4
-TAG = "0123456789abcdef"
 SUFFIXES = ["0-0-0", "0-0-1"]
+RANKS = ["a" * 64, "b" * 64]
 
 
 class FakeLink:
@@ -32,34 +40,50 @@ class FakeLink:
         self.up = up
         self.store = store
         self.asked: list[list[list[bytes]]] = []
-        self.reports: list[dict] = []
+        self.reports: list[tuple[str, dict]] = []
         self.forgotten: list[bytes] = []
         self.leases: list[tuple[list[str], float, list[str]]] = []
+        self.released: list[str] = []
 
-    def ask(self, tag, world, chains, leases=None, lease_s=0.0, release=None):
+    def lookup(self, tag, world, chains, leases, lease_s, release, deadline):
+        if not self.up:
+            return None
         self.asked.append(chains)
         self.leases.append((leases, lease_s, release))
-        return len(self.asked)
+        return [min(self.hits, len(c)) for c in chains]
 
-    def answer(self, handle):
-        return [min(self.hits, len(c)) for c in self.asked[handle - 1]]
+    def release(self, tag, world, names):
+        self.released += names
 
     def report(self, tag, world, stored):
-        self.reports.append(stored)
+        self.reports.append((tag, stored))
 
     def forget(self, tag, world, hashes):
         self.forgotten += hashes
 
+    def close(self):
+        pass
 
-def request(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        all_token_ids=list(tokens),
-        lora_request=None,
-        cache_salt=salt,
-        mm_features=[],
-    )
+
+class Req:
+    """The fields of vLLM's ``Request`` the connector reads."""
+
+    def __init__(self, rid: str, tokens: list[int], salt: str | None = None, **extra):
+        self.request_id = rid
+        self.prompt_token_ids = list(tokens)
+        self.all_token_ids = list(tokens)
+        self.lora_request = None
+        self.cache_salt = salt
+        self.mm_features = []
+        self.prompt_embeds = None
+        self.skip_reading_prefix_cache = False
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.__dict__.update(extra)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
 
 def output(new=(), cached=None, scheduled=None) -> SimpleNamespace:
@@ -72,18 +96,35 @@ def output(new=(), cached=None, scheduled=None) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def running(rid: str, computed: int, new_blocks=None, resumed: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        req_ids=[rid], resumed_req_ids={rid} if resumed else set(),
+        new_block_ids=[new_blocks], num_computed_tokens=[computed],
+    )  # fmt: skip
+
+
 def new_req(rid: str, blocks: list[int], computed: int = 0) -> SimpleNamespace:
     return SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
 
 
 def side(link: FakeLink, **options) -> SchedulerSide:
-    return SchedulerSide(ConnectorOptions(**options), TAG, SUFFIXES, BLOCK, link)
+    s = SchedulerSide(ConnectorOptions(**options), SUFFIXES, BLOCK, link)
+    s.handshake({r: FabricHandshake(r, d) for r, d in enumerate(RANKS)})
+    return s
+
+
+def outcome(*loads: tuple[int, int, int], stored=(), ended=(), failed=()) -> FabricWorkerMeta:
+    return FabricWorkerMeta(list(stored), list(failed), list(ended), list(loads))
+
+
+def both_ranks(load_id: int, pages: int, other: int | None = None) -> list[tuple[int, int, int]]:
+    return [(0, load_id, pages), (1, load_id, pages if other is None else other)]
 
 
 def test_every_request_added_before_a_step_is_asked_in_one_call():
     link = FakeLink(hits=2)
     s = side(link)
-    reqs = [request(f"r{i}", list(range(i, i + 13))) for i in range(3)]
+    reqs = [Req(f"r{i}", list(range(i, i + 13))) for i in range(3)]
     for r in reqs:
         s.new_request(r)
     assert link.asked == []
@@ -95,88 +136,267 @@ def test_every_request_added_before_a_step_is_asked_in_one_call():
     assert s.matched(reqs[2], 2 * BLOCK) == (0, False)
     assert len(link.asked) == 1
     # A request vLLM never announced is asked about when it is matched.
-    late = request("late", list(range(9)))
+    late = Req("late", list(range(9)))
     assert s.matched(late, 0) == (2 * BLOCK, False)
     assert len(link.asked) == 2
 
 
 def test_the_last_token_is_always_computed():
-    link = FakeLink(hits=99)
-    s = side(link)
-    r = request("r", list(range(12)))  # exactly 3 blocks: 2 may load
-    assert s.matched(r, 0) == (2 * BLOCK, False)
+    s = side(FakeLink(hits=99))
+    assert s.matched(Req("r", list(range(12))), 0) == (2 * BLOCK, False)  # 3 blocks: 2 load
 
 
 def test_a_hit_loads_into_its_blocks_and_only_new_whole_blocks_are_stored_once():
     link = FakeLink(hits=2)
     s = side(link)
-    r = request("r", list(range(14)))
+    r = Req("r", list(range(14)))
     s.new_request(r)
     assert s.matched(r, 0) == (8, False)
     s.allocated(r, None, 8)
     meta = s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
     (load,) = meta.loads
-    assert load.block_ids == (10, 11) and not load.asynchronous
-    (save,) = meta.saves  # tokens 8..13 computed: block 2 is whole, block 3 is not
-    assert save.block_ids == (12,) and save.run.parent == load.hashes[-1]
-    first = save.run.hashes[0]
-    # A decode step that completes block 3 stores it, and nothing else.
-    r.all_token_ids += [50, 51]
-    cached = SimpleNamespace(
-        req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[14]
-    )
-    meta = s.step_meta(output(cached=cached, scheduled={"r": 2}))
-    (save,) = meta.saves
-    assert save.block_ids == (13,) and not meta.loads
-    meta = s.step_meta(output(cached=cached, scheduled={"r": 1}))
+    assert load.block_ids == (10, 11) and not load.asynchronous and load.tag == s.tag
+    # Tokens 8..13 computed, block 2 whole: but over blocks being loaded, not stored yet.
     assert not meta.saves
-    # The engine keeps stepping until every rank reported both stores ended, and
-    # a request sharing a page still being stored waits for it (asks again).
-    last = save.run.hashes[0]
+    s.worker_output(outcome(*both_ranks(load.load_id, 2)))  # every rank loaded both
+    r.all_token_ids += [50, 51]
+    meta = s.step_meta(output(cached=running("r", 14), scheduled={"r": 2}))
+    (save,) = meta.saves  # block 2 (computed last step) and block 3 (this step)
+    assert save.block_ids == (12, 13) and save.run.parent == load.hashes[-1]
+    assert not meta.loads
+    assert not s.step_meta(output(cached=running("r", 16), scheduled={"r": 1})).saves
+    # The engine keeps stepping until every rank reported both stores ended, and a
+    # request sharing a page still being stored waits for it (asks again).
+    first, last = save.run.hashes
     assert s.pending_writes()
-    twin = request("twin", [*range(14), 50, 51, 52])
+    twin = Req("twin", [*range(14), 50, 51, 52])
     s.new_request(twin)
     assert s.matched(twin, 0) == (None, False)
-    s.worker_output(FabricWorkerMeta({0: [save.run]}, {}, {0: [first, last], 1: [first]}))
+    s.worker_output(
+        outcome(stored=[(s.tag, 0, save.run)], ended=[(0, first), (0, last), (1, first)])
+    )
     assert s.pending_writes()
     assert s.matched(twin, 0) == (None, False)
-    s.worker_output(FabricWorkerMeta({}, {}, {1: [last]}))
+    s.worker_output(outcome(ended=[(1, last)]))
     assert not s.pending_writes()
-    assert link.reports[0] == {0: [save.run]}
+    assert link.reports[0] == (s.tag, {0: [save.run]})
     link.hits = 4
     assert s.matched(twin, 0) == (4 * BLOCK, False)
 
 
-def test_asynchronous_loads_start_from_the_blocks_vllm_allocated():
+def test_pages_computed_over_a_load_that_failed_on_any_rank_are_never_stored():
+    """Rank 1 loads one page of two: the pages computed in that step (over a stale
+    block, spread to every rank by the all-reduce) are stored by no rank; vLLM rolls
+    the request back to the failed page, and the recomputed pages are stored."""
+    link = FakeLink(hits=2)
+    s = side(link)
+    r = Req("r", list(range(14)))
+    s.matched(r, 0)
+    s.allocated(r, None, 8)
+    meta = s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
+    (load,) = meta.loads
+    assert not meta.saves
+    # With async scheduling the next step is planned before the outcome is known.
+    r.all_token_ids += [50]
+    assert not s.step_meta(output(cached=running("r", 14), scheduled={"r": 1})).saves
+    s.worker_output(
+        outcome(*both_ranks(load.load_id, 2, other=1), failed=[(s.tag, 1, load.hashes[1])])
+    )
+    assert link.forgotten == [load.hashes[1]]
+    # vLLM recomputes from page 1 (token 4): the pages from there on are stored.
+    meta = s.step_meta(output(cached=running("r", 4), scheduled={"r": 11}))
+    (save,) = meta.saves
+    assert save.block_ids == (11, 12) and save.run.hashes[0] == load.hashes[1]
+    assert save.run.parent == load.hashes[0]
+
+
+def test_a_request_sharing_a_block_that_is_loading_stores_nothing_until_it_is_known():
+    """vLLM's prefix cache hands a block being loaded to a second request in the
+    same step: that request's pages wait for the load's outcome too."""
+    link = FakeLink(hits=2)
+    s = side(link)
+    a, b = Req("a", list(range(14))), Req("b", [*range(8), *range(100, 106)])
+    s.matched(a, 0)
+    s.allocated(a, None, 8)
+    s.matched(b, 8)  # vLLM's own cache has its first two blocks: nothing to load
+    meta = s.step_meta(
+        output([new_req("a", [10, 11, 12, 13], 8), new_req("b", [10, 11, 20, 21], 8)],
+               scheduled={"a": 6, "b": 6})
+    )  # fmt: skip
+    assert len(meta.loads) == 1 and not meta.saves
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 2)))
+    meta = s.step_meta(output(cached=running("b", 14), scheduled={"b": 1}))
+    (save,) = meta.saves
+    assert save.block_ids == (20,)
+
+
+def test_asynchronous_loads_start_from_the_blocks_vllm_allocated_and_a_failure_rolls_back():
     link = FakeLink(hits=3)
     s = side(link, load_async=True)
-    r = request("r", list(range(20)))
+    r = Req("r", list(range(20)))
     s.new_request(r)
     assert s.matched(r, 0) == (12, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10, 11],))
     s.allocated(r, blocks, 12)
     (load,) = s.step_meta(output()).loads  # the request itself is not scheduled
     assert load.asynchronous and load.block_ids == (7, 8, 9)
+    s.worker_output(outcome(*both_ranks(load.load_id, 1)))  # page 1 failed
+    meta = s.step_meta(output([new_req("r", [7, 8, 9, 10, 11], 4)], scheduled={"r": 16}))
+    (save,) = meta.saves
+    assert save.block_ids == (8, 9, 10, 11)  # the recomputed pages are stored
 
 
-def test_a_resumed_request_takes_its_new_blocks():
+def test_a_request_aborted_while_its_asynchronous_load_runs_keeps_its_blocks():
+    s = side(FakeLink(hits=3), load_async=True)
+    r = Req("r", list(range(20)))
+    s.matched(r, 0)
+    s.allocated(r, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10, 11],)), 12)
+    (load,) = s.step_meta(output()).loads
+    assert s.finished(r, [7, 8, 9, 10, 11])  # the load thread still writes them
+    s.worker_output(outcome(*both_ranks(load.load_id, 3)))
+    assert not s.step_meta(output()).saves
+
+
+def test_a_finished_request_keeps_its_blocks_until_its_last_pages_are_stored():
+    """A request that ends in the step of its load (one output token): its computed
+    pages are stored once the load is known good, from blocks vLLM keeps for it."""
+    s = side(FakeLink(hits=2))
+    r = Req("r", list(range(14)))
+    s.matched(r, 0)
+    s.allocated(r, None, 8)
+    meta = s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
+    r.num_computed_tokens = 14
+    assert s.finished(r, [10, 11, 12, 13])
+    assert s.pending_writes()
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 2)))
+    meta = s.step_meta(output())
+    (save,) = meta.saves
+    assert save.block_ids == (12,) and meta.finished == ["r"]
+    assert not s.step_meta(output()).finished
+    # One whose load failed keeps nothing: its blocks are let go unstored.
+    bad = Req("bad", list(range(100, 114)))
+    s.matched(bad, 0)
+    s.allocated(bad, None, 8)
+    meta = s.step_meta(output([new_req("bad", [1, 2, 3, 4], 8)], scheduled={"bad": 6}))
+    bad.num_computed_tokens = 14
+    assert s.finished(bad, [1, 2, 3, 4])
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 2, other=0)))
+    meta = s.step_meta(output())
+    assert not meta.saves and meta.finished == ["bad"]
+    # Nothing left to store: the blocks go at once.
+    done = Req("done", list(range(7)))
+    s.matched(done, 0)
+    done.num_computed_tokens = 7
+    assert not s.finished(done, [5, 6])
+
+
+def test_a_resumed_request_asks_again_over_its_output_tokens():
     link = FakeLink(hits=0)
     s = side(link)
-    r = request("r", list(range(9)))
+    r = Req("r", list(range(9)))
     assert s.matched(r, 0) == (0, False)
-    s.step_meta(output([new_req("r", [1, 2, 3])], scheduled={"r": 4}))
-    cached = SimpleNamespace(
-        req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([5, 6, 7],)], num_computed_tokens=[4]
-    )
-    (save,) = s.step_meta(output(cached=cached, scheduled={"r": 5})).saves
-    assert save.block_ids == (6,)
+    (save,) = s.step_meta(output([new_req("r", [1, 2, 3])], scheduled={"r": 9})).saves
+    s.worker_output(outcome(ended=[(k, h) for k in (0, 1) for h in save.run.hashes]))
+    r.all_token_ids += [40, 41, 42, 43]  # 13 tokens: its output made page 2 whole
+    link.hits = 3
+    assert s.matched(r, 0) == (12, False)  # preempted: it asks again, all 3 pages count
+    assert [len(c) for c in link.asked[-1]] == [3]
+    s.allocated(r, None, 12)
+    meta = s.step_meta(output(cached=running("r", 12, [[5, 6, 7, 8]], resumed=True),
+                              scheduled={"r": 1}))  # fmt: skip
+    assert meta.loads[0].block_ids == (5, 6, 7)
+
+
+def test_only_whole_pages_of_real_tokens_are_hashed_and_stored():
+    """Async scheduling counts a token before it is sampled, and speculative decoding
+    counts draft tokens: neither is hashed, so a later page never chains from junk."""
+    s = side(FakeLink(hits=0))
+    r = Req("r", list(range(10)))
+    s.matched(r, 0)
+    meta = s.step_meta(output([new_req("r", [1, 2, 3, 4])], scheduled={"r": 10}))
+    assert [save.block_ids for save in meta.saves] == [(1, 2)]
+    # Two placeholders and three drafts scheduled: 15 tokens counted, 11 real.
+    r.all_token_ids += [77]
+    meta = s.step_meta(output(cached=running("r", 10), scheduled={"r": 5}))
+    assert not meta.saves
+    state = s.tracked["r"]
+    assert len(state.hashes) == 2
+    r.all_token_ids += [78]  # now page 2 is whole and real
+    (save,) = s.step_meta(output(cached=running("r", 15), scheduled={"r": 1})).saves
+    assert save.block_ids == (3,)
+    expected = SchedulerSide(ConnectorOptions(), SUFFIXES, BLOCK, FakeLink())
+    expected.handshake({i: FabricHandshake(i, d) for i, d in enumerate(RANKS)})
+    twin = expected._track(Req("t", r.all_token_ids))
+    expected._hashes_to(twin, 3)
+    assert save.run.hashes[0] == twin.hashes[2]
+
+
+def test_requests_not_named_by_their_tokens_are_neither_loaded_nor_stored():
+    link = FakeLink(hits=5)
+    s = side(link)
+    embeds = Req("e", [0] * 20, prompt_embeds=object())
+    image = Req("i", list(range(20)), mm_features=[object()])
+    for r in (embeds, image):
+        s.new_request(r)
+        assert s.matched(r, 0) == (0, False)
+        assert r.request_id not in s.tracked
+    assert link.asked == []
+
+
+def test_a_request_that_skips_reading_the_prefix_cache_loads_nothing_but_stores():
+    link = FakeLink(hits=5)
+    s = side(link)
+    r = Req("r", list(range(20)), skip_reading_prefix_cache=True)
+    s.new_request(r)
+    assert s.matched(r, 0) == (0, False)
+    assert link.asked == []
+    meta = s.step_meta(output([new_req("r", [1, 2, 3, 4, 5])], scheduled={"r": 20}))
+    assert [save.block_ids for save in meta.saves] == [(1, 2, 3, 4, 5)]
+
+
+def test_a_reset_stores_under_a_new_tag_and_requests_from_before_store_nothing():
+    link = FakeLink(hits=0)
+    s = side(link)
+    old = s.tag
+    before = Req("before", list(range(9)))
+    s.matched(before, 0)
+    assert s.reset()
+    assert s.tag != old and s.tag == engine_tag(RANKS, s._epoch)
+    assert not s.step_meta(output([new_req("before", [1, 2, 3])], scheduled={"before": 9})).saves
+    after = Req("after", list(range(9)))
+    s.matched(after, 0)
+    (save,) = s.step_meta(output([new_req("after", [4, 5, 6])], scheduled={"after": 9})).saves
+    assert save.tag == s.tag
+    assert link.asked[-1]  # asked under the new tag
+    # Two resets are two epochs (random), never a counter a restart could repeat.
+    again = s.tag
+    s.reset()
+    assert s.tag not in (old, again)
+
+
+def test_an_engine_whose_workers_did_not_say_what_their_pages_are_stays_off():
+    link = FakeLink(hits=5)
+    s = SchedulerSide(ConnectorOptions(), SUFFIXES, BLOCK, link)
+    r = Req("r", list(range(20)))
+    s.new_request(r)
+    assert s.matched(r, 0) == (0, False)
+    s.handshake({0: FabricHandshake(0, "a" * 64), 1: FabricHandshake(1, "")})  # rank 1 can't
+    assert s.tag is None and s.matched(r, 0) == (0, False)
+    assert not s.step_meta(output([new_req("r", [1, 2, 3, 4, 5])], scheduled={"r": 20})).saves
+    assert link.asked == []
+
+
+def test_engines_that_differ_in_any_rank_get_other_tags():
+    assert engine_tag(RANKS, "") != engine_tag([RANKS[0], "c" * 64], "")
+    assert engine_tag(RANKS, "") != engine_tag(list(reversed(RANKS)), "")
+    assert engine_tag(RANKS, "") != engine_tag(RANKS, "e")
 
 
 def test_cache_salts_and_tenants_get_chains_of_their_own():
     link = FakeLink()
     s = side(link)
     tokens = list(range(9))
-    reqs = [request(rid, tokens, salt) for rid, salt in (("a", None), ("b", "s"), ("c", "t"))]
+    reqs = [Req(rid, tokens, salt) for rid, salt in (("a", None), ("b", "s"), ("c", "t"))]
     for r in reqs:
         s.new_request(r)
     s.matched(reqs[0], 0)
@@ -186,18 +406,32 @@ def test_cache_salts_and_tenants_get_chains_of_their_own():
     assert request_namespace("t", "s", None) != request_namespace("t", None, "s")
 
 
+def test_a_lora_adapter_is_named_by_its_weights_not_its_name(tmp_path):
+    link = FakeLink()
+    s = side(link)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights one")
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(adapter))
+    first = s._track(Req("a", list(range(9)), lora_request=lora))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights two")  # replaced in place
+    second = s._track(Req("b", list(range(9)), lora_request=lora))
+    plain = s._track(Req("c", list(range(9))))
+    assert len({first.namespace, second.namespace, plain.namespace}) == 3
+
+
 def test_a_down_fabric_answers_from_the_store_alone(tmp_path):
     options = StoreOptions(path=str(tmp_path))
     link = FakeLink(up=False, store=options)
     s = side(link)
-    r = request("r", list(range(17)))  # 4 whole blocks before the last token
+    r = Req("r", list(range(17)))  # 4 whole blocks before the last token
     hashes = _chain(s, r)
     provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
     store = DirectStore(options, "vllm")
     rows = np.zeros((3, 8), dtype=np.uint8)
     # Both shards of pages 0 and 1; page 2 for one shard only.
-    store.store([page_key(h, TAG, "0-0-0") for h in hashes[:3]], rows, provenance)
-    store.store([page_key(h, TAG, "0-0-1") for h in hashes[:2]], rows[:2], provenance)
+    store.store([page_key(h, s.tag, "0-0-0") for h in hashes[:3]], rows, provenance)
+    store.store([page_key(h, s.tag, "0-0-1") for h in hashes[:2]], rows[:2], provenance)
     store.close()
     assert s.matched(r, 0) == (2 * BLOCK, False)
     assert link.asked == [] and link.reports == []
@@ -208,28 +442,30 @@ def test_the_store_extends_the_fabrics_answer_and_the_fabric_is_told(tmp_path):
     options = StoreOptions(path=str(tmp_path))
     link = FakeLink(hits=1, store=options)
     s = side(link)
-    r = request("r", list(range(17)))
+    r = Req("r", list(range(17)))
     hashes = _chain(s, r)
     provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
     store = DirectStore(options, "vllm")
     for suffix in SUFFIXES:
         store.store(
-            [page_key(h, TAG, suffix) for h in hashes[1:3]], np.zeros((2, 8), np.uint8), provenance
-        )
+            [page_key(h, s.tag, suffix) for h in hashes[1:3]], np.zeros((2, 8), np.uint8),
+            provenance,
+        )  # fmt: skip
     store.close()
     assert s.matched(r, 0) == (3 * BLOCK, False)
     (report,) = link.reports
-    assert report == {rank: [StoredRun("vllm", hashes[0], tuple(hashes[1:3]))] for rank in (0, 1)}
+    run = StoredRun("vllm", hashes[0], tuple(hashes[1:3]))
+    assert report == (s.tag, {0: [run], 1: [run]})
     # A page a worker failed to load is not found in the store again.
-    s.worker_output(FabricWorkerMeta({}, {1: [hashes[1]]}))
+    s.worker_output(outcome(failed=[(s.tag, 1, hashes[1])]))
     assert link.forgotten == [hashes[1]]
-    assert s.matched(request("r2", list(range(17))), 0) == (BLOCK, False)
+    assert s.matched(Req("r2", list(range(17))), 0) == (BLOCK, False)
     s.close()
 
 
-def _chain(s: SchedulerSide, r: SimpleNamespace) -> list[bytes]:
+def _chain(s: SchedulerSide, r: Req) -> list[bytes]:
     state = s._track(r)
-    s._hashes_to(state, (len(r.prompt_token_ids) - 1) // BLOCK)
+    s._hashes_to(state, (r.num_tokens - 1) // BLOCK)
     return state.hashes
 
 
@@ -247,10 +483,10 @@ def test_bad_connector_options_are_refused_naming_them(options, needle):
         parse_options(ConnectorOptions, options, "kv_connector_extra_config")
 
 
-def test_matched_pages_are_leased_until_loaded_and_released_with_the_next_call():
+def test_matched_pages_are_leased_until_every_rank_loaded_them_then_released_at_once():
     link = FakeLink(hits=2)
     s = side(link, lease_s=7.0)
-    r, miss = request("r", list(range(14))), request("m", list(range(100, 114)))
+    r, miss = Req("r", list(range(14))), Req("m", list(range(100, 114)))
     s.new_request(r)
     s.new_request(miss)
     assert s.matched(r, 0) == (8, False)
@@ -259,35 +495,49 @@ def test_matched_pages_are_leased_until_loaded_and_released_with_the_next_call()
     assert names[0].endswith("/r") and names[1].endswith("/m")
     s.allocated(r, None, 8)
     meta = s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
-    assert len(meta.loads) == 1
-    s.worker_output(None)  # the step that loaded ran: its lease ends
-    s.new_request(request("next", list(range(200, 214))))
-    s.matched(request("next", list(range(200, 214))), 0)
-    assert link.leases[1][2] == [names[0]]
-    # A request whose loads ran asynchronously releases when vLLM says it is done.
+    s.worker_output(outcome((0, meta.loads[0].load_id, 2)))  # one rank of two: still held
+    assert link.released == []
+    s.worker_output(outcome((1, meta.loads[0].load_id, 2)))
+    assert link.released == [names[0]]  # without waiting for another lookup
+    # A request whose loads ran asynchronously releases when its load is reported.
     link2 = FakeLink(hits=2)
     s2 = side(link2, load_async=True)
-    a = request("a", list(range(14)))
+    a = Req("a", list(range(14)))
     s2.new_request(a)
     assert s2.matched(a, 0) == (8, True)
     s2.allocated(a, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 8)
-    s2.step_meta(output())
-    s2.worker_output(None, {"a"})
-    s2.matched(request("b", list(range(300, 314))), 0)
-    assert link2.leases[1][2] == [link2.leases[0][0][0]]
+    (load,) = s2.step_meta(output()).loads
+    s2.worker_output(outcome(*both_ranks(load.load_id, 2)))
+    assert link2.released == [link2.leases[0][0][0]]
 
 
 def test_a_finished_request_releases_a_lease_never_loaded_and_no_lease_is_taken_at_zero():
     link = FakeLink(hits=2)
     s = side(link)
-    r = request("r", list(range(14)))
+    r = Req("r", list(range(14)))
     s.matched(r, 0)
-    s.finished(r)  # aborted before it was scheduled
-    s.matched(request("n", list(range(50, 64))), 0)
-    assert link.leases[1][2] == [link.leases[0][0][0]]
+    s.finished(r, [])  # aborted before it was scheduled
+    s.worker_output(None)
+    assert link.released == [link.leases[0][0][0]]
     off = FakeLink(hits=2)
     s0 = side(off, lease_s=0)
-    s0.matched(request("r", list(range(14))), 0)
-    s0.finished(request("r", []))
-    s0.matched(request("n", list(range(50, 64))), 0)
-    assert off.leases[0][1] == 0 and off.leases[1][2] == []
+    s0.matched(Req("r", list(range(14))), 0)
+    s0.finished(Req("r", []), [])
+    s0.worker_output(None)
+    assert off.leases[0][1] == 0 and off.released == []
+
+
+def test_a_load_no_rank_ever_reports_lets_its_requests_go_without_storing(monkeypatch):
+    from fabric.engines import vllm_scheduler
+
+    now = [0.0]
+    link = FakeLink(hits=2)
+    s = SchedulerSide(ConnectorOptions(), SUFFIXES, BLOCK, link, clock=lambda: now[0])
+    s.handshake({r: FabricHandshake(r, d) for r, d in enumerate(RANKS)})
+    r = Req("r", list(range(14)))
+    s.matched(r, 0)
+    s.allocated(r, None, 8)
+    s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
+    now[0] = vllm_scheduler.WRITE_STALL_S + 1
+    assert not s.step_meta(output(cached=running("r", 14), scheduled={"r": 1})).saves
+    assert s.tracked["r"].no_save and not s._loads and not s._sync_blocks
