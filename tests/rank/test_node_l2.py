@@ -5,6 +5,7 @@ file others could write is repaired and emptied, one of another owner refused.""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import stat
@@ -112,16 +113,32 @@ def test_a_write_killed_midway_leaves_an_empty_slot_the_next_store_takes(tmp_pat
     l2.close()
 
 
+def hold(path: Path) -> int:
+    """Hold ``path`` as another process using the region does (a shared lock)."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def test_a_region_others_could_write_is_repaired_and_emptied(tmp_path, caplog):
     l2 = region(tmp_path)
     l2.put(["k"], page("k")[None])
-    l2.close()
+    (found,) = l2.find(["k"])
+    other = hold(tmp_path / "r.l2")
+    l2.close()  # the other user keeps it
     os.chmod(tmp_path / "r.l2", 0o666)
     with caplog.at_level(logging.WARNING, "fabric.rank.node_l2"):
         again = region(tmp_path)
+    os.close(other)
     assert stat.S_IMODE(os.stat(tmp_path / "r.l2").st_mode) == 0o600
     assert again.find(["k"]) == [None]  # anyone may have written what was in it
     assert "repaired to 0600 and emptied" in caplog.text
+    # A reader that held the slot before it was emptied never takes it again, even
+    # once the slot is written twice more (seq only grows).
+    assert not again.unchanged(found)
+    for i in range(2 * WAYS * 8):
+        again.put([f"x{i}"], page(f"x{i}")[None])
+    assert not again.unchanged(found)
     again.close()
 
 
@@ -208,12 +225,57 @@ def test_a_reader_racing_another_process_rewriting_slots_never_takes_wrong_bytes
 def test_a_fabric_going_removes_its_regions_no_engine_uses(tmp_path):
     mine = node_l2.fabric_identity("fab", "kvfabric")
     used = open_node_l2(str(tmp_path), mine, "a" * 16, "0-0-0", PAGE, PAGE * 8)
-    unused = open_node_l2(str(tmp_path), mine, "b" * 16, "0-0-0", PAGE, PAGE * 8)
-    other = open_node_l2(str(tmp_path), "other|kvfabric", "a" * 16, "0-0-0", PAGE, PAGE * 8)
-    assert used and unused and other
-    unused.close()
-    other.close()
+    dead = tmp_path / node_l2.region_name(mine, "b" * 16, "0-0-0")
+    other = tmp_path / node_l2.region_name("other|kvfabric", "a" * 16, "0-0-0")
+    for path in (dead, other):
+        path.write_bytes(b"left by an engine that died")
+        os.chmod(path, 0o600)
+    assert used is not None
     assert node_l2.remove_regions(tmp_path, mine) == 1
-    assert used.path.exists() and not unused.path.exists() and other.path.exists()
+    assert used.path.exists() and not dead.exists() and other.exists()
     used.close()
-    assert node_l2.remove_regions(tmp_path, mine) == 1 and not used.path.exists()
+    assert not used.path.exists()  # its last user removed it
+
+
+def test_region_names_carry_their_owner_and_its_dead_engines_regions_go_at_start(tmp_path):
+    name = node_l2.region_name("fab|ns", "a" * 16, "0-0-0")
+    assert name.startswith(f"{node_l2.PREFIX}{os.getuid()}-")
+    assert node_l2.region_name("fab|ns", "b" * 16, "0-0-0") != name
+    dead = tmp_path / node_l2.region_name("gone|ns", "c" * 16, "0-0-1")
+    dead.write_bytes(b"x")
+    held = tmp_path / node_l2.region_name("live|ns", "c" * 16, "0-0-1")
+    held.write_bytes(b"x")
+    fd = hold(held)
+    foreign = tmp_path / f"{node_l2.PREFIX}{os.getuid() + 1}-x-y-0-0-0.l2"
+    foreign.write_bytes(b"x")
+    l2 = open_node_l2(str(tmp_path), "fab|ns", "a" * 16, "0-0-0", PAGE, PAGE * 8)
+    assert l2 is not None and not dead.exists() and held.exists() and foreign.exists()
+    os.close(fd)
+    l2.close()
+
+
+def test_a_region_grows_as_pages_come(tmp_path):
+    l2 = open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, PAGE * 256)
+    assert l2 is not None
+    size = os.stat(l2.path).st_size
+    empty = os.stat(l2.path).st_blocks * 512
+    assert size >= 256 * PAGE and empty < 64 * PAGE
+    keys = [f"k{i}" for i in range(64)]
+    assert l2.put(keys, torch.stack([page(k) for k in keys])) == 64
+    grown = os.stat(l2.path).st_blocks * 512
+    assert grown >= empty + 60 * PAGE
+    for key in keys:
+        assert torch.equal(read(l2, key), page(key))
+    l2.close()
+
+
+def test_two_engines_in_one_process_share_one_mapping_and_its_locks(tmp_path):
+    a, b = region(tmp_path), region(tmp_path)
+    assert a._map is b._map and a._map.users == 2
+    a.put(["k"], page("k")[None])
+    a.close()  # b's byte-range locks and mapping are untouched by a's close
+    assert torch.equal(read(b, "k"), page("k"))
+    assert (tmp_path / "r.l2").exists()
+    b.put(["j"], page("j")[None])
+    b.close()
+    assert not (tmp_path / "r.l2").exists()

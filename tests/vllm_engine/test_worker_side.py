@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 
 import pytest
 import torch
 
 from fabric.coordinator.engine_pages import StoredRun
-from fabric.engines.store import StoreOptions
+from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (
     FabricConnectorStats,
     FabricStepMeta,
@@ -29,6 +30,15 @@ BLOCKS, HEADS, BLOCK, HEAD = 16, 2, 32, 64
 BLOCK_BYTES = HEADS * BLOCK * 2 * HEAD * 4
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROVENANCE = Provenance("m", "vllm-block/test", "float32", (2, HEADS, BLOCK, HEAD), BLOCK)
+TAG = "0123456789abcdef"
+
+
+def pload(hs, blocks, rid: str = "r", load_id: int = 0, asynchronous: bool = False) -> PageLoad:
+    return PageLoad(load_id, rid, TAG, tuple(hs), tuple(blocks), asynchronous)
+
+
+def psave(run: StoredRun, blocks) -> PageSave:
+    return PageSave(TAG, run, tuple(blocks))
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -36,11 +46,13 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=g) for n in LAYERS}
 
 
-def worker(tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False) -> WorkerSide:
+def worker(
+    tmp_path, kv: dict[str, torch.Tensor], tp_rank: int = 0, l2: bool = False, **options
+) -> WorkerSide:
     node = L2Options(1 << 22, str(tmp_path / "shm"), "fabric", "kvfabric") if l2 else None
     (tmp_path / "shm").mkdir(exist_ok=True)
-    side = WorkerSide(PROVENANCE, Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None, node)
-    side.register(kv)
+    side = WorkerSide(Placement(2, 1, tp_rank), LAYERS, BLOCKS, BLOCK_BYTES, None, node, **options)
+    side.register(kv, PROVENANCE)
     return side
 
 
@@ -53,7 +65,7 @@ def stored(tmp_path, source: dict[str, torch.Tensor], blocks: tuple[int, ...]) -
     store = StoreOptions(path=str(tmp_path))
     writer = worker(tmp_path, source)
     run = StoredRun("vllm", None, hashes(len(blocks)))
-    writer.save(FabricStepMeta(saves=[PageSave(run, blocks)], store=store))
+    writer.save(FabricStepMeta(saves=[psave(run, blocks)], store=store))
     writer.close()
     return store
 
@@ -63,19 +75,20 @@ def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
     source, target = caches(1), caches(2)
     writer = worker(tmp_path, source)
     run = StoredRun("vllm", None, hashes(5))
-    writer.save(FabricStepMeta(saves=[PageSave(run, (3, 4, 5, 6, 7))], store=store))
+    writer.save(FabricStepMeta(saves=[psave(run, (3, 4, 5, 6, 7))], store=store))
     writer.close()
     meta = writer.worker_meta()
-    assert meta is not None and meta.stored == {0: [run]} and meta.ended == {0: list(run.hashes)}
+    assert meta is not None and meta.stored == [(TAG, 0, run)]
+    assert meta.ended == [(0, h) for h in run.hashes]
     reader = worker(tmp_path, target)
-    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (9, 10, 11, 12, 13))], store=store))
+    reader.load(FabricStepMeta(loads=[pload(run.hashes, (9, 10, 11, 12, 13))], store=store))
     assert reader.load_errors() == set()
     for name in LAYERS:
         assert torch.equal(target[name][9:14], source[name][3:8])
     assert reader.take_stats().data["loaded_pages"] == 5
     # The other TP rank's keys are its own: none of rank 0's pages are its.
     other = worker(tmp_path, caches(3), tp_rank=1)
-    other.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (0, 1, 2, 3, 4))], store=store))
+    other.load(FabricStepMeta(loads=[pload(run.hashes, (0, 1, 2, 3, 4))], store=store))
     assert other.load_errors() == {0, 1, 2, 3, 4}
     for side in (reader, other):
         side.close()
@@ -85,7 +98,7 @@ def test_asynchronous_loads_are_reported_when_done(tmp_path):
     source, target = caches(1), caches(2)
     store = stored(tmp_path, source, (0, 1, 2))
     reader = worker(tmp_path, target)
-    job = PageLoad("r", hashes(4), (5, 6, 7, 8), asynchronous=True)
+    job = pload(hashes(4), (5, 6, 7, 8), asynchronous=True)
     reader.load(FabricStepMeta(loads=[job], store=store))
     done: set[str] = set()
     for _ in range(1000):
@@ -99,7 +112,8 @@ def test_asynchronous_loads_are_reported_when_done(tmp_path):
     for name in LAYERS:
         assert torch.equal(target[name][5:8], source[name][0:3])
     meta = reader.worker_meta()
-    assert meta is not None and meta.failed == {0: [hashes(4)[3]]}
+    assert meta is not None and meta.failed == [(TAG, 0, hashes(4)[3])]
+    assert meta.loaded == [(0, 0, 3)]  # the load's outcome: three pages of four
     reader.close()
 
 
@@ -112,7 +126,7 @@ def test_a_corrupted_page_is_never_copied_into_a_block(tmp_path):
         segment.write_bytes(bytes(data))
     before = {n: t.clone() for n, t in target.items()}
     reader = worker(tmp_path, target)
-    reader.load(FabricStepMeta(loads=[PageLoad("r", hashes(4), (8, 9, 10, 11))], store=store))
+    reader.load(FabricStepMeta(loads=[pload(hashes(4), (8, 9, 10, 11))], store=store))
     errors = reader.load_errors()
     assert errors and max(errors) == 11
     bad = min(errors)
@@ -129,13 +143,14 @@ def test_a_pool_that_is_not_the_declared_geometry_is_refused_by_name(tmp_path, c
     assert f"declares {BLOCK_BYTES}" in caplog.text and str(2 * BLOCK_BYTES) in caplog.text
     store = StoreOptions(path=str(tmp_path))
     side.save(
-        FabricStepMeta(saves=[PageSave(StoredRun("vllm", None, hashes(1)), (0,))], store=store)
+        FabricStepMeta(saves=[psave(StoredRun("vllm", None, hashes(1)), (0,))], store=store)
     )
-    side.load(FabricStepMeta(loads=[PageLoad("r", hashes(1), (1,))], store=store))
+    side.load(FabricStepMeta(loads=[pload(hashes(1), (1,))], store=store))
     assert side.load_errors() == {1}
     meta = side.worker_meta()
-    assert meta is not None and meta.stored == {} and meta.failed == {0: [hashes(1)[0]]}
-    assert meta.ended == {0: [hashes(1)[0]]}  # the store it was asked for ended, skipped
+    assert meta is not None and meta.stored == [] and meta.failed == [(TAG, 0, hashes(1)[0])]
+    assert meta.ended == [(0, hashes(1)[0])]  # the store it was asked for ended, skipped
+    assert meta.loaded == [(0, 0, 0)]
     assert not list(tmp_path.rglob("*.kvs"))
 
 
@@ -149,6 +164,13 @@ def test_connector_stats_add_up_over_ranks():
     assert a.is_empty()
 
 
+def drain(side: WorkerSide) -> None:
+    """Wait for the worker's stores (and promotions) in flight to end."""
+    while side._writes:
+        side._writes[0].future.result()
+        side._written()
+
+
 def drop_l3(tmp_path) -> None:
     for segment in tmp_path.rglob("*.kvs"):
         segment.unlink()
@@ -159,18 +181,22 @@ def test_a_page_another_engine_stored_on_the_node_loads_from_shared_memory(tmp_p
     source, target = caches(1), caches(2)
     writer = worker(tmp_path, source, l2=True)
     run = StoredRun("vllm", None, hashes(4))
-    writer.save(FabricStepMeta(saves=[PageSave(run, (0, 1, 2, 3))], store=store))
-    writer.close()
+    writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
+    drain(writer)
     assert writer.take_stats().data["l2_stored_pages"] == 4
-    drop_l3(tmp_path)  # only the node's L2 has them now
+    drop_l3(tmp_path)  # only the node's L2 has them now (the writer still runs)
     reader = worker(tmp_path, target, l2=True)
-    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (4, 5, 6, 7))], store=store))
+    reader.load(FabricStepMeta(loads=[pload(run.hashes, (4, 5, 6, 7))], store=store))
     assert reader.load_errors() == set()
     for name in LAYERS:
         assert torch.equal(target[name][4:8], source[name][0:4])
     stats = reader.take_stats().data
     assert stats["loaded_pages"] == 4 and stats["l2_loaded_pages"] == 4
+    region = reader.pages.l2.path
+    writer.close()
+    assert region.exists()  # the reader still uses it
     reader.close()
+    assert not region.exists()  # its last user removed it
 
 
 def test_a_damaged_node_l2_page_is_read_from_l3_instead(tmp_path):
@@ -178,35 +204,37 @@ def test_a_damaged_node_l2_page_is_read_from_l3_instead(tmp_path):
     store = StoreOptions(path=str(tmp_path))
     writer = worker(tmp_path, source, l2=True)
     run = StoredRun("vllm", None, hashes(3))
-    writer.save(FabricStepMeta(saves=[PageSave(run, (0, 1, 2))], store=store))
-    writer.close()
+    writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2))], store=store))
+    drain(writer)
     reader = worker(tmp_path, target, l2=True)
-    (found,) = reader.pages.l2.find(reader.pages.keys(run.hashes[1:2]))
+    (found,) = reader.pages.l2.find(reader.pages.keys(TAG, run.hashes[1:2]))
     reader.pages.l2.pool[found[0], 7] ^= 0xFF  # a writer on the node damages the second page
-    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (5, 6, 7))], store=store))
+    reader.load(FabricStepMeta(loads=[pload(run.hashes, (5, 6, 7))], store=store))
     assert reader.load_errors() == set()
     for name in LAYERS:
         assert torch.equal(target[name][5:8], source[name][0:3])
     stats = reader.take_stats().data
     assert stats["loaded_pages"] == 3 and stats["l2_loaded_pages"] == 2
     reader.close()
+    writer.close()
 
 
 def test_pages_read_from_l3_are_kept_in_the_node_l2_for_the_next_reader(tmp_path):
     source = caches(1)
     store = stored(tmp_path, source, (0, 1, 2))  # an engine without a node L2 (another node)
     first = worker(tmp_path, caches(2), l2=True)
-    first.load(FabricStepMeta(loads=[PageLoad("r", hashes(3), (3, 4, 5))], store=store))
+    first.load(FabricStepMeta(loads=[pload(hashes(3), (3, 4, 5))], store=store))
     assert first.load_errors() == set()
-    first.close()  # its promotions are stored by then
+    drain(first)  # its promotions are stored by then
     drop_l3(tmp_path)
     target = caches(3)
     second = worker(tmp_path, target, l2=True)
-    second.load(FabricStepMeta(loads=[PageLoad("r", hashes(3), (7, 8, 9))], store=store))
+    second.load(FabricStepMeta(loads=[pload(hashes(3), (7, 8, 9))], store=store))
     assert second.load_errors() == set()
     for name in LAYERS:
         assert torch.equal(target[name][7:10], source[name][0:3])
     second.close()
+    first.close()
 
 
 def forward(side: WorkerSide, meta: FabricStepMeta, layers=LAYERS, after_layer=None) -> None:
@@ -231,7 +259,7 @@ def test_once_the_forward_waits_for_each_layer_loads_run_layer_by_layer(tmp_path
     def check(name):  # the layer is whole when the forward reaches it
         seen[name] = torch.equal(target[name][8:12], source[name][0:4])
 
-    meta = FabricStepMeta(loads=[PageLoad("r", hashes(4), (8, 9, 10, 11))], store=store)
+    meta = FabricStepMeta(loads=[pload(hashes(4), (8, 9, 10, 11))], store=store)
     reader.load(meta)
     assert reader._step is not None  # read on the step thread while the forward runs
     for name in LAYERS:
@@ -250,7 +278,7 @@ def test_a_forward_that_does_not_wait_for_a_layer_gets_its_loads_recomputed(tmp_
     store = stored(tmp_path, source, (0, 1))
     reader = worker(tmp_path, target)
     forward(reader, FabricStepMeta(store=store))
-    meta = FabricStepMeta(loads=[PageLoad("r", hashes(2), (4, 5))], store=store)
+    meta = FabricStepMeta(loads=[pload(hashes(2), (4, 5))], store=store)
     with caplog.at_level(logging.WARNING):
         forward(reader, meta, layers=LAYERS[:1])  # the second layer never waited
     assert reader.load_errors() == {4, 5}
@@ -267,7 +295,7 @@ def test_each_layer_is_saved_as_the_forward_computes_it(tmp_path):
     writer = worker(tmp_path, source)
     run = StoredRun("vllm", None, hashes(2))
 
-    meta = FabricStepMeta(saves=[PageSave(run, (0, 1))], store=store)
+    meta = FabricStepMeta(saves=[psave(run, (0, 1))], store=store)
     writer.load(meta)
     writer.wait_layer(LAYERS[0])
     writer.save_layer(LAYERS[0])
@@ -278,8 +306,144 @@ def test_each_layer_is_saved_as_the_forward_computes_it(tmp_path):
     writer.close()
     target = caches(2)
     reader = worker(tmp_path, target)
-    reader.load(FabricStepMeta(loads=[PageLoad("r", run.hashes, (5, 6))], store=store))
+    reader.load(FabricStepMeta(loads=[pload(run.hashes, (5, 6))], store=store))
     assert reader.load_errors() == set()
     for name in LAYERS:
         assert torch.equal(target[name][5:7], computed[name])
+    reader.close()
+
+
+class WedgedStore(PageStore):
+    """A store whose reads and writes hang until ``go`` is set (a wedged NFS mount),
+    then serve ``rows`` (reads) and succeed (writes)."""
+
+    def __init__(self, rows=None):
+        super().__init__("vllm")
+        self.go = threading.Event()
+        self.rows = rows
+
+    def _present(self, keys):
+        return [True] * len(keys)
+
+    def _load(self, keys, out, provenance):
+        self.go.wait(30)
+        out[: len(keys)] = self.rows[: len(keys)]
+        return len(keys)
+
+    def _store(self, keys, pages, provenance):
+        self.go.wait(30)
+        return [True] * len(keys)
+
+    def clear(self):
+        return True
+
+
+def wedged_reader(tmp_path, target, source_rows, **options) -> tuple[WorkerSide, WedgedStore]:
+    reader = worker(tmp_path, target, timeout_s=0.2, **options)
+    reader.pages.store = store = WedgedStore(source_rows)
+    return reader, store
+
+
+def test_a_load_from_a_wedged_store_is_given_up_and_never_writes_a_block_after(tmp_path):
+    target = caches(2)
+    before = {n: t.clone() for n, t in target.items()}
+    rows = torch.full((4, 2 * BLOCK_BYTES), 7, dtype=torch.uint8).numpy()
+    reader, store = wedged_reader(tmp_path, target, rows)
+    meta = FabricStepMeta(loads=[pload(hashes(4), (8, 9, 10, 11), load_id=5)])
+    reader.load(meta)  # read before the forward: given up after timeout_s, not hung
+    assert reader.load_errors() == {8, 9, 10, 11}
+    assert reader.worker_meta().loaded == [(0, 5, 0)]
+    assert reader.take_stats().data["load_timeouts"] == 1
+    store.go.set()  # the store comes back: the thread that was reading writes nothing
+    reader._stepper.submit(lambda: None).result(timeout=30)  # (it has ended)
+    for name in LAYERS:
+        assert torch.equal(target[name], before[name])
+    reader.close()
+
+
+def test_a_forward_waiting_for_a_layer_of_a_wedged_load_goes_on_after_timeout_s(tmp_path):
+    target = caches(2)
+    rows = torch.full((2, 2 * BLOCK_BYTES), 7, dtype=torch.uint8).numpy()
+    reader, store = wedged_reader(tmp_path, target, rows)
+    forward(reader, FabricStepMeta())  # the forward waits for each layer: layer by layer
+    before = {n: t.clone() for n, t in target.items()}
+    forward(reader, FabricStepMeta(loads=[pload(hashes(2), (3, 4), load_id=1)]))
+    assert reader.load_errors() == {3, 4}
+    store.go.set()
+    reader._stepper.submit(lambda: None).result(timeout=30)
+    for name in LAYERS:
+        assert torch.equal(target[name], before[name])
+    reader.close()
+
+
+def test_an_asynchronous_load_from_a_wedged_store_is_reported_done_and_failed(tmp_path):
+    target = caches(2)
+    before = {n: t.clone() for n, t in target.items()}
+    rows = torch.full((3, 2 * BLOCK_BYTES), 7, dtype=torch.uint8).numpy()
+    reader, store = wedged_reader(tmp_path, target, rows)
+    reader.load(FabricStepMeta(loads=[pload(hashes(3), (1, 2, 3), load_id=2, asynchronous=True)]))
+    done: set[str] = set()
+    while not done:
+        done = reader.finished_loads()
+        threading.Event().wait(0.05)
+    assert done == {"r"} and reader.load_errors() == {1, 2, 3}
+    assert reader.worker_meta().loaded == [(0, 2, 0)]
+    store.go.set()
+    reader._loader.submit(lambda: None).result(timeout=30)
+    for name in LAYERS:
+        assert torch.equal(target[name], before[name])
+    reader.close()
+
+
+def test_stores_past_the_write_queue_bound_are_dropped_and_counted_not_queued(
+    tmp_path, monkeypatch
+):
+    from fabric.engines import vllm_worker
+
+    source = caches(1)
+    writer = worker(tmp_path, source, timeout_s=0.2)
+    writer.pages.store = store = WedgedStore()
+    buffer_bytes = writer.pages.batch_pages * writer.pages.page_bytes
+    monkeypatch.setattr(vllm_worker, "MAX_QUEUED_WRITE_BYTES", 2 * buffer_bytes)
+    runs = [StoredRun("vllm", None, (h,)) for h in hashes(5)]
+    for i, run in enumerate(runs):
+        writer.load(FabricStepMeta())
+        writer.save(FabricStepMeta(saves=[psave(run, (i,))]))
+        assert writer._queued_bytes <= 2 * buffer_bytes
+    stats = writer.take_stats().data
+    assert stats["store_dropped_pages"] == 3
+    meta = writer.worker_meta()
+    assert meta.ended == [(0, run.hashes[0]) for run in runs[2:]]  # the dropped ones ended
+    store.go.set()
+    drain(writer)
+    assert {h for _, h in writer.worker_meta().ended} == {r.hashes[0] for r in runs[:2]}
+    writer.close()
+
+
+def test_closing_over_a_wedged_store_waits_at_most_timeout_s(tmp_path):
+    writer = worker(tmp_path, caches(1), timeout_s=0.2)
+    writer.pages.store = store = WedgedStore()
+    writer.save(FabricStepMeta(saves=[psave(StoredRun("vllm", None, hashes(1)), (0,))]))
+    writer.close()  # returns with the write still hanging
+    assert writer._writer is None
+    store.go.set()
+
+
+def test_finished_requests_are_reported_sent_once_their_pages_are_gathered(tmp_path):
+    source = caches(1)
+    writer = worker(tmp_path, source)
+    store = StoreOptions(path=str(tmp_path))
+    run = StoredRun("vllm", None, hashes(2))
+    meta = FabricStepMeta(saves=[psave(run, (3, 4))], store=store, finished=["done"])
+    writer.load(meta)
+    assert writer.finished_sends() == set()
+    writer.save(meta)
+    assert writer.finished_sends() == {"done"}
+    source[LAYERS[0]][3:5] = 0  # vLLM reuses the blocks: the pages were gathered before
+    writer.close()
+    target = caches(2)
+    reader = worker(tmp_path, target)
+    reader.load(FabricStepMeta(loads=[pload(run.hashes, (7, 8))], store=store))
+    assert reader.load_errors() == set()
+    assert not torch.equal(target[LAYERS[0]][7:9], source[LAYERS[0]][3:5])
     reader.close()
