@@ -238,9 +238,9 @@ class DirectStore(PageStore):
         a rescan before it counts as missing."""
         try:
             n = self.backend.get(keys, out, provenance)
-            if n < len(keys) and not self.backend.present(keys[n : n + 1])[0]:
-                if self.backend.refresh():
-                    n += self.backend.get(keys[n:], out[n:], provenance)
+            missing = n < len(keys) and not self.backend.present(keys[n : n + 1])[0]
+            if missing and self.backend.refresh():
+                n += self.backend.get(keys[n:], out[n:], provenance)
             return n
         except OSError as exc:
             log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
