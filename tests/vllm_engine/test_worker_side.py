@@ -142,9 +142,7 @@ def test_a_pool_that_is_not_the_declared_geometry_is_refused_by_name(tmp_path, c
         side = worker(tmp_path, kv)
     assert f"declares {BLOCK_BYTES}" in caplog.text and str(2 * BLOCK_BYTES) in caplog.text
     store = StoreOptions(path=str(tmp_path))
-    side.save(
-        FabricStepMeta(saves=[psave(StoredRun("vllm", None, hashes(1)), (0,))], store=store)
-    )
+    side.save(FabricStepMeta(saves=[psave(StoredRun("vllm", None, hashes(1)), (0,))], store=store))
     side.load(FabricStepMeta(loads=[pload(hashes(1), (1,))], store=store))
     assert side.load_errors() == {1}
     meta = side.worker_meta()
