@@ -17,10 +17,18 @@ move between them and the fabric's L3 directory, each rank its own shard under
 its own key. Several engines (processes, nodes, Ray Serve replicas) attached to
 one fabric share every prefix any of them computed.
 
+A page is served only to an engine whose every rank would have computed the
+same bytes: each worker names its pages' identity once its KV cache exists
+(``vllm_pages.rank_identity``: the checkpoint's content fingerprint, the model
+configuration as run, dtypes, the layout in use...) and hands it to the
+scheduler side through vLLM's connector handshake; the engine's tag, in every
+page key, is named from all of them and an epoch that ``reset_cache`` renews.
+
 Nothing the fabric does can stop the engine: an unreachable or dead fabric is
 logged once and every prompt is computed until it is back; a page that is
 missing or fails a check is recomputed by vLLM (the connector sets
-``kv_load_failure_policy`` to ``recompute``), never served.
+``kv_load_failure_policy`` to ``recompute``), never served, and nothing computed
+over it is stored; no wait on the fabric or the store outlasts ``timeout_s``.
 """
 
 from __future__ import annotations

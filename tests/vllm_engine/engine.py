@@ -4,13 +4,19 @@ stdout that starts with ``RESULT``.
 
     python tests/vllm_engine/engine.py --model DIR --prompts FILE [--fabric NAME
         --address HOST:PORT] [--tp 2] [--runs 2] [--corrupt-after-run 1 DIR]
-        [--kill-fabric-after-run 1]
+        [--kill-fabric-after-run 1] [--script FILE]
 
 Each run serves every prompt in order, one ``generate`` call each (greedy), and
 records its output tokens, ``num_cached_tokens`` and its time; vLLM's
 own prefix cache is reset before every run after the first, so a later run's
 cached tokens are the connector's. Without ``--fabric`` (or ``--example``,
 vLLM's own ExampleConnector) the engine has no connector (the baseline).
+
+With ``--script``, the engine runs the steps of a JSON list instead, so that one
+engine process serves many checks (``run_script``): generate prompts (one call
+each, or all in one call), a chat whose second turn carries the first's output,
+resets of vLLM's prefix cache (and the connector's), faults (damage or delete
+the store's files, kill the fabric), and barriers with other engine processes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ RESULT = "kvfabric-engine-result: "
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", required=True, help="a JSON file: a list of token-id lists")
+    p.add_argument("--prompts", default="", help="a JSON file: a list of token-id lists")
     p.add_argument("--fabric", default="", help="the fabric's runtime.name (empty: no connector)")
     p.add_argument("--address", default="auto")
     p.add_argument(
@@ -50,6 +56,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
+    p.add_argument("--script", default="", help="a JSON file of steps (see run_script)")
+    p.add_argument(
+        "--prompt-embeds", action="store_true", help="accept prompt embeddings (the embeds step)"
+    )
     p.add_argument(
         "--warmup",
         action="store_true",
@@ -78,6 +88,126 @@ def kill_fabric(name: str, address: str) -> None:
     ray.init(address=address, namespace="kvfabric", log_to_driver=False)
     ray.kill(ray.get_actor(f"{name}-coordinator", namespace="kvfabric"), no_restart=True)
     ray.shutdown()
+
+
+def delete_segments(directory: Path) -> int:
+    """Delete every segment file under ``directory`` (pages gone behind the index)."""
+    gone = 0
+    for path in directory.rglob("*.kvs"):
+        path.unlink()
+        gone += 1
+    return gone
+
+
+def embedding_table(llm):
+    """The model's input embeddings (a tensor of vocabulary rows), read from its
+    checkpoint: prompts given as embeddings are those rows."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = Path(llm.llm_engine.model_config.model) / "model.safetensors"
+    weights = load_file(str(path))
+    return next(v for k, v in weights.items() if k.endswith("embed_tokens.weight")).to(
+        torch.float32
+    )
+
+
+def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
+    """Run ``steps`` on ``llm``; what each labelled step gave, by label. Steps:
+
+    - ``{"op": "generate", "label", "prompts": [[ids]], "salt"?, "max_tokens"?,
+      "prompt_logprobs"?, "together"?}``: greedy; per prompt its output tokens,
+      ``num_cached_tokens`` and, with ``prompt_logprobs``, each prompt token's
+      logprob; ``together``: one ``generate`` call for all (else one each);
+    - ``{"op": "chat", "label", "first": [ids], "then": [ids], "salt"?, "max_tokens"?}``:
+      the first turn, vLLM's prefix cache reset, then a turn of the first's
+      prompt, its output and ``then``;
+    - ``{"op": "reset", "label"?, "connector": bool}``: ``reset_prefix_cache``;
+    - ``{"op": "signal", "path"}``, ``{"op": "wait", "path"}``: barriers between
+      engine processes (a file made, a file waited for);
+    - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``.
+    """
+    from vllm import SamplingParams
+
+    out: dict = {}
+    for step in steps:
+        op = step["op"]
+        if op == "generate":
+            params = SamplingParams(
+                max_tokens=step.get("max_tokens", args.max_tokens), temperature=0.0,
+                prompt_logprobs=step.get("prompt_logprobs"),
+            )  # fmt: skip
+            items = [
+                {
+                    "prompt_token_ids": p,
+                    **({"cache_salt": step["salt"]} if step.get("salt") else {}),
+                }
+                for p in step["prompts"]
+            ]
+            if step.get("together"):
+                results = llm.generate(items, params, use_tqdm=False)
+            else:
+                results = [llm.generate([item], params, use_tqdm=False)[0] for item in items]
+            record = {
+                "outputs": [list(r.outputs[0].token_ids) for r in results],
+                "cached": [r.num_cached_tokens or 0 for r in results],
+            }
+            if step.get("prompt_logprobs") is not None:
+                record["logprobs"] = [
+                    [None if lp is None else lp[tok].logprob for tok, lp in
+                     zip(r.prompt_token_ids, r.prompt_logprobs, strict=True)]
+                    for r in results
+                ]  # fmt: skip
+            out[step["label"]] = record
+        elif op == "chat":
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0)
+            salt = {"cache_salt": step["salt"]} if step.get("salt") else {}
+            (first,) = llm.generate([{"prompt_token_ids": step["first"], **salt}], params,
+                                    use_tqdm=False)  # fmt: skip
+            said = list(first.outputs[0].token_ids)
+            llm.reset_prefix_cache()
+            second_prompt = step["first"] + said + step["then"]
+            (second,) = llm.generate([{"prompt_token_ids": second_prompt, **salt}], params,
+                                     use_tqdm=False)  # fmt: skip
+            out[step["label"]] = {
+                "outputs": [said, list(second.outputs[0].token_ids)],
+                "cached": [first.num_cached_tokens or 0, second.num_cached_tokens or 0],
+                "prompts": [step["first"], second_prompt],
+            }
+        elif op == "embeds":
+            # Prompts given as embeddings: those of token ids ``prompts`` (one call
+            # each); their token ids, as vLLM sees them, are placeholders.
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0)
+            table = embedding_table(llm)
+            results = [
+                llm.generate([{"prompt_embeds": table[p].clone()}], params, use_tqdm=False)[0]
+                for p in step["prompts"]
+            ]
+            out[step["label"]] = {
+                "outputs": [list(r.outputs[0].token_ids) for r in results],
+                "cached": [r.num_cached_tokens or 0 for r in results],
+            }
+        elif op == "reset":
+            done = llm.reset_prefix_cache(reset_connector=step.get("connector", False))
+            if step.get("label"):
+                out[step["label"]] = done
+        elif op == "signal":
+            Path(step["path"]).touch()
+        elif op == "wait":
+            deadline = time.monotonic() + step.get("timeout", 300)
+            while not Path(step["path"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited for {step['path']} in vain")
+                time.sleep(0.01)
+        elif op == "corrupt":
+            corrupt(Path(step["dir"]))
+        elif op == "delete_segments":
+            delete_segments(Path(step["dir"]))
+        elif op == "kill_fabric":
+            kill_fabric(args.fabric, args.address)
+        else:
+            raise ValueError(f"unknown step {op!r}")
+    return out
 
 
 def main(argv: list[str]) -> dict:
@@ -122,8 +252,12 @@ def main(argv: list[str]) -> dict:
         distributed_executor_backend="mp",
         kv_transfer_config=connector if args.fabric or args.example else None,
         seed=0,
+        enable_prompt_embeds=args.prompt_embeds,
     )
     startup_s = time.perf_counter() - started
+    if args.script:
+        steps = run_script(llm, json.loads(Path(args.script).read_text()), args)
+        return {"startup_s": startup_s, "steps": steps}
     prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     if args.warmup and prompts:

