@@ -19,7 +19,7 @@ one fabric share every prefix any of them computed.
 
 A page is served only to an engine whose every rank would have computed the
 same bytes: each worker names its pages' identity once its KV cache exists
-(``vllm_pages.rank_identity``: the checkpoint's content fingerprint, the model
+(``vllm_identity.rank_identity``: the checkpoint's content fingerprint, the model
 configuration as run, dtypes, the layout in use...) and hands it to the
 scheduler side through vLLM's connector handshake; the engine's tag, in every
 page key, is named from all of them and an epoch that ``reset_cache`` renews.
@@ -45,6 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import parse_options
+from fabric.engines.vllm_identity import (
+    checkpoint_of,
+    engine_identity,
+    page_provenance,
+    rank_identity,
+)
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricConnectorStats,
@@ -52,11 +58,7 @@ from fabric.engines.vllm_pages import (
     FabricStepMeta,
     attention_group,
     block_bytes,
-    checkpoint_of,
-    engine_identity,
-    page_provenance,
     placement_of,
-    rank_identity,
 )
 from fabric.engines.vllm_scheduler import SchedulerSide
 from fabric.engines.vllm_worker import L2Options, WorkerSide

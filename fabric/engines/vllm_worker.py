@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,10 +37,9 @@ import torch
 
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions, open_store
+from fabric.engines.vllm_loading import StepLoad, load_layers, load_whole, timed_load
 from fabric.engines.vllm_moves import (
     STAGING_BYTES,
-    Cancelled,
-    Fetched,
     L2Options,
     LoadGuard,
     PageMoves,
@@ -54,34 +52,12 @@ from fabric.engines.vllm_pages import (
     PageLoad,
     Placement,
 )
+from fabric.engines.vllm_writes import WriteQueue, part
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
 from fabric.rank.node_l2 import fabric_identity, open_node_l2
 
 log = logging.getLogger(__name__)
-
-# Bytes of page buffers queued for the writer thread (stores and promotions into
-# the node's L2) before a store waits for the oldest — at most ``timeout_s``, and
-# not at all when the oldest has been writing longer than that (a wedged store):
-# past it, stores are dropped and counted. Host memory stays bounded when L3 is
-# slower than the engine computes.
-MAX_QUEUED_WRITE_BYTES = 4 * STAGING_BYTES
-
-
-@dataclass
-class StepLoad:
-    """One step's synchronous loads on the step thread: layer by layer (the forward
-    waits for each layer's event, ``wait_for_layer_load``), or whole before the
-    forward. ``guard`` stops its block writes once the step gives up on it."""
-
-    jobs: list[PageLoad]
-    events: list[threading.Event]
-    deadline: float
-    layerwise: bool
-    guard: LoadGuard = field(default_factory=LoadGuard)
-    waited: set[int] = field(default_factory=set)
-    future: Future | None = None
-    timed_out: bool = False
 
 
 @dataclass
@@ -91,15 +67,6 @@ class StepSave:
 
     jobs: list[tuple[str, StoredRun, tuple[int, ...], torch.Tensor]]
     gathered: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Write:
-    tag: str
-    run: StoredRun | None  # None: a promotion into the node's L2
-    future: Future
-    buffer: torch.Tensor
-    started: float
 
 
 class WorkerSide:
@@ -123,14 +90,13 @@ class WorkerSide:
         self.timeout_s = timeout_s
         self.clock = clock or time.monotonic
         self.pages = PageMoves(placement, block_bytes)
-        self.pages.promoter = self._promote_later
+        self.writes = WriteQueue(self.pages, placement.rank, timeout_s, self.clock)
+        self.pages.promoter = self.writes.promote
         self._l2_options = l2 or L2Options(max_bytes=0)
         self._configured_store = options_store
         self._broken = ""
         self._load_errors: set[int] = set()
-        self._stored: list[tuple[str, int, StoredRun]] = []
         self._failed: list[tuple[str, int, bytes]] = []
-        self._ended: list[tuple[int, bytes]] = []  # stores ended since the last report
         self._outcomes: list[tuple[int, int, int]] = []  # (rank, load id, pages loaded)
         self._sent: set[str] = set()  # finished requests whose last pages are gathered
         self.stats = FabricConnectorStats()
@@ -143,10 +109,6 @@ class WorkerSide:
         self._waits_seen: set[int] = set()
         self._step: StepLoad | None = None
         self._step_save: StepSave | None = None
-        # Stores: one thread writes them in order; each holds its page buffer.
-        self._writer: ThreadPoolExecutor | None = None
-        self._writes: deque[_Write] = deque()
-        self._queued_bytes = 0
 
     @property
     def broken(self) -> str:
@@ -169,7 +131,7 @@ class WorkerSide:
             log.error("kvfabric connector: %s; this worker neither loads nor stores", exc)
             self.pages.layers = []
             return
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
+        self.writes.start()
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-layers")
         o = self._l2_options
         self.pages.l2 = open_node_l2(
@@ -224,7 +186,7 @@ class WorkerSide:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
                 guard = LoadGuard()
-                future = self._loader.submit(self._timed_load, job, guard)
+                future = self._loader.submit(timed_load, self.pages, job, guard)
                 self._loading[job.req_id] = (job, future, guard, self.clock())
             else:
                 self._loading[job.req_id] = (job, _done((0, 0.0, 0)), LoadGuard(), self.clock())
@@ -238,8 +200,8 @@ class WorkerSide:
                 layerwise = self._layerwise and small
                 events = [threading.Event() for _ in self.pages.layers]
                 step = StepLoad(sync, events, self.clock() + self.timeout_s, layerwise)
-                work = self._load_layers if layerwise else self._load_whole
-                step.future = self._stepper.submit(work, step)
+                work = load_layers if layerwise else load_whole
+                step.future = self._stepper.submit(work, self.pages, step)
                 self._step = step
                 if not layerwise:
                     self._finish_step()  # read before the forward
@@ -284,35 +246,6 @@ class WorkerSide:
             self.timeout_s,
         )
 
-    def _load_layers(self, step: StepLoad) -> list[tuple[int, float, int]]:
-        started = time.perf_counter()
-        fetched: list[Fetched] = []
-        try:
-            fetched = [self.pages.fetch(job.tag, job.hashes, job.block_ids) for job in step.jobs]
-            for layer, event in enumerate(step.events):
-                with step.guard.lock:
-                    if step.guard.cancelled:
-                        raise Cancelled
-                    for f in fetched:
-                        self.pages.scatter_layer(f, layer)
-                event.set()
-            done = [(self.pages.settle(f), f.l2) for f in fetched]
-        except Cancelled:
-            done = [(0, 0)] * len(step.jobs)
-        except Exception as exc:  # a load that fails is recomputed, never fatal
-            log.warning("kvfabric connector: loading a step's pages failed: %s", exc)
-            done = [(0, 0)] * len(step.jobs)
-        finally:
-            for event in step.events:
-                event.set()  # a forward never waits on a load that failed
-            for f in fetched:
-                self.pages.release(f)
-        seconds = time.perf_counter() - started
-        return [(n, seconds / len(step.jobs), l2) for n, l2 in done]
-
-    def _load_whole(self, step: StepLoad) -> list[tuple[int, float, int]]:
-        return [self._timed_load(job, step.guard) for job in step.jobs]
-
     def _finish_step(self) -> None:
         """Take the outcome of the step's loads (before the forward, or once it is
         done), waiting at most until the step's deadline. A forward that read a
@@ -339,17 +272,6 @@ class WorkerSide:
             outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
         for job, outcome in zip(step.jobs, outcomes, strict=True):
             self._loaded(job, outcome)
-
-    def _timed_load(self, job: PageLoad, guard: LoadGuard) -> tuple[int, float, int]:
-        started = time.perf_counter()
-        try:
-            n, l2 = self.pages.load_one(job.tag, job.hashes, job.block_ids, guard)
-        except Cancelled:
-            n, l2 = 0, 0
-        except Exception as exc:  # a load that fails is recomputed, never fatal
-            log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
-            n, l2 = 0, 0
-        return n, time.perf_counter() - started, l2
 
     def _loaded(self, job: PageLoad, outcome: tuple[int, float, int]) -> None:
         n, seconds, l2 = outcome
@@ -392,24 +314,6 @@ class WorkerSide:
         sent, self._sent = self._sent, set()
         return sent
 
-    def _promote_later(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Keep pages read from L3 in the node's L2 too, for the node's next reader
-        (on the writer thread: the load does not wait for it; dropped when the
-        write queue is full)."""
-        self._written()
-        nbytes = buffer.numel()
-        if self._writer is None or self._queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
-            self.pages.give(buffer)
-            self.stats.data["l2_promotions_dropped"] += len(keys)
-            return
-        future = self._writer.submit(self._put_l2, keys, pages)
-        self._queue(_Write("", None, future, buffer, self.clock()))
-
-    def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
-        started = time.perf_counter()
-        kept = self.pages.l2_put(keys, pages)
-        return [], time.perf_counter() - started, kept
-
     def load_errors(self) -> set[int]:
         self._finish_step()
         errors, self._load_errors = self._load_errors, set()
@@ -430,7 +334,7 @@ class WorkerSide:
         for job in meta.saves:
             for start in range(0, len(job.run.hashes), self.pages.batch_pages):
                 end = min(start + self.pages.batch_pages, len(job.run.hashes))
-                run = _part(job.run, start, end)
+                run = part(job.run, start, end)
                 jobs.append((job.tag, run, job.block_ids[start:end], self.pages.buffer()))
         self._step_save = StepSave(jobs)
 
@@ -449,9 +353,9 @@ class WorkerSide:
         self._finish_step()
         self._open(meta.store)
         step, self._step_save = self._step_save, None
-        rank = self.placement.rank
         if self.pages.store is None or not self.pages.layers:
-            self._ended += [(rank, h) for job in meta.saves for h in job.run.hashes]  # skipped
+            for job in meta.saves:
+                self.writes.skipped(job.run)
             if step is not None:
                 for *_, buffer in step.jobs:
                     self.pages.give(buffer)
@@ -460,106 +364,48 @@ class WorkerSide:
         deadline = self.clock() + self.timeout_s
         if step is not None:
             for tag, run, block_ids, buffer in step.jobs:
-                if not self._room(buffer.numel(), deadline):
-                    self._drop(run, buffer)
+                if not self.writes.room(buffer.numel(), deadline):
+                    self.writes.drop(run, buffer)
                     continue
                 for layer in range(len(self.pages.layers)):
                     if layer not in step.gathered:
                         self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, layer)
-                self._submit(tag, run, buffer)
+                self.writes.store(tag, run, buffer)
         else:
             for job in meta.saves:
                 hashes = job.run.hashes
                 for start in range(0, len(hashes), self.pages.batch_pages):
                     end = min(start + self.pages.batch_pages, len(hashes))
-                    run = _part(job.run, start, end)
-                    if not self._room(self.pages.batch_pages * self.pages.page_bytes, deadline):
-                        self._drop(run, None)
+                    run = part(job.run, start, end)
+                    if not self.writes.room(
+                        self.pages.batch_pages * self.pages.page_bytes, deadline
+                    ):
+                        self.writes.drop(run, None)
                         continue
                     buffer = self.pages.buffer()
                     for layer in range(len(self.pages.layers)):
                         self.pages.gather_layer(
                             buffer[: end - start], job.block_ids[start:end], layer
                         )
-                    self._submit(job.tag, run, buffer)
+                    self.writes.store(job.tag, run, buffer)
         self._sent.update(meta.finished)  # their blocks are gathered: vLLM may free them
-        self._written()
-
-    def _room(self, nbytes: int, deadline: float) -> bool:
-        """Whether ``nbytes`` more fit the write queue, waiting for the oldest write
-        until ``deadline`` — not at all when it has been writing longer than
-        ``timeout_s`` (a wedged store)."""
-        self._written()
-        while self._writes and self._queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
-            oldest, now = self._writes[0], self.clock()
-            if now - oldest.started > self.timeout_s or now >= deadline:
-                return False
-            try:
-                oldest.future.exception(timeout=deadline - now)
-            except FutureTimeout:
-                return False
-            self._written()
-        return True
-
-    def _drop(self, run: StoredRun, buffer: torch.Tensor | None) -> None:
-        """A store the write queue has no room for: not stored (a later miss)."""
-        if buffer is not None:
-            self.pages.give(buffer)
-        self.stats.data["store_dropped_pages"] += len(run.hashes)
-        self._ended += [(self.placement.rank, h) for h in run.hashes]
-
-    def _submit(self, tag: str, run: StoredRun, buffer: torch.Tensor) -> None:
-        assert self._writer is not None
-        pages = buffer[: len(run.hashes)]
-        future = self._writer.submit(self._write, tag, run, pages)
-        self._queue(_Write(tag, run, future, buffer, self.clock()))
-
-    def _queue(self, write: _Write) -> None:
-        self._writes.append(write)
-        self._queued_bytes += write.buffer.numel()
-
-    def _write(
-        self, tag: str, run: StoredRun, pages: torch.Tensor
-    ) -> tuple[list[bool], float, int]:
-        started = time.perf_counter()
-        assert self.pages.store is not None and self.provenance is not None
-        keys = self.pages.keys(tag, run.hashes)
-        try:
-            ok = self.pages.store.store(keys, pages.numpy(), self.provenance)
-        except Exception as exc:  # a store that fails is a later miss, never fatal
-            log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
-            ok = [False] * len(run.hashes)
-        l2 = self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
-        return ok, time.perf_counter() - started, l2
-
-    def _written(self) -> None:
-        """Take the stores the writer finished."""
-        rank = self.placement.rank
-        while self._writes and self._writes[0].future.done():
-            write = self._writes.popleft()
-            self._queued_bytes -= write.buffer.numel()
-            ok, seconds, l2 = write.future.result()
-            self.pages.give(write.buffer)
-            self.stats.data["l2_stored_pages"] += l2
-            if write.run is None:  # a promotion into the node's L2
-                continue
-            self._ended += [(rank, h) for h in write.run.hashes]
-            self.stats.data["store_seconds"] += seconds
-            self.stats.data["stored_pages"] += sum(ok)
-            self.stats.data["store_failed_pages"] += len(ok) - sum(ok)
-            self._stored += [(write.tag, rank, run) for run in _stored_runs(write.run, ok)]
+        self.writes.collect()
 
     # -- build_connector_worker_meta, get_kv_connector_stats ----------------------------
 
     def worker_meta(self) -> FabricWorkerMeta | None:
-        self._written()
-        if not (self._stored or self._failed or self._ended or self._outcomes):
+        writes = self.writes
+        writes.collect()
+        if not (writes.stored or self._failed or writes.ended or self._outcomes):
             return None
-        meta = FabricWorkerMeta(self._stored, self._failed, self._ended, self._outcomes)
-        self._stored, self._failed, self._ended, self._outcomes = [], [], [], []
+        meta = FabricWorkerMeta(writes.stored, self._failed, writes.ended, self._outcomes)
+        writes.stored, self._failed, writes.ended, self._outcomes = [], [], [], []
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:
+        for key, n in self.writes.counts.items():
+            self.stats.data[key] += n
+        self.writes.counts.clear()
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, FabricConnectorStats(dict.fromkeys(STAT_KEYS, 0))
@@ -568,30 +414,19 @@ class WorkerSide:
     def close(self) -> None:
         """Let the stores in flight end (at most ``timeout_s`` in all), stop the
         threads and close the store and the node's L2."""
-        deadline = self.clock() + self.timeout_s
         step = self._step
         if step is not None:
             step.guard.cancel()
         for _, _, guard, _ in self._loading.values():
             guard.cancel()
-        while self._writes:
-            write = self._writes[0]
-            try:
-                write.future.exception(timeout=max(deadline - self.clock(), 0.0))
-            except FutureTimeout:
-                log.warning(
-                    "kvfabric connector: %d stores not done within %.1f s at shutdown; "
-                    "left unfinished",
-                    len(self._writes), self.timeout_s,
-                )  # fmt: skip
-                break
-            self._written()
-        busy = bool(self._writes) or any(not f.done() for _, f, _, _ in self._loading.values())
+        busy = not self.writes.drain(self.clock() + self.timeout_s)
+        busy |= any(not f.done() for _, f, _, _ in self._loading.values())
         busy |= step is not None and step.future is not None and not step.future.done()
-        for pool in (self._writer, self._loader, self._stepper):
+        self.writes.shutdown(wait=not busy)
+        for pool in (self._loader, self._stepper):
             if pool is not None:
                 pool.shutdown(wait=not busy, cancel_futures=True)
-        self._writer = self._loader = self._stepper = None
+        self._loader = self._stepper = None
         if busy:
             return  # a thread may still use the store and the region: the process ends them
         if self.pages.store is not None:
@@ -602,24 +437,7 @@ class WorkerSide:
             self.pages.l2 = None
 
 
-def _part(run: StoredRun, start: int, end: int) -> StoredRun:
-    parent = run.hashes[start - 1] if start else run.parent
-    return StoredRun(run.namespace, parent, run.hashes[start:end])
-
-
 def _done(result: object) -> Future:
     future: Future = Future()
     future.set_result(result)
     return future
-
-
-def _stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
-    """The runs of consecutive pages of ``run`` that were stored."""
-    runs, start = [], None
-    for i, good in enumerate([*ok, False]):
-        if good and start is None:
-            start = i
-        elif not good and start is not None:
-            runs.append(_part(run, start, i))
-            start = None
-    return runs

@@ -55,11 +55,8 @@ import errno
 import fcntl
 import hashlib
 import logging
-import mmap
 import os
 import stat
-import struct
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,18 +65,25 @@ import msgpack
 import torch
 
 from fabric.l3.format import checksum
+from fabric.rank.node_l2_mapping import (
+    HEADER,
+    MAGIC,
+    MAPPED,
+    MAPPED_LOCK,
+    Mapping,
+    empty,
+    geometry,
+    pool_at,
+    same,
+)
+from fabric.rank.node_l2_mapping import RECORD as _RECORD
+from fabric.rank.node_l2_mapping import SEQ as _SEQ
+from fabric.rank.node_l2_mapping import STAMP as _STAMP
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"KVFEL2v2"
-HEADER = 4096
 WAYS = 8
 PREFIX = "kvfabric-engine-"
-# seq, stamp (ms), pinned until (ms), CRC-32 of the page, key digest
-_RECORD = struct.Struct("<QQQI16s4x")
-_SEQ = struct.Struct("<Q")
-_STAMP = struct.Struct("<Q")  # at 8: stamp; at 16: pinned until
 
 
 Found = tuple[int, int, int, int]  # slot, seq, crc, pinned until (ms)
@@ -119,34 +123,6 @@ def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000  # node-wide clock: every process agrees
 
 
-class _Mapping:
-    """One region file as this process maps it: every ``NodeL2`` of the process on
-    the same file shares it (its descriptor, its mapping and its set locks), so
-    two engines in one process never interleave a record, and one closing never
-    drops the other's byte-range locks (POSIX drops them at any close)."""
-
-    def __init__(self, path: Path, fd: int, geometry: dict) -> None:
-        self.path, self.fd, self.geometry = path, fd, geometry
-        self.slots, self.ways = geometry["slots"], geometry["ways"]
-        self.page_bytes = geometry["page_bytes"]
-        self.pool_at = _pool_at(self.slots)
-        self.mm = mmap.mmap(fd, self.pool_at + self.slots * self.page_bytes)
-        self.view = memoryview(self.mm)
-        self.pool = torch.frombuffer(
-            self.mm, dtype=torch.uint8, offset=self.pool_at, count=self.slots * self.page_bytes
-        ).view(self.slots, self.page_bytes)
-        self.locks = [threading.Lock() for _ in range(64)]
-        self.users = 1
-
-
-_MAPPED: dict[tuple[int, int], _Mapping] = {}
-_MAPPED_LOCK = threading.Lock()
-
-
-def _pool_at(slots: int) -> int:
-    return -(-(HEADER + slots * _RECORD.size) // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
 class NodeL2:
     """One engine shard's pages in the node's shared memory (see the module)."""
 
@@ -166,7 +142,7 @@ class NodeL2:
         self.fd = self._map.fd
         self.counters = {"refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0, "no_space": 0}
 
-    def _attach(self, want: dict) -> _Mapping:
+    def _attach(self, want: dict) -> Mapping:
         """This process's mapping of the region at ``path``: shared with an opener of
         the same file in this process, else the file checked and taken (or made),
         held with a shared lock for life. A file removed by its last user while it
@@ -180,10 +156,10 @@ class NodeL2:
                         f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
                         f"mode {stat.filemode(st.st_mode)}): refused"
                     )
-                with _MAPPED_LOCK:
-                    mapping = _MAPPED.get((st.st_dev, st.st_ino))
+                with MAPPED_LOCK:
+                    mapping = MAPPED.get((st.st_dev, st.st_ino))
                     if mapping is not None:
-                        if not _same(mapping.geometry, want):
+                        if not same(mapping.geometry, want):
                             raise OSError(
                                 f"{self.path} is in use with another geometry "
                                 f"({mapping.geometry}); not used"
@@ -191,13 +167,13 @@ class NodeL2:
                         mapping.users += 1
                         os.close(fd)
                         return mapping
-                geometry = self._take(fd, st, want)
-                if geometry is None:  # removed meanwhile, or made anew: open again
+                taken = self._take(fd, st, want)
+                if taken is None:  # removed meanwhile, or made anew: open again
                     os.close(fd)
                     continue
-                mapping = _Mapping(self.path, fd, geometry)
-                with _MAPPED_LOCK:
-                    _MAPPED[(st.st_dev, st.st_ino)] = mapping
+                mapping = Mapping(self.path, fd, taken)
+                with MAPPED_LOCK:
+                    MAPPED[(st.st_dev, st.st_ino)] = mapping
                 return mapping
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -221,7 +197,7 @@ class NodeL2:
             return None
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             return None
-        found = _geometry(fd)
+        found = geometry(fd)
         if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
             log.warning(
@@ -229,8 +205,8 @@ class NodeL2:
                 self.path, stat.filemode(st.st_mode),
             )  # fmt: skip
             if found is not None:
-                _empty(fd, found)
-        if found is not None and _same(found, want):
+                empty(fd, found)
+        if found is not None and same(found, want):
             if alone:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             return found
@@ -239,10 +215,10 @@ class NodeL2:
         if st.st_size:  # another geometry, or none that holds together: made anew
             os.unlink(self.path)
             return None
-        size = _pool_at(want["slots"]) + want["slots"] * want["page_bytes"]
+        size = pool_at(want["slots"]) + want["slots"] * want["page_bytes"]
         try:
             os.ftruncate(fd, size)  # sparse: a slot's page is reserved when first written
-            os.posix_fallocate(fd, 0, _pool_at(want["slots"]))  # the records, now
+            os.posix_fallocate(fd, 0, pool_at(want["slots"]))  # the records, now
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
@@ -370,12 +346,12 @@ class NodeL2:
         if mapping is None:
             return
         self.pool = self.view = None  # type: ignore[assignment]
-        with _MAPPED_LOCK:
+        with MAPPED_LOCK:
             mapping.users -= 1
             if mapping.users:
                 return
             st = os.fstat(mapping.fd)
-            _MAPPED.pop((st.st_dev, st.st_ino), None)
+            MAPPED.pop((st.st_dev, st.st_ino), None)
         mapping.pool = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError, ValueError):  # a tensor still uses it
             mapping.view.release()
@@ -390,47 +366,6 @@ class NodeL2:
         finally:
             with contextlib.suppress(OSError):
                 os.close(mapping.fd)
-
-
-def _same(found: dict, want: dict) -> bool:
-    return all(found.get(k) == want[k] for k in want if k != "slots")
-
-
-def _geometry(fd: int) -> dict | None:
-    """The file's geometry, or ``None`` when it has none that holds together."""
-    head = os.pread(fd, HEADER, 0)
-    size = int.from_bytes(head[:4], "little")
-    if len(head) < 4 + size or size > HEADER - 4 or head[4:12] != MAGIC:
-        return None
-    try:
-        found = msgpack.unpackb(head[12 : 4 + size])
-    except Exception:
-        return None
-    if not isinstance(found, dict):
-        return None
-    slots, ways, page = found.get("slots"), found.get("ways"), found.get("page_bytes")
-    if not all(isinstance(v, int) and v > 0 for v in (slots, ways, page)) or slots % ways:
-        return None
-    if os.fstat(fd).st_size != _pool_at(slots) + slots * page:
-        return None
-    return found
-
-
-def _empty(fd: int, geometry: dict) -> None:
-    """Empty every slot, set by set under its lock; each slot's ``seq`` moves on
-    (never back), so no reader's (slot, seq) matches again."""
-    slots, ways = geometry["slots"], geometry["ways"]
-    for first in range(0, slots, ways):
-        start, length = HEADER + first * _RECORD.size, ways * _RECORD.size
-        fcntl.lockf(fd, fcntl.LOCK_EX, length, start)
-        try:
-            records = bytearray(os.pread(fd, length, start))
-            for i in range(ways):
-                seq = _SEQ.unpack_from(records, i * _RECORD.size)[0]
-                _RECORD.pack_into(records, i * _RECORD.size, (seq | 1) + 1, 0, 0, 0, bytes(16))
-            os.pwrite(fd, bytes(records), start)
-        finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
 
 
 def open_node_l2(

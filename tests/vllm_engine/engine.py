@@ -61,6 +61,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--prompt-embeds", action="store_true", help="accept prompt embeddings (the embeds step)"
     )
     p.add_argument(
+        "--ngram", type=int, default=0,
+        help="speculative decoding by n-gram lookup, proposing this many draft tokens",
+    )  # fmt: skip
+    p.add_argument(
         "--warmup",
         action="store_true",
         help="first serve one prompt of other tokens as long as the first (not measured)",
@@ -253,6 +257,11 @@ def main(argv: list[str]) -> dict:
         kv_transfer_config=connector if args.fabric or args.example else None,
         seed=0,
         enable_prompt_embeds=args.prompt_embeds,
+        speculative_config=(
+            {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 4}
+            if args.ngram
+            else None
+        ),
     )
     startup_s = time.perf_counter() - started
     if args.script:

@@ -191,6 +191,7 @@ def baseline(workdir: Path) -> dict:
         {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
          "max_tokens": 40},
         {"op": "embeds", "label": "embeds", "prompts": p["embeds"]},
+        gen("zeros", [[0] * len(p["embeds"][0])]),
         gen("logprobs", prompts()[:1], prompt_logprobs=1),
         gen("race", [p["race"]]),
     ]  # fmt: skip
@@ -219,6 +220,8 @@ def pair(workdir: Path, fabric) -> dict:
         {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
          "max_tokens": 40, "salt": "chat"},
         {"op": "embeds", "label": "embeds", "prompts": p["embeds"]},
+        reset(),
+        gen("zeros", [[0] * len(p["embeds"][0])]),  # the embeddings' placeholder token ids
         gen("logprobs", prompts()[:1], prompt_logprobs=1),
         {"op": "wait", "path": str(bar / "b-wrote")},
         gen("race", [p["race"]], salt="race"),
@@ -312,6 +315,7 @@ def test_prompt_embeddings_and_prompt_logprobs_are_served_exactly(pair, baseline
     computed: nothing is loaded for them."""
     a = pair["a"]
     assert a["embeds"] == baseline["embeds"]
+    assert a["zeros"] == baseline["zeros"]  # served nothing stored for the embeddings
     assert a["logprobs"]["outputs"] == baseline["logprobs"]["outputs"]
     assert a["logprobs"]["cached"] == [0]
     (got,), (want,) = a["logprobs"]["logprobs"], baseline["logprobs"]["logprobs"]
@@ -382,15 +386,38 @@ def test_pages_computed_in_a_step_whose_load_failed_are_never_stored(faults, bas
     assert steps["extended_again"]["cached"] == [loadable(len(other_prompts()["extended"]))]
 
 
-def test_a_model_replaced_in_place_shares_no_page_with_the_model_before(workdir, fabric, faults):
-    """Same path, new weights: the checkpoint's fingerprint names the pages."""
+@pytest.fixture(scope="module")
+def swapped(workdir: Path, fabric, faults) -> dict:
+    """The model's copy the faults engine served, replaced in place (same path, new
+    weights), served by an engine with speculative decoding (n-gram drafts)."""
     tiny_llama.make(workdir / "swap", seed=1)
+    p = other_prompts()
     before = fabric.stats()["engine_pages"]
     args = ("--model", str(workdir / "swap"), *connected(fabric, workdir / "faults-shm"),
-            "--path", str(workdir / "l3-faults"))  # fmt: skip
-    result, _ = run_engine(workdir, *args, script=[gen("swapped", prompts()[:1])])
-    assert result["steps"]["swapped"]["cached"] == [0]
-    assert fabric.stats()["engine_pages"]["hit_pages"] == before["hit_pages"]
+            "--path", str(workdir / "l3-faults"), "--ngram", "3")  # fmt: skip
+    result, _ = run_engine(workdir, *args, script=[
+        gen("swapped", prompts()[:1]),
+        {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
+         "max_tokens": 40, "salt": "chat"},
+    ])  # fmt: skip
+    return {**result["steps"], "before": before, "after": fabric.stats()["engine_pages"]}
+
+
+def test_a_model_replaced_in_place_shares_no_page_with_the_model_before(swapped):
+    """Same path, new weights: the checkpoint's fingerprint names the pages."""
+    assert swapped["swapped"]["cached"] == [0]
+    assert (
+        swapped["after"]["hit_pages"] - swapped["before"]["hit_pages"]
+        < len(prompts()[0]) // BLOCK_SIZE
+    )  # (the chat's own second turn hits its first turn's pages)
+
+
+def test_with_speculative_decoding_a_chat_turn_loads_the_turn_before(swapped):
+    """Draft tokens are scheduled (and their KV written) before they are accepted:
+    only whole pages of real tokens are hashed, so no page chains from a draft."""
+    chat = swapped["chat"]
+    computed = len(other_prompts()["chat_first"]) + len(chat["outputs"][0]) - 1
+    assert chat["cached"][1] == computed // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_a_new_coordinator_loses_no_page_and_a_killed_one_leaves_the_engine_serving(

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fabric.engines.vllm_pages import (
+from fabric.engines.vllm_identity import (
     checkpoint_of,
     engine_identity,
     lora_identity,

@@ -14,11 +14,11 @@ import pytest
 
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import DirectStore, StoreOptions, parse_options
+from fabric.engines.vllm_identity import engine_tag
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricHandshake,
     FabricWorkerMeta,
-    engine_tag,
     request_namespace,
 )
 from fabric.engines.vllm_scheduler import SchedulerSide
@@ -327,7 +327,7 @@ def test_only_whole_pages_of_real_tokens_are_hashed_and_stored():
     expected = SchedulerSide(ConnectorOptions(), SUFFIXES, BLOCK, FakeLink())
     expected.handshake({i: FabricHandshake(i, d) for i, d in enumerate(RANKS)})
     twin = expected._track(Req("t", r.all_token_ids))
-    expected._hashes_to(twin, 3)
+    twin.hashes_to(3, BLOCK)
     assert save.run.hashes[0] == twin.hashes[2]
 
 
@@ -465,7 +465,7 @@ def test_the_store_extends_the_fabrics_answer_and_the_fabric_is_told(tmp_path):
 
 def _chain(s: SchedulerSide, r: Req) -> list[bytes]:
     state = s._track(r)
-    s._hashes_to(state, (r.num_tokens - 1) // BLOCK)
+    state.hashes_to((r.num_tokens - 1) // BLOCK, BLOCK)
     return state.hashes
 
 
@@ -540,4 +540,4 @@ def test_a_load_no_rank_ever_reports_lets_its_requests_go_without_storing(monkey
     s.step_meta(output([new_req("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
     now[0] = vllm_scheduler.WRITE_STALL_S + 1
     assert not s.step_meta(output(cached=running("r", 14), scheduled={"r": 1})).saves
-    assert s.tracked["r"].no_save and not s._loads and not s._sync_blocks
+    assert s.tracked["r"].no_save and not s.loads.loads and not s.loads.pending_blocks

@@ -164,9 +164,7 @@ def test_connector_stats_add_up_over_ranks():
 
 def drain(side: WorkerSide) -> None:
     """Wait for the worker's stores (and promotions) in flight to end."""
-    while side._writes:
-        side._writes[0].future.result()
-        side._written()
+    assert side.writes.drain(side.clock() + 60)
 
 
 def drop_l3(tmp_path) -> None:
@@ -396,18 +394,18 @@ def test_an_asynchronous_load_from_a_wedged_store_is_reported_done_and_failed(tm
 def test_stores_past_the_write_queue_bound_are_dropped_and_counted_not_queued(
     tmp_path, monkeypatch
 ):
-    from fabric.engines import vllm_worker
+    from fabric.engines import vllm_writes
 
     source = caches(1)
     writer = worker(tmp_path, source, timeout_s=0.2)
     writer.pages.store = store = WedgedStore()
     buffer_bytes = writer.pages.batch_pages * writer.pages.page_bytes
-    monkeypatch.setattr(vllm_worker, "MAX_QUEUED_WRITE_BYTES", 2 * buffer_bytes)
+    monkeypatch.setattr(vllm_writes, "MAX_QUEUED_WRITE_BYTES", 2 * buffer_bytes)
     runs = [StoredRun("vllm", None, (h,)) for h in hashes(5)]
     for i, run in enumerate(runs):
         writer.load(FabricStepMeta())
         writer.save(FabricStepMeta(saves=[psave(run, (i,))]))
-        assert writer._queued_bytes <= 2 * buffer_bytes
+        assert writer.writes.queued_bytes <= 2 * buffer_bytes
     stats = writer.take_stats().data
     assert stats["store_dropped_pages"] == 3
     meta = writer.worker_meta()
@@ -423,7 +421,7 @@ def test_closing_over_a_wedged_store_waits_at_most_timeout_s(tmp_path):
     writer.pages.store = store = WedgedStore()
     writer.save(FabricStepMeta(saves=[psave(StoredRun("vllm", None, hashes(1)), (0,))]))
     writer.close()  # returns with the write still hanging
-    assert writer._writer is None
+    assert not writer.writes.started
     store.go.set()
 
 

@@ -1,0 +1,182 @@
+"""What a vLLM engine's pages are: the identity each rank names once its KV cache
+exists, the tag of an engine's page keys named from every rank's identity and
+an epoch, the provenance a page's header carries, and a LoRA adapter's identity.
+
+Everything that makes a block's bytes what they are is in it — the
+checkpoint's content (``fabric.engines.fingerprint``: weights replaced in place
+are a new identity), revision, load format, quantization, model and exact KV
+cache dtypes, the model configuration as vLLM runs it (RoPE scaling and every
+override), the TP/PP split, vLLM's version and device, and the rank's own
+layers, KV cache spec, attention backend and tensor layout in use — so two
+engines share pages exactly when every rank agrees, and a copy of a checkpoint
+at another path shares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+from fabric.engines.vllm_pages import attention_group
+from fabric.errors import ConfigError
+from fabric.l3.format import Provenance
+
+log = logging.getLogger(__name__)
+
+
+# KV cache dtypes whose block holds every byte of its KV (scales, where there are
+# any, are per layer and come from the checkpoint). Others keep per-token scales
+# beside the blocks, which a page would not carry: the connector refuses them.
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def engine_identity(vllm_config: Any, checkpoint: str) -> dict[str, Any]:
+    """Everything engine-wide that makes a block's bytes what they are, the
+    checkpoint's content (``checkpoint``: its fingerprint) first: two engines
+    share pages only when all of it agrees. ``ConfigError`` for a KV cache dtype
+    whose pages would not hold all of their KV."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    cache_dtype = str(cache.cache_dtype)
+    if cache_dtype not in SERVED_CACHE_DTYPES:
+        raise ConfigError(
+            f"KvFabricConnector: kv_cache_dtype={cache_dtype!r} keeps scales beside the KV "
+            f"blocks, which pages would not carry; served are {list(SERVED_CACHE_DTYPES)}"
+        )
+    hf_config = model.hf_config.to_dict() if hasattr(model.hf_config, "to_dict") else {}
+    identity = {
+        "vllm": vllm.__version__,
+        "device": current_platform.device_type,
+        "checkpoint": checkpoint,
+        "revision": model.revision,
+        "code_revision": getattr(model, "code_revision", None),
+        "load_format": str(vllm_config.load_config.load_format),
+        "quantization": str(model.quantization),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": cache_dtype,
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", [])),
+        # The model's configuration as vLLM runs it, overrides applied: RoPE and its
+        # scaling (K is cached after RoPE), quantization, sliding windows, heads.
+        "hf_config": hf_config,
+        "hf_overrides": getattr(model, "hf_overrides", None),
+        "tp": parallel.tensor_parallel_size,
+        "pp": parallel.pipeline_parallel_size,
+    }
+    if hf_config.get("rope_scaling") or hf_config.get("rope_parameters"):
+        identity["max_model_len"] = model.max_model_len  # some scalings depend on it
+    return identity
+
+
+def checkpoint_of(vllm_config: Any) -> str:
+    """The fingerprint of the weights this engine loaded (``fabric.engines.fingerprint``):
+    the model directory or file, or a Hugging Face repo's local snapshot. A model
+    whose files cannot be found gets a fingerprint of its own (logged): its pages
+    are never shared with another process."""
+    from fabric.engines.fingerprint import fingerprint
+
+    model = vllm_config.model_config
+    name = str(model.model)
+    try:
+        if os.path.exists(name):
+            return fingerprint(name)
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            name,
+            revision=model.revision,
+            cache_dir=vllm_config.load_config.download_dir,
+            local_files_only=True,
+        )
+        return fingerprint(local)
+    except Exception as exc:
+        log.warning(
+            "kvfabric connector: the checkpoint of %r cannot be fingerprinted (%s); this "
+            "engine's pages are shared with no other engine process",
+            name, exc,
+        )  # fmt: skip
+        return "unshared-" + os.urandom(16).hex()
+
+
+def rank_identity(
+    engine: dict[str, Any], kv_cache_config: Any, kv_caches: dict[str, Any], backends: dict
+) -> str:
+    """The digest (64 hex digits) of one rank's pages: the engine's identity and
+    this rank's own — its layers (its pipeline stage's), the KV cache spec, and
+    the attention backend and tensor layout actually in use (``backends``: the
+    backend's name per layer)."""
+    group = attention_group(kv_cache_config)
+    spec = group.kv_cache_spec
+    layers = []
+    for name in group.layer_names:
+        kv = kv_caches.get(name)
+        layers.append(
+            [name, backends.get(name), list(getattr(kv, "shape", ())),
+             list(kv.stride()) if hasattr(kv, "stride") else None, str(getattr(kv, "dtype", ""))]
+        )  # fmt: skip
+    identity = {
+        "engine": engine,
+        "spec": {
+            "type": type(spec).__name__,
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "head_size_v": spec.head_size_v or spec.head_size,
+            "dtype": str(spec.dtype),
+            "kv_quant": str(getattr(spec, "kv_quant_mode", "")),
+        },
+        "cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+        "layers": layers,
+    }
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(b"kvfabric/vllm-rank\0" + blob).hexdigest()
+
+
+def engine_tag(rank_digests: list[str], epoch: str) -> str:
+    """The tag of an engine's page keys: every rank's identity (in rank order) and
+    the engine's epoch (``""`` for the weights on disk; a new random one at each
+    ``reset_cache``, so pages stored before it are never served after it)."""
+    blob = json.dumps([rank_digests, epoch]).encode()
+    return hashlib.sha256(b"kvfabric/vllm-engine\0" + blob).hexdigest()[:16]
+
+
+def page_provenance(kv_cache_config: Any, rank_digest: str) -> Provenance:
+    """The provenance a rank's pages carry in their headers (checked on every
+    read): its own identity, and its shard's shape."""
+    group = attention_group(kv_cache_config)
+    spec = group.kv_cache_spec
+    return Provenance(
+        model_id="vllm",
+        layout=f"vllm-block/{rank_digest[:32]}",
+        dtype=str(spec.dtype).removeprefix("torch."),
+        shard_shape=(len(group.layer_names), spec.num_kv_heads, spec.block_size, spec.head_size),
+        page_size=spec.block_size,
+    )
+
+
+def lora_identity(lora_request: Any) -> str:
+    """What names a LoRA adapter's effect on KV: its weights' fingerprint (its
+    directory's), so two adapters of one name but other weights, or one adapter
+    replaced in place, never share pages. An adapter whose files cannot be read
+    gets an identity of its own (logged): its pages are shared with no other
+    engine process."""
+    from fabric.engines.fingerprint import fingerprint
+
+    path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", None)
+    try:
+        if not path:
+            raise FileNotFoundError("the LoRA request names no path")
+        return "lora:" + fingerprint(path)
+    except OSError as exc:
+        log.warning(
+            "kvfabric connector: LoRA adapter %r cannot be fingerprinted (%s); its pages "
+            "are shared with no other engine process",
+            getattr(lora_request, "lora_name", "?"), exc,
+        )  # fmt: skip
+        return "lora-unshared:" + os.urandom(16).hex()

@@ -1,0 +1,85 @@
+"""What the connector's scheduler side keeps of each vLLM request it serves: its
+namespace and page-hash chain over whole pages of real tokens, the fabric's
+answer, and where its loads and stores stand.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.cache.keys import TOKEN_BYTES, chain_hashes, pack_tokens
+from fabric.engines.vllm_identity import lora_identity
+
+
+@dataclass
+class TrackedRequest:
+    request: Any  # vLLM's Request
+    namespace: str
+    seed: bytes
+    tag: str  # the engine's tag when the request came: it stores only while it holds
+    hashes: list[bytes] = field(default_factory=list)  # whole pages of real tokens
+    fabric_pages: int | None = None  # the fabric's answer: leading pages loadable
+    asked_tag: str = ""  # the tag the answer is under
+    load: tuple[int, int] | None = None  # pages [start, end) to load when scheduled
+    block_ids: list[int] = field(default_factory=list)
+    saved_pages: int = 0  # pages below this are in the fabric or being stored
+    waiting_on: set[int] = field(default_factory=set)  # loads its blocks depend on
+    scheduled: bool = False  # in a step since its last lookup (a later lookup: resumed)
+    no_save: bool = False  # its KV cannot be vouched for (a load never reported)
+    async_loading: bool = False  # an asynchronous load is writing its blocks
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    def whole(self, block_size: int) -> int:
+        """Pages of the request's tokens so far a load may cover: whole, the last
+        token computed."""
+        return max((self.request.num_tokens - 1) // block_size, 0)
+
+    def hashes_to(self, pages: int, block_size: int) -> None:
+        """Extend ``hashes`` to ``pages`` pages of the request's real tokens (a page
+        not yet whole, or not yet known — async scheduling's placeholders, draft
+        tokens — is never hashed)."""
+        pages = min(pages, self.request.num_tokens // block_size)
+        have = len(self.hashes)
+        if pages <= have:
+            return
+        tokens = self.request.all_token_ids[have * block_size : pages * block_size]
+        prev = self.hashes[-1] if self.hashes else self.seed
+        self.hashes += chain_hashes(prev, pack_tokens(tokens), block_size * TOKEN_BYTES)
+
+
+def unkeyed(request: Any) -> bool:
+    """Whether a request's KV is not named by its token ids: images and other
+    multimodal inputs, prompt embeddings (whose token ids are placeholders)."""
+    return bool(getattr(request, "mm_features", None)) or (
+        getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+class LoraIdentities:
+    """LoRA adapters' identities (``vllm_identity.lora_identity``), each remembered
+    while none of its files changed."""
+
+    MAX = 1024
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, str] = {}
+
+    def identity(self, lora_request: Any) -> str:
+        path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", "")
+        try:
+            key: tuple = (path, *sorted(
+                (e.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                for e in os.scandir(path) for st in (e.stat(),)
+            ))  # fmt: skip
+        except OSError:
+            return lora_identity(lora_request)  # (unreadable: an identity shared with nothing)
+        if key not in self._known:
+            if len(self._known) >= self.MAX:
+                self._known.clear()
+            self._known[key] = lora_identity(lora_request)
+        return self._known[key]

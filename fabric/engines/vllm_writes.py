@@ -1,0 +1,192 @@
+"""A vLLM worker's writes: its stores of pages to L3 and the node's L2, and its
+promotions of pages read from L3 into the node's L2, on one writer thread while
+the engine steps on.
+
+The queue holds at most ``MAX_QUEUED_WRITE_BYTES`` of page buffers: past it a
+store waits for the oldest write — at most until its step's deadline, and not at
+all when that write has run longer than ``timeout_s`` (a wedged store) — and is
+otherwise dropped and counted; a promotion is dropped at once. Host memory
+stays bounded when L3 is slower than the engine computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from fabric.coordinator.engine_pages import StoredRun
+from fabric.engines.vllm_moves import STAGING_BYTES, PageMoves
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_WRITE_BYTES = 4 * STAGING_BYTES
+
+
+@dataclass
+class _Write:
+    tag: str
+    run: StoredRun | None  # None: a promotion into the node's L2
+    future: Future
+    buffer: torch.Tensor
+    started: float
+
+
+class WriteQueue:
+    """The writes of one rank (``rank``) of pages ``pages`` moves; what ended is
+    collected into ``stored`` (``(tag, rank, run)`` of pages stored in L3) and
+    ``ended`` (``(rank, page hash)`` of every store asked for that ended, stored
+    or not), and counted in ``counts``."""
+
+    def __init__(
+        self, pages: PageMoves, rank: int, timeout_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.pages = pages
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.stored: list[tuple[str, int, StoredRun]] = []
+        self.ended: list[tuple[int, bytes]] = []
+        self.counts: Counter[str] = Counter()
+        self._thread: ThreadPoolExecutor | None = None
+        self._writes: deque[_Write] = deque()
+        self.queued_bytes = 0
+
+    def start(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    def room(self, nbytes: int, deadline: float) -> bool:
+        """Whether ``nbytes`` more fit, waiting for the oldest write until
+        ``deadline`` — not at all when it has been writing longer than
+        ``timeout_s`` (a wedged store)."""
+        self.collect()
+        while self._writes and self.queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
+            oldest, now = self._writes[0], self.clock()
+            if now - oldest.started > self.timeout_s or now >= deadline:
+                return False
+            try:
+                oldest.future.exception(timeout=deadline - now)
+            except FutureTimeout:
+                return False
+            self.collect()
+        return True
+
+    def drop(self, run: StoredRun, buffer: torch.Tensor | None) -> None:
+        """A store there is no room for: not stored (a later miss), counted."""
+        if buffer is not None:
+            self.pages.give(buffer)
+        self.counts["store_dropped_pages"] += len(run.hashes)
+        self.ended += [(self.rank, h) for h in run.hashes]
+
+    def skipped(self, run: StoredRun) -> None:
+        """A store this rank cannot make (no store, no KV cache it serves)."""
+        self.ended += [(self.rank, h) for h in run.hashes]
+
+    def store(self, tag: str, run: StoredRun, buffer: torch.Tensor) -> None:
+        """Store ``run``'s pages (the first rows of ``buffer``, given back once written)."""
+        assert self._thread is not None
+        future = self._thread.submit(self._store, tag, run, buffer[: len(run.hashes)])
+        self._queue(_Write(tag, run, future, buffer, self.clock()))
+
+    def promote(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Keep pages read from L3 in the node's L2 too, for the node's next reader
+        (the load does not wait for it; dropped when the queue is full)."""
+        self.collect()
+        if self._thread is None or self.queued_bytes + buffer.numel() > MAX_QUEUED_WRITE_BYTES:
+            self.pages.give(buffer)
+            self.counts["l2_promotions_dropped"] += len(keys)
+            return
+        future = self._thread.submit(self._put_l2, keys, pages)
+        self._queue(_Write("", None, future, buffer, self.clock()))
+
+    def _queue(self, write: _Write) -> None:
+        self._writes.append(write)
+        self.queued_bytes += write.buffer.numel()
+
+    def _store(
+        self, tag: str, run: StoredRun, pages: torch.Tensor
+    ) -> tuple[list[bool], float, int]:
+        started = time.perf_counter()
+        store, provenance = self.pages.store, self.pages.provenance
+        assert store is not None and provenance is not None
+        keys = self.pages.keys(tag, run.hashes)
+        try:
+            ok = store.store(keys, pages.numpy(), provenance)
+        except Exception as exc:  # a store that fails is a later miss, never fatal
+            log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
+            ok = [False] * len(run.hashes)
+        l2 = self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
+        return ok, time.perf_counter() - started, l2
+
+    def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
+        started = time.perf_counter()
+        kept = self.pages.l2_put(keys, pages)
+        return [], time.perf_counter() - started, kept
+
+    def collect(self) -> None:
+        """Take the writes the thread finished."""
+        while self._writes and self._writes[0].future.done():
+            write = self._writes.popleft()
+            self.queued_bytes -= write.buffer.numel()
+            ok, seconds, l2 = write.future.result()
+            self.pages.give(write.buffer)
+            self.counts["l2_stored_pages"] += l2
+            if write.run is None:  # a promotion into the node's L2
+                continue
+            self.ended += [(self.rank, h) for h in write.run.hashes]
+            self.counts["store_seconds"] += seconds
+            self.counts["stored_pages"] += sum(ok)
+            self.counts["store_failed_pages"] += len(ok) - sum(ok)
+            self.stored += [(write.tag, self.rank, run) for run in stored_runs(write.run, ok)]
+
+    def drain(self, deadline: float) -> bool:
+        """Wait for the writes in flight (at most until ``deadline``); whether none is
+        left."""
+        while self._writes:
+            try:
+                self._writes[0].future.exception(timeout=max(deadline - self.clock(), 0.0))
+            except FutureTimeout:
+                log.warning(
+                    "kvfabric connector: %d stores not done within %.1f s at shutdown; "
+                    "left unfinished",
+                    len(self._writes), self.timeout_s,
+                )  # fmt: skip
+                return False
+            self.collect()
+        return True
+
+    def shutdown(self, wait: bool) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=wait, cancel_futures=True)
+            self._thread = None
+
+
+def part(run: StoredRun, start: int, end: int) -> StoredRun:
+    """Pages ``[start, end)`` of ``run``, after their parent."""
+    parent = run.hashes[start - 1] if start else run.parent
+    return StoredRun(run.namespace, parent, run.hashes[start:end])
+
+
+def stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
+    """The runs of consecutive pages of ``run`` that were stored."""
+    runs, start = [], None
+    for i, good in enumerate([*ok, False]):
+        if good and start is None:
+            start = i
+        elif not good and start is not None:
+            runs.append(part(run, start, i))
+            start = None
+    return runs
