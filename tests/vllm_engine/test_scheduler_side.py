@@ -541,3 +541,23 @@ def test_a_load_no_rank_ever_reports_lets_its_requests_go_without_storing(monkey
     now[0] = vllm_scheduler.WRITE_STALL_S + 1
     assert not s.step_meta(output(cached=running("r", 14), scheduled={"r": 1})).saves
     assert s.tracked["r"].no_save and not s.loads.loads and not s.loads.pending_blocks
+
+
+def test_each_pipeline_stages_pages_are_found_under_the_engines_one_tag(tmp_path):
+    """PP=2: the scheduler holds stage 0's KV cache config only, but the engine's
+    tag is named from every rank's identity, so the L3 fallback (a coordinator
+    restarted) finds both stages' pages, each under its stage's suffix."""
+    options = StoreOptions(path=str(tmp_path))
+    stages = ["0-0-0", "1-0-0"]
+    s = SchedulerSide(ConnectorOptions(), stages, BLOCK, FakeLink(up=False, store=options))
+    s.handshake({0: FabricHandshake(0, "a" * 64), 1: FabricHandshake(1, "c" * 64)})
+    r = Req("r", list(range(17)))
+    hashes = _chain(s, r)
+    store = DirectStore(options, "vllm")
+    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
+    for stage in stages:
+        store.store([page_key(h, s.tag, stage) for h in hashes], np.zeros((4, 8), np.uint8),
+                    provenance)  # fmt: skip
+    store.close()
+    assert s.matched(r, 0) == (4 * BLOCK, False)
+    s.close()

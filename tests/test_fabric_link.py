@@ -1,0 +1,122 @@
+"""An engine connector's line to the coordinator (``fabric.engines.fabric_link``):
+calls larger than the coordinator takes are split, never refused; a lookup's
+wait is bounded by one deadline; a reconnect runs on a thread of its own, so no
+engine step waits for it; leases are released on their own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fabric.coordinator.engine_pages import (
+    MAX_CHAINS_PER_CALL,
+    MAX_PAGES_PER_CALL,
+    EnginePages,
+    StoredRun,
+)
+from fabric.engines.fabric_link import FabricLink
+
+TAG = "0123456789abcdef"
+
+
+class Done:
+    """A call's result, as Ray's object ref stands for it."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return Done(self.fn(*args))
+
+
+class FakeCoordinator:
+    """The coordinator's engine calls over a real ``EnginePages`` (which refuses
+    calls past its bounds, as the actor does)."""
+
+    def __init__(self):
+        self.pages = EnginePages()
+        self.calls: list[tuple[str, int]] = []
+
+        def lookup(tag, world, chains, leases, lease_s, release):
+            self.calls.append(("lookup", len(chains)))
+            self.pages.release(release)
+            return self.pages.lookup(tag, world, chains, leases, lease_s)
+
+        def report(tag, world, reports):
+            self.calls.append(("report", max(len(r) for r in reports.values())))
+            return len(self.pages.report(tag, world, reports))
+
+        def forget(tag, world, hashes):
+            self.calls.append(("forget", len(hashes)))
+            return len(self.pages.forget(tag, world, hashes))
+
+        self.engine_lookup = Method(lookup)
+        self.engine_report = Method(report)
+        self.engine_forget = Method(forget)
+
+
+@pytest.fixture
+def link(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: (
+        [r.value for r in refs] if isinstance(refs, list) else refs.value))  # fmt: skip
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))
+    link = FabricLink("f", "auto", "kvfabric", 5.0, 10.0)
+    link.coordinator = FakeCoordinator()
+    return link
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_a_step_with_more_requests_than_a_call_takes_is_split_and_answered(link):
+    n = MAX_CHAINS_PER_CALL + 10
+    runs = {0: [StoredRun("ns", None, (h(i),)) for i in range(n)]}
+    link.report(TAG, 1, runs)  # more runs than one report takes: split too
+    leases = [f"e/{i}" for i in range(n)]
+    answers = link.lookup(TAG, 1, [[h(i)] for i in range(n)], leases, 30.0, [], 1e18)
+    assert answers == [1] * n
+    coordinator = link.coordinator
+    assert [c for c in coordinator.calls if c[0] == "report"] == [
+        ("report", MAX_CHAINS_PER_CALL), ("report", 10)]  # fmt: skip
+    assert [c for c in coordinator.calls if c[0] == "lookup"] == [
+        ("lookup", MAX_CHAINS_PER_CALL), ("lookup", 10)]  # fmt: skip
+    assert coordinator.pages.leased == n
+    link.release(TAG, 1, leases)
+    assert coordinator.pages.leased == 0
+    assert link.up
+
+
+def test_forgetting_more_pages_than_a_call_takes_is_split(link):
+    link.forget(TAG, 1, [h(i) for i in range(MAX_PAGES_PER_CALL + 1)])
+    assert [n for kind, n in link.coordinator.calls if kind == "forget"] == [MAX_PAGES_PER_CALL, 1]
+    assert link.up
+
+
+def test_a_reconnect_runs_on_its_own_thread_and_no_step_waits_for_it(monkeypatch):
+    gate, attempts = threading.Event(), []
+
+    def connect(name, address, ray_namespace):
+        attempts.append(name)
+        gate.wait(30)
+        raise ConnectionError("no fabric here")
+
+    import fabric.client
+
+    monkeypatch.setattr(fabric.client, "connect", connect)
+    link = FabricLink("f", "auto", "kvfabric", 0.05, 0.0)
+    link.start()  # waits timeout_s at most
+    assert not link.up  # the attempt still hangs: down, at once
+    assert link.lookup(TAG, 1, [[h(1)]], None, 0.0, [], 0.0) is None
+    assert len(attempts) == 1  # one attempt at a time
+    gate.set()
+    link._connecting.join(5)
+    assert not link.up and link._said_down
