@@ -51,6 +51,8 @@ def engine_identity(vllm_config: Any, checkpoint: str) -> dict[str, Any]:
             f"blocks, which pages would not carry; served are {list(SERVED_CACHE_DTYPES)}"
         )
     hf_config = model.hf_config.to_dict() if hasattr(model.hf_config, "to_dict") else {}
+    for where in ("_name_or_path", "_commit_hash"):  # where it was read from, not what it is
+        hf_config.pop(where, None)
     identity = {
         "vllm": vllm.__version__,
         "device": current_platform.device_type,
@@ -69,9 +71,20 @@ def engine_identity(vllm_config: Any, checkpoint: str) -> dict[str, Any]:
         "tp": parallel.tensor_parallel_size,
         "pp": parallel.pipeline_parallel_size,
     }
-    if hf_config.get("rope_scaling") or hf_config.get("rope_parameters"):
+    if _scaled_rope(hf_config.get("rope_scaling")) or _scaled_rope(
+        hf_config.get("rope_parameters")
+    ):
         identity["max_model_len"] = model.max_model_len  # some scalings depend on it
     return identity
+
+
+def _scaled_rope(params: Any) -> bool:
+    """Whether RoPE parameters (per layer type, perhaps) scale the positions."""
+    if not isinstance(params, dict):
+        return False
+    if all(isinstance(v, dict) for v in params.values()) and params:
+        return any(_scaled_rope(v) for v in params.values())
+    return params.get("rope_type", params.get("type", "default")) not in ("default", None)
 
 
 def checkpoint_of(vllm_config: Any) -> str:
@@ -113,11 +126,15 @@ def rank_identity(
     backend's name per layer)."""
     group = attention_group(kv_cache_config)
     spec = group.kv_cache_spec
+    blocks = max(getattr(kv_cache_config, "num_blocks", 1), 1)
     layers = []
     for name in group.layer_names:
         kv = kv_caches.get(name)
+        shape = list(getattr(kv, "shape", ()))
+        if shape:  # how many blocks the pool holds is no part of a block's bytes
+            shape[0] = shape[0] / blocks
         layers.append(
-            [name, backends.get(name), list(getattr(kv, "shape", ())),
+            [name, backends.get(name), shape,
              list(kv.stride()) if hasattr(kv, "stride") else None, str(getattr(kv, "dtype", ""))]
         )  # fmt: skip
     identity = {

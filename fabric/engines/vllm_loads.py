@@ -51,6 +51,10 @@ class LoadBook:
         self.loads: dict[int, LoadRecord] = {}
         self._next = 0
         self._pending_blocks: dict[int, int] = {}  # block -> its synchronous load
+        # Blocks that hold KV a failed load left stale, or KV computed over such a
+        # block, until a request computes them anew from their first token (vLLM
+        # keeps them in its prefix cache meanwhile, under ``recompute``).
+        self.poisoned: set[int] = set()
 
     def open(
         self, req_id: str, start: int, block_ids: tuple[int, ...], synchronous: bool, now: float
@@ -59,6 +63,7 @@ class LoadBook:
         A synchronous load's blocks are pending until it is reported."""
         load_id, self._next = self._next, self._next + 1
         self.loads[load_id] = LoadRecord(load_id, req_id, start, len(block_ids), block_ids, now)
+        self.poisoned.difference_update(block_ids)  # the load writes them anew
         if synchronous:
             for block in block_ids:
                 self._pending_blocks[block] = load_id
@@ -101,6 +106,27 @@ class LoadBook:
     @property
     def pending_blocks(self) -> int:
         return len(self._pending_blocks)
+
+    def recomputed(
+        self, block_ids: list[int], computed_before: int, computed_after: int, block_size: int
+    ) -> set[int]:
+        """The poisoned blocks of a request that its step computes from their first
+        token (``computed_before`` <= the page's start < ``computed_after``)."""
+        if not self.poisoned:
+            return set()
+        first = -(-computed_before // block_size)
+        last = -(-computed_after // block_size)
+        return {b for b in block_ids[first:last] if b in self.poisoned}
+
+    def relies_on_poisoned(
+        self, block_ids: list[int], computed_before: int, block_size: int, fresh: set[int]
+    ) -> bool:
+        """Whether a request uses, as computed, a poisoned block that no request of
+        this step computes anew (``fresh``)."""
+        if not self.poisoned:
+            return False
+        used = block_ids[: -(-computed_before // block_size)]
+        return any(b in self.poisoned and b not in fresh for b in used)
 
 
 class StoresInFlight:

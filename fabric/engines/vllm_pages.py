@@ -216,6 +216,7 @@ class FabricStepMeta(KVConnectorMetadata):
     saves: list[PageSave] = field(default_factory=list)
     store: StoreOptions | None = None
     finished: list[str] = field(default_factory=list)
+    cancel: list[str] = field(default_factory=list)  # requests whose async loads to give up
 
 
 @dataclass

@@ -80,6 +80,7 @@ class SchedulerSide:
         self._questions: list[str] = []
         self._store_sent = False
         self._async_loads: list[PageLoad] = []
+        self._cancel: list[str] = []  # requests whose asynchronous loads are given up
         # Loads whose outcome not every rank has reported (a request using a block
         # of one stores nothing until it is known).
         self.loads = LoadBook(self.world)
@@ -118,6 +119,11 @@ class SchedulerSide:
         self._epoch = os.urandom(16).hex()
         for state in self.tracked.values():
             state.no_save = True
+            if state.async_loading:
+                self._cancel.append(state.rid)  # its load would serve the old pages
+            elif not state.scheduled:
+                state.load = None
+                self._question(state)  # its answer was the old pages': asked again
         if self._ranks:
             self.tag = engine_tag(self._ranks, self._epoch)
             log.info("kvfabric connector: cache reset; this engine's pages are now %s", self.tag)
@@ -280,18 +286,20 @@ class SchedulerSide:
     # -- build_connector_meta ---------------------------------------------------------
 
     def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
-        meta = FabricStepMeta(loads=self._async_loads)
-        self._async_loads = []
+        meta = FabricStepMeta(loads=self._async_loads, cancel=self._cancel)
+        self._async_loads, self._cancel = [], []
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store
             self._store_sent = True
         self._abandon_stalled_loads()
+        steps = []  # (request, tokens computed before the step, after it)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.tracked.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+                before = new.num_computed_tokens
+                steps.append((state, before, before + scheduled[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.tracked.get(rid)
@@ -302,34 +310,54 @@ class SchedulerSide:
                 state.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 state.block_ids += new_blocks[0]
-            self._plan(state, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+            before = cached.num_computed_tokens[i]
+            steps.append((state, before, before + scheduled.get(rid, 0)))
+        # Every load of the step first: a request planned before the one whose load
+        # fills a block it shares would not see that block pending.
+        for state, _, _ in steps:
+            self._open_load(state, meta)
+        fresh: set[int] = set()
+        for state, before, after in steps:
+            fresh |= self.loads.recomputed(state.block_ids, before, after, self.block_size)
+        for state, before, after in steps:
+            self._plan(state, before, after, fresh, meta)
+        self.loads.poisoned -= fresh
         for rid, state in list(self._finishing.items()):
             if not state.waiting_on:
                 del self._finishing[rid]
                 done = state.request.num_computed_tokens - getattr(
                     state.request, "num_in_flight_tokens", 0
                 )
+                if self.loads.relies_on_poisoned(state.block_ids, done, self.block_size, set()):
+                    state.no_save = True
                 if not state.no_save and state.tag == self.tag:
                     self._save(state, done, meta)
                 meta.finished.append(rid)
         return meta
 
-    def _plan(self, state: TrackedRequest, computed_after: int, meta: FabricStepMeta) -> None:
-        """Add the request's load (if any) and the whole pages of real tokens whose
-        KV is computed once this step is — unless the request's blocks depend on a
-        load whose outcome is not known yet."""
+    def _open_load(self, state: TrackedRequest, meta: FabricStepMeta) -> None:
+        """The request's synchronous load, if it has one this step."""
         state.scheduled = True
-        if state.load is not None:
-            start, end = state.load
-            state.load = None
-            end = min(end, len(state.block_ids))
-            if end > start:
-                load = self._new_load(state, start, end, state.block_ids, sync=True)
-                meta.loads.append(load)
-        state.waiting_on |= self.loads.depend(state.request.request_id, state.block_ids)
+        if state.load is None:
+            return
+        start, end = state.load
+        state.load = None
+        end = min(end, len(state.block_ids))
+        if end > start:
+            meta.loads.append(self._new_load(state, start, end, state.block_ids, sync=True))
+
+    def _plan(
+        self, state: TrackedRequest, before: int, after: int, fresh: set[int], meta: FabricStepMeta
+    ) -> None:
+        """Store the whole pages of real tokens whose KV is computed once this step
+        is — unless the request's blocks depend on a load whose outcome is not
+        known yet, or it uses a block a failed load left stale (it never stores)."""
+        state.waiting_on |= self.loads.depend(state.rid, state.block_ids)
+        if self.loads.relies_on_poisoned(state.block_ids, before, self.block_size, fresh):
+            state.no_save = True
         if state.waiting_on or state.no_save or state.tag != self.tag:
             return
-        self._save(state, computed_after, meta)
+        self._save(state, after, meta)
 
     def _save(self, state: TrackedRequest, computed: int, meta: FabricStepMeta) -> None:
         """Store the request's whole pages of real tokens below ``computed`` that the
@@ -400,12 +428,28 @@ class SchedulerSide:
                 bad = record.start + record.loaded
                 state.fabric_pages = min(state.fabric_pages or 0, bad)
                 state.saved_pages = min(state.saved_pages, bad)
+        if record.failed:
+            self._poison(record)
         for rid in record.waiters:
             waiter = self.tracked.get(rid) or self._finishing.get(rid)
             if waiter is not None:
                 waiter.waiting_on.discard(record.load_id)
                 waiter.no_save |= abandoned or (record.failed and rid in self._finishing)
         self.leases.end([record.req_id])
+
+    def _poison(self, record: LoadRecord) -> None:
+        """A load failed: its blocks from the first that failed on, and the blocks of
+        every request that waited for it from the first it shares on, may hold
+        stale KV until computed anew (vLLM keeps them in its prefix cache)."""
+        stale = set(record.block_ids[record.loaded :])
+        self.loads.poisoned |= stale
+        for rid in record.waiters:
+            waiter = self.tracked.get(rid) or self._finishing.get(rid)
+            if waiter is None:
+                continue
+            hit = next((i for i, b in enumerate(waiter.block_ids) if b in stale), None)
+            if hit is not None:
+                self.loads.poisoned.update(waiter.block_ids[hit:])
 
     def _abandon_stalled_loads(self) -> None:
         """Loads not every rank reported within ``WRITE_STALL_S`` (a worker that will

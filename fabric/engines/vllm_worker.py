@@ -178,6 +178,11 @@ class WorkerSide:
         forward is known to wait for each layer, layer by layer while it runs."""
         self._finish_step()
         self._open(meta.store)
+        for rid in meta.cancel:  # (the engine's cache was reset: they are not served)
+            if rid in self._loading:
+                job, _, guard, since = self._loading[rid]
+                guard.cancel()
+                self._loading[rid] = (job, _done((0, 0.0, 0)), guard, since)
         sync = []
         for job in meta.loads:
             if not job.asynchronous:

@@ -110,7 +110,7 @@ def test_the_backend_and_the_layout_in_use_are_in_a_ranks_identity():
     spec = SimpleNamespace(block_size=32, num_kv_heads=2, head_size=64, head_size_v=64,
                            dtype=torch.float32, kv_quant_mode="none")  # fmt: skip
     group = SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])
-    kv_config = SimpleNamespace(kv_cache_groups=[group])
+    kv_config = SimpleNamespace(kv_cache_groups=[group], num_blocks=8)
     engine = {"checkpoint": "c"}
     kv = {n: torch.zeros(8, 2, 32, 128) for n in ("l0", "l1")}
     base = rank_identity(engine, kv_config, kv, {"l0": "CPU_ATTN", "l1": "CPU_ATTN"})
@@ -118,8 +118,12 @@ def test_the_backend_and_the_layout_in_use_are_in_a_ranks_identity():
     assert rank_identity(engine, kv_config, kv, {"l0": "SDPA", "l1": "CPU_ATTN"}) != base
     other = {n: torch.zeros(2, 8, 32, 128).transpose(0, 1) for n in ("l0", "l1")}  # strides
     assert rank_identity(engine, kv_config, other, {"l0": "CPU_ATTN", "l1": "CPU_ATTN"}) != base
+    bigger = SimpleNamespace(kv_cache_groups=[group], num_blocks=16)  # another pool size
+    kv16 = {n: torch.zeros(16, 2, 32, 128) for n in ("l0", "l1")}
+    assert rank_identity(engine, bigger, kv16, {"l0": "CPU_ATTN", "l1": "CPU_ATTN"}) == base
     stage = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
-                                                             layer_names=["l2", "l3"])])  # fmt: skip
+                                                             layer_names=["l2", "l3"])],
+                            num_blocks=8)  # fmt: skip
     assert rank_identity(engine, stage, {"l2": kv["l0"], "l3": kv["l1"]}, {}) != base
     assert rank_identity({"checkpoint": "d"}, kv_config, kv, {"l0": "CPU_ATTN"}) != base
     provenance = page_provenance(kv_config, base)

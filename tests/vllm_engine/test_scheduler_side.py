@@ -561,3 +561,68 @@ def test_each_pipeline_stages_pages_are_found_under_the_engines_one_tag(tmp_path
     store.close()
     assert s.matched(r, 0) == (4 * BLOCK, False)
     s.close()
+
+
+def test_a_request_planned_before_the_load_of_a_block_it_shares_still_waits_for_it():
+    """A resumed request's load (among the cached requests) fills a block that a new
+    request, planned first, shares: every load of the step opens before any
+    request's stores are planned."""
+    link = FakeLink(hits=0)
+    s = side(link)
+    a = Req("a", list(range(14)))
+    s.matched(a, 0)
+    s.step_meta(output([new_req("a", [1, 2, 3, 4])], scheduled={"a": 14}))  # computed, stored
+    s.worker_output(outcome(ended=[(k, h) for k in (0, 1) for h in s.tracked["a"].hashes]))
+    link.hits = 3
+    assert s.matched(a, 0) == (12, False)  # preempted: resumes loading its three pages
+    s.allocated(a, None, 12)
+    b = Req("b", [*range(12), 90, 91, 92, 93, 94])
+    s.matched(b, 12)  # vLLM's cache hands it a's (loading) blocks
+    meta = s.step_meta(
+        output([new_req("b", [5, 6, 7, 9, 10], 12)], cached=running("a", 12, [[5, 6, 7, 8]],
+               resumed=True), scheduled={"b": 5, "a": 2})
+    )  # fmt: skip
+    assert len(meta.loads) == 1 and not meta.saves  # b waits for a's load
+
+
+def test_a_block_a_failed_load_left_stale_taints_whoever_uses_it_until_recomputed():
+    """a's load fails on page 1 and a is preempted before recomputing it: vLLM keeps
+    the stale block in its prefix cache. c, which then uses it as computed, stores
+    nothing; once a request computes the block anew, it is clean again."""
+    link = FakeLink(hits=3)
+    s = side(link)
+    a = Req("a", list(range(14)))
+    s.matched(a, 0)
+    s.allocated(a, None, 12)
+    meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # page 1 (block 2) stale
+    link.hits = 0
+    c = Req("c", [*range(12), 70, 71, 72, 73, 74, 75])
+    s.matched(c, 12)  # vLLM's own cache: blocks 1, 2, 3 (block 2 stale)
+    assert not s.step_meta(output([new_req("c", [1, 2, 3, 7, 8], 12)], scheduled={"c": 6})).saves
+    assert s.tracked["c"].no_save
+    d = Req("d", list(range(14)))
+    s.matched(d, 4)  # computes from page 1 on: block 2 is made anew
+    (save,) = s.step_meta(output([new_req("d", [1, 2, 3, 9], 4)], scheduled={"d": 10})).saves
+    assert save.block_ids == (1, 2, 3) and not s.tracked["d"].no_save
+    e = Req("e", [*range(12), 50, 51])
+    s.matched(e, 12)
+    assert s.step_meta(output([new_req("e", [1, 2, 3, 11], 12)], scheduled={"e": 2})).saves == []
+    assert not s.tracked["e"].no_save  # block 2 is clean again
+
+
+def test_after_a_reset_a_waiting_request_asks_again_and_asynchronous_loads_are_given_up():
+    link = FakeLink(hits=2)
+    s = side(link, load_async=True)
+    waiting, loading = Req("w", list(range(14))), Req("l", list(range(100, 114)))
+    assert s.matched(waiting, 0) == (8, True)  # vLLM had no room for it: it stays waiting
+    s.matched(loading, 0)
+    s.allocated(loading, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 8)
+    s.step_meta(output())
+    old = s.tag
+    s.reset()
+    asked = len(link.asked)
+    assert s.matched(waiting, 0) == (8, True)
+    assert len(link.asked) == asked + 1  # under the new tag, not the old answer
+    assert s.tracked["w"].asked_tag == s.tag != old
+    assert s.step_meta(output()).cancel == ["l"]
