@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fabric.engines.vllm_moves import Cancelled, Fetched, LoadGuard, PageMoves
@@ -51,6 +52,7 @@ def load_layers(pages: PageMoves, step: StepLoad) -> list[Outcome]:
                     raise Cancelled
                 for f in fetched:
                     pages.scatter_layer(f, layer)
+                pages.sync()
             event.set()
         done = [(pages.settle(f), f.l2) for f in fetched]
     except Cancelled:
@@ -83,3 +85,76 @@ def timed_load(pages: PageMoves, job: PageLoad, guard: LoadGuard) -> Outcome:
         log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
         n, l2 = 0, 0
     return n, time.perf_counter() - started, l2
+
+
+class AsyncLoads:
+    """A worker's asynchronous loads, read in order on a load thread of their own
+    while the engine steps on. A load not done within ``timeout_s`` is given up:
+    reported done with nothing loaded (its blocks are load errors), and no block
+    is written by it after; while the thread is still in such a load, new ones
+    fail at once rather than queue behind it."""
+
+    def __init__(self, pages: PageMoves, timeout_s: float, clock: Callable[[], float]) -> None:
+        self.pages = pages
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.timeouts = 0
+        self._thread: ThreadPoolExecutor | None = None
+        self._loading: dict[str, tuple[PageLoad, Future, LoadGuard, float]] = {}
+        self._stuck: Future | None = None
+
+    def start(self, job: PageLoad) -> None:
+        guard = LoadGuard()
+        if not self.pages.layers or (self._stuck is not None and not self._stuck.done()):
+            self._loading[job.req_id] = (job, _done((0, 0.0, 0)), guard, self.clock())
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
+        future = self._thread.submit(timed_load, self.pages, job, guard)
+        self._loading[job.req_id] = (job, future, guard, self.clock())
+
+    def cancel(self, req_ids: list[str]) -> None:
+        """Give these requests' loads up now (reported done, nothing loaded)."""
+        for rid in req_ids:
+            if rid in self._loading:
+                job, _, guard, since = self._loading[rid]
+                guard.cancel()
+                self._loading[rid] = (job, _done((0, 0.0, 0)), guard, since)
+
+    def finished(self) -> list[tuple[PageLoad, Outcome]]:
+        """The loads done, or given up after ``timeout_s``, with their outcomes."""
+        now, out = self.clock(), []
+        for rid, (job, future, guard, since) in list(self._loading.items()):
+            if future.done():
+                outcome = future.result()
+            elif now - since > self.timeout_s:
+                guard.cancel()
+                self._stuck = future
+                self.timeouts += 1
+                log.warning(
+                    "kvfabric connector: a load of %d pages took longer than %.1f s; recomputed",
+                    len(job.hashes), self.timeout_s,
+                )  # fmt: skip
+                outcome = (0, now - since, 0)
+            else:
+                continue
+            del self._loading[rid]
+            out.append((job, outcome))
+        return out
+
+    def stop(self) -> bool:
+        """Cancel every load and stop the thread; whether one is still running."""
+        busy = False
+        for _, future, guard, _ in self._loading.values():
+            guard.cancel()
+            busy |= not future.done()
+        if self._thread is not None:
+            self._thread.shutdown(wait=not busy, cancel_futures=True)
+            self._thread = None
+        return busy
+
+
+def _done(result: object) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future

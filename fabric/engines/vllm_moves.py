@@ -99,18 +99,28 @@ class PageMoves:
         suffix = self.placement.suffix
         return [page_key(h, tag, suffix) for h in hashes]
 
-    def buffer(self) -> torch.Tensor:
-        """A page buffer (``batch_pages`` rows of ``page_bytes``) to fill; give it
-        back with ``_give``. Safe from any thread."""
-        with self._buffers:
-            if self._free:
-                return self._free.pop()
-        return torch.empty((self.batch_pages, self.page_bytes), dtype=torch.uint8)
+    def buffer(self, rows: int | None = None) -> torch.Tensor:
+        """A page buffer of ``rows`` rows of ``page_bytes`` (``batch_pages`` by
+        default: those are kept and reused, smaller ones are made to measure) to
+        fill; give it back with ``give``. Safe from any thread."""
+        rows = self.batch_pages if rows is None else min(rows, self.batch_pages)
+        if rows == self.batch_pages:
+            with self._buffers:
+                if self._free:
+                    return self._free.pop()
+        return torch.empty((rows, self.page_bytes), dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._buffers:
-            if len(self._free) < MAX_FREE_BUFFERS:
+            if len(self._free) < MAX_FREE_BUFFERS and buffer.shape[0] == self.batch_pages:
                 self._free.append(buffer)
+
+    def sync(self) -> None:
+        """Wait until the copies into the blocks queued on this thread are done: on a
+        GPU they run on this thread's stream, which vLLM's forward (on a stream of
+        its own) does not wait for; a layer is released only once in place."""
+        if self.layers and self.layers[0].device.type == "cuda":
+            torch.cuda.current_stream(self.layers[0].device).synchronize()
 
     def load_one(
         self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...], guard: LoadGuard
@@ -130,6 +140,7 @@ class PageMoves:
                         raise Cancelled
                     for layer in range(len(self.layers)):
                         self.scatter_layer(f, layer)
+                    self.sync()
                 n = self.settle(f)
             finally:
                 self.release(f)
@@ -169,7 +180,7 @@ class PageMoves:
                 j += 1
             if self.store is None:
                 return f
-            buffer = self.buffer()
+            buffer = self.buffer(j - i)
             f.buffers.append(buffer)
             n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
             if n:

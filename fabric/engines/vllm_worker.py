@@ -35,13 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions, open_store
-from fabric.engines.vllm_loading import StepLoad, load_layers, load_whole, timed_load
+from fabric.engines.vllm_loading import AsyncLoads, StepLoad, load_layers, load_whole
 from fabric.engines.vllm_moves import (
     STAGING_BYTES,
     L2Options,
-    LoadGuard,
     PageMoves,
 )
 from fabric.engines.vllm_pages import (
@@ -52,7 +50,7 @@ from fabric.engines.vllm_pages import (
     PageLoad,
     Placement,
 )
-from fabric.engines.vllm_writes import WriteQueue, part
+from fabric.engines.vllm_writes import SaveChunk, WriteQueue, pack
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
 from fabric.rank.node_l2 import fabric_identity, open_node_l2
@@ -65,7 +63,7 @@ class StepSave:
     """One step's stores gathered layer by layer as the forward computes them
     (``save_kv_layer``); the rest when the forward is done."""
 
-    jobs: list[tuple[str, StoredRun, tuple[int, ...], torch.Tensor]]
+    chunks: list[SaveChunk]
     gathered: set[int] = field(default_factory=set)
 
 
@@ -101,12 +99,15 @@ class WorkerSide:
         self._sent: set[str] = set()  # finished requests whose last pages are gathered
         self.stats = FabricConnectorStats()
         # Asynchronous loads: one thread reads them in order while the engine steps.
-        self._loader: ThreadPoolExecutor | None = None
-        self._loading: dict[str, tuple[PageLoad, Future, LoadGuard, float]] = {}
+        self.async_loads = AsyncLoads(self.pages, timeout_s, self.clock)
         # A step's loads: on the step thread, layer by layer once the forward is
         # seen to wait for every layer, else whole before the forward.
         self._stepper: ThreadPoolExecutor | None = None
         self._waits_seen: set[int] = set()
+        self._wait_order: list[int] = []  # layers in the order the forward waits for them
+        # A thread still in a load that was given up (a wedged store): loads that
+        # would queue behind it are recomputed at once instead.
+        self._stepper_stuck: Future | None = None
         self._step: StepLoad | None = None
         self._step_save: StepSave | None = None
 
@@ -178,25 +179,17 @@ class WorkerSide:
         forward is known to wait for each layer, layer by layer while it runs."""
         self._finish_step()
         self._open(meta.store)
-        for rid in meta.cancel:  # (the engine's cache was reset: they are not served)
-            if rid in self._loading:
-                job, _, guard, since = self._loading[rid]
-                guard.cancel()
-                self._loading[rid] = (job, _done((0, 0.0, 0)), guard, since)
+        self.async_loads.cancel(meta.cancel)  # (the engine's cache was reset)
         sync = []
         for job in meta.loads:
-            if not job.asynchronous:
-                sync.append(job)
-            elif self.pages.layers:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
-                guard = LoadGuard()
-                future = self._loader.submit(timed_load, self.pages, job, guard)
-                self._loading[job.req_id] = (job, future, guard, self.clock())
+            if job.asynchronous:
+                self.async_loads.start(job)
             else:
-                self._loading[job.req_id] = (job, _done((0, 0.0, 0)), LoadGuard(), self.clock())
+                sync.append(job)
         if sync:
-            if self._stepper is None:  # no KV cache this worker can serve
+            if self._stepper is None or _busy(self._stepper_stuck):
+                # No KV cache this worker can serve, or the step thread is still in a
+                # load given up (a wedged store): recomputed at once, not waited for.
                 for job in sync:
                     self._loaded(job, (0, 0.0, 0))
             else:
@@ -224,6 +217,7 @@ class WorkerSide:
             return
         if i not in self._waits_seen:
             self._waits_seen.add(i)
+            self._wait_order.append(i)
             if self._layerwise:
                 log.info(
                     "kvfabric connector: the forward waits for each layer: loads run layer "
@@ -243,6 +237,7 @@ class WorkerSide:
             return
         step.guard.cancel()
         step.timed_out = True
+        self._stepper_stuck = step.future
         for event in step.events:
             event.set()
         self.stats.data["load_timeouts"] += len(step.jobs)
@@ -251,12 +246,14 @@ class WorkerSide:
             self.timeout_s,
         )
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, final: bool = True) -> None:
         """Take the outcome of the step's loads (before the forward, or once it is
         done), waiting at most until the step's deadline. A forward that read a
         layer without waiting for it may have read a block not yet loaded: those
         blocks are all reported failed (vLLM recomputes them) and loads are read
-        before the forward from then on."""
+        before the forward from then on. Not ``final`` (vLLM takes the step's
+        results before a draft model's forward): layers after the last the forward
+        waited for have not run yet."""
         step, self._step = self._step, None
         if step is None or step.future is None:
             return
@@ -265,18 +262,32 @@ class WorkerSide:
         except FutureTimeout:
             self._give_up(step)
             outcomes = [(0, self.timeout_s, 0)] * len(step.jobs)
+        skipped = self._skipped(step, final) if step.layerwise else []
         if step.timed_out:
             outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
-        elif step.layerwise and len(step.waited) < len(step.events):
+        elif skipped:
             log.warning(
                 "kvfabric connector: the forward did not wait for layers %s; their loads "
                 "are recomputed and later loads read before the forward",
-                sorted(set(range(len(step.events))) - step.waited)[:8],
+                skipped[:8],
             )
             self._waits_seen.clear()
+            self._wait_order.clear()
             outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
         for job, outcome in zip(step.jobs, outcomes, strict=True):
             self._loaded(job, outcome)
+
+    def _skipped(self, step: StepLoad, final: bool) -> list[int]:
+        """The layers the forward passed without waiting for: every one not waited
+        for once the step is over (``final``); before that, those before (in the
+        order the forward waits) the last one it waited for — layers after it have
+        not run yet (a draft model's), and read blocks the finished step filled. A
+        forward that waited for none (a replayed graph) waited for none of them."""
+        if final or not step.waited:
+            return sorted(set(range(len(step.events))) - step.waited)
+        waited = [self._wait_order.index(i) for i in step.waited if i in self._wait_order]
+        last = max(waited, default=-1)
+        return [i for i in self._wait_order[: last + 1] if i not in step.waited]
 
     def _loaded(self, job: PageLoad, outcome: tuple[int, float, int]) -> None:
         n, seconds, l2 = outcome
@@ -293,24 +304,11 @@ class WorkerSide:
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous loads are done, or given up after
         ``timeout_s`` (their failed blocks join ``load_errors`` in the same step)."""
-        self._finish_step()
-        now, done = self.clock(), set()
-        for rid, (job, future, guard, since) in list(self._loading.items()):
-            if future.done():
-                outcome = future.result()
-            elif now - since > self.timeout_s:
-                guard.cancel()
-                self.stats.data["load_timeouts"] += 1
-                log.warning(
-                    "kvfabric connector: a load of %d pages took longer than %.1f s; recomputed",
-                    len(job.hashes), self.timeout_s,
-                )  # fmt: skip
-                outcome = (0, now - since, 0)
-            else:
-                continue
-            del self._loading[rid]
+        self._finish_step(final=False)
+        done = set()
+        for job, outcome in self.async_loads.finished():
             self._loaded(job, outcome)
-            done.add(rid)
+            done.add(job.req_id)
         return done
 
     def finished_sends(self) -> set[str]:
@@ -320,37 +318,40 @@ class WorkerSide:
         return sent
 
     def load_errors(self) -> set[int]:
-        self._finish_step()
+        self._finish_step(final=False)
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- save_kv_layer, wait_for_save ----------------------------------------------------
 
     def _begin_saves(self, meta: FabricStepMeta) -> None:
-        """Give the step's stores their page buffers, so that each layer is gathered
-        as soon as the forward has computed it (when the step's pages fit)."""
+        """Give the step's stores their page buffers (packed: every store of the step
+        shares them), so that each layer is gathered as soon as the forward has
+        computed it (when the step's pages fit)."""
         self._step_save = None
         pages = sum(len(job.run.hashes) for job in meta.saves)
         if not pages or self.pages.store is None or not self.pages.layers:
             return
         if pages * self.pages.page_bytes > STAGING_BYTES * 4:
             return  # gathered in batches once the forward is done
-        jobs = []
-        for job in meta.saves:
-            for start in range(0, len(job.run.hashes), self.pages.batch_pages):
-                end = min(start + self.pages.batch_pages, len(job.run.hashes))
-                run = part(job.run, start, end)
-                jobs.append((job.tag, run, job.block_ids[start:end], self.pages.buffer()))
-        self._step_save = StepSave(jobs)
+        chunks = [
+            SaveChunk(parts, self.pages.buffer(rows))
+            for parts, rows in pack(meta.saves, self.pages.batch_pages)
+        ]
+        self._step_save = StepSave(chunks)
 
     def save_layer(self, name: str) -> None:
         """The forward has computed layer ``name``: gather it from the step's blocks."""
         step, i = self._step_save, self.layer_index.get(name)
         if step is None or i is None or i in step.gathered:
             return
-        for _, run, block_ids, buffer in step.jobs:
-            self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, i)
+        for chunk in step.chunks:
+            self._gather(chunk, i)
         step.gathered.add(i)
+
+    def _gather(self, chunk: SaveChunk, layer: int) -> None:
+        for _, run, block_ids, row in chunk.parts:
+            self.pages.gather_layer(chunk.buffer[row : row + len(run.hashes)], block_ids, layer)
 
     def save(self, meta: FabricStepMeta) -> None:
         """The forward is done: gather what is not gathered yet; the writer thread
@@ -361,38 +362,28 @@ class WorkerSide:
         if self.pages.store is None or not self.pages.layers:
             for job in meta.saves:
                 self.writes.skipped(job.run)
-            if step is not None:
-                for *_, buffer in step.jobs:
-                    self.pages.give(buffer)
+            for chunk in step.chunks if step is not None else ():
+                self.pages.give(chunk.buffer)
             self._sent.update(meta.finished)
             return
         deadline = self.clock() + self.timeout_s
         if step is not None:
-            for tag, run, block_ids, buffer in step.jobs:
-                if not self.writes.room(buffer.numel(), deadline):
-                    self.writes.drop(run, buffer)
+            for chunk in step.chunks:
+                if not self.writes.room(chunk.buffer.numel(), deadline):
+                    self.writes.drop(chunk)
                     continue
+                for layer in set(range(len(self.pages.layers))) - step.gathered:
+                    self._gather(chunk, layer)
+                self.writes.store(chunk)
+        else:  # too many pages to hold at once: a buffer at a time
+            for parts, rows in pack(meta.saves, self.pages.batch_pages):
+                if not self.writes.room(rows * self.pages.page_bytes, deadline):
+                    self.writes.drop(SaveChunk(parts, None))
+                    continue
+                chunk = SaveChunk(parts, self.pages.buffer(rows))
                 for layer in range(len(self.pages.layers)):
-                    if layer not in step.gathered:
-                        self.pages.gather_layer(buffer[: len(run.hashes)], block_ids, layer)
-                self.writes.store(tag, run, buffer)
-        else:
-            for job in meta.saves:
-                hashes = job.run.hashes
-                for start in range(0, len(hashes), self.pages.batch_pages):
-                    end = min(start + self.pages.batch_pages, len(hashes))
-                    run = part(job.run, start, end)
-                    if not self.writes.room(
-                        self.pages.batch_pages * self.pages.page_bytes, deadline
-                    ):
-                        self.writes.drop(run, None)
-                        continue
-                    buffer = self.pages.buffer()
-                    for layer in range(len(self.pages.layers)):
-                        self.pages.gather_layer(
-                            buffer[: end - start], job.block_ids[start:end], layer
-                        )
-                    self.writes.store(job.tag, run, buffer)
+                    self._gather(chunk, layer)
+                self.writes.store(chunk)
         self._sent.update(meta.finished)  # their blocks are gathered: vLLM may free them
         self.writes.collect()
 
@@ -408,6 +399,8 @@ class WorkerSide:
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:
+        self.stats.data["load_timeouts"] += self.async_loads.timeouts
+        self.async_loads.timeouts = 0
         for key, n in self.writes.counts.items():
             self.stats.data[key] += n
         self.writes.counts.clear()
@@ -422,16 +415,13 @@ class WorkerSide:
         step = self._step
         if step is not None:
             step.guard.cancel()
-        for _, _, guard, _ in self._loading.values():
-            guard.cancel()
         busy = not self.writes.drain(self.clock() + self.timeout_s)
-        busy |= any(not f.done() for _, f, _, _ in self._loading.values())
+        busy |= self.async_loads.stop()
         busy |= step is not None and step.future is not None and not step.future.done()
         self.writes.shutdown(wait=not busy)
-        for pool in (self._loader, self._stepper):
-            if pool is not None:
-                pool.shutdown(wait=not busy, cancel_futures=True)
-        self._loader = self._stepper = None
+        if self._stepper is not None:
+            self._stepper.shutdown(wait=not busy, cancel_futures=True)
+            self._stepper = None
         if busy:
             return  # a thread may still use the store and the region: the process ends them
         if self.pages.store is not None:
@@ -442,7 +432,5 @@ class WorkerSide:
             self.pages.l2 = None
 
 
-def _done(result: object) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
+def _busy(future: Future | None) -> bool:
+    return future is not None and not future.done()

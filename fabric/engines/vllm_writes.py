@@ -30,9 +30,39 @@ MAX_QUEUED_WRITE_BYTES = 4 * STAGING_BYTES
 
 
 @dataclass
+class SaveChunk:
+    """Stores gathered into one page buffer and written together: each part is
+    ``(tag, run, block ids, its first row in buffer)``."""
+
+    parts: list[tuple[str, StoredRun, tuple[int, ...], int]]
+    buffer: torch.Tensor | None
+
+
+def pack(saves: list, batch_pages: int) -> list[tuple[list, int]]:
+    """A step's stores (``PageSave``s) packed into parts of page buffers of at most
+    ``batch_pages`` rows: per buffer, its parts and its rows."""
+    out: list[tuple[list, int]] = []
+    parts: list = []
+    rows = 0
+    for job in saves:
+        n, at = len(job.run.hashes), 0
+        while at < n:
+            take = min(n - at, batch_pages - rows)
+            parts.append(
+                (job.tag, part(job.run, at, at + take), job.block_ids[at : at + take], rows)
+            )
+            rows, at = rows + take, at + take
+            if rows == batch_pages:
+                out.append((parts, rows))
+                parts, rows = [], 0
+    if parts:
+        out.append((parts, rows))
+    return out
+
+
+@dataclass
 class _Write:
-    tag: str
-    run: StoredRun | None  # None: a promotion into the node's L2
+    chunk: SaveChunk | None  # None: a promotion into the node's L2
     future: Future
     buffer: torch.Tensor
     started: float
@@ -84,22 +114,23 @@ class WriteQueue:
             self.collect()
         return True
 
-    def drop(self, run: StoredRun, buffer: torch.Tensor | None) -> None:
-        """A store there is no room for: not stored (a later miss), counted."""
-        if buffer is not None:
-            self.pages.give(buffer)
-        self.counts["store_dropped_pages"] += len(run.hashes)
-        self.ended += [(self.rank, h) for h in run.hashes]
+    def drop(self, chunk: SaveChunk) -> None:
+        """Stores there is no room for: not stored (a later miss), counted."""
+        if chunk.buffer is not None:
+            self.pages.give(chunk.buffer)
+        for _, run, _, _ in chunk.parts:
+            self.counts["store_dropped_pages"] += len(run.hashes)
+            self.ended += [(self.rank, h) for h in run.hashes]
 
     def skipped(self, run: StoredRun) -> None:
         """A store this rank cannot make (no store, no KV cache it serves)."""
         self.ended += [(self.rank, h) for h in run.hashes]
 
-    def store(self, tag: str, run: StoredRun, buffer: torch.Tensor) -> None:
-        """Store ``run``'s pages (the first rows of ``buffer``, given back once written)."""
-        assert self._thread is not None
-        future = self._thread.submit(self._store, tag, run, buffer[: len(run.hashes)])
-        self._queue(_Write(tag, run, future, buffer, self.clock()))
+    def store(self, chunk: SaveChunk) -> None:
+        """Store the chunk's pages (its buffer is given back once written)."""
+        assert self._thread is not None and chunk.buffer is not None
+        future = self._thread.submit(self._store, chunk)
+        self._queue(_Write(chunk, future, chunk.buffer, self.clock()))
 
     def promote(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
         """Keep pages read from L3 in the node's L2 too, for the node's next reader
@@ -110,25 +141,34 @@ class WriteQueue:
             self.counts["l2_promotions_dropped"] += len(keys)
             return
         future = self._thread.submit(self._put_l2, keys, pages)
-        self._queue(_Write("", None, future, buffer, self.clock()))
+        self._queue(_Write(None, future, buffer, self.clock()))
 
     def _queue(self, write: _Write) -> None:
         self._writes.append(write)
         self.queued_bytes += write.buffer.numel()
 
-    def _store(
-        self, tag: str, run: StoredRun, pages: torch.Tensor
-    ) -> tuple[list[bool], float, int]:
+    def _store(self, chunk: SaveChunk) -> tuple[list[bool], float, int]:
+        """One store call per run of parts under one tag (their rows follow one
+        another); per page of the chunk, whether it was stored."""
         started = time.perf_counter()
-        store, provenance = self.pages.store, self.pages.provenance
-        assert store is not None and provenance is not None
-        keys = self.pages.keys(tag, run.hashes)
-        try:
-            ok = store.store(keys, pages.numpy(), provenance)
-        except Exception as exc:  # a store that fails is a later miss, never fatal
-            log.warning("kvfabric connector: storing %d pages failed: %s", len(run.hashes), exc)
-            ok = [False] * len(run.hashes)
-        l2 = self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
+        store, provenance, buffer = self.pages.store, self.pages.provenance, chunk.buffer
+        assert store is not None and provenance is not None and buffer is not None
+        ok: list[bool] = []
+        l2 = 0
+        i = 0
+        while i < len(chunk.parts):
+            tag, first = chunk.parts[i][0], chunk.parts[i][3]
+            keys: list[str] = []
+            while i < len(chunk.parts) and chunk.parts[i][0] == tag:
+                keys += self.pages.keys(tag, chunk.parts[i][1].hashes)
+                i += 1
+            pages = buffer[first : first + len(keys)]
+            try:
+                ok += store.store(keys, pages.numpy(), provenance)
+            except Exception as exc:  # a store that fails is a later miss, never fatal
+                log.warning("kvfabric connector: storing %d pages failed: %s", len(keys), exc)
+                ok += [False] * len(keys)
+            l2 += self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
         return ok, time.perf_counter() - started, l2
 
     def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
@@ -144,13 +184,15 @@ class WriteQueue:
             ok, seconds, l2 = write.future.result()
             self.pages.give(write.buffer)
             self.counts["l2_stored_pages"] += l2
-            if write.run is None:  # a promotion into the node's L2
+            if write.chunk is None:  # a promotion into the node's L2
                 continue
-            self.ended += [(self.rank, h) for h in write.run.hashes]
             self.counts["store_seconds"] += seconds
             self.counts["stored_pages"] += sum(ok)
             self.counts["store_failed_pages"] += len(ok) - sum(ok)
-            self.stored += [(write.tag, self.rank, run) for run in stored_runs(write.run, ok)]
+            for tag, run, _, row in write.chunk.parts:
+                self.ended += [(self.rank, h) for h in run.hashes]
+                done = ok[row : row + len(run.hashes)]
+                self.stored += [(tag, self.rank, r) for r in stored_runs(run, done)]
 
     def drain(self, deadline: float) -> bool:
         """Wait for the writes in flight (at most until ``deadline``); whether none is

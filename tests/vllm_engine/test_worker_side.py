@@ -105,7 +105,7 @@ def test_asynchronous_loads_are_reported_when_done(tmp_path):
         done = reader.finished_loads()
         if done:
             break
-        reader._loading["r"][1].result(timeout=10)
+        threading.Event().wait(0.01)
     assert done == {"r"}
     # The fourth page was never stored: its block is a load error, reported with it.
     assert reader.load_errors() == {8}
@@ -385,7 +385,7 @@ def test_an_asynchronous_load_from_a_wedged_store_is_reported_done_and_failed(tm
     assert done == {"r"} and reader.load_errors() == {1, 2, 3}
     assert reader.worker_meta().loaded == [(0, 2, 0)]
     store.go.set()
-    reader._loader.submit(lambda: None).result(timeout=30)
+    reader.async_loads._thread.submit(lambda: None).result(timeout=30)
     for name in LAYERS:
         assert torch.equal(target[name], before[name])
     reader.close()
@@ -399,7 +399,7 @@ def test_stores_past_the_write_queue_bound_are_dropped_and_counted_not_queued(
     source = caches(1)
     writer = worker(tmp_path, source, timeout_s=0.2)
     writer.pages.store = store = WedgedStore()
-    buffer_bytes = writer.pages.batch_pages * writer.pages.page_bytes
+    buffer_bytes = writer.pages.page_bytes  # a store of one page holds one page's buffer
     monkeypatch.setattr(vllm_writes, "MAX_QUEUED_WRITE_BYTES", 2 * buffer_bytes)
     runs = [StoredRun("vllm", None, (h,)) for h in hashes(5)]
     for i, run in enumerate(runs):
@@ -442,4 +442,66 @@ def test_finished_requests_are_reported_sent_once_their_pages_are_gathered(tmp_p
     reader.load(FabricStepMeta(loads=[pload(run.hashes, (7, 8))], store=store))
     assert reader.load_errors() == set()
     assert not torch.equal(target[LAYERS[0]][7:9], source[LAYERS[0]][3:5])
+    reader.close()
+
+
+def test_layers_a_draft_model_reads_after_vllm_takes_the_steps_results_are_not_skipped(
+    tmp_path,
+):
+    """With a draft model vLLM takes a step's results (load errors) before the
+    draft's forward waits for its layers: those have not run yet, and read blocks
+    the finished step has filled. A layer the forward passed is still caught."""
+    source, target = caches(1), caches(2)
+    store = stored(tmp_path, source, (0, 1))
+    reader = worker(tmp_path, target)
+    forward(reader, FabricStepMeta(store=store))  # learns the order: layer 0, then 1
+    meta = FabricStepMeta(loads=[pload(hashes(2), (4, 5))], store=store)
+    reader.load(meta)
+    reader.wait_layer(LAYERS[0])  # the target's layer
+    assert reader.load_errors() == set()  # results taken before the draft's layer 1
+    reader.wait_layer(LAYERS[1])  # the draft's forward
+    reader.save(meta)
+    for name in LAYERS:
+        assert torch.equal(target[name][4:6], source[name][0:2])
+    reader.load(meta)
+    reader.wait_layer(LAYERS[1])  # layer 0 was passed without a wait
+    assert reader.load_errors() == {4, 5}
+    reader.close()
+
+
+def test_loads_behind_a_load_given_up_on_a_wedged_store_fail_at_once(tmp_path):
+    target = caches(2)
+    rows = torch.full((4, 2 * BLOCK_BYTES), 7, dtype=torch.uint8).numpy()
+    reader, store = wedged_reader(tmp_path, target, rows)
+    reader.load(FabricStepMeta(loads=[pload(hashes(2), (1, 2), load_id=1)]))
+    assert reader.load_errors() == {1, 2}  # given up after timeout_s
+    reader.load(FabricStepMeta(loads=[pload(hashes(2), (3, 4), load_id=2)]))
+    assert reader.load_errors() == {3, 4}
+    # Recomputed at once, not queued behind the wedged thread (to time out again).
+    assert reader.take_stats().data["load_timeouts"] == 1
+    assert reader.worker_meta().loaded == [(0, 1, 0), (0, 2, 0)]
+    store.go.set()
+    reader._stepper.submit(lambda: None).result(timeout=30)
+    reader.close()
+
+
+def test_a_steps_single_pages_are_packed_into_one_buffer_and_written_together(tmp_path):
+    source = caches(1)
+    writer = worker(tmp_path, source)
+    store = StoreOptions(path=str(tmp_path))
+    runs = [StoredRun("vllm", None, (h,)) for h in hashes(6)]
+    meta = FabricStepMeta(saves=[psave(run, (i,)) for i, run in enumerate(runs)], store=store)
+    forward(writer, meta)
+    assert len(writer.writes) <= 1 and writer.writes.queued_bytes <= 6 * writer.pages.page_bytes
+    drain(writer)
+    stored_ = writer.worker_meta().stored
+    assert sorted(run.hashes for _, _, run in stored_) == sorted(run.hashes for run in runs)
+    writer.close()
+    target = caches(2)
+    reader = worker(tmp_path, target)
+    for i, run in enumerate(runs):
+        reader.load(FabricStepMeta(loads=[pload(run.hashes, (10 + i,))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][10:16], source[name][0:6])
     reader.close()
