@@ -237,11 +237,7 @@ class DirectStore(PageStore):
         rescanned at most once a second): a missing one is looked for again after
         a rescan before it counts as missing."""
         try:
-            n = self.backend.get(keys, out, provenance)
-            missing = n < len(keys) and not self.backend.present(keys[n : n + 1])[0]
-            if missing and self.backend.refresh():
-                n += self.backend.get(keys[n:], out[n:], provenance)
-            return n
+            return self.backend.get_fresh(keys, out, provenance)
         except OSError as exc:
             log.warning("L3 %s: reading %d pages failed: %s", self.backend.name, len(keys), exc)
             self.count("errors")

@@ -70,6 +70,7 @@ def engine_identity(vllm_config: Any, checkpoint: str) -> dict[str, Any]:
         "hf_overrides": getattr(model, "hf_overrides", None),
         "tp": parallel.tensor_parallel_size,
         "pp": parallel.pipeline_parallel_size,
+        "draft": draft_identity(vllm_config),
     }
     if _scaled_rope(hf_config.get("rope_scaling")) or _scaled_rope(
         hf_config.get("rope_parameters")
@@ -97,17 +98,7 @@ def checkpoint_of(vllm_config: Any) -> str:
     model = vllm_config.model_config
     name = str(model.model)
     try:
-        if os.path.exists(name):
-            return fingerprint(name)
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            name,
-            revision=model.revision,
-            cache_dir=vllm_config.load_config.download_dir,
-            local_files_only=True,
-        )
-        return fingerprint(local)
+        return fingerprint(local_checkpoint(name, model.revision, vllm_config.load_config))
     except Exception as exc:
         log.warning(
             "kvfabric connector: the checkpoint of %r cannot be fingerprinted (%s); this "
@@ -115,6 +106,38 @@ def checkpoint_of(vllm_config: Any) -> str:
             name, exc,
         )  # fmt: skip
         return "unshared-" + os.urandom(16).hex()
+
+
+def local_checkpoint(name: str, revision: str | None, load_config: Any = None) -> str:
+    """Where a checkpoint's files are: ``name`` itself, or a Hugging Face repo's local
+    snapshot (``FileNotFoundError`` when it has none here)."""
+    if os.path.exists(name):
+        return name
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        name,
+        revision=revision,
+        cache_dir=getattr(load_config, "download_dir", None),
+        local_files_only=True,
+    )
+
+
+def draft_identity(vllm_config: Any) -> dict | None:
+    """A speculative decoding draft model's identity, where it has one (its layers
+    may share the KV cache group, and their KV is the draft's weights')."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "model", None) if spec is not None else None
+    if not draft:
+        return None
+    from fabric.engines.fingerprint import fingerprint
+
+    try:
+        checkpoint = fingerprint(local_checkpoint(str(draft), getattr(spec, "revision", None)))
+    except Exception:
+        checkpoint = "unshared-" + os.urandom(16).hex()  # (never shared, as for the target)
+    return {"method": str(spec.method), "checkpoint": checkpoint,
+            "tokens": spec.num_speculative_tokens}  # fmt: skip
 
 
 def rank_identity(
@@ -155,6 +178,38 @@ def rank_identity(
     return hashlib.sha256(b"kvfabric/vllm-rank\0" + blob).hexdigest()
 
 
+class EngineTag:
+    """An engine's page tag: named from every rank's identity (``handshake``; until
+    every rank has said, there is none and nothing is served) and an epoch that
+    ``renew`` makes anew (a weight update: no page of before is served after)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.tag: str | None = None
+        self._ranks: list[str] = []
+        self._epoch = ""
+
+    def handshake(self, identities: dict[int, str]) -> None:
+        digests = [identities.get(r, "") for r in range(self.world)]
+        if not all(digests):
+            log.error(
+                "kvfabric connector: ranks %s cannot serve their KV cache (or did not say); "
+                "this engine computes every prompt",
+                [r for r, d in enumerate(digests) if not d],
+            )
+            self.tag = None
+            return
+        self._ranks = digests
+        self.tag = engine_tag(digests, self._epoch)
+        log.info("kvfabric connector: this engine's pages are tagged %s", self.tag)
+
+    def renew(self) -> None:
+        self._epoch = os.urandom(16).hex()
+        if self._ranks:
+            self.tag = engine_tag(self._ranks, self._epoch)
+            log.info("kvfabric connector: cache reset; this engine's pages are now %s", self.tag)
+
+
 def engine_tag(rank_digests: list[str], epoch: str) -> str:
     """The tag of an engine's page keys: every rank's identity (in rank order) and
     the engine's epoch (``""`` for the weights on disk; a new random one at each
@@ -177,23 +232,23 @@ def page_provenance(kv_cache_config: Any, rank_digest: str) -> Provenance:
     )
 
 
-def lora_identity(lora_request: Any) -> str:
+def lora_identity(lora_request: Any) -> str | None:
     """What names a LoRA adapter's effect on KV: its weights' fingerprint (its
-    directory's), so two adapters of one name but other weights, or one adapter
-    replaced in place, never share pages. An adapter whose files cannot be read
-    gets an identity of its own (logged): its pages are shared with no other
-    engine process."""
+    directory's, or a Hugging Face repo's local snapshot), so two adapters of one
+    name but other weights, or one adapter replaced in place, never share pages.
+    ``None`` (logged) for an adapter whose files cannot be read: its requests are
+    neither loaded nor stored."""
     from fabric.engines.fingerprint import fingerprint
 
     path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", None)
     try:
         if not path:
             raise FileNotFoundError("the LoRA request names no path")
-        return "lora:" + fingerprint(path)
-    except OSError as exc:
+        return "lora:" + fingerprint(local_checkpoint(str(path), None))
+    except Exception as exc:
         log.warning(
-            "kvfabric connector: LoRA adapter %r cannot be fingerprinted (%s); its pages "
-            "are shared with no other engine process",
+            "kvfabric connector: LoRA adapter %r cannot be fingerprinted (%s); its requests "
+            "are served without the fabric",
             getattr(lora_request, "lora_name", "?"), exc,
         )  # fmt: skip
-        return "lora-unshared:" + os.urandom(16).hex()
+        return None

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
+from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import PageStore, StoreOptions, open_store
 from fabric.l3.format import page_key
 
@@ -75,6 +77,39 @@ class L3Answers:
         except Exception as exc:
             log.warning("kvfabric connector: L3 lookup failed: %s", exc)
         return [0] * len(runs)
+
+    def extend(
+        self,
+        tag: str,
+        states: Sequence[Any],
+        answers: list[int] | None,
+        deadline: float,
+        block_size: int,
+        link: Any,
+    ) -> list[int]:
+        """Each request's answer (``answers``; ``None``: the fabric is down)
+        extended over the pages after it that every rank's shard of is in the store;
+        those are reported to the coordinator (``link``) when it answered."""
+        hits = list(answers) if answers is not None else [0] * len(states)
+        if self.store is None:
+            return hits
+        todo = [i for i, s in enumerate(states) if hits[i] < s.whole(block_size)]
+        runs = [states[i].hashes[hits[i] : states[i].whole(block_size)] for i in todo]
+        world = len(self.suffixes)
+        reports: dict[int, list[StoredRun]] = {r: [] for r in range(world)}
+        for i, hashes, n in zip(todo, runs, self.stored(tag, runs, deadline), strict=True):
+            if not n:
+                continue
+            state, hit = states[i], hits[i]
+            if answers is not None:
+                parent = state.hashes[hit - 1] if hit else None
+                run = StoredRun(state.namespace, parent, tuple(hashes[:n]))
+                for r in range(world):
+                    reports[r].append(run)
+            hits[i] = hit + n
+        if any(reports.values()):
+            link.report(tag, world, reports)
+        return hits
 
     def mark_failed(self, tag: str, hashes: Sequence[bytes]) -> None:
         """Pages a rank failed to load: absent here until stored anew."""

@@ -67,9 +67,10 @@ class LoraIdentities:
     MAX = 1024
 
     def __init__(self) -> None:
-        self._known: dict[tuple, str] = {}
+        self._known: dict[tuple, str | None] = {}
 
-    def identity(self, lora_request: Any) -> str:
+    def identity(self, lora_request: Any) -> str | None:
+        """``None``: the adapter's files cannot be read (not served by the fabric)."""
         path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", "")
         try:
             key: tuple = (path, *sorted(
@@ -77,9 +78,12 @@ class LoraIdentities:
                 for e in os.scandir(path) for st in (e.stat(),)
             ))  # fmt: skip
         except OSError:
-            return lora_identity(lora_request)  # (unreadable: an identity shared with nothing)
+            return lora_identity(lora_request)  # (a hub repo's snapshot, or None)
         if key not in self._known:
             if len(self._known) >= self.MAX:
                 self._known.clear()
             self._known[key] = lora_identity(lora_request)
-        return self._known[key]
+        identity = self._known[key]
+        if identity is None:
+            del self._known[key]
+        return identity

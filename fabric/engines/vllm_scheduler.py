@@ -1,30 +1,24 @@
 """The scheduler side of ``KvFabricConnector``: a driver of the coordinator inside
 vLLM's engine-core process (docs/engines.md has the whole story).
 
-Per step: ``new_request`` queues a request's lookup, and the step's first
-``matched`` sends every queued lookup in one coordinator call (split past its
-bound); a hit is the leading pages every rank stored (the coordinator's MIN,
-extended over what every rank's shard of is in L3), less vLLM's own prefix
-cache, the last token computed. ``allocated`` takes the blocks a hit loads into;
-``step_meta`` says what each worker loads before the forward and which whole
-pages of real tokens it stores after it; ``worker_output`` takes each rank's
-load outcomes, ended stores and stored pages, and reports those to the
-coordinator, which makes a page visible once every rank stored its shard.
+Per step: the queued lookups go in one coordinator call (``matched``); a hit is
+the leading pages every rank stored (the coordinator's MIN, extended over L3),
+less vLLM's own prefix cache. ``step_meta`` says what each worker loads before
+the forward and which whole pages of real tokens it stores after it;
+``worker_output`` takes each rank's load outcomes, ended stores and stored
+pages (reported to the coordinator, which makes a page visible once every rank
+stored its shard).
 
-**No page computed over a failed load is stored.** A load's outcome is known
-once every rank reported it, a step or more after the forward that used its
-blocks (``vllm_loads``). Until then a request whose blocks include one of the
-load's stores nothing; where any rank failed, its save cursor goes back to
-vLLM's rollback, so what vLLM recomputes is stored. A request that finishes
-while pages of it wait keeps its blocks (vLLM's delayed free) until they are
-stored or known bad. No step waits on the fabric or the store longer than
-``timeout_s``.
+No page computed over a failed load is stored: until every rank reported a load
+(``vllm_loads``), a request whose blocks include one of the load's stores
+nothing; where any rank failed, its save cursor goes back to vLLM's rollback,
+and blocks left stale taint whoever uses them until computed anew. No step
+waits on the fabric or the store longer than ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +27,7 @@ from fabric.cache.keys import namespace_seed
 from fabric.coordinator.engine_pages import MAX_LEASES, MAX_PAGES_PER_CALL, StoredRun
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import StoreOptions
-from fabric.engines.vllm_identity import engine_tag
+from fabric.engines.vllm_identity import EngineTag
 from fabric.engines.vllm_l3_answers import L3Answers
 from fabric.engines.vllm_loads import Leases, LoadBook, LoadRecord, StoresInFlight
 from fabric.engines.vllm_pages import (
@@ -49,9 +43,7 @@ from fabric.engines.vllm_requests import LoraIdentities, TrackedRequest, unkeyed
 
 log = logging.getLogger(__name__)
 
-# Stores the workers were asked for and have not reported ended keep the engine
-# stepping (so their report arrives); past this long without one ending, the
-# engine is let go quiet (a worker that will never report).
+# Stores and loads not reported by every rank within this long are given up on.
 WRITE_STALL_S = 60.0
 
 
@@ -70,22 +62,16 @@ class SchedulerSide:
         self.block_size = block_size
         self.link = link
         self.clock = clock
-        # The engine's page tag: known once every worker has said what its pages are
-        # (``handshake``); until then nothing is looked up or stored.
-        self.tag: str | None = None
-        self._ranks: list[str] = []
-        self._epoch = ""
+        self.engine = EngineTag(self.world)
         self.l3 = L3Answers(suffixes, clock)
         self.tracked: dict[str, TrackedRequest] = {}
+        self._unserved: set[str] = set()  # requests the fabric does not serve
         self._questions: list[str] = []
         self._store_sent = False
         self._async_loads: list[PageLoad] = []
         self._cancel: list[str] = []  # requests whose asynchronous loads are given up
-        # Loads whose outcome not every rank has reported (a request using a block
-        # of one stores nothing until it is known).
         self.loads = LoadBook(self.world)
-        # Finished requests whose blocks vLLM keeps until their last pages are
-        # stored (or known bad), and those the next step releases.
+        # Finished requests whose blocks vLLM keeps until their last pages are stored.
         self._finishing: dict[str, TrackedRequest] = {}
         self.stores = StoresInFlight(self.world, WRITE_STALL_S, clock)
         # Leases on the pages a lookup matched, released once every rank loaded them.
@@ -98,25 +84,13 @@ class SchedulerSide:
         """Every worker's identity (vLLM's connector handshake): the engine's tag is
         named from all of them. A worker that cannot serve, or one missing, keeps
         the engine off the fabric (logged): its prompts are computed."""
-        digests = [ranks[r].identity if r in ranks else "" for r in range(self.world)]
-        if not all(digests):
-            missing = [r for r, d in enumerate(digests) if not d]
-            log.error(
-                "kvfabric connector: ranks %s cannot serve their KV cache (or did not say); "
-                "this engine computes every prompt",
-                missing,
-            )
-            self.tag = None
-            return
-        self._ranks = digests
-        self.tag = engine_tag(digests, self._epoch)
-        log.info("kvfabric connector: this engine's pages are tagged %s", self.tag)
+        self.engine.handshake({r: meta.identity for r, meta in ranks.items()})
 
     def reset(self) -> bool:
         """vLLM's ``reset_cache`` (after a weight update, say): a new epoch, so that
         no page this engine stored before is served to it after; requests it
         serves now store nothing more (their KV may be the old weights')."""
-        self._epoch = os.urandom(16).hex()
+        self.engine.renew()
         for state in self.tracked.values():
             state.no_save = True
             if state.async_loading:
@@ -124,18 +98,23 @@ class SchedulerSide:
             elif not state.scheduled:
                 state.load = None
                 self._question(state)  # its answer was the old pages': asked again
-        if self._ranks:
-            self.tag = engine_tag(self._ranks, self._epoch)
-            log.info("kvfabric connector: cache reset; this engine's pages are now %s", self.tag)
         return True
+
+    @property
+    def tag(self) -> str | None:
+        return self.engine.tag
 
     # -- on_new_request, get_num_new_matched_tokens ----------------------------------
 
     def new_request(self, request: Any) -> None:
         """vLLM added ``request``: its lookup joins the next step's one call."""
-        if self.tag is None or unkeyed(request):
-            return  # (images, prompt embeddings: token ids would not name their KV)
-        state = self.tracked[request.request_id] = self._track(request)
+        state = None
+        if self.tag is not None and not unkeyed(request):
+            state = self._track(request)  # (images, prompt embeddings: tokens would not
+        if state is None:  # name their KV; an adapter that cannot be read)
+            self._unserved.add(request.request_id)
+            return
+        self.tracked[request.request_id] = state
         self._question(state)
 
     def _question(self, state: TrackedRequest) -> None:
@@ -157,11 +136,12 @@ class SchedulerSide:
         if self.tag is None:
             return 0
         state = self.tracked.get(request.request_id)
-        if state is None:  # added before the connector saw it, or not keyed by tokens
-            if unkeyed(request):
+        if state is None:  # added before the connector saw it, or not served
+            if request.request_id not in self._unserved:
+                self.new_request(request)
+            state = self.tracked.get(request.request_id)
+            if state is None:
                 return 0
-            self.new_request(request)
-            state = self.tracked[request.request_id]
         elif state.scheduled:  # preempted and resumed: its pages may be anywhere now
             self._question(state)
         if state.fabric_pages is None:
@@ -178,8 +158,14 @@ class SchedulerSide:
     def _whole(self, state: TrackedRequest) -> int:
         return state.whole(self.block_size)
 
-    def _track(self, request: Any) -> TrackedRequest:
-        lora = self._loras.identity(request.lora_request) if request.lora_request else None
+    def _track(self, request: Any) -> TrackedRequest | None:
+        """What is kept of a new request (``None``: its LoRA adapter cannot be read,
+        and the fabric does not serve it)."""
+        lora = None
+        if request.lora_request:
+            lora = self._loras.identity(request.lora_request)
+            if lora is None:
+                return None
         namespace = request_namespace(self.options.namespace, request.cache_salt, lora)
         assert self.tag is not None
         return TrackedRequest(request, namespace, namespace_seed(namespace), self.tag)
@@ -214,37 +200,12 @@ class SchedulerSide:
             )
             if answers is not None and self.options.lease_s > 0:
                 self.leases.hold(s.rid for s, hit in zip(states, answers, strict=True) if hit)
-        extended = self._in_store(states, answers, deadline)
+        options = StoreOptions(path=self.options.path) if self.options.path else self.link.store
+        self.l3.open(options)
+        extended = self.l3.extend(self.tag, states, answers, deadline, self.block_size, self.link)
         for state, hit in zip(states, extended, strict=True):
             state.fabric_pages = hit
             state.asked_tag = self.tag
-
-    def _in_store(
-        self, states: list[TrackedRequest], answers: list[int] | None, deadline: float
-    ) -> list[int]:
-        """Each answer extended over the pages after it that every rank's shard of is
-        in L3 (reported to the coordinator when it answered)."""
-        hits = list(answers) if answers is not None else [0] * len(states)
-        options = StoreOptions(path=self.options.path) if self.options.path else self.link.store
-        if self.l3.open(options) is None:
-            return hits
-        assert self.tag is not None
-        todo = [i for i, s in enumerate(states) if hits[i] < self._whole(s)]
-        runs = [states[i].hashes[hits[i] : self._whole(states[i])] for i in todo]
-        reports: dict[int, list[StoredRun]] = {r: [] for r in range(self.world)}
-        for i, hashes, n in zip(todo, runs, self.l3.stored(self.tag, runs, deadline), strict=True):
-            if not n:
-                continue
-            state, hit = states[i], hits[i]
-            if answers is not None:
-                parent = state.hashes[hit - 1] if hit else None
-                run = StoredRun(state.namespace, parent, tuple(hashes[:n]))
-                for r in range(self.world):
-                    reports[r].append(run)
-            hits[i] = hit + n
-        if any(reports.values()):
-            self.link.report(self.tag, self.world, reports)
-        return hits
 
     def close(self) -> None:
         self.l3.close()
@@ -467,6 +428,7 @@ class SchedulerSide:
         free): while an asynchronous load still writes them, or while its last
         whole pages are still to be stored."""
         rid = request.request_id
+        self._unserved.discard(rid)
         self._questions = [q for q in self._questions if q != rid]
         state = self.tracked.pop(rid, None)
         if state is None:

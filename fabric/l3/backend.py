@@ -150,6 +150,16 @@ class L3Backend(ABC):
         self.count("get_pages", n)
         return n
 
+    def get_fresh(self, keys: Sequence[str], out: np.ndarray, provenance: Provenance) -> int:
+        """``get``, looking for a page not found again once other writers' pages are
+        picked up (``refresh``): a page another process stored may not be indexed
+        here yet, and only a page still missing after that is missing."""
+        n = self.get(keys, out, provenance)
+        missing = n < len(keys) and not self.present(keys[n : n + 1])[0]
+        if missing and self.refresh():
+            n += self.get(keys[n:], out[n:], provenance)
+        return n
+
     def _read_rows(
         self, keys: Sequence[str], out: np.ndarray, provenance: Provenance
     ) -> Iterator[str | None]:

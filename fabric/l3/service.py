@@ -397,12 +397,13 @@ class StorageService:
 
     def engine_load(self, keys: Sequence[str], provenance: Provenance) -> np.ndarray:
         """Verified payloads of the leading pages found (pages of ``provenance``, one
-        row each; fewer rows than keys when a page is missing or refused)."""
+        row each; fewer rows than keys when a page is missing — after looking again
+        for another writer's — or refused)."""
         backend = self.backend
         out = np.empty((len(keys), provenance_bytes(provenance)), dtype=np.uint8)
         if backend is None:
             return out[:0]
-        return out[: backend.get(keys, out, provenance)]
+        return out[: backend.get_fresh(keys, out, provenance)]
 
     def engine_store(
         self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance, writer: str

@@ -116,7 +116,14 @@ def remove_regions(directory: Path, identity: str) -> int:
     """Remove this user's regions of the fabric ``identity`` in ``directory`` that no
     engine uses (the fabric is shutting down); how many. A region an engine still
     has open stays (its last user removes it)."""
-    return sweep_stale(directory, f"{_owner_prefix()}{_part(identity)}-", older_s=0.0)
+    prefix = f"{_owner_prefix()}{_part(identity)}-"
+    return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())
+
+
+def mapped_files() -> set[tuple[int, int]]:
+    """The region files this process maps (device, inode): never opened to sweep."""
+    with MAPPED_LOCK:
+        return set(MAPPED)
 
 
 def _now_ms() -> int:
@@ -148,6 +155,9 @@ class NodeL2:
         held with a shared lock for life. A file removed by its last user while it
         was opened here is opened anew."""
         for _ in range(4):
+            mapped = self._mapped(want)
+            if mapped is not None:
+                return mapped
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 st = os.fstat(fd)
@@ -180,6 +190,25 @@ class NodeL2:
                     os.close(fd)
                 raise
         raise OSError(f"{self.path} kept changing while it was opened; not used")
+
+    def _mapped(self, want: dict) -> Mapping | None:
+        """This process's mapping of the file at ``path``, taken without opening it
+        again: closing a second descriptor would drop every byte-range lock this
+        process holds on the file (POSIX), a writer's mid-record included."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        with MAPPED_LOCK:
+            mapping = MAPPED.get((st.st_dev, st.st_ino))
+            if mapping is None:
+                return None
+            if not same(mapping.geometry, want):
+                raise OSError(
+                    f"{self.path} is in use with another geometry ({mapping.geometry}); not used"
+                )
+            mapping.users += 1
+            return mapping
 
     def _take(self, fd: int, st: os.stat_result, want: dict) -> dict | None:
         """Lock the file (shared, for life) and take its geometry, making the region
@@ -388,7 +417,7 @@ def open_node_l2(
         )  # fmt: skip
         return None
     with contextlib.suppress(OSError):
-        sweep_stale(where, _owner_prefix(), older_s=0.0)
+        sweep_stale(where, _owner_prefix(), older_s=0.0, keep=mapped_files())
     path = where / region_name(identity, layout, suffix)
     try:
         return NodeL2(path, page_bytes, slots, layout, suffix)

@@ -47,6 +47,7 @@ import stat
 import struct
 import time
 import zlib
+from collections.abc import Collection
 from pathlib import Path
 
 import msgpack
@@ -285,13 +286,25 @@ def _page_spans(geometry: dict, slots: int):
     ]
 
 
-def sweep_stale(directory: Path, prefix: str = "kvfabric-", older_s: float = STALE_S) -> int:
+def sweep_stale(
+    directory: Path,
+    prefix: str = "kvfabric-",
+    older_s: float = STALE_S,
+    keep: Collection[tuple[int, int]] = (),
+) -> int:
     """Remove this user's shared L2 files that no process has open (no lock) and
     that were not touched for ``older_s`` seconds: fabrics that died without
-    shutting down (with ``older_s`` 0: every one no process uses)."""
+    shutting down (with ``older_s`` 0: every one no process uses). Files in
+    ``keep`` (device, inode: the caller's own) are not even opened."""
     removed = 0
     now = time.time()
     for path in directory.glob(f"{prefix}*{SUFFIX}"):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in keep:
+            continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:

@@ -279,3 +279,21 @@ def test_two_engines_in_one_process_share_one_mapping_and_its_locks(tmp_path):
     b.put(["j"], page("j")[None])
     b.close()
     assert not (tmp_path / "r.l2").exists()
+
+
+def test_opening_a_region_this_process_maps_never_drops_its_locks(tmp_path, monkeypatch):
+    """A second opener in the process, and the sweep at start, take the mapping it
+    has without opening the file again: closing a second descriptor would drop
+    every byte-range lock the process holds on it (a writer's mid-record too)."""
+    a = open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, PAGE * 8)
+    assert a is not None
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(
+        node_l2.os, "open", lambda p, *x, **k: opened.append(p) or real_open(p, *x, **k)
+    )
+    b = open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, PAGE * 8)
+    assert b is not None and b._map is a._map
+    assert str(a.path) not in [str(p) for p in opened]
+    a.close()
+    b.close()

@@ -141,4 +141,4 @@ def test_a_lora_adapter_is_its_weights(tmp_path):
     (adapter / "adapter_model.safetensors").write_bytes(b"two")
     assert lora_identity(request) != first
     gone = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path / "none"))
-    assert lora_identity(gone) != lora_identity(gone)  # unreadable: shared with nothing
+    assert lora_identity(gone) is None  # unreadable: not served by the fabric

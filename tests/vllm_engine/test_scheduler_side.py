@@ -361,7 +361,7 @@ def test_a_reset_stores_under_a_new_tag_and_requests_from_before_store_nothing()
     before = Req("before", list(range(9)))
     s.matched(before, 0)
     assert s.reset()
-    assert s.tag != old and s.tag == engine_tag(RANKS, s._epoch)
+    assert s.tag != old and s.tag == engine_tag(RANKS, s.engine._epoch)
     assert not s.step_meta(output([new_req("before", [1, 2, 3])], scheduled={"before": 9})).saves
     after = Req("after", list(range(9)))
     s.matched(after, 0)
@@ -418,6 +418,12 @@ def test_a_lora_adapter_is_named_by_its_weights_not_its_name(tmp_path):
     second = s._track(Req("b", list(range(9)), lora_request=lora))
     plain = s._track(Req("c", list(range(9))))
     assert len({first.namespace, second.namespace, plain.namespace}) == 3
+    # An adapter whose files cannot be read: its requests are not served at all.
+    gone = SimpleNamespace(lora_name="x", lora_int_id=2, lora_path=str(tmp_path / "none"))
+    r = Req("d", list(range(9)), lora_request=gone)
+    s.new_request(r)
+    assert s.matched(r, 0) == (0, False) and "d" not in s.tracked
+    assert not s.step_meta(output([new_req("d", [1, 2, 3])], scheduled={"d": 9})).saves
 
 
 def test_a_down_fabric_answers_from_the_store_alone(tmp_path):
