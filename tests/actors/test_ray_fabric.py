@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -424,27 +425,36 @@ def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_th
 
     tag = "00112233445566aa"
     link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
+    link.start()
     assert link.up
     chain = [hashlib.sha256(b"engine page %d" % i).digest() for i in range(4)]
     link.report(tag, 2, {0: [StoredRun("engine-test", None, tuple(chain))]})
-    assert link.answer(link.ask(tag, 2, [chain])) == [0]  # one rank of two
+    assert _lookup(link, tag, [chain]) == [0]  # one rank of two
     link.report(tag, 2, {1: [StoredRun("engine-test", None, tuple(chain[:3]))]})
     other = [hashlib.sha256(b"another prefix").digest()]
-    assert link.answer(link.ask(tag, 2, [chain, chain[:2], other])) == [3, 2, 0]
-    # Leased lookups: held in the coordinator until released with a later call.
-    assert link.answer(link.ask(tag, 2, [chain], ["e1/r1"], 30.0)) == [3]
+    assert _lookup(link, tag, [chain, chain[:2], other]) == [3, 2, 0]
+    # Leased lookups: held in the coordinator until released, with a later call or
+    # on their own.
+    assert _lookup(link, tag, [chain], ["e1/r1"], 30.0) == [3]
     assert fabric.stats()["engine_pages"]["leased"] == 1
-    assert link.answer(link.ask(tag, 2, [other], ["e1/r2"], 30.0, ["e1/r1"])) == [0]
+    assert _lookup(link, tag, [other], ["e1/r2"], 30.0, ["e1/r1"]) == [0]
     assert fabric.stats()["engine_pages"]["leased"] == 0
+    assert _lookup(link, tag, [chain], ["e1/r3"], 30.0) == [3]
+    link.release(tag, 2, ["e1/r3"])
+    assert wait_for(lambda: fabric.stats()["engine_pages"]["leased"] == 0, timeout=10)
     link.forget(tag, 2, [chain[1]])
-    assert link.answer(link.ask(tag, 2, [chain])) == [1]
+    assert _lookup(link, tag, [chain]) == [1]
     pages = fabric.stats()["engine_pages"]
     assert pages["whole_pages"] >= 3 and pages["forgotten_pages"] >= 1
     # A call the coordinator refuses: the link serves without it, then tries again.
-    assert link.answer(link.ask("not-a-tag", 2, [chain])) is None
+    assert _lookup(link, "not-a-tag", [chain]) is None
     assert not link.up
     assert wait_for(lambda: link.up, timeout=10)
-    assert link.answer(link.ask(tag, 2, [chain])) == [1]
+    assert _lookup(link, tag, [chain]) == [1]
+
+
+def _lookup(link, tag, chains, leases=None, lease_s=0.0, release=()):
+    return link.lookup(tag, 2, chains, leases, lease_s, list(release), time.monotonic() + 30)
 
 
 @ray.remote
@@ -471,8 +481,10 @@ def test_an_engine_links_lookup_sees_every_report_it_sent_before(fabric):
     from fabric.engines.fabric_link import FabricLink
 
     link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
+    link.start()
     assert link.up
     link.coordinator = _SlowReports.remote()
     for _ in range(3):
         link.report("00112233445566aa", 1, {0: [StoredRun("t", None, (b"\0" * 32,))]})
-    assert link.answer(link.ask("00112233445566aa", 1, [[b"\0" * 32]])) == [3]
+    deadline = time.monotonic() + 30
+    assert link.lookup("00112233445566aa", 1, [[b"\0" * 32]], None, 0.0, [], deadline) == [3]
