@@ -79,7 +79,7 @@ from fabric.rank.node_l2_mapping import (
 from fabric.rank.node_l2_mapping import RECORD as _RECORD
 from fabric.rank.node_l2_mapping import SEQ as _SEQ
 from fabric.rank.node_l2_mapping import STAMP as _STAMP
-from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
+from fabric.rank.shared_l2 import SUFFIX, owned, shm_dir, sweep_stale
 
 log = logging.getLogger(__name__)
 WAYS = 8
@@ -160,12 +160,7 @@ class NodeL2:
                 return mapped
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                    raise PermissionError(
-                        f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
-                        f"mode {stat.filemode(st.st_mode)}): refused"
-                    )
+                st = owned(fd, self.path)
                 with MAPPED_LOCK:
                     mapping = MAPPED.get((st.st_dev, st.st_ino))
                     if mapping is not None:

@@ -77,6 +77,18 @@ class CorruptL2(RuntimeError):
 STALE_S = 3600.0
 
 
+def owned(fd: int, path: Path) -> os.stat_result:
+    """``fd``'s stat when it is a regular file of this user; ``PermissionError``
+    (naming its owner and mode) otherwise."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} is not a regular file of this user (uid {st.st_uid}, "
+            f"mode {stat.filemode(st.st_mode)}): refused"
+        )
+    return st
+
+
 def shm_dir() -> Path | None:
     """The node's shared memory, where there is one (Linux)."""
     d = Path("/dev/shm")
@@ -101,12 +113,7 @@ class SharedL2:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self.path, flags, 0o600)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise OSError(
-                    f"{self.path} is not a regular file of this user (uid {st.st_uid}, "
-                    f"mode {stat.filemode(st.st_mode)}): refused"
-                )
+            st = owned(fd, self.path)
             exposed = st.st_mode & 0o077
             if exposed:
                 os.fchmod(fd, 0o600)
