@@ -33,6 +33,10 @@ MAX_FREE_BUFFERS = 8
 L2_PIN_MS = 5000
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _bytes(rows: torch.Tensor):
     """A host tensor of blocks (one a row) as ``numpy`` bytes, one block a row."""
     return rows.view(torch.uint8).view(rows.shape[0], -1).numpy()
@@ -89,7 +93,7 @@ class PageMoves:
         self.layers: list[torch.Tensor] = []
         self.store: PageStore | None = None
         self.l2: NodeL2 | None = None
-        self._free: list[torch.Tensor] = []  # page buffers not in use
+        self._free: dict[int, list[torch.Tensor]] = {}  # page buffers not in use, by rows
         self._buffers = threading.Lock()
         # Takes pages read from L3 (keys, pages, their buffer) to keep in the node's
         # L2 later, giving the buffer back once done.
@@ -100,20 +104,22 @@ class PageMoves:
         return [page_key(h, tag, suffix) for h in hashes]
 
     def buffer(self, rows: int | None = None) -> torch.Tensor:
-        """A page buffer of ``rows`` rows of ``page_bytes`` (``batch_pages`` by
-        default: those are kept and reused, smaller ones are made to measure) to
-        fill; give it back with ``give``. Safe from any thread."""
-        rows = self.batch_pages if rows is None else min(rows, self.batch_pages)
-        if rows == self.batch_pages:
-            with self._buffers:
-                if self._free:
-                    return self._free.pop()
-        return torch.empty((rows, self.page_bytes), dtype=torch.uint8)
+        """A page buffer of at least ``rows`` rows of ``page_bytes`` (``batch_pages``
+        by default) to fill: the next power of two, so that buffers are kept and
+        reused by size (a new one costs its pages' first touch); give it back with
+        ``give``. Safe from any thread."""
+        size = self.batch_pages if rows is None else min(_pow2(rows), self.batch_pages)
+        with self._buffers:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        return torch.empty((size, self.page_bytes), dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._buffers:
-            if len(self._free) < MAX_FREE_BUFFERS and buffer.shape[0] == self.batch_pages:
-                self._free.append(buffer)
+            free = self._free.setdefault(buffer.shape[0], [])
+            if len(free) < MAX_FREE_BUFFERS:
+                free.append(buffer)
 
     def sync(self) -> None:
         """Wait until the copies into the blocks queued on this thread are done: on a
