@@ -192,6 +192,14 @@ class FabricLink:
             return
         self._check_reports()
 
+    def report_stored(self, world: int, stored: Sequence[tuple[str, int, StoredRun]]) -> None:
+        """Send ``(tag, rank, run)`` reports of stored pages, a report per tag."""
+        by_tag: dict[str, dict[int, list[StoredRun]]] = {}
+        for tag, rank, run in stored:
+            by_tag.setdefault(tag, {}).setdefault(rank, []).append(run)
+        for tag, reports in by_tag.items():
+            self.report(tag, world, reports)
+
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         """Tell the fabric pages failed to load (sent without waiting)."""
         if not hashes or not self.up:

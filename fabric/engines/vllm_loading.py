@@ -3,7 +3,10 @@ layer by layer (each layer's event set once its blocks are filled, so the
 forward starts on the first layer while later ones are copied) or whole, and
 one load a batch at a time. Each load writes blocks only while its guard is not
 cancelled (``vllm_moves.LoadGuard``). An outcome is ``(pages loaded, seconds,
-pages of them from the node's L2)``.
+pages of them from the node's L2, checked)``: ``checked`` when the first page not
+loaded was found missing or bad by the store's checks — a verdict the fabric
+acts on (it forgets the page) — and not when the load was given up (timed out,
+cancelled, failed on an error, a node L2 slot rewritten meanwhile).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from fabric.engines.vllm_pages import PageLoad
 
 log = logging.getLogger(__name__)
 
-Outcome = tuple[int, float, int]
+Outcome = tuple[int, float, int, bool]
+GIVEN_UP: Outcome = (0, 0.0, 0, False)
 
 
 @dataclass
@@ -54,19 +58,19 @@ def load_layers(pages: PageMoves, step: StepLoad) -> list[Outcome]:
                     pages.scatter_layer(f, layer)
                 pages.sync()
             event.set()
-        done = [(pages.settle(f), f.l2) for f in fetched]
+        done = [(pages.settle(f), f.l2, not f.raced) for f in fetched]
     except Cancelled:
-        done = [(0, 0)] * len(step.jobs)
+        done = [(0, 0, False)] * len(step.jobs)
     except Exception as exc:  # a load that fails is recomputed, never fatal
         log.warning("kvfabric connector: loading a step's pages failed: %s", exc)
-        done = [(0, 0)] * len(step.jobs)
+        done = [(0, 0, False)] * len(step.jobs)
     finally:
         for event in step.events:
             event.set()  # a forward never waits on a load that failed
         for f in fetched:
             pages.release(f)
     seconds = time.perf_counter() - started
-    return [(n, seconds / len(step.jobs), l2) for n, l2 in done]
+    return [(n, seconds / len(step.jobs), l2, checked) for n, l2, checked in done]
 
 
 def load_whole(pages: PageMoves, step: StepLoad) -> list[Outcome]:
@@ -78,13 +82,13 @@ def timed_load(pages: PageMoves, job: PageLoad, guard: LoadGuard) -> Outcome:
     """One load, its failures and a cancelled guard counted as pages not loaded."""
     started = time.perf_counter()
     try:
-        n, l2 = pages.load_one(job.tag, job.hashes, job.block_ids, guard)
+        n, l2, checked = pages.load_one(job.tag, job.hashes, job.block_ids, guard)
     except Cancelled:
-        n, l2 = 0, 0
+        n, l2, checked = 0, 0, False
     except Exception as exc:  # a load that fails is recomputed, never fatal
         log.warning("kvfabric connector: loading %d pages failed: %s", len(job.hashes), exc)
-        n, l2 = 0, 0
-    return n, time.perf_counter() - started, l2
+        n, l2, checked = 0, 0, False
+    return n, time.perf_counter() - started, l2, checked
 
 
 class AsyncLoads:
@@ -106,7 +110,7 @@ class AsyncLoads:
     def start(self, job: PageLoad) -> None:
         guard = LoadGuard()
         if not self.pages.layers or (self._stuck is not None and not self._stuck.done()):
-            self._loading[job.req_id] = (job, _done((0, 0.0, 0)), guard, self.clock())
+            self._loading[job.req_id] = (job, _done(GIVEN_UP), guard, self.clock())
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-load")
@@ -119,7 +123,7 @@ class AsyncLoads:
             if rid in self._loading:
                 job, _, guard, since = self._loading[rid]
                 guard.cancel()
-                self._loading[rid] = (job, _done((0, 0.0, 0)), guard, since)
+                self._loading[rid] = (job, _done(GIVEN_UP), guard, since)
 
     def finished(self) -> list[tuple[PageLoad, Outcome]]:
         """The loads done, or given up after ``timeout_s``, with their outcomes."""
@@ -135,7 +139,7 @@ class AsyncLoads:
                     "kvfabric connector: a load of %d pages took longer than %.1f s; recomputed",
                     len(job.hashes), self.timeout_s,
                 )  # fmt: skip
-                outcome = (0, now - since, 0)
+                outcome = (0, now - since, 0, False)
             else:
                 continue
             del self._loading[rid]

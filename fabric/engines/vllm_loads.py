@@ -52,9 +52,11 @@ class LoadBook:
         self._next = 0
         self._pending_blocks: dict[int, int] = {}  # block -> its synchronous load
         # Blocks that hold KV a failed load left stale, or KV computed over such a
-        # block, until a request computes them anew from their first token (vLLM
-        # keeps them in its prefix cache meanwhile, under ``recompute``).
+        # block, until a request computes them anew, from their first token to
+        # their last (vLLM keeps them in its prefix cache meanwhile, under
+        # ``recompute``); and how far into each a request has computed it anew.
         self.poisoned: set[int] = set()
+        self._renewed: dict[int, int] = {}
 
     def open(
         self, req_id: str, start: int, block_ids: tuple[int, ...], synchronous: bool, now: float
@@ -63,7 +65,7 @@ class LoadBook:
         A synchronous load's blocks are pending until it is reported."""
         load_id, self._next = self._next, self._next + 1
         self.loads[load_id] = LoadRecord(load_id, req_id, start, len(block_ids), block_ids, now)
-        self.poisoned.difference_update(block_ids)  # the load writes them anew
+        self.clean(block_ids)  # the load writes them anew
         if synchronous:
             for block in block_ids:
                 self._pending_blocks[block] = load_id
@@ -107,26 +109,70 @@ class LoadBook:
     def pending_blocks(self) -> int:
         return len(self._pending_blocks)
 
-    def recomputed(
+    def poison(self, block_ids: Iterable[int]) -> None:
+        for block in block_ids:
+            self.poisoned.add(block)
+            self._renewed.pop(block, None)
+
+    def clean(self, block_ids: Iterable[int]) -> None:
+        for block in block_ids:
+            self.poisoned.discard(block)
+            self._renewed.pop(block, None)
+
+    def recompute(
         self, block_ids: list[int], computed_before: int, computed_after: int, block_size: int
-    ) -> set[int]:
-        """The poisoned blocks of a request that its step computes from their first
-        token (``computed_before`` <= the page's start < ``computed_after``)."""
+    ) -> tuple[set[int], set[int]]:
+        """A request's step computes tokens ``[computed_before, computed_after)``:
+        of its poisoned blocks, those it computes anew from their first token (or
+        from where its last step stopped in them), and of those the ones whose
+        last token it reaches — ``(renewing, renewed)``. Call it for every request
+        of a step before ``settle``."""
+        renewing: set[int] = set()
+        renewed: set[int] = set()
         if not self.poisoned:
-            return set()
-        first = -(-computed_before // block_size)
+            return renewing, renewed
+        first = computed_before // block_size
         last = -(-computed_after // block_size)
-        return {b for b in block_ids[first:last] if b in self.poisoned}
+        for page in range(first, min(last, len(block_ids))):
+            block = block_ids[page]
+            if block not in self.poisoned:
+                continue
+            start = page * block_size
+            if computed_before > start and computed_before - start != self._renewed.get(block):
+                continue  # computed from the middle: its start stays stale
+            renewing.add(block)
+            if computed_after >= start + block_size:
+                renewed.add(block)
+            else:
+                self._renewed[block] = computed_after - start
+        return renewing, renewed
+
+    def taint(
+        self, block_ids: list[int], computed: int, first_computed: int, block_size: int,
+        renewing: set[int],
+    ) -> bool:  # fmt: skip
+        """Whether a request that has computed ``computed`` tokens (its own from
+        ``first_computed`` on) uses a poisoned block as computed; if so, the blocks
+        it wrote itself from that page on are poisoned too (vLLM may hand them to
+        others from its prefix cache)."""
+        page = self.relies_on_poisoned(block_ids, computed, block_size, renewing)
+        if page is None:
+            return False
+        own = max(page, first_computed // block_size)
+        self.poison(b for b in block_ids[own:] if b not in renewing)
+        return True
 
     def relies_on_poisoned(
-        self, block_ids: list[int], computed_before: int, block_size: int, fresh: set[int]
-    ) -> bool:
-        """Whether a request uses, as computed, a poisoned block that no request of
-        this step computes anew (``fresh``)."""
+        self, block_ids: list[int], computed_before: int, block_size: int, renewing: set[int]
+    ) -> int | None:
+        """The first page a request uses as computed whose block is poisoned and not
+        being computed anew by it (``renewing``); ``None`` when there is none."""
         if not self.poisoned:
-            return False
-        used = block_ids[: -(-computed_before // block_size)]
-        return any(b in self.poisoned and b not in fresh for b in used)
+            return None
+        for page, block in enumerate(block_ids[: -(-computed_before // block_size)]):
+            if block in self.poisoned and block not in renewing:
+                return page
+        return None
 
 
 class StoresInFlight:

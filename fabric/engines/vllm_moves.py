@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 STAGING_BYTES = 64 << 20
 # Page buffers kept for reuse once given back.
 MAX_FREE_BUFFERS = 8
+MAX_FREE_BYTES = 8 * STAGING_BYTES
 # How long a load holds the node L2's slots it found at most (it lets go once copied).
 L2_PIN_MS = 5000
 
@@ -61,6 +62,7 @@ class Fetched:
     buffers: list[torch.Tensor] = field(default_factory=list)
     l2: int = 0  # pages found in the node's L2
     pinned: list = field(default_factory=list)  # its slots this load holds
+    raced: bool = False  # a node L2 slot was rewritten while copied: no verdict on the page
 
 
 class Cancelled(Exception):
@@ -94,6 +96,7 @@ class PageMoves:
         self.store: PageStore | None = None
         self.l2: NodeL2 | None = None
         self._free: dict[int, list[torch.Tensor]] = {}  # page buffers not in use, by rows
+        self._free_bytes = 0
         self._buffers = threading.Lock()
         # Takes pages read from L3 (keys, pages, their buffer) to keep in the node's
         # L2 later, giving the buffer back once done.
@@ -112,14 +115,16 @@ class PageMoves:
         with self._buffers:
             free = self._free.get(size)
             if free:
+                self._free_bytes -= free[-1].numel()
                 return free.pop()
         return torch.empty((size, self.page_bytes), dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._buffers:
             free = self._free.setdefault(buffer.shape[0], [])
-            if len(free) < MAX_FREE_BUFFERS:
+            if len(free) < MAX_FREE_BUFFERS and self._free_bytes + buffer.numel() <= MAX_FREE_BYTES:
                 free.append(buffer)
+                self._free_bytes += buffer.numel()
 
     def sync(self) -> None:
         """Wait until the copies into the blocks queued on this thread are done: on a
@@ -130,12 +135,13 @@ class PageMoves:
 
     def load_one(
         self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...], guard: LoadGuard
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, bool]:
         """Read the leading pages into their blocks, a batch at a time, while
-        ``guard`` is not cancelled; how many, and how many of them came from the
-        node's L2."""
+        ``guard`` is not cancelled; how many, how many of them came from the node's
+        L2, and whether the first not read was found missing or bad (else: a slot
+        of the node's L2 rewritten while copied — no verdict on the page)."""
         if not self.layers:
-            return 0, 0
+            return 0, 0, False
         done = l2 = 0
         for start in range(0, len(hashes), self.batch_pages):
             end = min(start + self.batch_pages, len(hashes))
@@ -153,8 +159,8 @@ class PageMoves:
             done += n
             l2 += f.l2
             if n < end - start:
-                break
-        return done, l2
+                return done, l2, not f.raced
+        return done, l2, True
 
     def fetch(self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
         """Find the leading pages: those the node's L2 holds (checked in place), the
@@ -227,6 +233,7 @@ class PageMoves:
                 assert self.l2 is not None
                 for found in source:
                     if not self.l2.unchanged(found):
+                        f.raced = True
                         return n
                     n += 1
             else:

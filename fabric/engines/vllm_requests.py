@@ -5,12 +5,15 @@ answer, and where its loads and stores stand.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.cache.keys import TOKEN_BYTES, chain_hashes, pack_tokens
 from fabric.engines.vllm_identity import lora_identity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +30,7 @@ class TrackedRequest:
     saved_pages: int = 0  # pages below this are in the fabric or being stored
     waiting_on: set[int] = field(default_factory=set)  # loads its blocks depend on
     scheduled: bool = False  # in a step since its last lookup (a later lookup: resumed)
+    first_computed: int | None = None  # its first token it computed (or loaded) itself
     no_save: bool = False  # its KV cannot be vouched for (a load never reported)
     async_loading: bool = False  # an asynchronous load is writing its blocks
 
@@ -61,29 +65,46 @@ def unkeyed(request: Any) -> bool:
 
 
 class LoraIdentities:
-    """LoRA adapters' identities (``vllm_identity.lora_identity``), each remembered
-    while none of its files changed."""
+    """LoRA adapters' identities (``vllm_identity.lora_identity``) by vLLM's adapter
+    id, taken when the engine first serves the adapter. vLLM keeps an adapter it
+    has loaded under its id and does not read it again, so an adapter whose files
+    change on disk afterwards is no longer served by the fabric (its KV may be
+    either version's) until the engine restarts."""
 
     MAX = 1024
 
     def __init__(self) -> None:
-        self._known: dict[tuple, str | None] = {}
+        self._known: dict[Any, tuple[tuple, str]] = {}
+        self._changed: set[Any] = set()
 
     def identity(self, lora_request: Any) -> str | None:
-        """``None``: the adapter's files cannot be read (not served by the fabric)."""
+        """``None``: the adapter is not served (its files cannot be read, or they
+        changed while the engine has it loaded)."""
         path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", "")
+        adapter = getattr(lora_request, "lora_int_id", None) or path
+        if adapter in self._changed:
+            return None
         try:
             key: tuple = (path, *sorted(
                 (e.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 for e in os.scandir(path) for st in (e.stat(),)
             ))  # fmt: skip
         except OSError:
-            return lora_identity(lora_request)  # (a hub repo's snapshot, or None)
-        if key not in self._known:
+            key = (path,)  # a hub repo's snapshot, fingerprinted where it lies
+        known = self._known.get(adapter)
+        if known is not None:
+            if known[0] == key:
+                return known[1]
+            log.warning(
+                "kvfabric connector: LoRA adapter %r changed on disk while the engine has it "
+                "loaded; its requests are served without the fabric",
+                getattr(lora_request, "lora_name", adapter),
+            )
+            self._changed.add(adapter)
+            return None
+        identity = lora_identity(lora_request)
+        if identity is not None:
             if len(self._known) >= self.MAX:
                 self._known.clear()
-            self._known[key] = lora_identity(lora_request)
-        identity = self._known[key]
-        if identity is None:
-            del self._known[key]
+            self._known[adapter] = (key, identity)
         return identity

@@ -66,7 +66,7 @@ class SchedulerSide:
         self.l3 = L3Answers(suffixes, clock)
         self.tracked: dict[str, TrackedRequest] = {}
         self._unserved: set[str] = set()  # requests the fabric does not serve
-        self._questions: list[str] = []
+        self._questions: dict[str, None] = {}  # requests to ask about, in order
         self._store_sent = False
         self._async_loads: list[PageLoad] = []
         self._cancel: list[str] = []  # requests whose asynchronous loads are given up
@@ -120,10 +120,11 @@ class SchedulerSide:
     def _question(self, state: TrackedRequest) -> None:
         state.fabric_pages = None
         state.scheduled = False
+        state.first_computed = None
         if getattr(state.request, "skip_reading_prefix_cache", False) or self._whole(state) <= 0:
             state.fabric_pages = 0
         else:
-            self._questions.append(state.request.request_id)
+            self._questions[state.rid] = None
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` the workers can load for ``request``
@@ -189,7 +190,7 @@ class SchedulerSide:
                 continue
             states.append(state)
             chains.append(state.hashes[:whole])
-        self._questions = waiting
+        self._questions = dict.fromkeys(waiting)
         answers = None
         assert self.tag is not None
         if chains:
@@ -252,7 +253,9 @@ class SchedulerSide:
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store
             self._store_sent = True
-        self._abandon_stalled_loads()
+        for record in self.loads.stalled(self.clock(), WRITE_STALL_S):  # a worker gone mute:
+            log.warning("kvfabric connector: a load not reported by every rank: given up")
+            self._resolve(record, abandoned=True)  # what depends on it never stores
         steps = []  # (request, tokens computed before the step, after it)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -273,24 +276,23 @@ class SchedulerSide:
                 state.block_ids += new_blocks[0]
             before = cached.num_computed_tokens[i]
             steps.append((state, before, before + scheduled.get(rid, 0)))
-        # Every load of the step first: a request planned before the one whose load
-        # fills a block it shares would not see that block pending.
+        # Every load of the step first (a request planned before one whose load fills
+        # a block it shares would not see that block pending).
         for state, _, _ in steps:
             self._open_load(state, meta)
-        fresh: set[int] = set()
+        renewing: dict[str, set[int]] = {}
+        renewed: set[int] = set()
         for state, before, after in steps:
-            fresh |= self.loads.recomputed(state.block_ids, before, after, self.block_size)
+            mine, done = self.loads.recompute(state.block_ids, before, after, self.block_size)
+            renewing[state.rid], renewed = mine, renewed | done
         for state, before, after in steps:
-            self._plan(state, before, after, fresh, meta)
-        self.loads.poisoned -= fresh
+            self._plan(state, before, after, renewing[state.rid], meta)
+        self.loads.clean(renewed)
         for rid, state in list(self._finishing.items()):
             if not state.waiting_on:
                 del self._finishing[rid]
-                done = state.request.num_computed_tokens - getattr(
-                    state.request, "num_in_flight_tokens", 0
-                )
-                if self.loads.relies_on_poisoned(state.block_ids, done, self.block_size, set()):
-                    state.no_save = True
+                done = _done_tokens(state.request)
+                self._check_poisoned(state, done, set())
                 if not state.no_save and state.tag == self.tag:
                     self._save(state, done, meta)
                 meta.finished.append(rid)
@@ -308,14 +310,16 @@ class SchedulerSide:
             meta.loads.append(self._new_load(state, start, end, state.block_ids, sync=True))
 
     def _plan(
-        self, state: TrackedRequest, before: int, after: int, fresh: set[int], meta: FabricStepMeta
-    ) -> None:
+        self, state: TrackedRequest, before: int, after: int, renewing: set[int],
+        meta: FabricStepMeta,
+    ) -> None:  # fmt: skip
         """Store the whole pages of real tokens whose KV is computed once this step
         is — unless the request's blocks depend on a load whose outcome is not
         known yet, or it uses a block a failed load left stale (it never stores)."""
+        if state.first_computed is None:
+            state.first_computed = before
         state.waiting_on |= self.loads.depend(state.rid, state.block_ids)
-        if self.loads.relies_on_poisoned(state.block_ids, before, self.block_size, fresh):
-            state.no_save = True
+        self._check_poisoned(state, before, renewing)
         if state.waiting_on or state.no_save or state.tag != self.tag:
             return
         self._save(state, after, meta)
@@ -339,14 +343,11 @@ class SchedulerSide:
     # -- update_connector_output, request_finished -----------------------------------
 
     def pending_writes(self) -> bool:
-        """Whether stores the workers were asked for have not all been reported
-        ended, or finished requests' last pages wait: vLLM keeps stepping while so
-        (``has_pending_push_work``)."""
+        """Whether stores or finished requests' last pages wait (vLLM steps on)."""
         return self.stores.pending() or bool(self._finishing)
 
     def worker_output(self, worker_meta: Any) -> None:
-        """A step's outcome: the loads the ranks ended and how far each got, the
-        stores they ended, the pages they stored and could not load."""
+        """A step's outcome: loads ended, stores ended, pages stored and not loaded."""
         if isinstance(worker_meta, FabricWorkerMeta):
             self._worker_output(worker_meta)
         release = self.leases.take_ended()
@@ -360,19 +361,12 @@ class SchedulerSide:
             record = self.loads.report(rank, load_id, pages)
             if record is not None:
                 self._resolve(record)
-        by_tag: dict[str, dict[int, list[StoredRun]]] = {}
-        for tag, rank, run in worker_meta.stored:
-            by_tag.setdefault(tag, {}).setdefault(rank, []).append(run)
-        for tag, reports in by_tag.items():
-            self.link.report(tag, self.world, reports)
+        self.link.report_stored(self.world, worker_meta.stored)
         failed: dict[str, set[bytes]] = {}
         for tag, _, page_hash in worker_meta.failed:
             failed.setdefault(tag, set()).add(page_hash)
         for tag, hashes in failed.items():
-            log.warning(
-                "kvfabric connector: %d pages failed to load on some rank; vLLM recomputes them",
-                len(hashes),
-            )
+            log.warning("kvfabric connector: %d pages failed to load; recomputed", len(hashes))
             self.link.forget(tag, self.world, sorted(hashes))
             self.l3.mark_failed(tag, sorted(hashes))  # not found in L3 again until stored anew
 
@@ -382,7 +376,7 @@ class SchedulerSide:
         failed); the requests that waited for it store again — but a finished
         one, which vLLM does not roll back, stores nothing computed over a
         failed load."""
-        state = self.tracked.get(record.req_id) or self._finishing.get(record.req_id)
+        state = self._state(record.req_id)
         if state is not None:
             state.async_loading = False
             if record.failed:
@@ -392,36 +386,34 @@ class SchedulerSide:
         if record.failed:
             self._poison(record)
         for rid in record.waiters:
-            waiter = self.tracked.get(rid) or self._finishing.get(rid)
+            waiter = self._state(rid)
             if waiter is not None:
                 waiter.waiting_on.discard(record.load_id)
                 waiter.no_save |= abandoned or (record.failed and rid in self._finishing)
         self.leases.end([record.req_id])
+
+    def _state(self, rid: str) -> TrackedRequest | None:
+        return self.tracked.get(rid) or self._finishing.get(rid)
+
+    def _check_poisoned(self, state: TrackedRequest, computed: int, renewing: set[int]) -> None:
+        """A request that uses a poisoned block as computed stores nothing."""
+        first = state.first_computed or 0
+        if self.loads.taint(state.block_ids, computed, first, self.block_size, renewing):
+            state.no_save = True
 
     def _poison(self, record: LoadRecord) -> None:
         """A load failed: its blocks from the first that failed on, and the blocks of
         every request that waited for it from the first it shares on, may hold
         stale KV until computed anew (vLLM keeps them in its prefix cache)."""
         stale = set(record.block_ids[record.loaded :])
-        self.loads.poisoned |= stale
+        self.loads.poison(stale)
         for rid in record.waiters:
-            waiter = self.tracked.get(rid) or self._finishing.get(rid)
+            waiter = self._state(rid)
             if waiter is None:
                 continue
             hit = next((i for i, b in enumerate(waiter.block_ids) if b in stale), None)
             if hit is not None:
-                self.loads.poisoned.update(waiter.block_ids[hit:])
-
-    def _abandon_stalled_loads(self) -> None:
-        """Loads not every rank reported within ``WRITE_STALL_S`` (a worker that will
-        never say): the requests that depend on them never store."""
-        for record in self.loads.stalled(self.clock(), WRITE_STALL_S):
-            log.warning(
-                "kvfabric connector: a load was not reported by every rank in %.0f s; "
-                "the requests that use its blocks store nothing",
-                WRITE_STALL_S,
-            )
-            self._resolve(record, abandoned=True)
+                self.loads.poison(waiter.block_ids[hit:])
 
     def finished(self, request: Any, block_ids: list[int]) -> bool:
         """vLLM is done with ``request``; whether its blocks must wait (vLLM's delayed
@@ -429,7 +421,7 @@ class SchedulerSide:
         whole pages are still to be stored."""
         rid = request.request_id
         self._unserved.discard(rid)
-        self._questions = [q for q in self._questions if q != rid]
+        self._questions.pop(rid, None)
         state = self.tracked.pop(rid, None)
         if state is None:
             self.leases.end([rid])
@@ -437,12 +429,22 @@ class SchedulerSide:
         if state.async_loading:
             return True  # freed once the load is reported done (finished_recving)
         self.leases.end([rid])
+        if state.waiting_on:  # its blocks are poisoned if the load fails: kept till then
+            state.block_ids = list(block_ids)
+            self._finishing[rid] = state
+            return True
+        done = _done_tokens(request)
+        self._check_poisoned(state, done, set())
         if state.no_save or state.tag != self.tag:
             return False
-        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         end = min(done, request.num_tokens) // self.block_size
         if min(end, len(block_ids)) <= max(state.saved_pages, state.fabric_pages or 0):
             return False
         state.block_ids = list(block_ids)
         self._finishing[rid] = state
         return True
+
+
+def _done_tokens(request: Any) -> int:
+    """Tokens whose KV the steps vLLM has taken the output of computed."""
+    return request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)

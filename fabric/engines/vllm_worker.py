@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fabric.engines.store import StoreOptions, open_store
-from fabric.engines.vllm_loading import AsyncLoads, StepLoad, load_layers, load_whole
+from fabric.engines.vllm_loading import (
+    GIVEN_UP,
+    AsyncLoads,
+    Outcome,
+    StepLoad,
+    load_layers,
+    load_whole,
+)
 from fabric.engines.vllm_moves import (
     STAGING_BYTES,
     L2Options,
@@ -191,7 +198,7 @@ class WorkerSide:
                 # No KV cache this worker can serve, or the step thread is still in a
                 # load given up (a wedged store): recomputed at once, not waited for.
                 for job in sync:
-                    self._loaded(job, (0, 0.0, 0))
+                    self._loaded(job, GIVEN_UP)
             else:
                 pages = sum(len(job.hashes) for job in sync)
                 small = pages * self.pages.page_bytes <= STAGING_BYTES * 4
@@ -261,10 +268,10 @@ class WorkerSide:
             outcomes = step.future.result(timeout=max(step.deadline - self.clock(), 0.0))
         except FutureTimeout:
             self._give_up(step)
-            outcomes = [(0, self.timeout_s, 0)] * len(step.jobs)
+            outcomes = [(0, self.timeout_s, 0, False)] * len(step.jobs)
         skipped = self._skipped(step, final) if step.layerwise else []
         if step.timed_out:
-            outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
+            outcomes = [(0, seconds, 0, False) for _, seconds, _, _ in outcomes]
         elif skipped:
             log.warning(
                 "kvfabric connector: the forward did not wait for layers %s; their loads "
@@ -273,7 +280,7 @@ class WorkerSide:
             )
             self._waits_seen.clear()
             self._wait_order.clear()
-            outcomes = [(0, seconds, 0) for _, seconds, _ in outcomes]
+            outcomes = [(0, seconds, 0, False) for _, seconds, _, _ in outcomes]
         for job, outcome in zip(step.jobs, outcomes, strict=True):
             self._loaded(job, outcome)
 
@@ -289,8 +296,11 @@ class WorkerSide:
         last = max(waited, default=-1)
         return [i for i in self._wait_order[: last + 1] if i not in step.waited]
 
-    def _loaded(self, job: PageLoad, outcome: tuple[int, float, int]) -> None:
-        n, seconds, l2 = outcome
+    def _loaded(self, job: PageLoad, outcome: Outcome) -> None:
+        """A load's outcome: reported to the scheduler side, its blocks not loaded are
+        load errors, and a page found missing or bad (only then: not a load given
+        up) is reported failed, for the fabric to forget."""
+        n, seconds, l2, checked = outcome
         rank = self.placement.rank
         self._outcomes.append((rank, job.load_id, n))
         self.stats.data["load_seconds"] += seconds
@@ -298,7 +308,8 @@ class WorkerSide:
         self.stats.data["l2_loaded_pages"] += min(l2, n)
         if n < len(job.hashes):
             self._load_errors.update(job.block_ids[n:])
-            self._failed.append((job.tag, rank, job.hashes[n]))
+            if checked:
+                self._failed.append((job.tag, rank, job.hashes[n]))
             self.stats.data["load_failed_pages"] += len(job.hashes) - n
 
     def finished_loads(self) -> set[str]:
@@ -377,10 +388,10 @@ class WorkerSide:
                 self.writes.store(chunk)
         else:  # too many pages to hold at once: a buffer at a time
             for parts, rows in pack(meta.saves, self.pages.batch_pages):
-                if not self.writes.room(rows * self.pages.page_bytes, deadline):
-                    self.writes.drop(SaveChunk(parts, None))
-                    continue
                 chunk = SaveChunk(parts, self.pages.buffer(rows))
+                if not self.writes.room(chunk.buffer.numel(), deadline):
+                    self.writes.drop(chunk)
+                    continue
                 for layer in range(len(self.pages.layers)):
                     self._gather(chunk, layer)
                 self.writes.store(chunk)
@@ -390,20 +401,18 @@ class WorkerSide:
     # -- build_connector_worker_meta, get_kv_connector_stats ----------------------------
 
     def worker_meta(self) -> FabricWorkerMeta | None:
-        writes = self.writes
-        writes.collect()
-        if not (writes.stored or self._failed or writes.ended or self._outcomes):
+        stored, ended = self.writes.take()
+        if not (stored or self._failed or ended or self._outcomes):
             return None
-        meta = FabricWorkerMeta(writes.stored, self._failed, writes.ended, self._outcomes)
-        writes.stored, self._failed, writes.ended, self._outcomes = [], [], [], []
+        meta = FabricWorkerMeta(stored, self._failed, ended, self._outcomes)
+        self._failed, self._outcomes = [], []
         return meta
 
     def take_stats(self) -> FabricConnectorStats | None:
         self.stats.data["load_timeouts"] += self.async_loads.timeouts
         self.async_loads.timeouts = 0
-        for key, n in self.writes.counts.items():
+        for key, n in self.writes.take_counts().items():
             self.stats.data[key] += n
-        self.writes.counts.clear()
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, FabricConnectorStats(dict.fromkeys(STAT_KEYS, 0))

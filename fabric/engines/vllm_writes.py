@@ -12,6 +12,7 @@ stays bounded when L3 is slower than the engine computes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -72,7 +73,8 @@ class WriteQueue:
     """The writes of one rank (``rank``) of pages ``pages`` moves; what ended is
     collected into ``stored`` (``(tag, rank, run)`` of pages stored in L3) and
     ``ended`` (``(rank, page hash)`` of every store asked for that ended, stored
-    or not), and counted in ``counts``."""
+    or not) — taken with ``take`` — and counted in ``counts``. Safe from any
+    thread: stores come from the engine's thread, promotions from load threads."""
 
     def __init__(
         self, pages: PageMoves, rank: int, timeout_s: float, clock: Callable[[], float]
@@ -87,6 +89,7 @@ class WriteQueue:
         self._thread: ThreadPoolExecutor | None = None
         self._writes: deque[_Write] = deque()
         self.queued_bytes = 0
+        self._lock = threading.Lock()  # the queue, its bytes and what ended
 
     def start(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-store")
@@ -98,13 +101,22 @@ class WriteQueue:
     def __len__(self) -> int:
         return len(self._writes)
 
+    def _oldest(self, nbytes: int | None = None) -> _Write | None:
+        """The oldest write (while ``nbytes`` more do not fit, if given)."""
+        with self._lock:
+            if not self._writes:
+                return None
+            if nbytes is not None and self.queued_bytes + nbytes <= MAX_QUEUED_WRITE_BYTES:
+                return None
+            return self._writes[0]
+
     def room(self, nbytes: int, deadline: float) -> bool:
         """Whether ``nbytes`` more fit, waiting for the oldest write until
         ``deadline`` — not at all when it has been writing longer than
         ``timeout_s`` (a wedged store)."""
         self.collect()
-        while self._writes and self.queued_bytes + nbytes > MAX_QUEUED_WRITE_BYTES:
-            oldest, now = self._writes[0], self.clock()
+        while (oldest := self._oldest(nbytes)) is not None:
+            now = self.clock()
             if now - oldest.started > self.timeout_s or now >= deadline:
                 return False
             try:
@@ -118,13 +130,27 @@ class WriteQueue:
         """Stores there is no room for: not stored (a later miss), counted."""
         if chunk.buffer is not None:
             self.pages.give(chunk.buffer)
-        for _, run, _, _ in chunk.parts:
-            self.counts["store_dropped_pages"] += len(run.hashes)
-            self.ended += [(self.rank, h) for h in run.hashes]
+        with self._lock:
+            for _, run, _, _ in chunk.parts:
+                self.counts["store_dropped_pages"] += len(run.hashes)
+                self.ended += [(self.rank, h) for h in run.hashes]
 
     def skipped(self, run: StoredRun) -> None:
         """A store this rank cannot make (no store, no KV cache it serves)."""
-        self.ended += [(self.rank, h) for h in run.hashes]
+        with self._lock:
+            self.ended += [(self.rank, h) for h in run.hashes]
+
+    def take(self) -> tuple[list[tuple[str, int, StoredRun]], list[tuple[int, bytes]]]:
+        """What was stored and what ended since the last call."""
+        self.collect()
+        with self._lock:
+            stored, ended, self.stored, self.ended = self.stored, self.ended, [], []
+        return stored, ended
+
+    def take_counts(self) -> Counter[str]:
+        with self._lock:
+            counts, self.counts = self.counts, Counter()
+        return counts
 
     def store(self, chunk: SaveChunk) -> None:
         """Store the chunk's pages (its buffer is given back once written)."""
@@ -136,16 +162,21 @@ class WriteQueue:
         """Keep pages read from L3 in the node's L2 too, for the node's next reader
         (the load does not wait for it; dropped when the queue is full)."""
         self.collect()
-        if self._thread is None or self.queued_bytes + buffer.numel() > MAX_QUEUED_WRITE_BYTES:
+        thread = self._thread
+        with self._lock:
+            full = self.queued_bytes + buffer.numel() > MAX_QUEUED_WRITE_BYTES
+            if thread is None or full:
+                self.counts["l2_promotions_dropped"] += len(keys)
+        if thread is None or full:
             self.pages.give(buffer)
-            self.counts["l2_promotions_dropped"] += len(keys)
             return
-        future = self._thread.submit(self._put_l2, keys, pages)
+        future = thread.submit(self._put_l2, keys, pages)
         self._queue(_Write(None, future, buffer, self.clock()))
 
     def _queue(self, write: _Write) -> None:
-        self._writes.append(write)
-        self.queued_bytes += write.buffer.numel()
+        with self._lock:
+            self._writes.append(write)
+            self.queued_bytes += write.buffer.numel()
 
     def _store(self, chunk: SaveChunk) -> tuple[list[bool], float, int]:
         """One store call per run of parts under one tag (their rows follow one
@@ -178,28 +209,34 @@ class WriteQueue:
 
     def collect(self) -> None:
         """Take the writes the thread finished."""
-        while self._writes and self._writes[0].future.done():
-            write = self._writes.popleft()
-            self.queued_bytes -= write.buffer.numel()
-            ok, seconds, l2 = write.future.result()
+        while True:
+            with self._lock:
+                if not self._writes or not self._writes[0].future.done():
+                    return
+                write = self._writes.popleft()
+                self.queued_bytes -= write.buffer.numel()
+                self._ended_write(write)
             self.pages.give(write.buffer)
-            self.counts["l2_stored_pages"] += l2
-            if write.chunk is None:  # a promotion into the node's L2
-                continue
-            self.counts["store_seconds"] += seconds
-            self.counts["stored_pages"] += sum(ok)
-            self.counts["store_failed_pages"] += len(ok) - sum(ok)
-            for tag, run, _, row in write.chunk.parts:
-                self.ended += [(self.rank, h) for h in run.hashes]
-                done = ok[row : row + len(run.hashes)]
-                self.stored += [(tag, self.rank, r) for r in stored_runs(run, done)]
+
+    def _ended_write(self, write: _Write) -> None:
+        ok, seconds, l2 = write.future.result()  # (done: it does not wait)
+        self.counts["l2_stored_pages"] += l2
+        if write.chunk is None:  # a promotion into the node's L2
+            return
+        self.counts["store_seconds"] += seconds
+        self.counts["stored_pages"] += sum(ok)
+        self.counts["store_failed_pages"] += len(ok) - sum(ok)
+        for tag, run, _, row in write.chunk.parts:
+            self.ended += [(self.rank, h) for h in run.hashes]
+            done = ok[row : row + len(run.hashes)]
+            self.stored += [(tag, self.rank, r) for r in stored_runs(run, done)]
 
     def drain(self, deadline: float) -> bool:
         """Wait for the writes in flight (at most until ``deadline``); whether none is
         left."""
-        while self._writes:
+        while (oldest := self._oldest()) is not None:
             try:
-                self._writes[0].future.exception(timeout=max(deadline - self.clock(), 0.0))
+                oldest.future.exception(timeout=max(deadline - self.clock(), 0.0))
             except FutureTimeout:
                 log.warning(
                     "kvfabric connector: %d stores not done within %.1f s at shutdown; "

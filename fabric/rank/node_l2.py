@@ -66,6 +66,7 @@ import torch
 
 from fabric.l3.format import checksum
 from fabric.rank.node_l2_mapping import (
+    ATTACH_LOCK,
     HEADER,
     MAGIC,
     MAPPED,
@@ -117,7 +118,8 @@ def remove_regions(directory: Path, identity: str) -> int:
     engine uses (the fabric is shutting down); how many. A region an engine still
     has open stays (its last user removes it)."""
     prefix = f"{_owner_prefix()}{_part(identity)}-"
-    return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())
+    with ATTACH_LOCK:
+        return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())
 
 
 def mapped_files() -> set[tuple[int, int]]:
@@ -139,7 +141,8 @@ class NodeL2:
         self.path = path
         want = {"page_bytes": page_bytes, "slots": slots - slots % WAYS, "ways": WAYS,
                 "layout": layout, "suffix": suffix}  # fmt: skip
-        self._map = self._attach(want)
+        with ATTACH_LOCK:
+            self._map = self._attach(want)
         self.page_bytes = page_bytes
         self.slots, self.ways = self._map.slots, self._map.ways
         self.sets = self.slots // self.ways
@@ -366,6 +369,10 @@ class NodeL2:
 
     def close(self) -> None:
         """Stop using the region; the last user on the node removes it."""
+        with ATTACH_LOCK:
+            self._detach()
+
+    def _detach(self) -> None:
         mapping, self._map = self._map, None  # type: ignore[assignment]
         if mapping is None:
             return
@@ -411,11 +418,12 @@ def open_node_l2(
             max_bytes, WAYS, page_bytes,
         )  # fmt: skip
         return None
-    with contextlib.suppress(OSError):
-        sweep_stale(where, _owner_prefix(), older_s=0.0, keep=mapped_files())
     path = where / region_name(identity, layout, suffix)
     try:
-        return NodeL2(path, page_bytes, slots, layout, suffix)
+        with ATTACH_LOCK:
+            with contextlib.suppress(OSError):
+                sweep_stale(where, _owner_prefix(), older_s=0.0, keep=mapped_files())
+            return NodeL2(path, page_bytes, slots, layout, suffix)
     except OSError as exc:
         why = "shared memory is full" if exc.errno == errno.ENOSPC else str(exc)
         log.error("node L2 %s: %s; engines on this node use L3 alone", path, why)

@@ -46,6 +46,9 @@ class Mapping:
 
 MAPPED: dict[tuple[int, int], Mapping] = {}
 MAPPED_LOCK = threading.Lock()
+# Held while a region is attached, detached or swept, so that no thread of the
+# process opens (and closes) a descriptor of a file another maps in between.
+ATTACH_LOCK = threading.RLock()
 
 
 def pool_at(slots: int) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fabric.coordinator.engine_pages import StoredRun
+from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import DirectStore, StoreOptions, parse_options
 from fabric.engines.vllm_identity import engine_tag
 from fabric.engines.vllm_pages import (
@@ -57,6 +58,9 @@ class FakeLink:
 
     def report(self, tag, world, stored):
         self.reports.append((tag, stored))
+
+    def report_stored(self, world, stored):
+        FabricLink.report_stored(self, world, stored)
 
     def forget(self, tag, world, hashes):
         self.forgotten += hashes
@@ -414,10 +418,17 @@ def test_a_lora_adapter_is_named_by_its_weights_not_its_name(tmp_path):
     (adapter / "adapter_model.safetensors").write_bytes(b"weights one")
     lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(adapter))
     first = s._track(Req("a", list(range(9)), lora_request=lora))
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights two")  # replaced in place
-    second = s._track(Req("b", list(range(9)), lora_request=lora))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "adapter_model.safetensors").write_bytes(b"weights two")
+    renamed = SimpleNamespace(lora_name="sql", lora_int_id=2, lora_path=str(other))
+    second = s._track(Req("b", list(range(9)), lora_request=renamed))
     plain = s._track(Req("c", list(range(9))))
     assert len({first.namespace, second.namespace, plain.namespace}) == 3
+    # Replaced in place while vLLM keeps the first version loaded under its id: its
+    # KV may be either version's, so the adapter is no longer served by the fabric.
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights three")
+    assert s._track(Req("e", list(range(9)), lora_request=lora)) is None
     # An adapter whose files cannot be read: its requests are not served at all.
     gone = SimpleNamespace(lora_name="x", lora_int_id=2, lora_path=str(tmp_path / "none"))
     r = Req("d", list(range(9)), lora_request=gone)
@@ -632,3 +643,64 @@ def test_after_a_reset_a_waiting_request_asks_again_and_asynchronous_loads_are_g
     assert len(link.asked) == asked + 1  # under the new tag, not the old answer
     assert s.tracked["w"].asked_tag == s.tag != old
     assert s.step_meta(output()).cancel == ["l"]
+
+
+def test_a_stale_block_computed_anew_over_two_steps_is_clean_only_once_whole():
+    """a's failed page is recomputed in a chunk that stops mid-page: another request
+    using the block meanwhile stores nothing; a itself goes on, and once its next
+    chunk reaches the page's end the block is clean."""
+    link = FakeLink(hits=3)
+    s = side(link)
+    a = Req("a", list(range(14)))
+    s.matched(a, 0)
+    s.allocated(a, None, 12)
+    meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # block 2 stale
+    link.hits = 0
+    t = Req("t", [*range(12), 60, 61])
+    s.matched(t, 12)
+    # a recomputes tokens 4..5 of page 1 (block 2) only; t uses block 2 as computed.
+    s.step_meta(output([new_req("t", [1, 2, 3, 9], 12)], cached=running("a", 4),
+                       scheduled={"a": 2, "t": 2}))  # fmt: skip
+    assert s.tracked["t"].no_save and not s.tracked["a"].no_save
+    assert 2 in s.loads.poisoned
+    (save,) = s.step_meta(output(cached=running("a", 6), scheduled={"a": 8})).saves
+    assert save.block_ids == (2, 3) and 2 not in s.loads.poisoned
+
+
+def test_what_a_request_computes_over_a_stale_block_is_stale_too():
+    link = FakeLink(hits=3)
+    s = side(link)
+    a = Req("a", list(range(14)))
+    s.matched(a, 0)
+    s.allocated(a, None, 12)
+    meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # block 2 stale
+    link.hits = 0
+    c = Req("c", [*range(12), *range(70, 82)])
+    s.matched(c, 12)  # a's blocks 1, 2, 3 from vLLM's cache, its own 7, 8, 9 computed
+    s.step_meta(output([new_req("c", [1, 2, 3, 7, 8, 9], 12)], scheduled={"c": 12}))
+    assert s.tracked["c"].no_save and {7, 8, 9} <= s.loads.poisoned
+    d = Req("d", [*range(12), *range(70, 78), 5])
+    s.matched(d, 20)  # c's blocks from vLLM's cache: it stores nothing either
+    s.step_meta(output([new_req("d", [1, 2, 3, 7, 8, 10], 20)], scheduled={"d": 1}))
+    assert s.tracked["d"].no_save
+
+
+def test_a_request_finished_while_a_load_it_shares_is_pending_keeps_its_blocks():
+    """A waiter that finishes before the load's outcome keeps its blocks until then,
+    so that they are known stale if the load failed."""
+    link = FakeLink(hits=2)
+    s = side(link)
+    a, b = Req("a", list(range(14))), Req("b", [*range(8), 90, 91, 92, 93, 94])
+    s.matched(a, 0)
+    s.allocated(a, None, 8)
+    s.matched(b, 8)
+    meta = s.step_meta(output([new_req("a", [10, 11, 12, 13], 8),
+                               new_req("b", [10, 11, 20, 21], 8)], scheduled={"a": 6, "b": 5}))  # fmt: skip
+    b.num_computed_tokens = 13
+    assert s.finished(b, [10, 11, 20, 21])  # its blocks are kept
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 2, other=1)))  # block 11 failed
+    assert {11, 20, 21} <= s.loads.poisoned
+    out = s.step_meta(output())
+    assert out.finished == ["b"] and not out.saves
