@@ -87,6 +87,16 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+def nudge(model: Path) -> None:
+    """Rewrite the checkpoint in place: layer 0's V projection moved a little."""
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    weights = load_file(str(path))
+    weights["model.layers.0.self_attn.v_proj.weight"] += 0.05
+    save_file(weights, str(path), metadata={"format": "pt"})
+
+
 def launch_fabric(store: Path, name: str, **runtime: object):
     """A fabric of few actors (one rank) with its L3 in ``store``."""
     from fabric.client import launch
@@ -389,8 +399,10 @@ def test_pages_computed_in_a_step_whose_load_failed_are_never_stored(faults, bas
 @pytest.fixture(scope="module")
 def swapped(workdir: Path, fabric, faults) -> dict:
     """The model's copy the faults engine served, replaced in place (same path, new
-    weights), served by an engine with speculative decoding (n-gram drafts)."""
-    tiny_llama.make(workdir / "swap", seed=1)
+    weights: one layer's V projection nudged, so its KV differs while its outputs
+    stay as repetitive as the original's), served by an engine with speculative
+    decoding (n-gram drafts, proposed where the output repeats itself)."""
+    nudge(workdir / "swap")
     p = other_prompts()
     before = fabric.stats()["engine_pages"]
     args = ("--model", str(workdir / "swap"), *connected(fabric, workdir / "faults-shm"),
