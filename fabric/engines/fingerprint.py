@@ -73,7 +73,7 @@ def file_digest(path: Path) -> tuple[int, str]:
     st = real.stat()
     if not stat.S_ISREG(st.st_mode):
         raise FileNotFoundError(f"{real} is not a regular file")
-    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    identity = _stat_identity(st)
     entry = cache_dir() / "fingerprints" / hashlib.sha256(str(real).encode()).hexdigest()
     cached = _read_entry(entry, identity)
     if cached is not None:
@@ -84,7 +84,7 @@ def file_digest(path: Path) -> tuple[int, str]:
         if cached is not None:
             return st.st_size, cached
         digest = _sha256(real)
-        if [*identity] == _stat_identity(real):  # unchanged while it was read
+        if identity == _stat_identity(real.stat()):  # unchanged while it was read
             _write_entry(entry, identity, digest)
         return st.st_size, digest
     finally:
@@ -92,8 +92,7 @@ def file_digest(path: Path) -> tuple[int, str]:
             os.close(lock)
 
 
-def _stat_identity(path: Path) -> list[int]:
-    st = path.stat()
+def _stat_identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 

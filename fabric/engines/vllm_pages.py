@@ -10,23 +10,15 @@ request's cache salt and LoRA adapter (its weights' fingerprint) folded in, so
 requests that must not share KV never share a key.
 
 A page's key also carries the engine's tag: a digest of everything that makes a
-block's bytes what they are. Each worker computes its rank's identity once its
-KV cache exists (``vllm_identity.rank_identity``): the checkpoint's content (a fingerprint of
-its files, so weights replaced in place are a new identity), revision, load
-format, quantization, model and exact KV cache dtypes, the model configuration
-as vLLM runs it (RoPE scaling and overrides included), the TP/PP split, vLLM's
-version and device, and its own layers, KV cache spec, attention backend and
-tensor layout as they are in use. The workers hand their digests to the
-scheduler side at start (vLLM's connector handshake), which names the engine's
-tag from all of them and an epoch that ``reset_cache`` renews, and sends the
-tag with every load and store. Two engines share pages exactly when every rank
-agrees; a page's header carries its rank's identity too, checked on every read.
+block's bytes what they are (``vllm_identity``), named from every rank's
+identity and an epoch that ``reset_cache`` renews, and sent with every load and
+store. Two engines share pages exactly when every rank agrees; a page's header
+carries its rank's identity too, checked on every read.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +34,6 @@ from fabric.cache.keys import MAX_NAMESPACE_CHARS, check_namespace
 from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions
 from fabric.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 class ConnectorOptions(BaseModel):

@@ -602,18 +602,25 @@ def test_a_request_planned_before_the_load_of_a_block_it_shares_still_waits_for_
     assert len(meta.loads) == 1 and not meta.saves  # b waits for a's load
 
 
-def test_a_block_a_failed_load_left_stale_taints_whoever_uses_it_until_recomputed():
-    """a's load fails on page 1 and a is preempted before recomputing it: vLLM keeps
-    the stale block in its prefix cache. c, which then uses it as computed, stores
-    nothing; once a request computes the block anew, it is clean again."""
+def stale_block_two() -> SchedulerSide:
+    """Request a (blocks 1-4) loaded three pages and every rank failed the second:
+    block 2 is stale, and the fabric now answers nothing."""
     link = FakeLink(hits=3)
     s = side(link)
     a = Req("a", list(range(14)))
     s.matched(a, 0)
     s.allocated(a, None, 12)
     meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
-    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # page 1 (block 2) stale
+    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))
     link.hits = 0
+    return s
+
+
+def test_a_block_a_failed_load_left_stale_taints_whoever_uses_it_until_recomputed():
+    """a's load fails on page 1 and a is preempted before recomputing it: vLLM keeps
+    the stale block in its prefix cache. c, which then uses it as computed, stores
+    nothing; once a request computes the block anew, it is clean again."""
+    s = stale_block_two()
     c = Req("c", [*range(12), 70, 71, 72, 73, 74, 75])
     s.matched(c, 12)  # vLLM's own cache: blocks 1, 2, 3 (block 2 stale)
     assert not s.step_meta(output([new_req("c", [1, 2, 3, 7, 8], 12)], scheduled={"c": 6})).saves
@@ -649,14 +656,7 @@ def test_a_stale_block_computed_anew_over_two_steps_is_clean_only_once_whole():
     """a's failed page is recomputed in a chunk that stops mid-page: another request
     using the block meanwhile stores nothing; a itself goes on, and once its next
     chunk reaches the page's end the block is clean."""
-    link = FakeLink(hits=3)
-    s = side(link)
-    a = Req("a", list(range(14)))
-    s.matched(a, 0)
-    s.allocated(a, None, 12)
-    meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
-    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # block 2 stale
-    link.hits = 0
+    s = stale_block_two()
     t = Req("t", [*range(12), 60, 61])
     s.matched(t, 12)
     # a recomputes tokens 4..5 of page 1 (block 2) only; t uses block 2 as computed.
@@ -669,14 +669,7 @@ def test_a_stale_block_computed_anew_over_two_steps_is_clean_only_once_whole():
 
 
 def test_what_a_request_computes_over_a_stale_block_is_stale_too():
-    link = FakeLink(hits=3)
-    s = side(link)
-    a = Req("a", list(range(14)))
-    s.matched(a, 0)
-    s.allocated(a, None, 12)
-    meta = s.step_meta(output([new_req("a", [1, 2, 3, 4], 12)], scheduled={"a": 2}))
-    s.worker_output(outcome(*both_ranks(meta.loads[0].load_id, 1)))  # block 2 stale
-    link.hits = 0
+    s = stale_block_two()
     c = Req("c", [*range(12), *range(70, 82)])
     s.matched(c, 12)  # a's blocks 1, 2, 3 from vLLM's cache, its own 7, 8, 9 computed
     s.step_meta(output([new_req("c", [1, 2, 3, 7, 8, 9], 12)], scheduled={"c": 12}))
