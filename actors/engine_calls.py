@@ -1,11 +1,13 @@
 """The coordinator's calls for engines attached through a connector
 (``fabric.engines.vllm_connector``): one lookup and one report per engine step,
-answered from ``CoordinatorCore.engine_pages``."""
+answered from the tree's engine pages (``CoordinatorCore.engine_tree``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any
+
+from fabric.cache.engine_places import Drop
 
 
 class EngineCalls:
@@ -25,24 +27,37 @@ class EngineCalls:
         leases: list[str] | None = None,
         lease_s: float = 0.0,
         release: list[str] | None = None,
+        place: str = "",
     ) -> list[int]:
         """One engine step's lookups: per chain, the leading pages every rank
-        stored, leased under ``leases`` (one name a chain) for ``lease_s``; the
-        leases ``release`` names end first."""
-        return self.core.engine_lookup(tag, world, chains, leases, lease_s, release or ())
+        stored in L3 or in ``place`` (the engine's node's L2), leased under
+        ``leases`` (one name a chain) for ``lease_s``; the leases ``release``
+        names end first."""
+        return self.core.engine_lookup(tag, world, chains, leases, lease_s, release or (), place)
 
-    async def engine_report(self, tag: str, world: int, reports: dict[int, list]) -> int:
-        """One engine step's stores, by rank; the pages that became whole."""
-        whole = self.core.engine_report(tag, world, reports)
+    async def engine_report(
+        self, tag: str, world: int, reports: dict[int, list], place: str = ""
+    ) -> tuple[int, list[Drop]]:
+        """One engine step's stores, by rank: the pages that became whole, and the
+        evictions the engine's ranks carry out (in L3 and in ``place``)."""
+        whole, drops = self.core.engine_report(tag, world, reports, place)
         if whole:
             self._wake()  # their KV events go out with the next step
-        return whole
+        return whole, drops
 
     async def engine_forget(self, tag: str, world: int, page_hashes: list[bytes]) -> int:
         """Pages a rank could not load; how many whole ones are forgotten."""
         return self.core.engine_forget(tag, world, page_hashes)
 
-    def engine_stats(self) -> dict[str, int]:
-        """``EnginePages``' counters and how many pages it knows now."""
-        pages = self.core.engine_pages
-        return {**asdict(pages.stats), "known": len(pages), "leased": pages.leased}
+    def engine_stats(self) -> dict[str, Any]:
+        """The tree's engine-page counters, what it holds per place (whole pages,
+        bytes, pages per tenant) and the evictions waiting for an engine."""
+        tree = self.core.engine_tree
+        return {
+            **asdict(tree.stats),
+            "known": len(tree),
+            "leased": tree.leased,
+            "places": tree.residency(),
+            "drops_waiting": len(self.core.engine_drops),
+            "drops_let_go": self.core.engine_drops.let_go,
+        }

@@ -19,7 +19,8 @@ from fabric.config import FabricConfig
 from fabric.l3.shards import ShardedLink
 from fabric.messages import Batch, InvalidMessage, decode, encode
 from fabric.rank.mesh import poll
-from fabric.rank.node_l2 import fabric_identity, remove_regions
+from fabric.rank.node_l2 import remove_regions
+from fabric.rank.node_l2_mapping import fabric_identity
 from fabric.rank.shared_l2 import SUFFIX, shm_dir, sweep_stale
 from fabric.rank.worker import RankWorker
 from fabric.round_sockets import RoundServer, ray_tls

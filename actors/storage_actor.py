@@ -138,6 +138,11 @@ class StorageActor:
         self._fault()
         return self.service.engine_load(keys, provenance)
 
+    def engine_delete(self, keys: list[str]) -> int:
+        """Delete an engine's pages the fabric's tree evicted; how many were here."""
+        self._fault()
+        return self.service.engine_delete(keys)
+
     def engine_store(
         self, keys: list[str], pages: np.ndarray, provenance: Provenance, writer: str
     ) -> list[bool]:

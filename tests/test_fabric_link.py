@@ -9,12 +9,8 @@ import threading
 
 import pytest
 
-from fabric.coordinator.engine_pages import (
-    MAX_CHAINS_PER_CALL,
-    MAX_PAGES_PER_CALL,
-    EnginePages,
-    StoredRun,
-)
+from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
+from fabric.cache.engine_tree import EngineTree
 from fabric.engines.fabric_link import FabricLink
 
 TAG = "0123456789abcdef"
@@ -36,21 +32,22 @@ class Method:
 
 
 class FakeCoordinator:
-    """The coordinator's engine calls over a real ``EnginePages`` (which refuses
+    """The coordinator's engine calls over a real ``EngineTree`` (which refuses
     calls past its bounds, as the actor does)."""
 
     def __init__(self):
-        self.pages = EnginePages()
+        self.pages = EngineTree()
         self.calls: list[tuple[str, int]] = []
 
-        def lookup(tag, world, chains, leases, lease_s, release):
+        def lookup(tag, world, chains, leases, lease_s, release, place=""):
             self.calls.append(("lookup", len(chains)))
             self.pages.release(release)
-            return self.pages.lookup(tag, world, chains, leases, lease_s)
+            return self.pages.lookup(tag, world, chains, leases, lease_s, place=place)
 
-        def report(tag, world, reports):
+        def report(tag, world, reports, place=""):
             self.calls.append(("report", max(len(r) for r in reports.values())))
-            return len(self.pages.report(tag, world, reports))
+            events, drops = self.pages.report(tag, world, reports)
+            return len(events), drops
 
         def forget(tag, world, hashes):
             self.calls.append(("forget", len(hashes)))

@@ -43,14 +43,16 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True):
     namespace: str
     parent_hash: bytes | None = None
     tokens: bytes = b""
+    place: str = ""  # which node's host memory (engine pages in a node's L2), or none
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
-    """``page_hashes`` left ``medium``."""
+    """``page_hashes`` left ``medium`` (on the node ``place``, when named)."""
 
     page_hashes: tuple[bytes, ...]
     medium: Medium
     namespace: str
+    place: str = ""
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):

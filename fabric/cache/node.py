@@ -20,6 +20,8 @@ class TreeNode:
     anchors, pins). ``device_children`` counts children with a device value.
     ``page_hashes`` is ``None`` until first needed. ``sliding``, ``mamba`` and their
     locks are a hybrid model's other components (``fabric.cache.components``).
+    ``places`` is an engine page's residency (``fabric.cache.engine_tree``): per
+    place, the mask of the ranks whose shard is there.
     """
 
     __slots__ = (
@@ -43,6 +45,7 @@ class TreeNode:
         "part_ref",
         "pin_expiry",
         "pin_ttl",
+        "places",
         "priority",
         "sliding",
         "sliding_locks",
@@ -81,6 +84,7 @@ class TreeNode:
         self.part_ref = 0
         self.host_sliding: array | None = None
         self.host_mamba: int | None = None
+        self.places: dict[str, int] | None = None
 
     @property
     def on_device(self) -> bool:

@@ -25,13 +25,17 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
+from fabric.cache.engine_input import L3, StoredRun, check_place
+from fabric.cache.engine_places import Drop
+from fabric.cache.engine_tree import EngineTree
+from fabric.cache.events import BlockStored
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TOKEN_BYTES, TokenKey
 from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import FabricController, Query
-from fabric.coordinator.engine_pages import EnginePages, StoredRun
+from fabric.coordinator.engine_drops import PendingDrops
 from fabric.coordinator.event_queue import EventQueue
 from fabric.coordinator.intake import Intake
 from fabric.coordinator.leases import LeaseTable
@@ -77,8 +81,14 @@ class CoordinatorCore:
             self.stats,
             clock,
         )
-        # What engines attached through a connector stored, shard by shard.
-        self.engine_pages = EnginePages(config.runtime.engine_pages)
+        # What engines attached through a connector stored, place by place, shard
+        # by shard: kept by the cache's eviction policy within L3's cap.
+        self.engine_tree = EngineTree(
+            config.cache.eviction_policy,
+            config.runtime.engine_pages,
+            {L3: config.storage.max_bytes},
+        )
+        self.engine_drops = PendingDrops()
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -341,7 +351,8 @@ class CoordinatorCore:
     def l3_cleared(self) -> None:
         """The store was cleared or detached: every L3 page announced is gone."""
         self.cache.events.l3_cleared()
-        self.engine_pages.clear()
+        self.events.add(self.engine_tree.forget_all())
+        self.engine_drops.clear()
         self.events.collect()
 
     # -- engines attached through a connector -------------------------------------------
@@ -354,26 +365,38 @@ class CoordinatorCore:
         leases: Sequence[str] | None = None,
         lease_s: float = 0.0,
         release: Sequence[str] = (),
+        place: str = "",
     ) -> list[int]:
-        """Per chain of page hashes, how many leading pages every one of the
-        engine's ``world`` ranks has stored (``EnginePages.lookup``), each chain's
-        matched pages leased under its name in ``leases`` for ``lease_s``; the
-        leases ``release`` names end first (their pages are loaded)."""
+        """Per chain of page hashes, how many leading pages are whole for the
+        engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
+        ``EngineTree.lookup``), each chain's match leased under its name in
+        ``leases`` for ``lease_s``; the leases ``release`` names end first."""
         if release:
-            self.engine_pages.release(release)
-        return self.engine_pages.lookup(tag, world, chains, leases, lease_s, self.clock())
+            self.engine_tree.release(release)
+        return self.engine_tree.lookup(tag, world, chains, leases, lease_s, self.clock(), place)
 
-    def engine_report(self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]]) -> int:
-        """Ranks' reports of the pages they stored; how many pages became whole
-        (each announced as a ``BlockStored`` in storage)."""
-        events = self.engine_pages.report(tag, world, reports)
+    def engine_report(
+        self,
+        tag: str,
+        world: int,
+        reports: dict[int, Sequence[StoredRun]],
+        place: str = "",
+    ) -> tuple[int, list[Drop]]:
+        """Ranks' reports of the pages they stored: how many pages became whole
+        somewhere (each announced as a ``BlockStored``), and the evictions this
+        engine's ranks carry out (in L3, and in ``place``: its node's L2)."""
+        if place:
+            check_place(place)
+        events, drops = self.engine_tree.report(tag, world, reports, self.clock())
         self.events.add(events)
-        return sum(len(e.page_hashes) for e in events)
+        self.engine_drops.add(drops)
+        whole = sum(len(e.page_hashes) for e in events if isinstance(e, BlockStored))
+        return whole, self.engine_drops.take(tag, world, place)
 
     def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
         """Pages a rank could not load: matched no more until stored anew (each
-        whole one announced as a ``BlockRemoved`` from storage); how many."""
-        events = self.engine_pages.forget(tag, world, page_hashes)
+        whole one announced as a ``BlockRemoved``); how many."""
+        events = self.engine_tree.forget(tag, world, page_hashes)
         self.events.add(events)
         return sum(len(e.page_hashes) for e in events)
 

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fabric.coordinator.engine_pages import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
+from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
+from fabric.cache.engine_places import Drop
 from fabric.engines.store import StoreOptions
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class FabricLink:
         self.clock = clock
         self.coordinator: Any = None
         self.store: StoreOptions | None = None
+        # This engine's node's L2 place (``""``: none): its lookups count pages
+        # whole there, and the evictions it is handed include that place's.
+        self.place = ""
+        # Evictions the fabric handed this engine to carry out (``take_drops``).
+        self.drops: list[Drop] = []
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
@@ -152,7 +158,7 @@ class FabricLink:
                 handles.append(
                     self.coordinator.engine_lookup.remote(
                         tag, world, chains[part], leases[part] if leases else None, lease_s,
-                        release[:MAX_CHAINS_PER_CALL] if at == 0 else [],
+                        release[:MAX_CHAINS_PER_CALL] if at == 0 else [], self.place,
                     )
                 )  # fmt: skip
             rest = release[MAX_CHAINS_PER_CALL:]
@@ -186,7 +192,9 @@ class FabricLink:
             return
         try:
             for part in _report_parts(stored):
-                self._reports.append(self.coordinator.engine_report.remote(tag, world, part))
+                self._reports.append(
+                    self.coordinator.engine_report.remote(tag, world, part, self.place)
+                )
         except Exception as exc:
             self._down(f"failed a report ({exc})")
             return
@@ -234,11 +242,20 @@ class FabricLink:
         self._reports = pending
         for ref in ready:
             try:
-                ray.get(ref, timeout=0)
+                reply = ray.get(ref, timeout=0)
             except Exception as exc:
                 self._down(f"failed a report ({type(exc).__name__}: {exc})")
                 return False
+            if isinstance(reply, tuple):  # a report's: the evictions to carry out
+                self.drops += reply[1]
         return True
+
+    def take_drops(self) -> list[Drop]:
+        """The evictions handed back since the last call (replies that came)."""
+        if self._reports and self.coordinator is not None:
+            self._check_reports()
+        drops, self.drops = self.drops, []
+        return drops
 
     def close(self) -> None:
         """Wait (at most ``timeout_s``) for the reports in flight to land."""

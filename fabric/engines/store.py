@@ -171,6 +171,17 @@ class PageStore(ABC):
                     self._failed.pop(key, None)
         return ok
 
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` (the fabric's tree evicted them); how many the store held.
+        A store that cannot delete, or fails, deletes nothing (logged, counted):
+        its own bound frees the room then."""
+        n = self._delete(keys) if len(keys) else 0
+        self.count("deleted_pages", n)
+        return n
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> int: ...
+
     @abstractmethod
     def _present(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -261,6 +272,14 @@ class DirectStore(PageStore):
             self.count("errors")
             return [False] * len(keys)
 
+    def _delete(self, keys: Sequence[str]) -> int:
+        try:
+            return self.backend.delete(keys)
+        except (OSError, NotImplementedError) as exc:
+            log.warning("L3 %s: deleting %d pages failed: %s", self.backend.name, len(keys), exc)
+            self.count("errors")
+            return 0
+
     def clear(self) -> bool:
         self.backend.clear()
         return True
@@ -333,6 +352,9 @@ class RayStore(PageStore):
             self.writer,
             default=[False] * len(keys),
         )
+
+    def _delete(self, keys: Sequence[str]) -> int:
+        return int(self._call(self.actor.engine_delete, list(keys), default=0))
 
     def clear(self) -> bool:
         return bool(self._call(self.actor.clear, default=False))

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from fabric.cache.engine_input import node_place
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import parse_options
 from fabric.engines.vllm_identity import (
@@ -134,6 +135,7 @@ class KvFabricConnector(KVConnectorBase_V1):
     def _scheduler_side(self, placement: Any, block_size: int) -> SchedulerSide:
         o = self.options
         link = FabricLink(o.fabric, o.address, o.ray_namespace, o.timeout_s, o.retry_s)
+        link.place = node_place(o.l2_dir) if o.l2_bytes else ""  # its lookups count this L2
         side = SchedulerSide(o, placement.suffixes(), block_size, link)
         link.start()  # attach at start-up, so the first requests can hit
         return side

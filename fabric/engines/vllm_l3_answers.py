@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.cache.engine_input import StoredRun
 from fabric.engines.store import PageStore, StoreOptions, open_store
 from fabric.l3.format import page_key
 

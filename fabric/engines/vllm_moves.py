@@ -95,6 +95,7 @@ class PageMoves:
         self.layers: list[torch.Tensor] = []
         self.store: PageStore | None = None
         self.l2: NodeL2 | None = None
+        self.l2_place = ""  # the node's L2 as the fabric's tree names it (none: "")
         self._free: dict[int, list[torch.Tensor]] = {}  # page buffers not in use, by rows
         self._free_bytes = 0
         self._buffers = threading.Lock()
@@ -267,13 +268,15 @@ class PageMoves:
         else:
             part.copy_(rows.index_select(0, index.to(rows.device)))
 
-    def l2_put(self, keys: list[str], pages: torch.Tensor) -> int:
-        assert self.l2 is not None
+    def l2_put(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
+        """Per page, whether the node's L2 holds it now (none without one)."""
+        if self.l2 is None:
+            return []
         try:
             return self.l2.put(keys, pages)
         except Exception as exc:  # the node's L2 is a cache: a page not kept is a miss
             log.warning("kvfabric connector: node L2 store failed: %s", exc)
-            return 0
+            return [False] * len(keys)
 
     @property
     def page_bytes(self) -> int:

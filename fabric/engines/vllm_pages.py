@@ -30,8 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from fabric.cache.engine_input import StoredRun
+from fabric.cache.engine_places import Drop
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, check_namespace
-from fabric.coordinator.engine_pages import StoredRun
 from fabric.engines.store import StoreOptions
 from fabric.errors import ConfigError
 
@@ -200,13 +201,15 @@ class FabricStepMeta(KVConnectorMetadata):
     """Scheduler -> workers, each step: what to load and store, where the store is
     (once the fabric has said; ``None`` until then), and the finished requests
     whose blocks vLLM keeps for this step's stores (``finished``: each worker
-    reports them sent once it has gathered them)."""
+    reports them sent once it has gathered them), and the pages the fabric's tree
+    evicted that this engine's ranks delete (``drops``)."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
     store: StoreOptions | None = None
     finished: list[str] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # requests whose async loads to give up
+    drops: list[Drop] = field(default_factory=list)  # the fabric's evictions to carry out
 
 
 @dataclass
@@ -259,6 +262,8 @@ STAT_KEYS = (
     "store_dropped_pages",
     "l2_promotions_dropped",
     "load_timeouts",
+    "l3_deleted_pages",
+    "l2_dropped_pages",
 )
 
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fabric.cache.engine_input import MAX_LEASES, MAX_PAGES_PER_CALL, StoredRun
 from fabric.cache.keys import namespace_seed
-from fabric.coordinator.engine_pages import MAX_LEASES, MAX_PAGES_PER_CALL, StoredRun
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import StoreOptions
 from fabric.engines.vllm_identity import EngineTag
@@ -248,7 +248,7 @@ class SchedulerSide:
     # -- build_connector_meta ---------------------------------------------------------
 
     def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
-        meta = FabricStepMeta(loads=self._async_loads, cancel=self._cancel)
+        meta = FabricStepMeta(self._async_loads, cancel=self._cancel, drops=self.link.take_drops())
         self._async_loads, self._cancel = [], []
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store

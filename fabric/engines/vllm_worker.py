@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fabric.cache.engine_input import node_place
 from fabric.engines.store import StoreOptions, open_store
 from fabric.engines.vllm_loading import (
     GIVEN_UP,
@@ -60,7 +61,8 @@ from fabric.engines.vllm_pages import (
 from fabric.engines.vllm_writes import SaveChunk, WriteQueue, pack
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
-from fabric.rank.node_l2 import fabric_identity, open_node_l2
+from fabric.rank.node_l2 import open_node_l2
+from fabric.rank.node_l2_mapping import fabric_identity
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,7 @@ class WorkerSide:
             o.directory, fabric_identity(o.fabric, o.ray_namespace), provenance.layout,
             self.placement.suffix, self.pages.page_bytes, o.max_bytes,
         )  # fmt: skip
+        self.pages.l2_place = node_place(o.directory) if self.pages.l2 is not None else ""
 
     def _block_rows(self, name: str, kv: torch.Tensor | None) -> torch.Tensor:
         """``kv`` viewed as one row of bytes-worth of elements per block."""
@@ -369,6 +372,7 @@ class WorkerSide:
         stores the pages (within the write queue's bound)."""
         self._finish_step()
         self._open(meta.store)
+        self.writes.delete(meta.drops)
         step, self._step_save = self._step_save, None
         if self.pages.store is None or not self.pages.layers:
             for job in meta.saves:

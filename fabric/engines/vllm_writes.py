@@ -18,11 +18,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.cache.engine_input import L3, StoredRun
+from fabric.cache.engine_places import Drop
 from fabric.engines.vllm_moves import STAGING_BYTES, PageMoves
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,9 @@ def pack(saves: list, batch_pages: int) -> list[tuple[list, int]]:
 
 @dataclass
 class _Write:
-    chunk: SaveChunk | None  # None: a promotion into the node's L2
+    chunk: SaveChunk | None  # None: a promotion into the node's L2, or deletes
     future: Future
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None: deletes
     started: float
 
 
@@ -173,19 +174,43 @@ class WriteQueue:
         future = thread.submit(self._put_l2, keys, pages)
         self._queue(_Write(None, future, buffer, self.clock()))
 
+    def delete(self, drops: list[Drop]) -> None:
+        """Carry out the fabric's evictions of this rank's shards (in L3, and in this
+        node's L2), after the stores queued before them."""
+        place = self.pages.l2_place
+        mine = [d for d in drops if d.mask >> self.rank & 1 and d.place in (L3, place) and d.hashes]
+        if mine and self._thread is not None:
+            future = self._thread.submit(self._delete, mine)
+            self._queue(_Write(None, future, None, self.clock()))
+
+    def _delete(self, drops: list[Drop]) -> tuple[list[bool], float, list[bool]]:
+        started = time.perf_counter()
+        for drop in drops:
+            keys = self.pages.keys(drop.tag, drop.hashes)
+            try:
+                if drop.place == L3 and self.pages.store is not None:
+                    n = self.pages.store.delete(keys)
+                    self.counts["l3_deleted_pages"] += n
+                elif drop.place != L3 and self.pages.l2 is not None:
+                    self.counts["l2_dropped_pages"] += self.pages.l2.remove(keys)
+            except Exception as exc:  # a page not deleted stays until the store's own bound
+                log.warning("kvfabric connector: deleting %d pages failed: %s", len(keys), exc)
+        return [], time.perf_counter() - started, []
+
     def _queue(self, write: _Write) -> None:
         with self._lock:
             self._writes.append(write)
-            self.queued_bytes += write.buffer.numel()
+            self.queued_bytes += write.buffer.numel() if write.buffer is not None else 0
 
-    def _store(self, chunk: SaveChunk) -> tuple[list[bool], float, int]:
+    def _store(self, chunk: SaveChunk) -> tuple[list[bool], float, list[bool]]:
         """One store call per run of parts under one tag (their rows follow one
-        another); per page of the chunk, whether it was stored."""
+        another); per page of the chunk, whether it was stored in L3, and in the
+        node's L2."""
         started = time.perf_counter()
         store, provenance, buffer = self.pages.store, self.pages.provenance, chunk.buffer
         assert store is not None and provenance is not None and buffer is not None
         ok: list[bool] = []
-        l2 = 0
+        l2: list[bool] = []
         i = 0
         while i < len(chunk.parts):
             tag, first = chunk.parts[i][0], chunk.parts[i][3]
@@ -199,10 +224,10 @@ class WriteQueue:
             except Exception as exc:  # a store that fails is a later miss, never fatal
                 log.warning("kvfabric connector: storing %d pages failed: %s", len(keys), exc)
                 ok += [False] * len(keys)
-            l2 += self.pages.l2_put(keys, pages) if self.pages.l2 is not None else 0
+            l2 += self.pages.l2_put(keys, pages)
         return ok, time.perf_counter() - started, l2
 
-    def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, int]:
+    def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, list[bool]]:
         started = time.perf_counter()
         kept = self.pages.l2_put(keys, pages)
         return [], time.perf_counter() - started, kept
@@ -214,22 +239,28 @@ class WriteQueue:
                 if not self._writes or not self._writes[0].future.done():
                     return
                 write = self._writes.popleft()
-                self.queued_bytes -= write.buffer.numel()
+                self.queued_bytes -= write.buffer.numel() if write.buffer is not None else 0
                 self._ended_write(write)
-            self.pages.give(write.buffer)
+            if write.buffer is not None:
+                self.pages.give(write.buffer)
 
     def _ended_write(self, write: _Write) -> None:
         ok, seconds, l2 = write.future.result()  # (done: it does not wait)
-        self.counts["l2_stored_pages"] += l2
-        if write.chunk is None:  # a promotion into the node's L2
+        self.counts["l2_stored_pages"] += sum(l2)
+        if write.chunk is None:  # a promotion into the node's L2, or deletes
             return
         self.counts["store_seconds"] += seconds
         self.counts["stored_pages"] += sum(ok)
         self.counts["store_failed_pages"] += len(ok) - sum(ok)
+        size, place = self.pages.page_bytes, self.pages.l2_place
         for tag, run, _, row in write.chunk.parts:
             self.ended += [(self.rank, h) for h in run.hashes]
-            done = ok[row : row + len(run.hashes)]
-            self.stored += [(tag, self.rank, r) for r in stored_runs(run, done)]
+            rows = slice(row, row + len(run.hashes))
+            for r in stored_runs(replace(run, page_bytes=size), ok[rows]):
+                self.stored.append((tag, self.rank, r))
+            if place and l2:
+                for r in stored_runs(replace(run, place=place, page_bytes=size), l2[rows]):
+                    self.stored.append((tag, self.rank, r))
 
     def drain(self, deadline: float) -> bool:
         """Wait for the writes in flight (at most until ``deadline``); whether none is
@@ -256,7 +287,7 @@ class WriteQueue:
 def part(run: StoredRun, start: int, end: int) -> StoredRun:
     """Pages ``[start, end)`` of ``run``, after their parent."""
     parent = run.hashes[start - 1] if start else run.parent
-    return StoredRun(run.namespace, parent, run.hashes[start:end])
+    return replace(run, parent=parent, hashes=run.hashes[start:end])
 
 
 def stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:

@@ -256,6 +256,11 @@ class L3Backend(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles (default: nothing)."""
 
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` (the fabric's tree evicted them); how many were here.
+        Backends that cannot raise ``NotImplementedError``."""
+        raise NotImplementedError(f"the {self.name} backend cannot delete pages")
+
     def page_keys(self) -> list[str]:
         """Every page key this backend holds, for audits (``kvfabric chaos``);
         backends that cannot list cheaply raise ``NotImplementedError``."""

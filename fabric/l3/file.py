@@ -259,6 +259,24 @@ class FileBackend(L3Backend):
                 self._unlink(dir_fd, f"{old}{_SUFFIX}")
             self.count("evicted_pages")
 
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the files of ``keys``; how many there were."""
+        gone = 0
+        for key in keys:
+            check_key(key)
+            with self._index_lock:
+                self._bytes -= self._index.pop(key, 0)
+            dir_fd = self._dir(key[:2], create=False)
+            if dir_fd is None:
+                continue
+            try:
+                os.unlink(f"{key}{_SUFFIX}", dir_fd=dir_fd)
+                gone += 1
+            except FileNotFoundError:
+                pass
+        self.count("deleted_pages", gone)
+        return gone
+
     def _clear(self) -> None:
         with self._index_lock:
             self._index.clear()

@@ -193,6 +193,14 @@ class RedisBackend(L3Backend):
     def _read(self, key: str) -> bytes | None:
         return self._call("get", lambda: self.client.get(self.prefix + key), None)
 
+    def delete(self, keys: Sequence[str]) -> int:
+        names = [self.prefix + check_key(key) for key in keys]
+        if not names:
+            return 0
+        gone = int(self._call("delete", lambda: self.client.delete(*names), 0))
+        self.count("deleted_pages", gone)
+        return gone
+
     def _write(self, key: str, parts: tuple[bytes, memoryview]) -> None:
         if not self._call(
             "set", lambda: self.client.set(self.prefix + key, b"".join(parts)), False

@@ -25,6 +25,13 @@ and counts ``segment_corrupt_records``. Several processes may share the
 directory: each appends to its own segments and picks up the others' on a miss
 (at most once a second).
 
+A deletion (``delete``: the fabric's tree evicted the page) appends a
+tombstone naming the record (its key, segment and offset, so a newer copy of
+the key stays) to the deleter's segment; every process drops that record from
+its index when it scans the tombstone, and a segment whose records are all
+dead, and that no writer appended to for ``2 * SEAL_S``, is removed by the first
+process to see it so.
+
 Files and directories are owner-only (``file_mode``/``dir_mode``) and opened
 without following links. With ``max_bytes``, whole segments go, least recently
 used first (a read refreshes its segment), and segments are cut at an eighth of
@@ -42,6 +49,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +75,9 @@ log = logging.getLogger(__name__)
 
 _FRAME = struct.Struct("<4sHI")  # magic, key length, page length
 _MAGIC = b"KVR1"
+# A deletion: the record of the frame's key at (segment, offset) is dead.
+_DEAD = b"KVX1"
+_OFFSET = struct.Struct("<Q")
 _SUFFIX = ".kvs"
 _MAX_KEY = 128
 _IOV = 1020  # iovecs per call, under IOV_MAX (1024 on Linux)
@@ -78,6 +89,12 @@ RESCAN_S = 1.0
 # How often, at most, the segments held open are checked for removal by someone
 # else (another node's eviction or clear): a removed one is closed, its disk freed.
 REAP_S = 1.0
+# A writer starts a new segment rather than append to one it left alone this
+# long, so a segment untouched for twice as long is done with, and one whose
+# every record is dead may be removed by any process.
+SEAL_S = 10.0
+# Deletions seen before the record they name (kept at most this many).
+MAX_GRAVES = 1 << 16
 
 
 @dataclass(eq=False)
@@ -90,6 +107,15 @@ class Segment:
     skipped_at: int = -1  # where a scan last skipped a damaged record
     used: float = 0.0  # last write or read, for eviction
     keys: set[str] = field(default_factory=set)
+    appended: float = 0.0  # this writer's last append (monotonic)
+    dead: int = 0  # records deleted, and deletions it holds
+    tombs: int = 0
+
+
+@dataclass(frozen=True)
+class _Tomb:
+    segment: str  # the deleted record's segment and offset
+    page: int
 
 
 def _write_calls(parts: list[Any]) -> Iterator[list[memoryview]]:
@@ -152,6 +178,7 @@ class SegmentBackend(L3Backend):
         self._idle = threading.Condition(self._lock)
         self._bytes = 0
         self._refused: set[str] = set()  # names that are no regular file, said once
+        self._graves: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._scanned = 0.0
         self._reaped = 0.0
         self._root_fd, read_only = open_store_dir(self.root, self.dir_mode)
@@ -215,30 +242,50 @@ class SegmentBackend(L3Backend):
                 at = nxt
                 continue
             key, entry, at = frame
-            self._put(key, entry)
+            if isinstance(entry, _Tomb):
+                seg.tombs += 1
+                self._bury(key, entry)
+            elif (seg.name, entry.page) in self._graves:  # deleted before seen here
+                del self._graves[(seg.name, entry.page)]
+            else:
+                self._put(key, entry)
         if at < end and seg.torn_at != at:
             seg.torn_at = at  # counted once (it may be a record another writer is appending)
             self.count("segment_torn_tails")
         seg.size = max(seg.size, at)
 
-    def _frame_at(self, seg: Segment, at: int, end: int) -> tuple[str, _Entry, int] | None:
-        """The whole, well-formed record at ``at``: its key, index entry and where
-        the next record starts; ``None`` if there is none there."""
+    def _frame_at(self, seg: Segment, at: int, end: int) -> tuple[str, _Entry | _Tomb, int] | None:
+        """The whole, well-formed record at ``at``: its key, index entry (or the
+        deletion it is) and where the next record starts; ``None`` if there is
+        none there."""
         head = os.pread(seg.fd, _FRAME.size + _MAX_KEY + PREAMBLE, at)
         if len(head) < _FRAME.size:
             return None
         magic, key_len, page_len = _FRAME.unpack_from(head)
         page = at + _FRAME.size + key_len
-        if magic != _MAGIC or key_len > _MAX_KEY or page + page_len > end:
+        if magic not in (_MAGIC, _DEAD) or key_len > _MAX_KEY or page + page_len > end:
             return None
         try:
             key = check_key(head[_FRAME.size : _FRAME.size + key_len].decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             return None
+        if magic == _DEAD:
+            return self._tomb_at(seg, key, page, page_len)
         n = header_length(head[_FRAME.size + key_len :])
         if isinstance(n, str) or PREAMBLE + n > page_len:
             return None
         return key, _Entry(seg, page, PREAMBLE + n, page_len - PREAMBLE - n), page + page_len
+
+    @staticmethod
+    def _tomb_at(seg: Segment, key: str, at: int, length: int) -> tuple[str, _Tomb, int] | None:
+        body = os.pread(seg.fd, length, at)
+        if len(body) != length or not _OFFSET.size < length <= _OFFSET.size + _MAX_KEY:
+            return None
+        try:
+            name = body[_OFFSET.size :].decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        return key, _Tomb(name, _OFFSET.unpack_from(body)[0]), at + length
 
     def _next_frame(self, seg: Segment, start: int, end: int) -> int | None:
         """The offset of the first whole record at or after ``start``, if any."""
@@ -259,6 +306,7 @@ class SegmentBackend(L3Backend):
         old = self._index.get(key)
         if old is not None:
             old.segment.keys.discard(key)
+            old.segment.dead += 1  # superseded
         self._index[key] = entry
         entry.segment.keys.add(key)
 
@@ -350,7 +398,7 @@ class SegmentBackend(L3Backend):
         self._evict()
         return [True] * len(records)
 
-    def _append(self, records: list[tuple[str, list[Any], int, int]]) -> None:
+    def _append(self, records: list[tuple[str, list[Any], int, int]], pages: bool = True) -> None:
         """Write ``records`` at the end of this thread's segment, then index them.
         Only this thread appends to that segment, so the write needs no lock. The
         descriptor it writes with is closed when the append ends: between appends
@@ -363,6 +411,8 @@ class SegmentBackend(L3Backend):
             seg = self._appending.get(tid)
             if seg is not None and seg.size and seg.size + size > self.segment_bytes:
                 seg = None
+            if seg is not None and time.monotonic() - seg.appended > SEAL_S:
+                seg = None  # left alone long enough to be done with: never appended again
             if seg is not None:
                 wfd = self._reopen(seg)
             if wfd is None:
@@ -386,10 +436,13 @@ class SegmentBackend(L3Backend):
                 if written:
                     for key, parts, head, payload in records:
                         page = start + len(parts[0])
-                        self._put(key, _Entry(seg, page, head, payload))
+                        if pages:
+                            self._put(key, _Entry(seg, page, head, payload))
                         start = page + head + payload
+                    seg.tombs += 0 if pages else len(records)
                     seg.size = seg.file_size = at
                     seg.used = time.time()
+                    seg.appended = time.monotonic()
                     self._bytes += size
                 else:
                     # Cut the torn records off, so the segment's end stays a whole
@@ -402,6 +455,61 @@ class SegmentBackend(L3Backend):
                 self._busy.discard(seg)
                 self._idle.notify_all()
             os.close(wfd)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete ``keys``' records (those this process knows of): dropped from the
+        index now, and a tombstone appended for the other processes; how many."""
+        self._reap()
+        records = []
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(check_key(key))
+                if entry is None:
+                    continue
+                body = _OFFSET.pack(entry.page) + entry.segment.name.encode("ascii")
+                kb = key.encode("ascii")
+                records.append((key, [_FRAME.pack(_DEAD, len(kb), len(body)) + kb, body], 0, 0))
+                self._bury(key, _Tomb(entry.segment.name, entry.page))
+        if records:
+            try:
+                self._append(records, pages=False)
+            except OSError as exc:  # the others keep the records: a space leak, never bytes
+                self.write_failed(exc, 0)
+        self.count("deleted_pages", len(records))
+        return len(records)
+
+    def _bury(self, key: str, tomb: _Tomb) -> None:
+        """The record ``tomb`` names is dead (call with the lock held)."""
+        entry = self._index.get(key)
+        if entry is not None and entry.segment.name == tomb.segment and entry.page == tomb.page:
+            del self._index[key]
+            entry.segment.keys.discard(key)
+            entry.segment.dead += 1
+            return
+        seg = self._segments.get(tomb.segment)
+        if seg is None or seg.size <= tomb.page:  # not scanned that far yet: remembered
+            self._graves[(tomb.segment, tomb.page)] = None
+            while len(self._graves) > MAX_GRAVES:
+                self._graves.popitem(last=False)
+
+    def _remove_dead(self) -> None:
+        """Remove the segments whose every record is dead and that no writer
+        appended to for ``2 * SEAL_S`` (call with the lock held)."""
+        now = time.time()
+        active = set(self._appending.values())
+        for seg in list(self._segments.values()):
+            if seg.keys or not (seg.dead or seg.tombs) or seg in self._busy:
+                continue
+            if seg in active and time.monotonic() - seg.appended <= SEAL_S:
+                continue
+            try:
+                if now - os.fstat(seg.fd).st_mtime < 2 * SEAL_S:
+                    continue
+                os.unlink(seg.name, dir_fd=self._root_fd)
+            except OSError:
+                continue  # gone already, or the store turned read-only
+            self._forget(seg)
+            self.count("deleted_segments")
 
     def _quiesce(self) -> None:
         """Wait (lock held) until no append is between its write and its bookkeeping."""
@@ -569,6 +677,8 @@ class SegmentBackend(L3Backend):
         self._reaped = now
         for seg in list(self._segments.values()):
             self._gone(seg)
+        with self._lock:
+            self._remove_dead()
 
     def _usage(self) -> dict[str, Any]:
         self._reap()

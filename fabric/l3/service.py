@@ -405,6 +405,17 @@ class StorageService:
             return out[:0]
         return out[: backend.get_fresh(keys, out, provenance)]
 
+    def engine_delete(self, keys: Sequence[str]) -> int:
+        """Delete an engine's pages by full key (the fabric's tree evicted them);
+        how many were here (0 with no backend, or one that cannot delete)."""
+        backend = self.backend
+        if backend is None:
+            return 0
+        try:
+            return backend.delete(keys)
+        except NotImplementedError:
+            return 0
+
     def engine_store(
         self, keys: Sequence[str], pages: np.ndarray, provenance: Provenance, writer: str
     ) -> list[bool]:

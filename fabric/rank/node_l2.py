@@ -53,12 +53,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgpack
@@ -72,52 +71,33 @@ from fabric.rank.node_l2_mapping import (
     MAPPED,
     MAPPED_LOCK,
     Mapping,
+    digest,
     empty,
     geometry,
+    owner_prefix,
+    part,
     pool_at,
+    region_name,
     same,
 )
 from fabric.rank.node_l2_mapping import RECORD as _RECORD
 from fabric.rank.node_l2_mapping import SEQ as _SEQ
 from fabric.rank.node_l2_mapping import STAMP as _STAMP
-from fabric.rank.shared_l2 import SUFFIX, owned, shm_dir, sweep_stale
+from fabric.rank.shared_l2 import owned, shm_dir, sweep_stale
 
 log = logging.getLogger(__name__)
 WAYS = 8
-PREFIX = "kvfabric-engine-"
 
 
+_NO_NAME = bytes(16)  # a removed slot's key digest
 Found = tuple[int, int, int, int]  # slot, seq, crc, pinned until (ms)
-
-
-def digest(key: str) -> bytes:
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
-
-
-def fabric_identity(name: str, ray_namespace: str) -> str:
-    """What names a fabric's regions: engines of two fabrics never share one."""
-    return f"{name}|{ray_namespace}"
-
-
-def _part(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-
-
-def _owner_prefix() -> str:
-    return f"{PREFIX}{os.getuid()}-"
-
-
-def region_name(identity: str, layout: str, suffix: str) -> str:
-    """The file name of one engine shard's region: this user's, for the fabric
-    ``identity``, pages of ``layout`` (the rank's page identity) and shard ``suffix``."""
-    return f"{_owner_prefix()}{_part(identity)}-{_part(layout)}-{suffix}{SUFFIX}"
 
 
 def remove_regions(directory: Path, identity: str) -> int:
     """Remove this user's regions of the fabric ``identity`` in ``directory`` that no
     engine uses (the fabric is shutting down); how many. A region an engine still
     has open stays (its last user removes it)."""
-    prefix = f"{_owner_prefix()}{_part(identity)}-"
+    prefix = f"{owner_prefix()}{part(identity)}-"
     with ATTACH_LOCK:
         return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())
 
@@ -150,7 +130,10 @@ class NodeL2:
         self.view = self._map.view
         self.pool = self._map.pool
         self.fd = self._map.fd
-        self.counters = {"refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0, "no_space": 0}
+        self.counters = {
+            "refused": 0, "stored": 0, "replaced": 0, "pinned_full": 0, "no_space": 0,
+            "removed": 0,
+        }  # fmt: skip
 
     def _attach(self, want: dict) -> Mapping:
         """This process's mapping of the region at ``path``: shared with an opener of
@@ -311,59 +294,87 @@ class NodeL2:
 
     # -- writes -----------------------------------------------------------------------
 
-    def put(self, keys: Sequence[str], pages: torch.Tensor) -> int:
-        """Store ``pages`` (one uint8 row of ``page_bytes`` a key); how many were
-        written (a key already here is left as it is and counts)."""
-        written = 0
+    def put(self, keys: Sequence[str], pages: torch.Tensor) -> list[bool]:
+        """Store ``pages`` (one uint8 row of ``page_bytes`` a key); per key, whether
+        the region holds it now (a key already here is left as it is)."""
+        kept = []
         for key, page in zip(keys, pages, strict=True):
             try:
-                written += self._put_one(digest(key), page)
+                kept.append(self._put_one(digest(key), page))
             except OSError as exc:  # a lock refused: the page is simply not kept here
                 log.warning("node L2 %s: store failed: %s", self.path, exc)
                 break
-        return written
+        return kept + [False] * (len(keys) - len(kept))
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Empty the slots holding ``keys`` (the fabric evicted them); how many held
+        one. A reader copying one sees its ``seq`` move and fails the load."""
+        removed = 0
+        view = self.view
+        for key in keys:
+            d = digest(key)
+            n = self._set(d)
+            with self._locked(n):
+                for slot in range(n * self.ways, (n + 1) * self.ways):
+                    at = self._record_at(slot)
+                    seq, _, _, _, name = _RECORD.unpack_from(view, at)
+                    if name == d and seq and not seq & 1:
+                        # seq only grows: even again, and no name, is an empty slot
+                        _RECORD.pack_into(view, at, seq + 2, 0, 0, 0, _NO_NAME)
+                        removed += 1
+                        break
+        self.counters["removed"] += removed
+        return removed
+
+    @contextlib.contextmanager
+    def _locked(self, n: int) -> Iterator[None]:
+        """Set ``n``'s lock: its records' byte range across processes, a thread
+        lock within this one."""
+        start, length = self._record_at(n * self.ways), self.ways * _RECORD.size
+        with self._map.locks[n % len(self._map.locks)]:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, start)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start)
 
     def _put_one(self, d: bytes, page: torch.Tensor) -> bool:
         n = self._set(d)
         first = n * self.ways
-        start, length = self._record_at(first), self.ways * _RECORD.size
         view = self.view
-        with self._map.locks[n % len(self._map.locks)]:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, start)
-            try:
-                victim, oldest, now = first, None, _now_ms()
-                for slot in range(first, first + self.ways):
-                    seq, stamp, pinned, _, name = _RECORD.unpack_from(view, self._record_at(slot))
-                    if name == d and seq and not seq & 1:
-                        return True  # already here (the same key is the same bytes)
-                    if pinned > now and seq and not seq & 1:
-                        continue  # a reader is copying it
-                    age = -1 if not seq or seq & 1 else stamp  # empty or torn: first
-                    if oldest is None or age < oldest:
-                        victim, oldest = slot, age
-                if oldest is None:
-                    self.counters["pinned_full"] += 1
+        with self._locked(n):
+            victim, oldest, now = first, None, _now_ms()
+            for slot in range(first, first + self.ways):
+                seq, stamp, pinned, _, name = _RECORD.unpack_from(view, self._record_at(slot))
+                if name == d and seq and not seq & 1:
+                    return True  # already here (the same key is the same bytes)
+                if pinned > now and seq and not seq & 1:
+                    continue  # a reader is copying it
+                # Empty, torn or removed: taken first.
+                age = -1 if not seq or seq & 1 or name == _NO_NAME else stamp
+                if oldest is None or age < oldest:
+                    victim, oldest = slot, age
+            if oldest is None:
+                self.counters["pinned_full"] += 1
+                return False
+            at = self._record_at(victim)
+            seq = _SEQ.unpack_from(view, at)[0]
+            if not seq:  # never written: reserve its page first
+                try:
+                    os.posix_fallocate(
+                        self.fd, self.pool_at + victim * self.page_bytes, self.page_bytes
+                    )
+                except OSError:
+                    self.counters["no_space"] += 1
                     return False
-                at = self._record_at(victim)
-                seq = _SEQ.unpack_from(view, at)[0]
-                if not seq:  # never written: reserve its page first
-                    try:
-                        os.posix_fallocate(
-                            self.fd, self.pool_at + victim * self.page_bytes, self.page_bytes
-                        )
-                    except OSError:
-                        self.counters["no_space"] += 1
-                        return False
-                if oldest >= 0:
-                    self.counters["replaced"] += 1
-                writing = seq if seq & 1 else seq + 1
-                _SEQ.pack_into(view, at, writing)  # odd: readers keep off
-                self.pool[victim].copy_(page)
-                crc = checksum(view[self.pool_at + victim * self.page_bytes :][: self.page_bytes])
-                _RECORD.pack_into(view, at, writing, _now_ms(), 0, crc, d)
-                _SEQ.pack_into(view, at, writing + 1)  # even: whole
-            finally:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start)
+            if oldest >= 0:
+                self.counters["replaced"] += 1
+            writing = seq if seq & 1 else seq + 1
+            _SEQ.pack_into(view, at, writing)  # odd: readers keep off
+            self.pool[victim].copy_(page)
+            crc = checksum(view[self.pool_at + victim * self.page_bytes :][: self.page_bytes])
+            _RECORD.pack_into(view, at, writing, _now_ms(), 0, crc, d)
+            _SEQ.pack_into(view, at, writing + 1)  # even: whole
         self.counters["stored"] += 1
         return True
 
@@ -422,7 +433,7 @@ def open_node_l2(
     try:
         with ATTACH_LOCK:
             with contextlib.suppress(OSError):
-                sweep_stale(where, _owner_prefix(), older_s=0.0, keep=mapped_files())
+                sweep_stale(where, owner_prefix(), older_s=0.0, keep=mapped_files())
             return NodeL2(path, page_bytes, slots, layout, suffix)
     except OSError as exc:
         why = "shared memory is full" if exc.errno == errno.ENOSPC else str(exc)

@@ -7,6 +7,7 @@ emptying it without ever moving a slot's ``seq`` back.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import mmap
 import os
 import struct
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import msgpack
 import torch
+
+from fabric.rank.shared_l2 import SUFFIX
 
 MAGIC = b"KVFEL2v2"
 HEADER = 4096
@@ -94,3 +97,31 @@ def empty(fd: int, geometry: dict) -> None:
             os.pwrite(fd, bytes(records), start)
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
+
+
+# -- names -----------------------------------------------------------------------------
+
+PREFIX = "kvfabric-engine-"
+
+
+def digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def fabric_identity(name: str, ray_namespace: str) -> str:
+    """What names a fabric's regions: engines of two fabrics never share one."""
+    return f"{name}|{ray_namespace}"
+
+
+def part(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def owner_prefix() -> str:
+    return f"{PREFIX}{os.getuid()}-"
+
+
+def region_name(identity: str, layout: str, suffix: str) -> str:
+    """The file name of one engine shard's region: this user's, for the fabric
+    ``identity``, pages of ``layout`` (the rank's page identity) and shard ``suffix``."""
+    return f"{owner_prefix()}{part(identity)}-{part(layout)}-{suffix}{SUFFIX}"

@@ -420,7 +420,7 @@ def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_th
     ranks, a forgotten page, and a bad call taken as the fabric being down."""
     import hashlib
 
-    from fabric.coordinator.engine_pages import StoredRun
+    from fabric.cache.engine_input import StoredRun
     from fabric.engines.fabric_link import FabricLink
 
     tag = "00112233445566aa"
@@ -465,19 +465,19 @@ class _SlowReports:
     def __init__(self) -> None:
         self.reported = 0
 
-    async def engine_report(self, tag, world, reports):
+    async def engine_report(self, tag, world, reports, place):
         import asyncio
 
         await asyncio.sleep(0.3)
         self.reported += 1
-        return 0
+        return 0, []
 
-    async def engine_lookup(self, tag, world, chains, leases, lease_s, release):
+    async def engine_lookup(self, tag, world, chains, leases, lease_s, release, place=""):
         return [self.reported] * len(chains)
 
 
 def test_an_engine_links_lookup_sees_every_report_it_sent_before(fabric):
-    from fabric.coordinator.engine_pages import StoredRun
+    from fabric.cache.engine_input import StoredRun
     from fabric.engines.fabric_link import FabricLink
 
     link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.rank import node_l2
+from fabric.rank import node_l2, node_l2_mapping
 from fabric.rank.node_l2 import WAYS, NodeL2, open_node_l2
 
 PAGE = 4096
@@ -27,7 +27,7 @@ PAGE = 4096
 def page(key: str) -> torch.Tensor:
     """The bytes a page of ``key`` holds (derived from the key, so a reader can
     tell a right page from a wrong one)."""
-    g = torch.Generator().manual_seed(int.from_bytes(node_l2.digest(key)[:7], "little"))
+    g = torch.Generator().manual_seed(int.from_bytes(node_l2_mapping.digest(key)[:7], "little"))
     return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
 
 
@@ -46,13 +46,30 @@ def read(l2: NodeL2, key: str) -> torch.Tensor | None:
 def test_pages_one_process_stores_another_reads_bit_for_bit(tmp_path):
     keys = [f"k{i}" for i in range(20)]
     a = region(tmp_path)
-    assert a.put(keys, torch.stack([page(k) for k in keys])) == 20
+    assert a.put(keys, torch.stack([page(k) for k in keys])) == [True] * 20
     b = region(tmp_path)  # another opener of the same region
     for key in keys:
         got = read(b, key)
         assert got is not None and torch.equal(got, page(key))
     assert b.find(["absent"]) == [None]
     assert stat.S_IMODE(os.stat(tmp_path / "r.l2").st_mode) == 0o600
+    a.close()
+    b.close()
+
+
+def test_a_page_the_fabric_evicted_is_gone_for_every_reader_and_its_slot_reused(tmp_path):
+    keys = [f"k{i}" for i in range(WAYS)]
+    a, b = region(tmp_path, slots=WAYS), region(tmp_path, slots=WAYS)  # one set: full
+    a.put(keys, torch.stack([page(k) for k in keys]))
+    held = b.find(["k3"])[0]
+    assert a.remove(["k3", "k4", "absent"]) == 2
+    assert b.find(["k3", "k4", "k5"])[:2] == [None, None]
+    assert not b.unchanged(held), "a reader copying it sees the slot move"
+    assert read(b, "k5") is not None
+    # Its slot takes the next page of its set before any other way is replaced.
+    assert a.put(["k3"], page("k3")[None]) == [True]
+    assert torch.equal(read(b, "k3"), page("k3"))
+    assert a.counters["removed"] == 2 and a.counters["replaced"] == 0
     a.close()
     b.close()
 
@@ -88,16 +105,16 @@ def test_a_slot_a_reader_holds_is_never_replaced_until_it_lets_go(tmp_path):
     keys = [f"k{i}" for i in range(WAYS)]
     l2.put(keys, torch.stack([page(k) for k in keys]))
     held = l2.find(keys, pin_ms=60_000)  # a reader copying all eight
-    assert l2.put(["new"], page("new")[None]) == 0  # nowhere to go: not kept
+    assert l2.put(["new"], page("new")[None]) == [False]  # nowhere to go: not kept
     assert l2.counters["pinned_full"] == 1
     assert all(l2.unchanged(f) for f in held)
     l2.unpin(held[:1])  # done with the first one
-    assert l2.put(["new"], page("new")[None]) == 1
+    assert l2.put(["new"], page("new")[None]) == [True]
     assert not l2.unchanged(held[0]) and all(l2.unchanged(f) for f in held[1:])
     # A pin is a time: a reader that died holds nothing once it is up.
     l2.find(["new", *keys[1:]], pin_ms=1)  # every way pinned, for 1 ms
     time.sleep(0.01)
-    assert l2.put(["later"], page("later")[None]) == 1
+    assert l2.put(["later"], page("later")[None]) == [True]
     l2.close()
 
 
@@ -108,7 +125,7 @@ def test_a_write_killed_midway_leaves_an_empty_slot_the_next_store_takes(tmp_pat
     at = node_l2.HEADER + found[0] * node_l2._RECORD.size
     node_l2._SEQ.pack_into(l2.view, at, found[1] + 1)  # odd: a writer died in it
     assert l2.find(["k"]) == [None]
-    assert l2.put(["k"], page("k")[None]) == 1
+    assert l2.put(["k"], page("k")[None]) == [True]
     assert torch.equal(read(l2, "k"), page("k"))
     l2.close()
 
@@ -145,7 +162,7 @@ def test_a_region_others_could_write_is_repaired_and_emptied(tmp_path, caplog):
 def test_a_region_of_another_owner_is_refused_and_the_engine_runs_without(
     tmp_path, monkeypatch, caplog
 ):
-    region(tmp_path, name=node_l2.region_name("f", "t" * 16, "0-0-0")).close()
+    region(tmp_path, name=node_l2_mapping.region_name("f", "t" * 16, "0-0-0")).close()
     monkeypatch.setattr(node_l2.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
     with caplog.at_level(logging.ERROR, "fabric.rank.node_l2"):
         assert open_node_l2(str(tmp_path), "f", "t" * 16, "0-0-0", PAGE, 1 << 20) is None
@@ -223,10 +240,10 @@ def test_a_reader_racing_another_process_rewriting_slots_never_takes_wrong_bytes
 
 
 def test_a_fabric_going_removes_its_regions_no_engine_uses(tmp_path):
-    mine = node_l2.fabric_identity("fab", "kvfabric")
+    mine = node_l2_mapping.fabric_identity("fab", "kvfabric")
     used = open_node_l2(str(tmp_path), mine, "a" * 16, "0-0-0", PAGE, PAGE * 8)
-    dead = tmp_path / node_l2.region_name(mine, "b" * 16, "0-0-0")
-    other = tmp_path / node_l2.region_name("other|kvfabric", "a" * 16, "0-0-0")
+    dead = tmp_path / node_l2_mapping.region_name(mine, "b" * 16, "0-0-0")
+    other = tmp_path / node_l2_mapping.region_name("other|kvfabric", "a" * 16, "0-0-0")
     for path in (dead, other):
         path.write_bytes(b"left by an engine that died")
         os.chmod(path, 0o600)
@@ -238,15 +255,15 @@ def test_a_fabric_going_removes_its_regions_no_engine_uses(tmp_path):
 
 
 def test_region_names_carry_their_owner_and_its_dead_engines_regions_go_at_start(tmp_path):
-    name = node_l2.region_name("fab|ns", "a" * 16, "0-0-0")
-    assert name.startswith(f"{node_l2.PREFIX}{os.getuid()}-")
-    assert node_l2.region_name("fab|ns", "b" * 16, "0-0-0") != name
-    dead = tmp_path / node_l2.region_name("gone|ns", "c" * 16, "0-0-1")
+    name = node_l2_mapping.region_name("fab|ns", "a" * 16, "0-0-0")
+    assert name.startswith(f"kvfabric-engine-{os.getuid()}-")
+    assert node_l2_mapping.region_name("fab|ns", "b" * 16, "0-0-0") != name
+    dead = tmp_path / node_l2_mapping.region_name("gone|ns", "c" * 16, "0-0-1")
     dead.write_bytes(b"x")
-    held = tmp_path / node_l2.region_name("live|ns", "c" * 16, "0-0-1")
+    held = tmp_path / node_l2_mapping.region_name("live|ns", "c" * 16, "0-0-1")
     held.write_bytes(b"x")
     fd = hold(held)
-    foreign = tmp_path / f"{node_l2.PREFIX}{os.getuid() + 1}-x-y-0-0-0.l2"
+    foreign = tmp_path / f"{node_l2_mapping.PREFIX}{os.getuid() + 1}-x-y-0-0-0.l2"
     foreign.write_bytes(b"x")
     l2 = open_node_l2(str(tmp_path), "fab|ns", "a" * 16, "0-0-0", PAGE, PAGE * 8)
     assert l2 is not None and not dead.exists() and held.exists() and foreign.exists()
@@ -261,7 +278,7 @@ def test_a_region_grows_as_pages_come(tmp_path):
     empty = os.stat(l2.path).st_blocks * 512
     assert size >= 256 * PAGE and empty < 64 * PAGE
     keys = [f"k{i}" for i in range(64)]
-    assert l2.put(keys, torch.stack([page(k) for k in keys])) == 64
+    assert sum(l2.put(keys, torch.stack([page(k) for k in keys]))) == 64
     grown = os.stat(l2.path).st_blocks * 512
     assert grown >= empty + 60 * PAGE
     for key in keys:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.cache.engine_input import StoredRun
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import DirectStore, StoreOptions, parse_options
 from fabric.engines.vllm_identity import engine_tag

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from fabric.coordinator.engine_pages import StoredRun
+from fabric.cache.engine_input import StoredRun
 from fabric.engines import vllm_writes
 from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (

@@ -1,0 +1,227 @@
+"""Where an engine page lives, for the tree (``fabric.cache.engine_tree``): per
+place, the ranks whose shard is there, the bytes each place holds, and the
+leaf sets eviction takes from, in the eviction policy's order.
+
+A node is a leaf *of a place* when it is there and no child of it is: a place
+gives up a page only after every page that follows it there, so a prefix it
+keeps is always whole from its first page. L3 orders by the policy's key, a
+node's L2 by its ``host_order`` (as the fabric's own L1 and L2 do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from fabric.cache.engine_input import L2_AT, L3
+from fabric.cache.events import BlockStored, Medium
+from fabric.cache.leaves import LeafQueue
+from fabric.cache.node import TreeNode
+from policies import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Pages the tree evicted from ``place``: the ranks in ``mask`` delete their
+    shards of ``hashes`` (pages of the engine ``tag``, ``world``) there."""
+
+    tag: str
+    world: int
+    place: str
+    mask: int
+    hashes: tuple[bytes, ...]
+
+
+def medium_of(place: str) -> Medium:
+    return Medium.STORAGE if place == L3 else Medium.HOST
+
+
+def ranks_of(mask: int) -> Iterator[int]:
+    rank = 0
+    while mask:
+        if mask & 1:
+            yield rank
+        mask >>= 1
+        rank += 1
+
+
+class Places:
+    def __init__(self, policy: EvictionPolicy, capacity: dict[str, int]) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.clear()
+
+    def clear(self) -> None:
+        policy = self.policy
+        self.leaves: dict[str, LeafQueue] = {}
+        self.used: dict[str, int] = {}  # shard bytes held, per place
+        # Childless nodes, for the tree's own bound (``index_pages``).
+        self.ends = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
+
+    def queue(self, place: str) -> LeafQueue:
+        queue = self.leaves.get(place)
+        if queue is None:
+            policy = self.policy
+            order = policy.key if place == L3 else policy.host_order()
+            queue = self.leaves[place] = LeafQueue(order, policy.monotone, lambda: policy.version)
+        return queue
+
+    def cap(self, place: str) -> int:
+        """``place``'s capacity in bytes (0: none but the tree's own bound)."""
+        cap = self.capacity.get(place, 0)
+        if not cap and place.startswith(L2_AT):
+            cap = self.capacity.get(L2_AT, 0)
+        return cap
+
+    # -- membership ----------------------------------------------------------------------
+
+    def refresh(self, node: TreeNode) -> None:
+        """Recompute ``node``'s membership of its places' leaf sets and of ``ends``."""
+        if node.parent is None:  # the root
+            return
+        children = node.children.values()
+        for place in node.places or ():
+            queue = self.queue(place)
+            if any(c.places and place in c.places for c in children):
+                queue.discard(node)
+            else:
+                queue.add(node)
+        if node.children:
+            self.ends.discard(node)
+        else:
+            self.ends.add(node)
+
+    def add(self, node: TreeNode, place: str, bit: int, full: int, size: int) -> bool:
+        """Rank ``bit``'s shards of ``node`` (``size`` bytes a page) are in ``place``
+        now; whether that made the node whole there."""
+        assert node.places is not None and node.parent is not None
+        old = node.places.get(place, 0)
+        if old & bit:
+            return False
+        node.places[place] = old | bit
+        self.used[place] = self.used.get(place, 0) + size * len(node.page_hashes or ())
+        if not old:
+            self.refresh(node)
+            self.refresh(node.parent)
+        return old | bit == full
+
+    def remove(self, node: TreeNode, place: str, sizes: dict[int, int]) -> int:
+        """``node`` leaves ``place``; the ranks that had it there."""
+        assert node.places is not None and node.parent is not None
+        mask = node.places.pop(place, 0)
+        size = sum(sizes.get(rank, 0) for rank in ranks_of(mask))
+        self.used[place] = max(0, self.used.get(place, 0) - size * len(node.page_hashes or ()))
+        self.queue(place).discard(node)
+        self.refresh(node.parent)
+        return mask
+
+    def split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``upper`` was cut from ``lower`` with the same places: not a leaf of them."""
+        self.refresh(upper)
+        self.refresh(lower)
+
+    def detach(self, node: TreeNode) -> None:
+        for queue in self.leaves.values():
+            queue.discard(node)
+        self.ends.discard(node)
+
+    @staticmethod
+    def lock(node: TreeNode, delta: int) -> None:
+        """Hold (+1) or let go (-1) ``node`` and its ancestors: a held node is not evicted."""
+        while node.parent is not None:
+            node.lock_ref += delta
+            assert node.lock_ref >= 0
+            node = node.parent
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def over(self) -> list[str]:
+        """Places holding more than their capacity."""
+        return [p for p, used in self.used.items() if 0 < self.cap(p) < used]
+
+    def victims(self, place: str) -> Iterator[TreeNode]:
+        """Leaves of ``place`` to evict, in policy order, while it is over capacity
+        (the caller makes each leave before the next is asked for)."""
+        cap = self.cap(place)
+        return self._take(self.queue(place), lambda: self.used.get(place, 0) > cap)
+
+    def ends_victims(self, more: Callable[[], bool]) -> Iterator[TreeNode]:
+        """Childless nodes to evict, in policy order, while ``more()``."""
+        return self._take(self.ends, more)
+
+    @staticmethod
+    def _take(queue: LeafQueue, more: Callable[[], bool]) -> Iterator[TreeNode]:
+        queue.begin()
+        kept = []
+        try:
+            while more():
+                node = queue.pop()
+                if node is None:
+                    break
+                if node.lock_ref:
+                    kept.append(node)
+                    continue
+                yield node
+        finally:
+            for node in kept:
+                queue.requeue(node)
+
+    # -- figures -------------------------------------------------------------------------
+
+    def figures(
+        self,
+        nodes: Iterable[TreeNode],
+        group: Callable[[TreeNode], tuple[str, int]],
+        namespace: Callable[[TreeNode], str],
+    ) -> dict[str, dict]:
+        """Per place: whole pages, shard bytes held, and whole pages per tenant (the
+        namespace before any ``/``: a request's salt or adapter is not a tenant)."""
+        out: dict[str, dict] = {
+            p: {"pages": 0, "bytes": used, "tenants": {}} for p, used in self.used.items()
+        }
+        for node in nodes:
+            full = (1 << group(node)[1]) - 1
+            n = len(node.page_hashes or ())
+            for place, mask in (node.places or {}).items():
+                if mask == full:
+                    entry = out[place]
+                    entry["pages"] += n
+                    tenant = namespace(node).split("/", 1)[0]
+                    entry["tenants"][tenant] = entry["tenants"].get(tenant, 0) + n
+        return out
+
+
+class Whole:
+    """The pages a run made whole in its place, as ``BlockStored`` events: one per
+    run of consecutive pages."""
+
+    def __init__(self, namespace: str, place: str, parent: bytes | None) -> None:
+        self.namespace, self.place, self.parent = namespace, place, parent
+        self.events: list[BlockStored] = []
+
+    def add(self, node: TreeNode) -> None:
+        hashes = tuple(node.page_hashes or ())
+        parent = node.parent.page_hashes[-1] if node.parent and node.parent.page_hashes else None
+        last = self.events[-1] if self.events else None
+        if last is not None and last.page_hashes[-1] == parent:
+            hashes, parent = last.page_hashes + hashes, last.parent_hash
+            self.events.pop()
+        self.events.append(
+            BlockStored(
+                hashes, medium_of(self.place), self.namespace, parent, place=event_place(self.place)
+            )
+        )
+
+
+def group_of(node: TreeNode) -> tuple[str, int]:
+    tag, world, _ = node.namespace.split("/", 2)
+    return tag, int(world)
+
+
+def namespace_of(node: TreeNode) -> str:
+    return node.namespace.split("/", 2)[2]
+
+
+def event_place(place: str) -> str:
+    """An event's place: the node of an L2 (L3 is one place: none named)."""
+    return place[len(L2_AT) :] if place.startswith(L2_AT) else ""

@@ -1,0 +1,371 @@
+"""Engine pages in the tree (``fabric.cache.engine_tree``): a page is whole in a
+place only once every rank of the engine stored its shard there (the MIN over
+ranks), lookups stop at the first page whole neither in L3 nor in the asker's
+node L2, eviction is leaves first in the policy's order within each place's
+capacity (never a page before the pages after it), leases hold what a lookup
+matched, and bad input names the bad value and changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from fabric.cache.engine_input import L3, StoredRun
+from fabric.cache.engine_places import Drop, ranks_of
+from fabric.cache.engine_tree import EngineTree
+from fabric.cache.events import BlockRemoved, BlockStored, Medium
+from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
+from fabric.errors import InvalidInput
+from tests.helpers import machine_settings
+
+TAG = "0123456789abcdef"
+L2A, L2B = "l2@node-a", "l2@node-b"
+
+
+def chain(n: int, namespace: str = "vllm", first: int = 0) -> list[bytes]:
+    tokens = pack_tokens(range(first, first + 4 * n))
+    return chain_hashes(namespace_seed(namespace), tokens, 16)
+
+
+def run(hashes, parent=None, namespace="vllm", place=L3, page_bytes=10) -> StoredRun:
+    return StoredRun(namespace, parent, tuple(hashes), place, page_bytes)
+
+
+def stored(events) -> list[bytes]:
+    return [h for e in events if isinstance(e, BlockStored) for h in e.page_hashes]
+
+
+def test_a_page_is_whole_only_once_every_rank_stored_it():
+    tree = EngineTree()
+    c = chain(4)
+    assert tree.report(TAG, 2, {0: [run(c)]}) == ([], [])
+    assert tree.lookup(TAG, 2, [c]) == [0]
+    events, _ = tree.report(TAG, 2, {1: [run(c[:3])]})
+    assert events == [BlockStored(tuple(c[:3]), Medium.STORAGE, "vllm", None)]
+    # The MIN over ranks: rank 1 stored three pages, so three pages hit.
+    assert tree.lookup(TAG, 2, [c, c[:2], chain(2, first=99)]) == [3, 2, 0]
+
+
+def test_runs_reported_out_of_order_meet_in_one_path():
+    tree = EngineTree()
+    c = chain(5)
+    tree.report(TAG, 2, {0: [run(c)], 1: [run(c[:1]), run(c[2:], parent=c[1])]})
+    assert tree.lookup(TAG, 2, [c]) == [1]
+    events, _ = tree.report(TAG, 2, {1: [run(c[1:2], parent=c[0])]})
+    assert tree.lookup(TAG, 2, [c]) == [5]
+    assert events == [BlockStored((c[1],), Medium.STORAGE, "vllm", c[0])]
+    # A run whose parent the tree does not know yet waits for it.
+    d = chain(3, first=40)
+    tree.report(TAG, 1, {0: [run(d[1:], parent=d[0])]})
+    assert tree.lookup(TAG, 1, [d]) == [0]
+    events, _ = tree.report(TAG, 1, {0: [run(d[:1])]})
+    assert tree.lookup(TAG, 1, [d]) == [3]
+    assert stored(events) == d
+
+
+def test_engines_and_worlds_never_see_each_others_pages():
+    tree = EngineTree()
+    c = chain(3)
+    tree.report(TAG, 1, {0: [run(c)]})
+    assert tree.lookup(TAG, 1, [c]) == [3]
+    assert tree.lookup("fedcba9876543210", 1, [c]) == [0]
+    assert tree.lookup(TAG, 2, [c]) == [0]
+
+
+def test_a_nodes_l2_serves_that_node_only_and_l3_serves_every_node():
+    tree = EngineTree()
+    c = chain(4)
+    events, _ = tree.report(TAG, 1, {0: [run(c, place=L2A)]})
+    assert events == [BlockStored(tuple(c), Medium.HOST, "vllm", None, place="node-a")]
+    assert tree.lookup(TAG, 1, [c], place=L2A) == [4]
+    assert tree.lookup(TAG, 1, [c], place=L2B) == [0]
+    assert tree.lookup(TAG, 1, [c]) == [0]
+    tree.report(TAG, 1, {0: [run(c[:2])]})
+    assert tree.lookup(TAG, 1, [c], place=L2B) == [2]
+    assert tree.stats.l2_hit_pages == 4
+    places = tree.residency()
+    assert places[L2A]["pages"] == 4 and places[L3]["pages"] == 2
+    assert places[L3]["bytes"] == 20 and places[L3]["tenants"] == {"vllm": 2}
+
+
+def test_forget_ends_matches_until_stored_again_and_keeps_what_follows():
+    tree = EngineTree()
+    c = chain(4)
+    tree.report(TAG, 2, {0: [run(c)], 1: [run(c)]})
+    assert tree.forget(TAG, 2, [c[2], chain(1, first=77)[0]]) == [
+        BlockRemoved((c[2],), Medium.STORAGE, "vllm")
+    ]
+    assert tree.stats.forgotten_pages == 1
+    assert tree.lookup(TAG, 2, [c]) == [2]
+    tree.report(TAG, 2, {0: [run(c[2:3], c[1])], 1: [run(c[2:3], c[1])]})
+    assert tree.lookup(TAG, 2, [c]) == [4]  # the page after it was kept
+
+
+def test_eviction_takes_leaves_first_in_policy_order_within_the_cap():
+    """Least recently used first, but never a page before the pages after it:
+    what stays is always a whole prefix (a flat LRU forgot a chain's first page,
+    which a lookup refreshes first, and with it every page after)."""
+    tree = EngineTree("lru", capacity={L3: 60})  # six pages of 10 bytes
+    a, b = chain(4), chain(3, first=50)
+    tree.report(TAG, 1, {0: [run(a)]}, now=1.0)
+    tree.lookup(TAG, 1, [a[:2]], now=2.0)  # a's first two pages are used again
+    events, drops = tree.report(TAG, 1, {0: [run(b)]}, now=3.0)
+    assert drops == [Drop(TAG, 1, L3, 1, tuple(a[2:]))]
+    assert BlockRemoved(tuple(a[2:]), Medium.STORAGE, "vllm") in events
+    assert tree.lookup(TAG, 1, [a, b], now=4.0) == [2, 3]
+    assert tree.places.used[L3] == 50
+    assert tree.stats.evicted_by_place == {L3: 2}
+
+
+def test_a_leased_match_is_kept_past_capacity_until_released_or_expired():
+    tree = EngineTree("lru", capacity={L3: 30})
+    a, b = chain(3), chain(3, first=50)
+    tree.report(TAG, 1, {0: [run(a)]}, now=0.0)
+    assert tree.lookup(TAG, 1, [a], ["e/r1"], 5.0, now=0.0) == [3]
+    _, drops = tree.report(TAG, 1, {0: [run(b)]}, now=1.0)  # a is leased: b goes
+    assert [d.hashes for d in drops] == [tuple(b)]
+    assert tree.lookup(TAG, 1, [a, b], now=1.0) == [3, 0]
+    assert tree.leased == 1 and tree.release(["e/r1", "e/unknown"]) == 1
+    _, drops = tree.report(TAG, 1, {0: [run(b)]}, now=2.0)  # now a may go
+    assert [d.hashes for d in drops] == [tuple(a)]
+    # A lease not released ends when its time is up (at the next lookup).
+    tree.lookup(TAG, 1, [b], ["e/r2"], 5.0, now=10.0)
+    assert tree.lookup(TAG, 1, [[]], now=15.0) == [0]
+    assert tree.leased == 0 and tree.stats.leases_expired == 1
+
+
+def test_the_trees_own_bound_evicts_whole_nodes_from_every_place():
+    tree = EngineTree("lru", index_pages=4)
+    a, b = chain(3), chain(3, first=50)
+    tree.report(TAG, 1, {0: [run(a), run(a, place=L2A)]}, now=1.0)
+    _, drops = tree.report(TAG, 1, {0: [run(b)]}, now=2.0)
+    assert sorted(d.place for d in drops) == [L2A, L3]
+    assert len(tree) == 3 and tree.lookup(TAG, 1, [a, b], place=L2A) == [0, 3]
+
+
+def test_forget_all_announces_every_whole_page_gone():
+    tree = EngineTree()
+    c = chain(2)
+    tree.report(TAG, 1, {0: [run(c), run(c, place=L2A)]})
+    events = tree.forget_all()
+    assert sorted((e.medium, e.place) for e in events) == [
+        (Medium.HOST, "node-a"),
+        (Medium.STORAGE, ""),
+    ]
+    assert len(tree) == 0 and tree.lookup(TAG, 1, [c]) == [0]
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda t: t.lookup("XYZ", 1, [[]]), "tag 'XYZ'"),
+        (lambda t: t.lookup(TAG, 0, [[]]), "world 0"),
+        (lambda t: t.lookup(TAG, True, [[]]), "world True"),
+        (lambda t: t.lookup(TAG, 1, [[b"short"]]), "page hash b'short'"),
+        (lambda t: t.lookup(TAG, 1, "not a list"), "chains must be"),
+        (lambda t: t.lookup(TAG, 1, [[]] * 5000), "at most 4096 page-hash lists"),
+        (lambda t: t.report(TAG, 1, {0: [run(chain(1))] * 5000}), "rank 0's runs"),
+        (lambda t: t.report(TAG, 2, {2: []}), "rank 2"),
+        (lambda t: t.report(TAG, 2, {0: ["run"]}), "StoredRun, got str"),
+        (lambda t: t.report(TAG, 2, {0: [run(chain(1), namespace="")]}), "namespace ''"),
+        (lambda t: t.report(TAG, 2, {0: [run(chain(1), parent=b"x")]}), "parent b'x'"),
+        (lambda t: t.report(TAG, 2, {0: [run(chain(1), place="l2@")]}), "place 'l2@'"),
+        (lambda t: t.report(TAG, 2, {0: [run(chain(1), place="disk")]}), "place 'disk'"),
+        (lambda t: t.report(TAG, 2, {0: [run(chain(1), page_bytes=-1)]}), "page_bytes -1"),
+        (lambda t: t.forget(TAG, 1, [hashlib.sha256().digest()[:31]]), "page hash"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_value_and_changes_nothing(call, needle):
+    tree = EngineTree()
+    tree.report(TAG, 2, {0: [run(chain(2))]})
+    with pytest.raises(InvalidInput, match=needle.replace("(", r"\(")):
+        call(tree)
+    assert len(tree) == 2
+    assert tree.lookup(TAG, 2, [chain(2)]) == [0]
+
+
+@pytest.mark.parametrize(
+    ("leases", "lease_s", "needle"),
+    [
+        (["a", "b"], 1.0, "one lease name per chain"),
+        ([""], 1.0, "lease name ''"),
+        (["x" * 300], 1.0, "1..256 characters"),
+        ([7], 1.0, "lease name 7"),
+        (["a"], -1.0, "lease_s -1.0"),
+        (["a"], float("nan"), "lease_s nan"),
+        (["a"], 601.0, "lease_s 601.0"),
+        (["a"], True, "lease_s True"),
+    ],
+)
+def test_bad_leases_are_refused_naming_the_value(leases, lease_s, needle):
+    tree = EngineTree()
+    tree.report(TAG, 1, {0: [run(chain(2))]})
+    with pytest.raises(InvalidInput, match=needle):
+        tree.lookup(TAG, 1, [chain(2)], leases, lease_s)
+    assert tree.leased == 0 and tree.stats.lookups == 0
+    with pytest.raises(InvalidInput, match="lease names"):
+        tree.release("e/r1")
+
+
+def test_a_bad_run_among_good_ones_records_none_of_them():
+    tree = EngineTree()
+    with pytest.raises(InvalidInput):
+        tree.report(TAG, 1, {0: [run(chain(2)), run([b"bad"])]})
+    assert len(tree) == 0
+
+
+TAGS = [TAG, "fedcba9876543210"]
+PLACES = [L3, L2A, L2B]
+NAMES = ["e/r1", "e/r2", "f/r1"]
+
+
+class EngineTreeMachine(RuleBasedStateMachine):
+    """Model: per (engine, place, page), the ranks that stored it there, updated
+    from the reports and from the drops the tree returns. A lookup is the leading
+    run of pages whole in L3 or the asker's L2, never more; a drop names exactly
+    the ranks the model has there, and never a page while the page after it is
+    in that place (leaves first); the bytes each place holds are exact, within its
+    cap unless every leaf of it is leased; the tree's own bound holds likewise."""
+
+    @initialize(
+        l3=st.sampled_from([0, 40, 200]),
+        l2=st.sampled_from([0, 30]),
+        index=st.sampled_from([6, 1000]),
+        policy=st.sampled_from(["lru", "a2q", "lfu"]),
+    )
+    def setup(self, l3: int, l2: int, index: int, policy: str) -> None:
+        self.tree = EngineTree(policy, index, {L3: l3, "l2@": l2})
+        self.caps = {L3: l3, L2A: l2, L2B: l2}
+        self.index = index
+        self.model: dict[tuple[str, int, str, bytes], int] = {}
+        self.chains = {ns: chain(6, ns) for ns in ("a", "b")}
+        self.after = {c[i]: c[i + 1] for c in self.chains.values() for i in range(len(c) - 1)}
+        self.now = 0.0
+        self.leases: dict[str, float] = {}
+
+    def _apply(self, drops: list[Drop]) -> None:
+        for d in drops:
+            for h in d.hashes:
+                key = (d.tag, d.world, d.place, h)
+                assert self.model.pop(key, 0) == d.mask
+            nxt = self.after.get(d.hashes[-1])
+            assert (d.tag, d.world, d.place, nxt) not in self.model, "a parent before its child"
+
+    @rule(
+        tag=st.sampled_from(TAGS),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        start=st.integers(0, 5),
+        length=st.integers(1, 4),
+        rank=st.integers(0, 2),
+        place=st.sampled_from(PLACES),
+    )
+    def report(self, tag, world, ns, start, length, rank, place) -> None:
+        rank %= world
+        c = self.chains[ns]
+        hashes = c[start : start + length]
+        parent = c[start - 1] if start else None
+        if parent is not None and (tag, world, parent) not in self.tree.where:
+            return  # it would wait for its parent (tested above)
+        self.now += 1
+        before = dict(self.model)
+        events, drops = self.tree.report(
+            tag, world, {rank: [run(hashes, parent, ns, place)]}, now=self.now
+        )
+        full = (1 << world) - 1
+        whole = []
+        for h in hashes:
+            key = (tag, world, place, h)
+            old = self.model.get(key, 0)
+            self.model[key] = old | 1 << rank
+            if old | 1 << rank == full and old != full:
+                whole.append(key)
+        assert stored(events) == [k[3] for k in whole]
+        self._apply(drops)
+        removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.page_hashes]
+        gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
+        gone += [k for k in whole if k not in self.model]
+        assert sorted(removed) == sorted(k[3] for k in gone)
+
+    @rule(
+        tag=st.sampled_from(TAGS),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        length=st.integers(0, 6),
+        place=st.sampled_from(["", L2A, L2B]),
+        lease=st.one_of(st.none(), st.tuples(st.sampled_from(NAMES), st.sampled_from([1.0, 5.0]))),
+    )
+    def lookup(self, tag, world, ns, length, place, lease) -> None:
+        c = self.chains[ns][:length]
+        self.leases = {n: t for n, t in self.leases.items() if t > self.now}
+        if lease is None:
+            (hit,) = self.tree.lookup(tag, world, [c], now=self.now, place=place)
+        else:
+            (hit,) = self.tree.lookup(tag, world, [c], [lease[0]], lease[1], self.now, place)
+        full, expected = (1 << world) - 1, 0
+        for h in c:
+            if full not in (
+                self.model.get((tag, world, L3, h)),
+                self.model.get((tag, world, place, h)),
+            ):
+                break
+            expected += 1
+        assert hit == expected
+        if lease is not None:
+            self.leases.pop(lease[0], None)
+            if hit:
+                self.leases[lease[0]] = self.now + lease[1]
+        assert self.tree.leased == len(self.leases)
+
+    @rule(names=st.lists(st.sampled_from([*NAMES, "unknown"]), max_size=3))
+    def release(self, names) -> None:
+        assert self.tree.release(names) == len({n for n in names if n in self.leases})
+        for name in names:
+            self.leases.pop(name, None)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
+    def tick(self, seconds) -> None:
+        self.now += seconds
+
+    @rule(
+        tag=st.sampled_from(TAGS),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        at=st.integers(0, 5),
+    )
+    def forget(self, tag, world, ns, at) -> None:
+        h = self.chains[ns][at]
+        events = self.tree.forget(tag, world, [h])
+        full = (1 << world) - 1
+        was = sorted(p for p in PLACES if self.model.get((tag, world, p, h)) == full)
+        assert sorted(e.medium for e in events) == sorted(
+            Medium.STORAGE if p == L3 else Medium.HOST for p in was
+        )
+        for p in PLACES:
+            self.model.pop((tag, world, p, h), None)
+
+    @invariant()
+    def exact_and_bounded(self) -> None:
+        used: dict[str, int] = {}
+        for (_, _, place, _), mask in self.model.items():
+            used[place] = used.get(place, 0) + 10 * len(list(ranks_of(mask)))
+        places = self.tree.places
+        assert {p: n for p, n in places.used.items() if n} == used
+        for place, n in used.items():
+            if 0 < self.caps[place] < n:
+                assert all(node.lock_ref for node in places.queue(place).members)
+        if len(self.tree) > self.index:
+            assert all(node.lock_ref for node in places.ends.members)
+        for (tag, world, h), node in self.tree.where.items():
+            assert h in node.page_hashes
+            parent = node.parent
+            assert parent is self.tree.tree.root or (tag, world, parent.page_hashes[-1]) in (
+                self.tree.where
+            )
+
+
+EngineTreeMachine.TestCase.settings = machine_settings(examples=200, steps=40)
+TestEngineTreeMachine = EngineTreeMachine.TestCase

@@ -1,0 +1,41 @@
+"""Evictions waiting for an engine (``fabric.coordinator.engine_drops``): each
+goes to one engine of its tag and world that can reach its place, oldest first,
+a reply's worth at a time; past the bound the oldest are let go, counted."""
+
+from __future__ import annotations
+
+from fabric.cache.engine_input import L3
+from fabric.cache.engine_places import Drop
+from fabric.coordinator import engine_drops
+from fabric.coordinator.engine_drops import PendingDrops
+
+TAG, OTHER = "0123456789abcdef", "fedcba9876543210"
+
+
+def drop(place: str, n: int = 1, tag: str = TAG, first: int = 0) -> Drop:
+    return Drop(tag, 1, place, 1, tuple(bytes([first + i]) * 32 for i in range(n)))
+
+
+def test_an_engine_takes_l3s_drops_and_its_own_nodes_only_once():
+    pending = PendingDrops()
+    l3, here, there, other = drop(L3), drop("l2@a"), drop("l2@b"), drop(L3, tag=OTHER)
+    pending.add([l3, here, there, other])
+    assert pending.take(TAG, 1, "l2@a") == [l3, here]
+    assert pending.take(TAG, 1, "l2@a") == []
+    assert pending.take(TAG, 2, "l2@b") == []  # another world
+    assert pending.take(TAG, 1, "") == []  # no L2: L3's only
+    assert pending.take(TAG, 1, "l2@b") == [there]
+    assert pending.take(OTHER, 1, "") == [other]
+    assert len(pending) == 0
+
+
+def test_a_reply_carries_a_bounded_share_and_the_oldest_go_past_the_bound(monkeypatch):
+    monkeypatch.setattr(engine_drops, "MAX_PAGES_PER_REPLY", 3)
+    pending = PendingDrops(max_pages=5)
+    pending.add(
+        [drop(L3, 2, first=i * 2) for i in range(4)]
+    )  # 8 pages: the oldest two drops let go
+    assert pending.let_go == 4 and len(pending) == 4
+    first = pending.take(TAG, 1, "")
+    assert [d.hashes[0][0] for d in first] == [4, 6]
+    assert pending.take(TAG, 1, "") == [] and len(pending) == 0
