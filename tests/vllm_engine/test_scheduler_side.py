@@ -62,6 +62,9 @@ class FakeLink:
     def report_stored(self, world, stored):
         FabricLink.report_stored(self, world, stored)
 
+    def take_drops(self):
+        return []
+
     def forget(self, tag, world, hashes):
         self.forgotten += hashes
 

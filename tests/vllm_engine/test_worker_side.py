@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
-from fabric.cache.engine_input import StoredRun
+from fabric.cache.engine_input import L3, StoredRun, node_place
+from fabric.cache.engine_places import Drop
 from fabric.engines import vllm_writes
 from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (
@@ -32,6 +34,7 @@ BLOCK_BYTES = HEADS * BLOCK * 2 * HEAD * 4
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROVENANCE = Provenance("m", "vllm-block/test", "float32", (2, HEADS, BLOCK, HEAD), BLOCK)
 TAG = "0123456789abcdef"
+PAGE_BYTES = BLOCK_BYTES * len(LAYERS)
 
 
 def pload(hs, blocks, rid: str = "r", load_id: int = 0, asynchronous: bool = False) -> PageLoad:
@@ -79,7 +82,7 @@ def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
     writer.save(FabricStepMeta(saves=[psave(run, (3, 4, 5, 6, 7))], store=store))
     writer.close()
     meta = writer.worker_meta()
-    assert meta is not None and meta.stored == [(TAG, 0, run)]
+    assert meta is not None and meta.stored == [(TAG, 0, replace(run, page_bytes=PAGE_BYTES))]
     assert meta.ended == [(0, h) for h in run.hashes]
     reader = worker(tmp_path, target)
     reader.load(FabricStepMeta(loads=[pload(run.hashes, (9, 10, 11, 12, 13))], store=store))
@@ -93,6 +96,37 @@ def test_stored_blocks_load_back_bit_for_bit_into_other_blocks(tmp_path):
     assert other.load_errors() == {0, 1, 2, 3, 4}
     for side in (reader, other):
         side.close()
+
+
+def test_a_store_reports_each_place_it_reached_and_the_fabrics_evictions_are_carried_out(
+    tmp_path,
+):
+    """Pages stored in L3 and in the node's L2 are reported for both places (with
+    the rank's page size); a drop for this rank deletes its shards there, and one
+    for another rank, or another node, is left alone."""
+    store = StoreOptions(path=str(tmp_path))
+    source = caches(1)
+    writer = worker(tmp_path, source, l2=True)
+    run = StoredRun("vllm", None, hashes(4))
+    writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
+    drain(writer)
+    here = node_place(str(tmp_path / "shm"))
+    assert writer.pages.l2_place == here
+    assert sorted(r.place for _, _, r in writer.worker_meta().stored) == sorted([L3, here])
+    drops = [
+        Drop(TAG, 2, L3, 0b01, run.hashes[2:]),
+        Drop(TAG, 2, here, 0b01, run.hashes[3:]),
+        Drop(TAG, 2, L3, 0b10, run.hashes[:2]),  # rank 1's: not this worker's
+        Drop(TAG, 2, "l2@elsewhere", 0b01, run.hashes[:2]),  # another node's
+    ]
+    writer.save(FabricStepMeta(drops=drops, store=store))
+    drain(writer)
+    keys = writer.pages.keys(TAG, run.hashes)
+    assert writer.pages.store.present(keys) == [True, True, False, False]
+    assert [f is not None for f in writer.pages.l2.find(keys)] == [True, True, True, False]
+    counts = writer.take_stats().data
+    assert counts["l3_deleted_pages"] == 2 and counts["l2_dropped_pages"] == 1
+    writer.close()
 
 
 def test_asynchronous_loads_are_reported_when_done(tmp_path):
@@ -331,6 +365,9 @@ class WedgedStore(PageStore):
     def _store(self, keys, pages, provenance):
         self.go.wait(30)
         return [True] * len(keys)
+
+    def _delete(self, keys):
+        return 0
 
     def clear(self):
         return True
