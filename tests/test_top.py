@@ -45,3 +45,24 @@ def test_a_frame_shows_transfers_hit_shares_pools_and_requests_in_flight():
     assert "36.4%" in text  # 40 of 110 prompt tokens from L1
     assert "75 / 100 (75.0%)" in text
     assert "waiting 1" in text and "running 2" in text and "resets 1" in text
+
+
+def test_a_frame_shows_engine_pages_per_place_and_tenant_once_there_are_any():
+    console = Console(width=140, record=True)
+    quiet = snapshot(0, 0, 0, 0)
+    console.print(frame(None, quiet, 1.0))
+    assert "engine pages" not in console.export_text()
+    busy = {
+        **quiet,
+        "engines": {
+            "places": {
+                "l3": {"pages": 120, "bytes": 4096, "tenants": {"a": 100, "b": 20}},
+                "l2@node-1": {"pages": 7, "bytes": 512, "tenants": {"a": 7}},
+            },
+            "hit_pages": {"l2": 5, "l3": 60},
+        },
+    }
+    console.print(frame(quiet, busy, 1.0))
+    text = console.export_text()
+    assert "engine pages (hits: L2 5, L3 60)" in text
+    assert "l2@node-1" in text and "a 100, b 20" in text and "4,096" in text

@@ -10,7 +10,7 @@ node's L2 by its ``host_order`` (as the fabric's own L1 and L2 do).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fabric.cache.engine_input import L2_AT, L3
@@ -55,6 +55,7 @@ class Places:
         policy = self.policy
         self.leaves: dict[str, LeafQueue] = {}
         self.used: dict[str, int] = {}  # shard bytes held, per place
+        self.whole: dict[str, dict[str, int]] = {}  # whole pages, per place and tenant
         # Childless nodes, for the tree's own bound (``index_pages``).
         self.ends = LeafQueue(policy.key, policy.monotone, lambda: policy.version)
 
@@ -99,18 +100,32 @@ class Places:
         if old & bit:
             return False
         node.places[place] = old | bit
-        self.used[place] = self.used.get(place, 0) + size * len(node.page_hashes or ())
+        pages = len(node.page_hashes or ())
+        self.used[place] = self.used.get(place, 0) + size * pages
         if not old:
             self.refresh(node)
             self.refresh(node.parent)
-        return old | bit == full
+        if old | bit != full:
+            return False
+        self._count_whole(node, place, pages)
+        return True
+
+    def _count_whole(self, node: TreeNode, place: str, pages: int) -> None:
+        tenants = self.whole.setdefault(place, {})
+        tenant = tenant_of(node)
+        tenants[tenant] = tenants.get(tenant, 0) + pages
+        if not tenants[tenant]:
+            del tenants[tenant]
 
     def remove(self, node: TreeNode, place: str, sizes: dict[int, int]) -> int:
         """``node`` leaves ``place``; the ranks that had it there."""
         assert node.places is not None and node.parent is not None
         mask = node.places.pop(place, 0)
+        pages = len(node.page_hashes or ())
         size = sum(sizes.get(rank, 0) for rank in ranks_of(mask))
-        self.used[place] = max(0, self.used.get(place, 0) - size * len(node.page_hashes or ()))
+        self.used[place] = max(0, self.used.get(place, 0) - size * pages)
+        if mask == (1 << group_of(node)[1]) - 1:
+            self._count_whole(node, place, -pages)
         self.queue(place).discard(node)
         self.refresh(node.parent)
         return mask
@@ -168,27 +183,17 @@ class Places:
 
     # -- figures -------------------------------------------------------------------------
 
-    def figures(
-        self,
-        nodes: Iterable[TreeNode],
-        group: Callable[[TreeNode], tuple[str, int]],
-        namespace: Callable[[TreeNode], str],
-    ) -> dict[str, dict]:
-        """Per place: whole pages, shard bytes held, and whole pages per tenant (the
-        namespace before any ``/``: a request's salt or adapter is not a tenant)."""
-        out: dict[str, dict] = {
-            p: {"pages": 0, "bytes": used, "tenants": {}} for p, used in self.used.items()
+    def figures(self) -> dict[str, dict]:
+        """Per place: whole pages, shard bytes held, and whole pages per tenant."""
+        places = set(self.used) | set(self.whole)
+        return {
+            p: {
+                "pages": sum(self.whole.get(p, {}).values()),
+                "bytes": self.used.get(p, 0),
+                "tenants": dict(self.whole.get(p, {})),
+            }
+            for p in sorted(places)
         }
-        for node in nodes:
-            full = (1 << group(node)[1]) - 1
-            n = len(node.page_hashes or ())
-            for place, mask in (node.places or {}).items():
-                if mask == full:
-                    entry = out[place]
-                    entry["pages"] += n
-                    tenant = namespace(node).split("/", 1)[0]
-                    entry["tenants"][tenant] = entry["tenants"].get(tenant, 0) + n
-        return out
 
 
 class Whole:
@@ -216,6 +221,12 @@ class Whole:
 def group_of(node: TreeNode) -> tuple[str, int]:
     tag, world, _ = node.namespace.split("/", 2)
     return tag, int(world)
+
+
+def tenant_of(node: TreeNode) -> str:
+    """The tenant of an engine node: its namespace before any ``/`` (a request's
+    salt or adapter is not a tenant)."""
+    return namespace_of(node).split("/", 1)[0]
 
 
 def namespace_of(node: TreeNode) -> str:

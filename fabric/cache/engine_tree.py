@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from fabric.cache.engine_input import (
     HASH_BYTES,
+    L2_AT,
     L3,
     MAX_LEASES,
     StoredRun,
@@ -53,7 +54,7 @@ from fabric.cache.engine_places import (
     medium_of,
     namespace_of,
 )
-from fabric.cache.events import BlockRemoved, KVEvent
+from fabric.cache.events import BlockRemoved, KVEvent, Medium
 from fabric.cache.keys import TOKEN_BYTES
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree
@@ -74,13 +75,14 @@ class EngineTreeStats:
     hit_pages: int = 0
     l2_hit_pages: int = 0
     reported_pages: int = 0
-    whole_pages: int = 0
+    whole_pages: int = 0  # made whole in L3 (``whole_by_place``: in every place)
     forgotten_pages: int = 0
     evicted_pages: int = 0
     leases: int = 0
     leases_released: int = 0
     leases_expired: int = 0
     orphans_dropped: int = 0
+    whole_by_place: dict[str, int] = field(default_factory=dict)
     evicted_by_place: dict[str, int] = field(default_factory=dict)
 
 
@@ -165,8 +167,9 @@ class EngineTree:
     ) -> list[int]:
         """Per chain (one request's page hashes, in order): how many leading pages
         are whole in L3 or in ``place`` (the asking node's L2). The pages matched
-        are used now; with ``leases`` (a name per chain) and ``lease_s`` > 0, each
-        chain's match is leased under its name until ``release`` or ``now + lease_s``."""
+        are used now; with ``leases`` (a name per chain), each chain's match is
+        leased under its name until ``release`` or ``now + lease_s`` (a lease the
+        name held before ends: a name leases once)."""
         check_group(tag, world)
         self.expire(now)
         if leases is not None:
@@ -180,8 +183,8 @@ class EngineTree:
             self.stats.lookup_pages += len(chain)
             self.stats.hit_pages += n
             out.append(n)
-            if leases is not None and node is not None and lease_s > 0:
-                self._lease(leases[i], node, now + lease_s)
+            if leases is not None:  # a name leases once: a new lookup under it replaces it
+                self._lease(leases[i], node, now, lease_s)
         return out
 
     def _match(
@@ -212,9 +215,12 @@ class EngineTree:
             node, at = self.where.get((tag, world, chain[i])), 0
         return matched, last
 
-    def _lease(self, name: str, node: TreeNode, until: float) -> None:
-        self.release([name])  # a name leases once: a new lookup under it replaces it
-        self._leases[name] = (until, node)
+    def _lease(self, name: str, node: TreeNode | None, now: float, lease_s: float) -> None:
+        if name in self._leases:
+            self._end(name)
+        if node is None or lease_s <= 0:
+            return
+        self._leases[name] = (now + lease_s, node)
         self.places.lock(node, +1)
         self.stats.leases += 1
         while len(self._leases) > MAX_LEASES:
@@ -267,7 +273,11 @@ class EngineTree:
                 if not sizes[rank]:
                     sizes[rank] = run.page_bytes
                 self._record(tag, world, rank, run, events)
-        self.stats.whole_pages += sum(len(e.page_hashes) for e in events)
+        for e in events:
+            n, by = len(e.page_hashes), self.stats.whole_by_place
+            key = L3 if e.medium is Medium.STORAGE else L2_AT + e.place
+            by[key] = by.get(key, 0) + n
+            self.stats.whole_pages += n if key == L3 else 0
         drops = self._evict(events)
         return events, drops
 
@@ -439,5 +449,6 @@ class EngineTree:
     # -- figures -------------------------------------------------------------------------
 
     def residency(self) -> dict[str, dict[str, int]]:
-        """Per place: pages whole there, shard bytes held, and whole pages per tenant."""
-        return self.places.figures(self.tree.walk(), group_of, namespace_of)
+        """Per place: pages whole there, shard bytes held, and whole pages per tenant
+        (kept as they change: nothing walks the tree)."""
+        return self.places.figures()

@@ -102,8 +102,22 @@ def status_text(st: dict[str, Any], dashboard: str) -> str:
             )
     else:
         lines.append(f"  L3: {l3.get('error', 'not attached')}")
+    lines += _engines_text(st.get("engines") or {})
     lines.append(f"  {dashboard}")
     return "\n".join(lines)
+
+
+def _engines_text(engines: dict[str, Any]) -> list[str]:
+    """Engine pages in the tree, per place, with its tenants; hits per tier."""
+    places = engines.get("places") or {}
+    if not any(p["pages"] for p in places.values()):
+        return []
+    hits = engines.get("hit_pages", {})
+    lines = [f"  engine pages (hits: L2 {hits.get('l2', 0):,}, L3 {hits.get('l3', 0):,}):"]
+    for place, p in places.items():
+        tenants = ", ".join(f"{t} {n:,}" for t, n in sorted(p["tenants"].items()))
+        lines.append(f"    {place:<24} {p['pages']:>10,} pages {p['bytes']:>16,} bytes  {tenants}")
+    return lines
 
 
 def simulate_text(out: dict[str, Any]) -> str:

@@ -100,6 +100,95 @@ class HostPool:
     free: int
 
 
+_PLACE = "a place: l3, or l2@<node> (that node's shared-memory L2)"
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """Pages of engines attached through a connector, in the coordinator's tree."""
+
+    pages: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_engine_pages",
+            "gauge",
+            f"Engine pages whole in a place (every rank's shard there), by place ({_PLACE}).",
+            by="place",
+            keys=("l3",),
+        ),
+    ]
+    bytes: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_engine_bytes",
+            "gauge",
+            "Bytes of engine page shards a place holds, by place.",
+            by="place",
+            keys=("l3",),
+        ),
+    ]
+    tenants: dict[str, dict[str, int]]  # place -> tenant -> whole pages
+    hit_pages: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_engine_hit_pages",
+            "counter",
+            "Engine pages lookups found whole, by tier: l2 (the asking node's L2), l3.",
+            by="tier",
+            keys=("l2", "l3"),
+        ),
+    ]
+    lookup_pages: Annotated[
+        int, Series("kvfabric_engine_lookup_pages", "counter", "Engine pages lookups asked for.")
+    ]
+    evicted_pages: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_engine_evicted_pages",
+            "counter",
+            "Engine pages the tree evicted (leaves first, in the eviction policy's order), "
+            "by place.",
+            by="place",
+            keys=("l3",),
+        ),
+    ]
+    known_pages: Annotated[
+        int,
+        Series(
+            "kvfabric_engine_known_pages",
+            "gauge",
+            "Engine pages the tree knows (whole somewhere, in part, or as a path).",
+        ),
+    ]
+    leases: Annotated[
+        int, Series("kvfabric_engine_leases", "gauge", "Engine lookups' leases held.")
+    ]
+    drops_waiting: Annotated[
+        int,
+        Series(
+            "kvfabric_engine_drops_waiting_pages",
+            "gauge",
+            "Engine pages the tree evicted that no engine has been handed to delete yet.",
+        ),
+    ]
+
+
+def engine_figures(core: CoordinatorCore) -> EngineFigures:
+    tree = core.engine_tree
+    places, stats = tree.residency(), tree.stats
+    return EngineFigures(
+        pages={p: f["pages"] for p, f in places.items()},
+        bytes={p: f["bytes"] for p, f in places.items()},
+        tenants={p: f["tenants"] for p, f in places.items()},
+        hit_pages={"l2": stats.l2_hit_pages, "l3": stats.hit_pages - stats.l2_hit_pages},
+        lookup_pages=stats.lookup_pages,
+        evicted_pages=dict(stats.evicted_by_place),
+        known_pages=len(tree),
+        leases=tree.leased,
+        drops_waiting=len(core.engine_drops),
+    )
+
+
 @dataclass(frozen=True)
 class Figures:
     fabric: str
@@ -115,6 +204,7 @@ class Figures:
     ranks: Ranks
     session_budget_tokens: int
     kv_bytes_per_token: int
+    engines: EngineFigures
 
     @property
     def transfer_tokens(self) -> dict[str, int]:
@@ -167,6 +257,7 @@ def figures(core: CoordinatorCore) -> Figures:
         ),
         session_budget_tokens=cache.sessions.budget,
         kv_bytes_per_token=core.config.model.kv_bytes_per_token,
+        engines=engine_figures(core),
     )
 
 
@@ -231,4 +322,16 @@ def status_view(
         "stragglers": f.ranks.stragglers,
         "l3": dict(l3),
         "kv_events": dict(kv_events) if kv_events is not None else None,
+        "engines": {
+            "places": {
+                p: {
+                    "pages": n,
+                    "bytes": f.engines.bytes.get(p, 0),
+                    "tenants": dict(f.engines.tenants.get(p, {})),
+                }
+                for p, n in f.engines.pages.items()
+            },
+            "hit_pages": dict(f.engines.hit_pages),
+            "evicted_pages": dict(f.engines.evicted_pages),
+        },
     }

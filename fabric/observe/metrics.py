@@ -69,6 +69,13 @@ def _pool(s: Scrape) -> Samples:
     ]
 
 
+def _tenant_pages(tenants: Mapping[str, Mapping[str, int]]) -> Samples:
+    """Per place and tenant; from the first scrape, the connector's default tenant's
+    L3 (``vllm``, 0 pages)."""
+    out: Samples = [((p, t), float(n)) for p, by in tenants.items() for t, n in by.items()]
+    return out or [(("l3", "vllm"), 0.0)]
+
+
 def _l3(key: str) -> Callable[[Scrape], Samples]:
     return lambda s: [((), float(s.l3.get(key, 0)))]
 
@@ -171,6 +178,16 @@ DERIVED: tuple[Derived, ...] = (
             by="reason",
         ),
         lambda s: [((r,), float(s.l3.get(f"refused_{r}", 0))) for r in L3_REFUSALS],
+    ),
+    Derived(
+        Series(
+            "kvfabric_engine_tenant_pages",
+            "gauge",
+            "Engine pages whole in a place, by place and tenant (the connector's namespace).",
+            (("place", ""),),  # two labels; each sample gives both values
+            by="tenant",
+        ),
+        lambda s: _tenant_pages(s.figures.engines.tenants),
     ),
     Derived(
         Series("kvfabric_kv_event_batches", "counter", "KV event batches published on ZMQ."),

@@ -1,6 +1,7 @@
 """``kvfabric top``: a live terminal view of a running fabric for operators
 without Grafana — tokens moved per direction per second, where prompt tokens
-came from (hit rate per tier), requests in flight, pool use, resets.
+came from (hit rate per tier), requests in flight, pool use, resets, and the
+pages of engines attached through a connector per place and tenant.
 
 Each frame is computed from two ``status`` snapshots (``Fabric.status``) and the
 seconds between them; ``frame`` is pure (no Ray, no terminal), ``watch`` draws
@@ -86,7 +87,26 @@ def frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], seconds: float
         cap = max(1, sizes["capacity"])
         used = cap - sizes["free"]
         pools.add_row(tier, f"{used:,} / {sizes['capacity']:,} ({100 * used / cap:.1f}%)")
-    return Group(header, moved, served, pools)
+    return Group(header, moved, served, pools, *_engines(cur.get("engines") or {}))
+
+
+def _engines(engines: Mapping[str, Any]) -> list[Table]:
+    """Pages of engines attached through a connector, per place of the tree (none
+    while no engine stored any)."""
+    places = engines.get("places") or {}
+    if not any(p["pages"] for p in places.values()):
+        return []
+    hits = engines.get("hit_pages", {})
+    table = Table(
+        title=f"engine pages (hits: L2 {hits.get('l2', 0):,}, L3 {hits.get('l3', 0):,})",
+        expand=True,
+    )
+    for column in ("place", "pages", "bytes", "by tenant"):
+        table.add_column(column, justify="left" if column in ("place", "by tenant") else "right")
+    for place, p in places.items():
+        tenants = ", ".join(f"{t} {n:,}" for t, n in sorted(p["tenants"].items()))
+        table.add_row(place, f"{p['pages']:,}", f"{p['bytes']:,}", tenants)
+    return [table]
 
 
 def watch(

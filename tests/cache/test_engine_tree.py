@@ -243,6 +243,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
         self.model: dict[tuple[str, int, str, bytes], int] = {}
         self.chains = {ns: chain(6, ns) for ns in ("a", "b")}
         self.after = {c[i]: c[i + 1] for c in self.chains.values() for i in range(len(c) - 1)}
+        self.tenant = {h: ns for ns, c in self.chains.items() for h in c}
         self.now = 0.0
         self.leases: dict[str, float] = {}
 
@@ -354,6 +355,14 @@ class EngineTreeMachine(RuleBasedStateMachine):
             used[place] = used.get(place, 0) + 10 * len(list(ranks_of(mask)))
         places = self.tree.places
         assert {p: n for p, n in places.used.items() if n} == used
+        whole: dict[str, dict[str, int]] = {}
+        for (_, world, place, h), mask in self.model.items():
+            if mask == (1 << world) - 1:
+                tenants = whole.setdefault(place, {})
+                tenants[self.tenant[h]] = tenants.get(self.tenant[h], 0) + 1
+        figures = self.tree.residency()
+        assert {p: f["tenants"] for p, f in figures.items() if f["pages"]} == whole
+        assert all(f["pages"] == sum(f["tenants"].values()) for f in figures.values())
         for place, n in used.items():
             if 0 < self.caps[place] < n:
                 assert all(node.lock_ref for node in places.queue(place).members)
