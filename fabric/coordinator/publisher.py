@@ -10,7 +10,8 @@ The wire:
   (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``,
   ``lora_id``, ``medium``, ``lora_name``), ``BlockRemoved`` (``block_hashes``,
   ``medium``) or ``AllBlocksCleared``; every event also carries ``namespace``
-  (decoders that do not know the field skip it);
+  and ``place`` — the node whose L2 holds an engine's pages, else empty
+  (decoders that do not know the fields skip them);
 - a ROUTER socket answers a replay request ``[seq]`` (after an empty delimiter
   frame, as a REQ socket sends it, or without one, from a DEALER) with every
   buffered batch from ``seq`` on and then an end marker, behind the same
@@ -93,12 +94,14 @@ class WireBlockStored(msgspec.Struct, tag="BlockStored"):
     medium: str | None
     lora_name: str | None
     namespace: str
+    place: str = ""
 
 
 class WireBlockRemoved(msgspec.Struct, tag="BlockRemoved"):
     block_hashes: list[Hash]
     medium: str | None
     namespace: str
+    place: str = ""
 
 
 class WireAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared"):
@@ -139,11 +142,14 @@ def to_wire(
                     media[e.medium],
                     None,
                     e.namespace,
+                    e.place,
                 )
             )
         elif isinstance(e, BlockRemoved):
             out.append(
-                WireBlockRemoved([h(x) for x in e.page_hashes], media[e.medium], e.namespace)
+                WireBlockRemoved(
+                    [h(x) for x in e.page_hashes], media[e.medium], e.namespace, e.place
+                )
             )
         else:
             assert isinstance(e, AllBlocksCleared)

@@ -39,3 +39,36 @@ def test_a_reply_carries_a_bounded_share_and_the_oldest_go_past_the_bound(monkey
     first = pending.take(TAG, 1, "")
     assert [d.hashes[0][0] for d in first] == [4, 6]
     assert pending.take(TAG, 1, "") == [] and len(pending) == 0
+
+
+def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each_drop_once():
+    """Through the core: a node's L2 and L3 reports become KV events with their
+    medium and place (on the wire too); pages evicted past L3's cap go back to
+    the next report of an engine of their tag, once."""
+    from fabric.cache.engine_input import StoredRun
+    from fabric.cache.events import BlockRemoved, BlockStored, Medium
+    from fabric.coordinator.core import CoordinatorCore
+    from fabric.coordinator.publisher import WireBlockStored, to_wire
+    from tests.helpers import small_config
+
+    config = small_config("storage.max_bytes=40")
+    core = CoordinatorCore(config)
+    core.events.take()
+    a = tuple(bytes([i]) * 32 for i in range(3))
+    b = tuple(bytes([9 + i]) * 32 for i in range(3))
+    whole, drops = core.engine_report(
+        TAG, 1, {0: [StoredRun("t", None, a, "l2@n1", 10), StoredRun("t", None, a, L3, 10)]},
+        "l2@n1",
+    )  # fmt: skip
+    assert whole == 6 and drops == []
+    events = core.events.take()
+    assert [(e.medium, e.place) for e in events] == [(Medium.HOST, "n1"), (Medium.STORAGE, "")]
+    wire = to_wire(events, 4)
+    assert isinstance(wire[0], WireBlockStored) and wire[0].place == "n1"
+    assert core.engine_lookup(TAG, 1, [list(a)], place="l2@n2") == [3]  # L3 serves every node
+    whole, drops = core.engine_report(TAG, 1, {0: [StoredRun("t", None, b, L3, 10)]}, "l2@n2")
+    assert [(d.place, d.hashes) for d in drops] == [(L3, a)]  # a, least recently used
+    removed = [e for e in core.events.take() if isinstance(e, BlockRemoved)]
+    assert [e.page_hashes for e in removed] == [a]
+    assert core.engine_report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
+    assert not any(isinstance(e, BlockStored) for e in core.events.take())
