@@ -1,9 +1,11 @@
 """The coordinator's calls for engines attached through a connector
 (``fabric.engines.vllm_connector``): one lookup and one report per engine step,
-answered from the tree's engine pages (``CoordinatorCore.engine_tree``)."""
+answered from the tree's engine pages (``CoordinatorCore.engine_tree``), their
+core time counted in ``core_time_s`` as every other core call's."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -33,21 +35,35 @@ class EngineCalls:
         stored in L3 or in ``place`` (the engine's node's L2), leased under
         ``leases`` (one name a chain) for ``lease_s``; the leases ``release``
         names end first."""
-        return self.core.engine_lookup(tag, world, chains, leases, lease_s, release or (), place)
+        started = time.perf_counter()
+        try:
+            return self.core.engine_lookup(
+                tag, world, chains, leases, lease_s, release or (), place
+            )
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
 
     async def engine_report(
         self, tag: str, world: int, reports: dict[int, list], place: str = ""
     ) -> tuple[int, list[Drop]]:
         """One engine step's stores, by rank: the pages that became whole, and the
         evictions the engine's ranks carry out (in L3 and in ``place``)."""
-        whole, drops = self.core.engine_report(tag, world, reports, place)
+        started = time.perf_counter()
+        try:
+            whole, drops = self.core.engine_report(tag, world, reports, place)
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
         if whole:
             self._wake()  # their KV events go out with the next step
         return whole, drops
 
     async def engine_forget(self, tag: str, world: int, page_hashes: list[bytes]) -> int:
         """Pages a rank could not load; how many whole ones are forgotten."""
-        return self.core.engine_forget(tag, world, page_hashes)
+        started = time.perf_counter()
+        try:
+            return self.core.engine_forget(tag, world, page_hashes)
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
 
     def engine_stats(self) -> dict[str, Any]:
         """The tree's engine-page counters, what it holds per place (whole pages,

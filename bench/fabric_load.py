@@ -16,6 +16,7 @@ and their ratio: what the actor shell costs beyond the core's own work.
     python3 bench/fabric_load.py --quick
     python3 bench/fabric_load.py --drivers 1,2,4,8 --no-compute-drivers 1,2,4,8,16 --seconds 30
     python3 bench/fabric_load.py --batch 1,8,32,128     # the engine-step curve
+    python3 bench/fabric_load.py --engine-steps 1,2,4   # engines through the connector's link
 
 The last line is one JSON object: ``coordinator_cpu_over_core`` and
 ``requests_per_s`` at the largest driver count of the default mode, and
@@ -309,7 +310,21 @@ def main() -> None:
         "once per size, at --batch-drivers drivers",
     )
     ap.add_argument("--batch-drivers", type=int, default=2, help="drivers at once, per size")
+    ap.add_argument(
+        "--engine-steps",
+        metavar="COUNTS",
+        help="engine processes calling as vLLM's connector does (1,2,4): bench/engine_steps.py",
+    )
+    ap.add_argument("--engine-batch", type=int, default=16, help="requests an engine step asks")
     args = ap.parse_args()
+    if args.engine_steps:
+        from engine_steps import engine_curve
+
+        counts = [int(n) for n in args.engine_steps.split(",")]
+        engine_curve(
+            counts, 6.0 if args.quick else args.seconds, args.engine_batch, args.set, cpu_s
+        )
+        return
     sizes = [int(n) for n in args.batch.split(",")]
     if len(sizes) > 1 or sizes[0] > 1:
         # Engine-sized steps need an L1 that holds every driver's call twice over

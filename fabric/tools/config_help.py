@@ -97,8 +97,8 @@ KEY_HELP = {
     "runtime.lease_ttl_s": "a lease not released or renewed within this is released",
     "runtime.max_message_bytes": "largest coordinator/rank message; larger work is split",
     "runtime.max_pending_requests": "requests queued at the coordinator before submits are refused",
-    "runtime.engine_pages": "pages of connector-attached engines the coordinator remembers; "
-    "the least recently used are forgotten past it (their L3 pages stay)",
+    "runtime.engine_pages": "pages of connector-attached engines the coordinator's tree holds "
+    "at most; past it whole leaves are evicted from every place, in the eviction policy's order",
     "runtime.metrics_port": "the Prometheus endpoint's port, refreshed each second",
     "runtime.metrics_host": "the Prometheus endpoint's host",
     "runtime.dashboard": "start the Ray dashboard with a Ray that `launch()` starts",
@@ -111,7 +111,8 @@ KEY_HELP = {
     "storage.backend": "the L3 backend: `segment` (pages appended to segment files, "
     "docs/l3-format.md), `file` (a file a page shard), `redis`, `dynamic`, `none`",
     "storage.path": "the file or segment backend's directory (shared across nodes: NFS)",
-    "storage.max_bytes": "L3's size cap (least recently used go first)",
+    "storage.max_bytes": "L3's size cap (least recently used go first; engines' pages: the "
+    "tree evicts them within it, leaves first in the eviction policy's order)",
     "storage.fsync": "fsync on every write",
     "storage.file_mode": "permissions of L3 files, whatever the umask",
     "storage.dir_mode": "permissions of L3 directories, whatever the umask",
