@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import Order
 
 
 class EngineCalls:
@@ -45,7 +45,7 @@ class EngineCalls:
 
     async def engine_report(
         self, tag: str, world: int, reports: dict[int, list], place: str = ""
-    ) -> tuple[int, list[Drop]]:
+    ) -> tuple[int, list[Order]]:
         """One engine step's stores, by rank: the pages that became whole, and the
         evictions the engine's ranks carry out (in L3 and in ``place``)."""
         started = time.perf_counter()
@@ -74,6 +74,6 @@ class EngineCalls:
             "known": len(tree),
             "leased": tree.leased,
             "places": tree.residency(),
-            "drops_waiting": len(self.core.engine_drops),
-            "drops_let_go": self.core.engine_drops.let_go,
+            "orders_waiting": len(self.core.engine_orders),
+            "orders_let_go": self.core.engine_orders.let_go,
         }

@@ -6,7 +6,7 @@ start)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -68,19 +68,7 @@ class CoordinatorMetrics:
             tag_keys=("fabric", "unit"),
         )  # fmt: skip
         self.l3.set_default_tags(base)
-        self.engine_pages = Gauge(
-            "kvfabric_engine_pages",
-            "Engine pages whole in a place (l3, or l2@<node>), by place and tenant.",
-            tag_keys=("fabric", "place", "tenant"),
-        )
-        self.engine_pages.set_default_tags(base)
-        self.engine_hits = counter(
-            "kvfabric_engine_hit_pages", "Engine pages lookups found whole, by tier.", "tier"
-        )
-        self.engine_evicted = counter(
-            "kvfabric_engine_evicted_pages", "Engine pages the tree evicted, by place.", "place"
-        )
-        self._engine_tags: set[tuple[str, str]] = set()
+        self.engines = EngineMetrics(base, counter)
         self.request_seconds = Histogram(
             "kvfabric_request_duration_seconds",
             "Seconds from a request's submission to its result.",
@@ -122,17 +110,44 @@ class CoordinatorMetrics:
             ("host", "used", host.capacity - host.free),
         ):
             self.pool.set(tokens, tags={"tier": tier, "state": state})
-        self._engines(f)
+        self.engines.update(f)
 
-    def _engines(self, f: Figures) -> None:
+
+class EngineMetrics:
+    """Engine pages in the coordinator's tree: per place and tenant, hits per tier,
+    evictions per place."""
+
+    def __init__(self, base: dict[str, str], counter: Callable[[str, str, str], _Deltas]) -> None:
+        self.engine_pages = Gauge(
+            "kvfabric_engine_pages",
+            "Engine pages whole in a place (l3, or l2@<node>), by place and tenant.",
+            tag_keys=("fabric", "place", "tenant"),
+        )
+        self.engine_pages.set_default_tags(base)
+        # A gauge of the running total (a counter appears only once it grows, and a
+        # fabric may serve no engine): rate() reads it as a counter's.
+        self.engine_hits = Gauge(
+            "kvfabric_engine_hit_pages",
+            "Engine pages lookups found whole since the coordinator started, by tier.",
+            tag_keys=("fabric", "tier"),
+        )
+        self.engine_hits.set_default_tags(base)
+        self.engine_evicted = counter(
+            "kvfabric_engine_evicted_pages", "Engine pages the tree evicted, by place.", "place"
+        )
+        self._engine_tags: set[tuple[str, str]] = set()
+
+    def update(self, f: Figures) -> None:
         e = f.engines
         now = {(p, t): n for p, by in e.tenants.items() for t, n in by.items()}
+        now = now or {("l3", "vllm"): 0}  # from the start: the connector's default tenant
         for place, tenant in self._engine_tags - set(now):  # gone: shown as 0, not stale
             self.engine_pages.set(0, tags={"place": place, "tenant": tenant})
         for (place, tenant), n in now.items():
             self.engine_pages.set(n, tags={"place": place, "tenant": tenant})
         self._engine_tags = set(now)
-        self.engine_hits.update({(t,): n for t, n in e.hit_pages.items()})
+        for tier, n in e.hit_pages.items():
+            self.engine_hits.set(n, tags={"tier": tier})
         self.engine_evicted.update({(p,): n for p, n in e.evicted_pages.items()})
 
 

@@ -81,7 +81,7 @@ def engine(
                 )
                 stored += [(TAG, rank, run) for rank in range(WORLD)]
         link.report_stored(WORLD, stored)
-        link.take_drops()
+        link.take_orders()
         steps += 1
     link.release(TAG, WORLD, held)
     link.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fabric.cache.keys import check_namespace
 from fabric.errors import InvalidInput
@@ -54,6 +54,24 @@ class StoredRun:
     hashes: tuple[bytes, ...]
     place: str = L3
     page_bytes: int = 0
+
+
+def part(run: StoredRun, start: int, end: int) -> StoredRun:
+    """Pages ``[start, end)`` of ``run``, after their parent."""
+    parent = run.hashes[start - 1] if start else run.parent
+    return replace(run, parent=parent, hashes=run.hashes[start:end])
+
+
+def stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
+    """The runs of consecutive pages of ``run`` that were stored."""
+    runs, start = [], None
+    for i, good in enumerate([*ok, False]):
+        if good and start is None:
+            start = i
+        elif not good and start is not None:
+            runs.append(part(run, start, i))
+            start = None
+    return runs
 
 
 def check_group(tag: object, world: object) -> None:

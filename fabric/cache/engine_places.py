@@ -19,17 +19,26 @@ from fabric.cache.leaves import LeafQueue
 from fabric.cache.node import TreeNode
 from policies import EvictionPolicy
 
+# What an ``Order`` asks of the ranks that hold a page in its place.
+DELETE = "delete"  # delete their shards there (the tree evicted the page)
+BACKUP = "backup"  # copy them from that node's L2 into L3 (the write policy wants it there)
+MOVE = "move"  # copy them into L3, then delete them from L2 (write-back: the page leaves L2)
+
 
 @dataclass(frozen=True)
-class Drop:
-    """Pages the tree evicted from ``place``: the ranks in ``mask`` delete their
-    shards of ``hashes`` (pages of the engine ``tag``, ``world``) there."""
+class Order:
+    """What the tree asks of the ranks in ``mask`` for the pages ``hashes`` of the
+    engine ``tag``, ``world`` in ``place`` (``kind``: ``DELETE``, ``BACKUP`` or
+    ``MOVE``). A copy's pages follow ``parent`` in ``namespace``'s chain."""
 
     tag: str
     world: int
     place: str
     mask: int
     hashes: tuple[bytes, ...]
+    kind: str = DELETE
+    namespace: str = ""
+    parent: bytes | None = None
 
 
 def medium_of(place: str) -> Medium:

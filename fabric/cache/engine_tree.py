@@ -1,159 +1,74 @@
-"""Engine pages in the radix tree: what engines attached through a connector
-(``fabric.engines.vllm_connector``) stored, place by place, rank by rank.
+"""What the coordinator keeps of engines' pages, and how it answers them: the
+policies over the tree of ``fabric.cache.engine_index``, as the fabric's own
+pages have them (``fabric.cache.evictions``, ``fabric.cache.writes``).
 
-An engine of ``world`` ranks (TP times PP) stores each page of a prompt as
-``world`` shard pages, one per rank. Pages are named by their chain hash
-(``fabric.cache.keys``), which names the whole prefix before the page: the
-coordinator never sees an engine's tokens, so this tree's keys are the hashes
-themselves (a ``RadixTree`` whose page is one 32-byte hash), and a request's
-chain of hashes is its path. A node is a run of whole pages; each engine
-identity (page tag and world) is a subtree of its own, under its namespaces.
+- **Eviction**: leaves first, in the configured eviction policy's order, per
+  place against its capacity in bytes, and for the whole tree against
+  ``index_pages``. A node some lookup's lease holds (the lease is a lock on its
+  path, as a request's on the tree) is passed over until the lease is
+  released or expires. Each eviction is an ``Order`` for the ranks that hold
+  the page there: delete it.
+- **Write policy** (L2 -> L3, as the fabric's own L1 -> L2): under
+  ``write_through`` an engine stores each page in its node's L2 and in L3 at
+  once; under ``write_back`` in its node's L2 only, and a page the tree evicts
+  from L2 that L3 lacks is moved there first (``MOVE``); under
+  ``write_through_selective`` in its node's L2, and a page found by
+  ``hit_threshold`` lookups is copied to L3 (``BACKUP``).
+- **Lookups** count the leading pages whole in L3 or in the asking node's L2.
 
-A node's residency is per place (``StoredRun.place``: the fabric's L3, or one
-node's shared-memory L2), a mask of the ranks whose shard is there: a page is
-*whole* in a place once every rank's shard is (the MIN over ranks, as for the
-fabric's own ranks). A lookup counts the leading pages whole in L3 or in the
-asking node's L2.
-
-What is kept is decided as for the fabric's own pages (``fabric.cache.evictions``):
-leaves first, in the configured eviction policy's order, per place against its
-capacity in bytes, and for the whole tree against ``index_pages``; a node that
-some lookup's lease holds (the lease is a lock on its path, as a request's on
-the tree) is passed over until the lease is released or expires. A page a rank
-failed to load leaves every place at once (``forget``), leased or not: its bytes
-are gone or bad. Every change of what is whole is a KV event (``BlockStored`` /
-``BlockRemoved``, medium ``storage`` for L3, ``host`` for a node's L2, with the
-place), and every eviction a ``Drop`` for the ranks to carry out.
-Nothing here imports Ray: the coordinator actor turns calls into these methods.
+Orders wait in ``orders`` until taken (``take_orders``). Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from fabric.cache.engine_index import EngineIndex
 from fabric.cache.engine_input import (
-    HASH_BYTES,
-    L2_AT,
     L3,
     MAX_LEASES,
     StoredRun,
     check_chains,
     check_group,
-    check_hashes,
     check_leases,
-    check_reports,
 )
-from fabric.cache.engine_places import (
-    Drop,
-    Places,
-    Whole,
-    event_place,
-    group_of,
-    medium_of,
-    namespace_of,
-)
-from fabric.cache.events import BlockRemoved, KVEvent, Medium
-from fabric.cache.keys import TOKEN_BYTES
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order
+from fabric.cache.events import KVEvent
 from fabric.cache.node import TreeNode
-from fabric.cache.radix import RadixTree
 from fabric.errors import InvalidInput
-from policies import get_eviction_policy
-
-# Runs whose parent page the tree does not know yet (a rank's later store
-# reported first), kept at most this many until it comes.
-MAX_ORPHANS = 4096
-
-Group = tuple[str, int]  # the engine's page tag and world
+from policies import get_write_policy
 
 
-@dataclass
-class EngineTreeStats:
-    lookups: int = 0
-    lookup_pages: int = 0
-    hit_pages: int = 0
-    l2_hit_pages: int = 0
-    reported_pages: int = 0
-    whole_pages: int = 0  # made whole in L3 (``whole_by_place``: in every place)
-    forgotten_pages: int = 0
-    evicted_pages: int = 0
-    leases: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    orphans_dropped: int = 0
-    whole_by_place: dict[str, int] = field(default_factory=dict)
-    evicted_by_place: dict[str, int] = field(default_factory=dict)
-
-
-class _Tree(RadixTree):
-    """The structure (walks, splits, detaches); the places keep the leaf sets."""
-
-    def __init__(self, owner: EngineTree) -> None:
-        self.owner = owner
-        super().__init__(HASH_BYTES // TOKEN_BYTES, owner.policy)
-
-    def refresh(self, node: TreeNode) -> None:
-        self.owner.places.refresh(node)
-
-
-class EngineTree:
+class EngineTree(EngineIndex):
     def __init__(
         self,
         eviction_policy: str = "lru",
         index_pages: int = 1 << 20,
         capacity: dict[str, int] | None = None,
+        write_policy: str = "write_through",
     ) -> None:
         """``capacity``: bytes per place (``L3``, a node's L2, or ``L2_AT`` for
         every node's); a place not named, or 0, is capped by ``index_pages`` only."""
-        if not isinstance(index_pages, int) or index_pages < 1:
-            raise ValueError(f"index_pages {index_pages!r} is refused: allowed is an int >= 1")
-        self.index_pages = index_pages
-        self.policy = get_eviction_policy(eviction_policy)
-        self.policy.bind(index_pages)
-        self.places = Places(self.policy, dict(capacity or {}))
-        self.tree = _Tree(self)
-        self.stats = EngineTreeStats()
-        self.now = 0.0
-        self.clear()
+        self.write = get_write_policy(write_policy)
+        super().__init__(eviction_policy, index_pages, capacity)
 
     def clear(self) -> None:
         """Forget every page and every lease (L3 was cleared)."""
-        self.tree.clear()
-        self.places.clear()
-        self.where: dict[tuple[str, int, bytes], TreeNode] = {}
-        self.ranks: dict[Group, dict[int, int]] = {}  # bytes of a page, per rank
+        super().clear()
         self._leases: OrderedDict[str, tuple[float, TreeNode]] = OrderedDict()
-        self._orphans: OrderedDict[tuple[str, int, bytes], list[tuple[int, StoredRun]]] = (
-            OrderedDict()
-        )
-
-    def forget_all(self) -> list[KVEvent]:
-        """Forget every page and lease (the store was cleared); a ``BlockRemoved``
-        per node and place it was whole in, so a subscriber's view empties too."""
-        events: list[KVEvent] = []
-        for node in self.tree.walk():
-            full = (1 << group_of(node)[1]) - 1
-            for place, mask in (node.places or {}).items():
-                if mask == full:
-                    hashes = tuple(node.page_hashes or ())
-                    events.append(
-                        BlockRemoved(
-                            hashes, medium_of(place), namespace_of(node), event_place(place)
-                        )
-                    )
-        self.clear()
-        return events
-
-    def __len__(self) -> int:
-        """Pages the tree knows (whole somewhere, in part, or as a path only)."""
-        return len(self.where)
+        self._backing: set[int] = set()  # nodes a ``BACKUP`` was asked for
 
     @property
     def leased(self) -> int:
         return len(self._leases)
 
-    # -- lookups and leases ----------------------------------------------------------
+    def take_orders(self) -> list[Order]:
+        """The orders queued since the last call, oldest first."""
+        orders, self.orders = self.orders, []
+        return orders
+
+    # -- lookups and leases --------------------------------------------------------------
 
     def lookup(
         self,
@@ -210,6 +125,7 @@ class EngineTree:
             self.stats.l2_hit_pages += k if in_l2 else 0
             node.last_access = now
             node.hit_count += 1
+            self._maybe_back_up(node, full)
             if at + k < len(node.page_hashes or ()) or i == len(chain):
                 break
             node, at = self.where.get((tag, world, chain[i])), 0
@@ -254,201 +170,59 @@ class EngineTree:
         self.places.lock(node, -1)
         self._prune(node)
 
-    # -- reports -----------------------------------------------------------------------
+    # -- reports, eviction, write policy ---------------------------------------------------
 
     def report(
         self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]], now: float = 0.0
-    ) -> tuple[list[KVEvent], list[Drop]]:
+    ) -> tuple[list[KVEvent], list[Order]]:
         """Record, per rank, the pages it stored (used ``now``); the events of the
-        pages this made whole somewhere (one per run), and what the tree evicted to
-        make room."""
-        check_group(tag, world)
-        check_reports(world, reports)
-        events: list[KVEvent] = []
-        sizes = self.ranks.setdefault((tag, world), {})
-        self.now = now
-        for rank, runs in reports.items():
-            for run in runs:
-                sizes.setdefault(rank, run.page_bytes)  # a rank's page size never changes
-                if not sizes[rank]:
-                    sizes[rank] = run.page_bytes
-                self._record(tag, world, rank, run, events)
-        for e in events:
-            n, by = len(e.page_hashes), self.stats.whole_by_place
-            key = L3 if e.medium is Medium.STORAGE else L2_AT + e.place
-            by[key] = by.get(key, 0) + n
-            self.stats.whole_pages += n if key == L3 else 0
-        drops = self._evict(events)
-        return events, drops
+        pages this made whole somewhere or evicted, and the orders queued since the
+        last take (this report's evictions among them)."""
+        events = self.record(tag, world, reports, now)
+        self._evict(events)
+        return events, self.take_orders()
 
-    def _record(self, tag: str, world: int, rank: int, run: StoredRun, events: list) -> None:
-        """Mark ``run``'s pages stored by ``rank`` in its place, growing the path."""
-        if run.parent is None:
-            node, at = self.tree.root, -1
-        else:
-            node = self.where.get((tag, world, run.parent))  # type: ignore[assignment]
-            if node is None:
-                self._orphan(tag, world, rank, run)
-                return
-            at = node.page_hashes.index(run.parent)  # type: ignore[union-attr]
-        whole = Whole(run.namespace, run.place, run.parent)
-        hashes, i = run.hashes, 0
-        while i < len(hashes):
-            inside = node.page_hashes[at + 1 :] if node is not self.tree.root else []
-            k = 0
-            while k < len(inside) and i + k < len(hashes) and inside[k] == hashes[i + k]:
-                k += 1
-            if k:
-                node = self._mark(tag, world, node, at + 1, at + 1 + k, rank, run.place, whole)
-                at, i = len(node.page_hashes) - 1, i + k  # type: ignore[arg-type]
-                continue
-            if inside:  # the run leaves this node mid-way: the node ends here
-                node = self._split(node, at + 1)
-            child = self.where.get((tag, world, hashes[i]))
-            if child is None:
-                child = self._attach(tag, world, node, run.namespace, hashes[i:])
-            node, at = child, -1
-        events.extend(whole.events)
-        self.stats.reported_pages += len(hashes)
-        if self._orphans:
-            for h in hashes:
-                for rank_, waiting in self._orphans.pop((tag, world, h), ()):
-                    self._record(tag, world, rank_, waiting, events)
-
-    def _orphan(self, tag: str, world: int, rank: int, run: StoredRun) -> None:
-        key = (tag, world, run.parent)
-        self._orphans.setdefault(key, []).append((rank, run))  # type: ignore[index]
-        self._orphans.move_to_end(key)  # type: ignore[arg-type]
-        while len(self._orphans) > MAX_ORPHANS:
-            _, dropped = self._orphans.popitem(last=False)
-            self.stats.orphans_dropped += len(dropped)
-
-    def _attach(
-        self, tag: str, world: int, parent: TreeNode, namespace: str, hashes: Sequence[bytes]
-    ) -> TreeNode:
-        node = self.tree.attach(parent, f"{tag}/{world}/{namespace}", b"".join(hashes), 0.0, 0)
-        node.page_hashes = list(hashes)
-        node.places = {}
-        node.last_access = node.created = self.now
-        for h in hashes:
-            self.where[(tag, world, h)] = node
-        if self.policy.remembers:
-            self.policy.admitted(node, hash(node.key[:HASH_BYTES]))
-        self.places.refresh(node)
-        self.places.refresh(parent)
-        return node
-
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut ``node`` after ``at`` pages; the upper part (the same places)."""
-        upper = self.tree.split(node, at * HASH_BYTES)
-        upper.places = dict(node.places or {})
-        tag, world = group_of(node)
-        for h in upper.page_hashes or ():
-            self.where[(tag, world, h)] = upper
-        self.places.split(upper, node)
-        return upper
-
-    def _mark(
-        self,
-        tag: str,
-        world: int,
-        node: TreeNode,
-        lo: int,
-        hi: int,
-        rank: int,
-        place: str,
-        whole: Whole,
-    ) -> TreeNode:
-        """Pages ``lo..hi`` of ``node`` are stored by ``rank`` in ``place``; the
-        node they are now, alone."""
-        node = self._isolate(node, lo, hi)
-        node.last_access = max(node.last_access, self.now)
-        size = self.ranks[(tag, world)].get(rank, 0)
-        if self.places.add(node, place, 1 << rank, (1 << world) - 1, size):
-            whole.add(node)
-        return node
-
-    def _isolate(self, node: TreeNode, lo: int, hi: int) -> TreeNode:
-        """Pages ``lo..hi`` of ``node`` as a node of their own."""
-        if hi < len(node.page_hashes or ()):
-            node = self._split(node, hi)  # the upper part: pages 0..hi
-        if lo:
-            self._split(node, lo)  # ``node`` keeps pages lo..hi
-        return node
-
-    # -- forgetting and eviction --------------------------------------------------------
-
-    def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> list[KVEvent]:
-        """Drop ``hashes`` from every place (a rank could not load them: gone, or
-        refused by its checks); a ``BlockRemoved`` per place they were whole in."""
-        check_group(tag, world)
-        check_hashes(hashes, "hashes")
-        events: list[KVEvent] = []
-        for h in hashes:
-            node = self.where.get((tag, world, h))
-            if node is None:
-                continue
-            at = node.page_hashes.index(h)  # type: ignore[union-attr]
-            node = self._isolate(node, at, at + 1)
-            self.stats.forgotten_pages += 1
-            for place in list(node.places or ()):
-                events.extend(self._leave(node, place, None))
-            self._prune(node)
-        return events
-
-    def _leave(self, node: TreeNode, place: str, drops: list[Drop] | None) -> list[KVEvent]:
-        """``node`` leaves ``place``: its event if it was whole there, its drop."""
-        tag, world = group_of(node)
-        full = (1 << world) - 1
-        mask = self.places.remove(node, place, self.ranks.get((tag, world), {}))
-        hashes = tuple(node.page_hashes or ())
-        if drops is not None:
-            drops.append(Drop(tag, world, place, mask, hashes))
-        if mask != full:
-            return []
-        return [BlockRemoved(hashes, medium_of(place), namespace_of(node), event_place(place))]
-
-    def _prune(self, node: TreeNode) -> None:
-        """Detach ``node`` and its ancestors while they are in no place, childless
-        and unleased: nothing can be matched through them."""
-        root = self.tree.root
-        while node is not root and not node.places and not node.children and not node.lock_ref:
-            parent = node.parent
-            assert parent is not None
-            tag, world = group_of(node)
-            for h in node.page_hashes or ():
-                self.where.pop((tag, world, h), None)
-            self.places.detach(node)
-            self.tree.detach_leaf(node)
-            if self.policy.remembers:
-                self.policy.evicted(node, hash(node.key[:HASH_BYTES]), len(node.page_hashes or ()))
-            node = parent
-
-    def _evict(self, events: list[KVEvent]) -> list[Drop]:
+    def _evict(self, events: list[KVEvent]) -> None:
         """Leaves leave each place over its capacity, then the tree's pages over
         ``index_pages``, in the policy's order, leased ones passed over."""
-        drops: list[Drop] = []
         for place in self.places.over():
             for node in self.places.victims(place):
-                events.extend(self._leave(node, place, drops))
+                events.extend(self._leave(node, place, self._eviction(node, place)))
                 self._count(place, node)
                 self._prune(node)
         for node in self.places.ends_victims(lambda: len(self.where) > self.index_pages):
             for place in list(node.places or ()):
-                events.extend(self._leave(node, place, drops))
+                events.extend(self._leave(node, place, DELETE))
                 self._count(place, node)
             self._prune(node)
-        return drops
 
-    def _count(self, place: str, node: TreeNode) -> None:
-        n = len(node.page_hashes or ())
-        self.stats.evicted_pages += n
-        by = self.stats.evicted_by_place
-        by[place] = by.get(place, 0) + n
+    def _eviction(self, node: TreeNode, place: str) -> str:
+        """What a node leaving ``place`` asks of its ranks there: under write-back, a
+        node's L2 shards that L3 lacks go there first."""
+        if place == L3 or not self.write.write_back:
+            return DELETE
+        places = node.places or {}
+        return DELETE if places.get(place, 0) & ~places.get(L3, 0) == 0 else MOVE
 
-    # -- figures -------------------------------------------------------------------------
+    def _maybe_back_up(self, node: TreeNode, full: int) -> None:
+        """Under ``write_through_selective``: a node hit ``hit_threshold`` times that L3
+        lacks is copied there from a node's L2 that has it whole."""
+        threshold = self.write.hit_threshold
+        if threshold is None or threshold <= 1 or node.hit_count < threshold:
+            return
+        places = node.places or {}
+        if places.get(L3, 0) == full or node.id in self._backing:
+            return
+        source = next((p for p, m in places.items() if p != L3 and m == full), None)
+        if source is not None:
+            self._backing.add(node.id)
+            self.orders.append(self._order(node, source, full, BACKUP))
 
-    def residency(self) -> dict[str, dict[str, int]]:
-        """Per place: pages whole there, shard bytes held, and whole pages per tenant
-        (kept as they change: nothing walks the tree)."""
-        return self.places.figures()
+    def _prune(self, node: TreeNode) -> None:
+        self._backing.discard(node.id)
+        super()._prune(node)
+
+    def _leave(self, node: TreeNode, place: str, kind: str | None = None) -> list[KVEvent]:
+        if place == L3:
+            self._backing.discard(node.id)  # out of L3: a later hit may copy it again
+        return super()._leave(node, place, kind)

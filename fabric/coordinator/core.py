@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
 from fabric.cache.engine_input import L3, StoredRun, check_place
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import Order
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockStored
 from fabric.cache.hicache import HiCache
@@ -35,7 +35,7 @@ from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import FabricController, Query
-from fabric.coordinator.engine_drops import PendingDrops
+from fabric.coordinator.engine_orders import PendingOrders
 from fabric.coordinator.event_queue import EventQueue
 from fabric.coordinator.intake import Intake
 from fabric.coordinator.leases import LeaseTable
@@ -87,8 +87,9 @@ class CoordinatorCore:
             config.cache.eviction_policy,
             config.runtime.engine_pages,
             {L3: config.storage.max_bytes},
+            config.cache.write_policy,
         )
-        self.engine_drops = PendingDrops()
+        self.engine_orders = PendingOrders()
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -352,7 +353,7 @@ class CoordinatorCore:
         """The store was cleared or detached: every L3 page announced is gone."""
         self.cache.events.l3_cleared()
         self.events.add(self.engine_tree.forget_all())
-        self.engine_drops.clear()
+        self.engine_orders.clear()
         self.events.collect()
 
     # -- engines attached through a connector -------------------------------------------
@@ -373,7 +374,9 @@ class CoordinatorCore:
         ``leases`` for ``lease_s``; the leases ``release`` names end first."""
         if release:
             self.engine_tree.release(release)
-        return self.engine_tree.lookup(tag, world, chains, leases, lease_s, self.clock(), place)
+        hits = self.engine_tree.lookup(tag, world, chains, leases, lease_s, self.clock(), place)
+        self.engine_orders.add(self.engine_tree.take_orders())  # copies the hits asked for
+        return hits
 
     def engine_report(
         self,
@@ -381,17 +384,17 @@ class CoordinatorCore:
         world: int,
         reports: dict[int, Sequence[StoredRun]],
         place: str = "",
-    ) -> tuple[int, list[Drop]]:
+    ) -> tuple[int, list[Order]]:
         """Ranks' reports of the pages they stored: how many pages became whole
-        somewhere (each announced as a ``BlockStored``), and the evictions this
+        somewhere (each announced as a ``BlockStored``), and the orders this
         engine's ranks carry out (in L3, and in ``place``: its node's L2)."""
         if place:
             check_place(place)
-        events, drops = self.engine_tree.report(tag, world, reports, self.clock())
+        events, orders = self.engine_tree.report(tag, world, reports, self.clock())
         self.events.add(events)
-        self.engine_drops.add(drops)
+        self.engine_orders.add(orders)
         whole = sum(len(e.page_hashes) for e in events if isinstance(e, BlockStored))
-        return whole, self.engine_drops.take(tag, world, place)
+        return whole, self.engine_orders.take(tag, world, place)
 
     def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
         """Pages a rank could not load: matched no more until stored anew (each

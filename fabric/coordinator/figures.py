@@ -163,10 +163,10 @@ class EngineFigures:
     leases: Annotated[
         int, Series("kvfabric_engine_leases", "gauge", "Engine lookups' leases held.")
     ]
-    drops_waiting: Annotated[
+    orders_waiting: Annotated[
         int,
         Series(
-            "kvfabric_engine_drops_waiting_pages",
+            "kvfabric_engine_orders_waiting_pages",
             "gauge",
             "Engine pages the tree evicted that no engine has been handed to delete yet.",
         ),
@@ -185,7 +185,7 @@ def engine_figures(core: CoordinatorCore) -> EngineFigures:
         evicted_pages=dict(stats.evicted_by_place),
         known_pages=len(tree),
         leases=tree.leased,
-        drops_waiting=len(core.engine_drops),
+        orders_waiting=len(core.engine_orders),
     )
 
 
@@ -322,16 +322,17 @@ def status_view(
         "stragglers": f.ranks.stragglers,
         "l3": dict(l3),
         "kv_events": dict(kv_events) if kv_events is not None else None,
-        "engines": {
-            "places": {
-                p: {
-                    "pages": n,
-                    "bytes": f.engines.bytes.get(p, 0),
-                    "tenants": dict(f.engines.tenants.get(p, {})),
-                }
-                for p, n in f.engines.pages.items()
-            },
-            "hit_pages": dict(f.engines.hit_pages),
-            "evicted_pages": dict(f.engines.evicted_pages),
+        "engines": _engines_view(f.engines),
+    }
+
+
+def _engines_view(e: EngineFigures) -> dict[str, Any]:
+    """Engine pages per place (whole pages, bytes, pages per tenant), hits per tier."""
+    return {
+        "places": {
+            p: {"pages": n, "bytes": e.bytes.get(p, 0), "tenants": dict(e.tenants.get(p, {}))}
+            for p, n in e.pages.items()
         },
+        "hit_pages": dict(e.hit_pages),
+        "evicted_pages": dict(e.evicted_pages),
     }

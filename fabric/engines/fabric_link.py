@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import Order
 from fabric.engines.store import StoreOptions
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ class FabricLink:
         # This engine's node's L2 place (``""``: none): its lookups count pages
         # whole there, and the evictions it is handed include that place's.
         self.place = ""
-        # Evictions the fabric handed this engine to carry out (``take_drops``).
-        self.drops: list[Drop] = []
+        # Evictions the fabric handed this engine to carry out (``take_orders``).
+        self.orders: list[Order] = []
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
@@ -247,14 +247,14 @@ class FabricLink:
                 self._down(f"failed a report ({type(exc).__name__}: {exc})")
                 return False
             if isinstance(reply, tuple):  # a report's: the evictions to carry out
-                self.drops += reply[1]
+                self.orders += reply[1]
         return True
 
-    def take_drops(self) -> list[Drop]:
+    def take_orders(self) -> list[Order]:
         """The evictions handed back since the last call (replies that came)."""
         if self._reports and self.coordinator is not None:
             self._check_reports()
-        drops, self.drops = self.drops, []
+        drops, self.orders = self.orders, []
         return drops
 
     def close(self) -> None:
@@ -287,4 +287,5 @@ def store_options(config: Any) -> StoreOptions | None:
         max_bytes=storage.max_bytes,
         fsync=storage.fsync,
         auth_key_file=storage.auth_key_file,
+        write_policy=config.cache.write_policy,
     )

@@ -66,6 +66,11 @@ class StoreOptions(BaseModel):
     write_threads: int = Field(
         2, ge=1, le=16, description="an integer in 1..16 (threads a large store is split over)"
     )
+    write_policy: Literal["write_through", "write_back", "write_through_selective"] = Field(
+        "write_through",
+        description="write_through, write_back or write_through_selective (the fabric's "
+        "cache.write_policy: whether an engine with a node L2 stores a page in L3 at once)",
+    )
 
     @model_validator(mode="after")
     def _one_place(self) -> StoreOptions:

@@ -96,6 +96,9 @@ class PageMoves:
         self.store: PageStore | None = None
         self.l2: NodeL2 | None = None
         self.l2_place = ""  # the node's L2 as the fabric's tree names it (none: "")
+        # Whether a store writes L3 at once (else the node's L2 only, when there is
+        # one: the fabric's tree orders the copy to L3 later).
+        self.write_through = True
         self._free: dict[int, list[torch.Tensor]] = {}  # page buffers not in use, by rows
         self._free_bytes = 0
         self._buffers = threading.Lock()

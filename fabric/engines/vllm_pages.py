@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from fabric.cache.engine_input import StoredRun
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import Order
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, check_namespace
 from fabric.engines.store import StoreOptions
 from fabric.errors import ConfigError
@@ -201,15 +201,15 @@ class FabricStepMeta(KVConnectorMetadata):
     """Scheduler -> workers, each step: what to load and store, where the store is
     (once the fabric has said; ``None`` until then), and the finished requests
     whose blocks vLLM keeps for this step's stores (``finished``: each worker
-    reports them sent once it has gathered them), and the pages the fabric's tree
-    evicted that this engine's ranks delete (``drops``)."""
+    reports them sent once it has gathered them), and what the fabric's tree asks
+    of this engine's ranks (``orders``: deletes, and copies to L3)."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
     store: StoreOptions | None = None
     finished: list[str] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # requests whose async loads to give up
-    drops: list[Drop] = field(default_factory=list)  # the fabric's evictions to carry out
+    orders: list[Order] = field(default_factory=list)  # the fabric tree's, to carry out
 
 
 @dataclass
@@ -264,6 +264,8 @@ STAT_KEYS = (
     "load_timeouts",
     "l3_deleted_pages",
     "l2_dropped_pages",
+    "l3_copied_pages",
+    "orders_failed",
 )
 
 

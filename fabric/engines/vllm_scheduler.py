@@ -6,8 +6,7 @@ the leading pages every rank stored (the coordinator's MIN, extended over L3),
 less vLLM's own prefix cache. ``step_meta`` says what each worker loads before
 the forward and which whole pages of real tokens it stores after it;
 ``worker_output`` takes each rank's load outcomes, ended stores and stored
-pages (reported to the coordinator, which makes a page visible once every rank
-stored its shard).
+pages (reported to the coordinator's tree, whose orders go back to the workers).
 
 No page computed over a failed load is stored: until every rank reported a load
 (``vllm_loads``), a request whose blocks include one of the load's stores
@@ -248,8 +247,8 @@ class SchedulerSide:
     # -- build_connector_meta ---------------------------------------------------------
 
     def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
-        meta = FabricStepMeta(self._async_loads, cancel=self._cancel, drops=self.link.take_drops())
-        self._async_loads, self._cancel = [], []
+        meta = FabricStepMeta(self._async_loads, cancel=self._cancel)
+        meta.orders, self._async_loads, self._cancel = self.link.take_orders(), [], []
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store
             self._store_sent = True

@@ -6,10 +6,9 @@ step's loads run on a step thread: before the forward, or — once the forward i
 seen to wait for each layer (``wait_for_layer_load``) — layer by layer while
 the forward runs; with ``load_async`` they run on a load thread while the
 engine steps on. A step's stores are gathered layer by layer as the forward
-computes them (``save_kv_layer``) and written to L3 and the node's L2 by a
-writer thread while the engine steps on (reported stored once in L3). Each rank
-reads and writes only its own shard's keys (the key's suffix is its pipeline
-stage and TP rank), under the engine's tag that each job carries.
+computes them (``save_kv_layer``) and written to the node's L2 and L3 (per the
+fabric's write policy) by a writer thread, which also carries out the fabric
+tree's orders (``vllm_orders``). Each rank touches only its own shard's keys.
 
 A page that is missing or fails a check is never served: its block and every
 later one of that request are reported to vLLM as load errors, and vLLM
@@ -170,6 +169,8 @@ class WorkerSide:
         return rows
 
     def _open(self, options: StoreOptions | None) -> None:
+        if options is not None:  # the fabric's: its write policy holds
+            self.pages.write_through = options.write_policy == "write_through"
         if self.pages.store is not None or self._broken:
             return
         options = self._configured_store or options
@@ -372,7 +373,7 @@ class WorkerSide:
         stores the pages (within the write queue's bound)."""
         self._finish_step()
         self._open(meta.store)
-        self.writes.delete(meta.drops)
+        self.writes.carry_out(meta.orders)
         step, self._step_save = self._step_save, None
         if self.pages.store is None or not self.pages.layers:
             for job in meta.saves:

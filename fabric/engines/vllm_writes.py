@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fabric.cache.engine_input import L3, StoredRun
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_input import StoredRun, part, stored_runs
+from fabric.cache.engine_places import Order
 from fabric.engines.vllm_moves import STAGING_BYTES, PageMoves
+from fabric.engines.vllm_orders import Carried, carry_out, mine
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,9 @@ def pack(saves: list, batch_pages: int) -> list[tuple[list, int]]:
 
 @dataclass
 class _Write:
-    chunk: SaveChunk | None  # None: a promotion into the node's L2, or deletes
+    chunk: SaveChunk | None  # None: a promotion into the node's L2, or orders
     future: Future
-    buffer: torch.Tensor | None  # None: deletes
+    buffer: torch.Tensor | None  # None: orders
     started: float
 
 
@@ -174,28 +175,13 @@ class WriteQueue:
         future = thread.submit(self._put_l2, keys, pages)
         self._queue(_Write(None, future, buffer, self.clock()))
 
-    def delete(self, drops: list[Drop]) -> None:
-        """Carry out the fabric's evictions of this rank's shards (in L3, and in this
-        node's L2), after the stores queued before them."""
-        place = self.pages.l2_place
-        mine = [d for d in drops if d.mask >> self.rank & 1 and d.place in (L3, place) and d.hashes]
-        if mine and self._thread is not None:
-            future = self._thread.submit(self._delete, mine)
+    def carry_out(self, orders: list[Order]) -> None:
+        """Carry out the fabric's orders for this rank's shards (``vllm_orders``), on
+        the writer thread, after the stores queued before them."""
+        todo = mine(orders, self.rank, self.pages.l2_place)
+        if todo and self._thread is not None:
+            future = self._thread.submit(carry_out, self.pages, todo)
             self._queue(_Write(None, future, None, self.clock()))
-
-    def _delete(self, drops: list[Drop]) -> tuple[list[bool], float, list[bool]]:
-        started = time.perf_counter()
-        for drop in drops:
-            keys = self.pages.keys(drop.tag, drop.hashes)
-            try:
-                if drop.place == L3 and self.pages.store is not None:
-                    n = self.pages.store.delete(keys)
-                    self.counts["l3_deleted_pages"] += n
-                elif drop.place != L3 and self.pages.l2 is not None:
-                    self.counts["l2_dropped_pages"] += self.pages.l2.remove(keys)
-            except Exception as exc:  # a page not deleted stays until the store's own bound
-                log.warning("kvfabric connector: deleting %d pages failed: %s", len(keys), exc)
-        return [], time.perf_counter() - started, []
 
     def _queue(self, write: _Write) -> None:
         with self._lock:
@@ -219,12 +205,21 @@ class WriteQueue:
                 keys += self.pages.keys(tag, chunk.parts[i][1].hashes)
                 i += 1
             pages = buffer[first : first + len(keys)]
+            kept = self.pages.l2_put(keys, pages)
+            l3 = list(range(len(keys)))
+            if kept and not self.pages.write_through:  # L3 later, when the fabric says
+                l3 = [k for k, good in enumerate(kept) if not good]
+            done = [False] * len(keys)
             try:
-                ok += store.store(keys, pages.numpy(), provenance)
+                rows = pages[torch.tensor(l3, dtype=torch.long)] if len(l3) < len(keys) else pages
+                for k, good in zip(
+                    l3, store.store([keys[k] for k in l3], rows.numpy(), provenance), strict=True
+                ):
+                    done[k] = good
             except Exception as exc:  # a store that fails is a later miss, never fatal
-                log.warning("kvfabric connector: storing %d pages failed: %s", len(keys), exc)
-                ok += [False] * len(keys)
-            l2 += self.pages.l2_put(keys, pages)
+                log.warning("kvfabric connector: storing %d pages failed: %s", len(l3), exc)
+            ok += done
+            l2 += kept or [False] * len(keys)
         return ok, time.perf_counter() - started, l2
 
     def _put_l2(self, keys: list[str], pages: torch.Tensor) -> tuple[list[bool], float, list[bool]]:
@@ -245,13 +240,20 @@ class WriteQueue:
                 self.pages.give(write.buffer)
 
     def _ended_write(self, write: _Write) -> None:
-        ok, seconds, l2 = write.future.result()  # (done: it does not wait)
+        result = write.future.result()  # (done: it does not wait)
+        if isinstance(result, Carried):  # the fabric's orders
+            self.stored += [(tag, self.rank, run) for tag, run in result.stored]
+            self.counts.update(result.counts)
+            return
+        ok, seconds, l2 = result
         self.counts["l2_stored_pages"] += sum(l2)
-        if write.chunk is None:  # a promotion into the node's L2, or deletes
+        if write.chunk is None:  # a promotion into the node's L2
             return
         self.counts["store_seconds"] += seconds
         self.counts["stored_pages"] += sum(ok)
-        self.counts["store_failed_pages"] += len(ok) - sum(ok)
+        self.counts["store_failed_pages"] += sum(
+            not a and not b for a, b in zip(ok, l2, strict=True)
+        )
         size, place = self.pages.page_bytes, self.pages.l2_place
         for tag, run, _, row in write.chunk.parts:
             self.ended += [(self.rank, h) for h in run.hashes]
@@ -282,21 +284,3 @@ class WriteQueue:
         if self._thread is not None:
             self._thread.shutdown(wait=wait, cancel_futures=True)
             self._thread = None
-
-
-def part(run: StoredRun, start: int, end: int) -> StoredRun:
-    """Pages ``[start, end)`` of ``run``, after their parent."""
-    parent = run.hashes[start - 1] if start else run.parent
-    return replace(run, parent=parent, hashes=run.hashes[start:end])
-
-
-def stored_runs(run: StoredRun, ok: list[bool]) -> list[StoredRun]:
-    """The runs of consecutive pages of ``run`` that were stored."""
-    runs, start = [], None
-    for i, good in enumerate([*ok, False]):
-        if good and start is None:
-            start = i
-        elif not good and start is not None:
-            runs.append(part(run, start, i))
-            start = None
-    return runs

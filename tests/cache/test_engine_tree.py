@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fabric.cache.engine_input import L3, StoredRun
-from fabric.cache.engine_places import Drop, ranks_of
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order, ranks_of
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockRemoved, BlockStored, Medium
 from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
@@ -113,7 +113,7 @@ def test_eviction_takes_leaves_first_in_policy_order_within_the_cap():
     tree.report(TAG, 1, {0: [run(a)]}, now=1.0)
     tree.lookup(TAG, 1, [a[:2]], now=2.0)  # a's first two pages are used again
     events, drops = tree.report(TAG, 1, {0: [run(b)]}, now=3.0)
-    assert drops == [Drop(TAG, 1, L3, 1, tuple(a[2:]))]
+    assert drops == [Order(TAG, 1, L3, 1, tuple(a[2:]), DELETE, "vllm", a[1])]
     assert BlockRemoved(tuple(a[2:]), Medium.STORAGE, "vllm") in events
     assert tree.lookup(TAG, 1, [a, b], now=4.0) == [2, 3]
     assert tree.places.used[L3] == 50
@@ -135,6 +135,37 @@ def test_a_leased_match_is_kept_past_capacity_until_released_or_expired():
     tree.lookup(TAG, 1, [b], ["e/r2"], 5.0, now=10.0)
     assert tree.lookup(TAG, 1, [[]], now=15.0) == [0]
     assert tree.leased == 0 and tree.stats.leases_expired == 1
+
+
+def test_under_write_back_a_page_leaving_a_nodes_l2_for_good_moves_to_l3_first():
+    tree = EngineTree("lru", capacity={L2A: 40}, write_policy="write_back")
+    a, b = chain(4), chain(3, first=50)
+    tree.report(TAG, 1, {0: [run(a[:2]), run(a, place=L2A)]}, now=1.0)  # L3 has a's first two
+    _, orders = tree.report(TAG, 1, {0: [run(b, place=L2A)]}, now=2.0)  # 70 bytes: a goes
+    assert [(o.kind, o.place, o.hashes, o.parent) for o in orders] == [
+        (MOVE, L2A, tuple(a[2:]), a[1]),
+        (DELETE, L2A, tuple(a[:2]), None),  # L3 holds it already
+    ]
+    assert orders[0].namespace == "vllm"
+    # Write-through: what leaves L2 is in L3 already (every store wrote both).
+    tree = EngineTree("lru", capacity={L2A: 40})
+    tree.report(TAG, 1, {0: [run(a, place=L2A)]}, now=1.0)
+    assert {o.kind for o in tree.report(TAG, 1, {0: [run(b, place=L2A)]}, now=2.0)[1]} == {DELETE}
+
+
+def test_under_selective_write_through_a_page_hit_twice_is_copied_to_l3_once():
+    tree = EngineTree(write_policy="write_through_selective")
+    c = chain(3)
+    tree.report(TAG, 2, {0: [run(c, place=L2A)], 1: [run(c, place=L2A)]})
+    assert tree.lookup(TAG, 2, [c], place=L2A) == [3] and tree.take_orders() == []
+    assert tree.lookup(TAG, 2, [c, c], place=L2A) == [3, 3]
+    (order,) = tree.take_orders()
+    assert (order.kind, order.place, order.mask, order.hashes) == (BACKUP, L2A, 0b11, tuple(c))
+    tree.lookup(TAG, 2, [c], place=L2A)
+    assert tree.take_orders() == [], "asked once"
+    tree.report(TAG, 2, {0: [run(c)], 1: [run(c)]})  # the copy arrived
+    tree.lookup(TAG, 2, [c], place=L2B)  # found in L3 by another node: nothing to copy
+    assert tree.take_orders() == []
 
 
 def test_the_trees_own_bound_evicts_whole_nodes_from_every_place():
@@ -235,9 +266,11 @@ class EngineTreeMachine(RuleBasedStateMachine):
         l2=st.sampled_from([0, 30]),
         index=st.sampled_from([6, 1000]),
         policy=st.sampled_from(["lru", "a2q", "lfu"]),
+        write=st.sampled_from(["write_through", "write_back", "write_through_selective"]),
     )
-    def setup(self, l3: int, l2: int, index: int, policy: str) -> None:
-        self.tree = EngineTree(policy, index, {L3: l3, "l2@": l2})
+    def setup(self, l3: int, l2: int, index: int, policy: str, write: str) -> None:
+        self.tree = EngineTree(policy, index, {L3: l3, "l2@": l2}, write)
+        self.write = write
         self.caps = {L3: l3, L2A: l2, L2B: l2}
         self.index = index
         self.model: dict[tuple[str, int, str, bytes], int] = {}
@@ -247,13 +280,24 @@ class EngineTreeMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.leases: dict[str, float] = {}
 
-    def _apply(self, drops: list[Drop]) -> None:
-        for d in drops:
-            for h in d.hashes:
-                key = (d.tag, d.world, d.place, h)
-                assert self.model.pop(key, 0) == d.mask
-            nxt = self.after.get(d.hashes[-1])
-            assert (d.tag, d.world, d.place, nxt) not in self.model, "a parent before its child"
+    def _apply(self, orders: list[Order]) -> None:
+        """Each order is for pages of its place, with the ranks the model has there;
+        an eviction never takes a page before the page after it; a copy to L3 is
+        asked only where L3 lacks the page (write-back: the ranks it lacks)."""
+        for o in orders:
+            l3 = [self.model.get((o.tag, o.world, L3, h), 0) for h in o.hashes]
+            if o.kind == BACKUP:
+                assert self.write == "write_through_selective" and o.place != L3
+                assert all(m != (1 << o.world) - 1 for m in l3)
+                continue
+            if o.kind == MOVE:
+                assert self.write == "write_back" and o.place != L3
+                assert all(o.mask & ~m for m in l3)
+            for h in o.hashes:
+                key = (o.tag, o.world, o.place, h)
+                assert self.model.pop(key, 0) == o.mask
+            nxt = self.after.get(o.hashes[-1])
+            assert (o.tag, o.world, o.place, nxt) not in self.model, "a parent before its child"
 
     @rule(
         tag=st.sampled_from(TAGS),
@@ -306,6 +350,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
             (hit,) = self.tree.lookup(tag, world, [c], now=self.now, place=place)
         else:
             (hit,) = self.tree.lookup(tag, world, [c], [lease[0]], lease[1], self.now, place)
+        self._apply(self.tree.take_orders())
         full, expected = (1 << world) - 1, 0
         for h in c:
             if full not in (

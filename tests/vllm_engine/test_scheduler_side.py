@@ -62,7 +62,7 @@ class FakeLink:
     def report_stored(self, world, stored):
         FabricLink.report_stored(self, world, stored)
 
-    def take_drops(self):
+    def take_orders(self):
         return []
 
     def forget(self, tag, world, hashes):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fabric.cache.engine_input import L3, StoredRun, node_place
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import BACKUP, MOVE, Order
 from fabric.engines import vllm_writes
 from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (
@@ -102,24 +102,23 @@ def test_a_store_reports_each_place_it_reached_and_the_fabrics_evictions_are_car
     tmp_path,
 ):
     """Pages stored in L3 and in the node's L2 are reported for both places (with
-    the rank's page size); a drop for this rank deletes its shards there, and one
-    for another rank, or another node, is left alone."""
+    the rank's page size); an order for this rank deletes its shards there, and
+    one for another rank, or another node, is left alone."""
     store = StoreOptions(path=str(tmp_path))
-    source = caches(1)
-    writer = worker(tmp_path, source, l2=True)
+    writer = worker(tmp_path, caches(1), l2=True)
     run = StoredRun("vllm", None, hashes(4))
     writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
     drain(writer)
     here = node_place(str(tmp_path / "shm"))
     assert writer.pages.l2_place == here
     assert sorted(r.place for _, _, r in writer.worker_meta().stored) == sorted([L3, here])
-    drops = [
-        Drop(TAG, 2, L3, 0b01, run.hashes[2:]),
-        Drop(TAG, 2, here, 0b01, run.hashes[3:]),
-        Drop(TAG, 2, L3, 0b10, run.hashes[:2]),  # rank 1's: not this worker's
-        Drop(TAG, 2, "l2@elsewhere", 0b01, run.hashes[:2]),  # another node's
+    orders = [
+        Order(TAG, 2, L3, 0b01, run.hashes[2:]),
+        Order(TAG, 2, here, 0b01, run.hashes[3:]),
+        Order(TAG, 2, L3, 0b10, run.hashes[:2]),  # rank 1's: not this worker's
+        Order(TAG, 2, "l2@elsewhere", 0b01, run.hashes[:2]),  # another node's
     ]
-    writer.save(FabricStepMeta(drops=drops, store=store))
+    writer.save(FabricStepMeta(orders=orders, store=store))
     drain(writer)
     keys = writer.pages.keys(TAG, run.hashes)
     assert writer.pages.store.present(keys) == [True, True, False, False]
@@ -127,6 +126,44 @@ def test_a_store_reports_each_place_it_reached_and_the_fabrics_evictions_are_car
     counts = writer.take_stats().data
     assert counts["l3_deleted_pages"] == 2 and counts["l2_dropped_pages"] == 1
     writer.close()
+
+
+def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it(tmp_path):
+    """The fabric's write policy reaches the workers with its store: under
+    write-back a store fills the node's L2 only; a ``BACKUP`` order copies pages
+    from there to L3 (reported stored there, in runs after their parent) and
+    keeps them; a ``MOVE`` copies and then empties the slots. Pages the node's
+    L2 no longer holds are skipped, never copied."""
+    store = StoreOptions(path=str(tmp_path), write_policy="write_back")
+    source = caches(1)
+    writer = worker(tmp_path, source, l2=True)
+    here = node_place(str(tmp_path / "shm"))
+    run = StoredRun("vllm", None, hashes(4))
+    writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
+    drain(writer)
+    assert [r.place for _, _, r in writer.worker_meta().stored] == [here]
+    keys = writer.pages.keys(TAG, run.hashes)
+    assert writer.pages.store.present(keys) == [False] * 4
+    writer.pages.l2.remove(keys[1:2])  # replaced meanwhile: not copied
+    h = run.hashes
+    orders = [
+        Order(TAG, 2, here, 0b11, h[:2], BACKUP, "vllm", None),
+        Order(TAG, 2, here, 0b01, h[2:], MOVE, "vllm", h[1]),
+    ]
+    writer.save(FabricStepMeta(orders=orders, store=store))
+    drain(writer)
+    assert writer.pages.store.present(keys) == [True, False, True, True]
+    assert [f is not None for f in writer.pages.l2.find(keys)] == [True, False, False, False]
+    stored = [(r.place, r.parent, r.hashes) for _, _, r in writer.worker_meta().stored]
+    assert stored == [(L3, None, h[:1]), (L3, h[1], h[2:])]
+    assert writer.take_stats().data["l3_copied_pages"] == 3
+    writer.close()
+    reader = worker(tmp_path, target := caches(2))
+    reader.load(FabricStepMeta(loads=[pload(h[2:], (8, 9))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][8:10], source[name][2:4])
+    reader.close()
 
 
 def test_asynchronous_loads_are_reported_when_done(tmp_path):

@@ -3,7 +3,7 @@
 The tree decides what leaves a place (``fabric.cache.engine_tree``); only an
 engine's workers can delete a page's shards there: they know its keys (the
 tag, the rank's shard) and, for a node's L2, they are on the node. So each
-``Drop`` waits here for the next report of an engine of its tag and world that
+``Order`` waits here for the next report of an engine of its tag and world that
 can reach the place (any, for L3; one on the node, for a node's L2), and goes
 back with that report's reply. At most ``max_pages`` pages wait; past that
 the oldest are let go, counted: their shards stay where they are until the
@@ -16,20 +16,20 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from fabric.cache.engine_input import L3
-from fabric.cache.engine_places import Drop
+from fabric.cache.engine_places import Order
 
 # Pages of drops handed to one engine per reply (a step's worth of deletes).
 MAX_PAGES_PER_REPLY = 1 << 14
 
 
-class PendingDrops:
+class PendingOrders:
     def __init__(self, max_pages: int = 1 << 20) -> None:
         self.max_pages = max_pages
         self.pages = 0
         self.let_go = 0  # pages dropped past the bound, never carried out
-        self._queues: OrderedDict[tuple[str, int, str], deque[Drop]] = OrderedDict()
+        self._queues: OrderedDict[tuple[str, int, str], deque[Order]] = OrderedDict()
 
-    def add(self, drops: Iterable[Drop]) -> None:
+    def add(self, drops: Iterable[Order]) -> None:
         for drop in drops:
             self._queues.setdefault((drop.tag, drop.world, drop.place), deque()).append(drop)
             self.pages += len(drop.hashes)
@@ -40,10 +40,10 @@ class PendingDrops:
             if not queue:
                 del self._queues[key]
 
-    def take(self, tag: str, world: int, place: str) -> list[Drop]:
+    def take(self, tag: str, world: int, place: str) -> list[Order]:
         """The drops an engine of ``tag`` and ``world`` on ``place`` (its node's L2
         place, or ``""``) carries out: L3's and its node's, oldest first."""
-        out: list[Drop] = []
+        out: list[Order] = []
         budget = MAX_PAGES_PER_REPLY
         for where in (L3, place) if place else (L3,):
             queue = self._queues.get((tag, world, where))

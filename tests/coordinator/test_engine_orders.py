@@ -1,23 +1,23 @@
-"""Evictions waiting for an engine (``fabric.coordinator.engine_drops``): each
+"""Evictions waiting for an engine (``fabric.coordinator.engine_orders``): each
 goes to one engine of its tag and world that can reach its place, oldest first,
 a reply's worth at a time; past the bound the oldest are let go, counted."""
 
 from __future__ import annotations
 
 from fabric.cache.engine_input import L3
-from fabric.cache.engine_places import Drop
-from fabric.coordinator import engine_drops
-from fabric.coordinator.engine_drops import PendingDrops
+from fabric.cache.engine_places import Order
+from fabric.coordinator import engine_orders
+from fabric.coordinator.engine_orders import PendingOrders
 
 TAG, OTHER = "0123456789abcdef", "fedcba9876543210"
 
 
-def drop(place: str, n: int = 1, tag: str = TAG, first: int = 0) -> Drop:
-    return Drop(tag, 1, place, 1, tuple(bytes([first + i]) * 32 for i in range(n)))
+def drop(place: str, n: int = 1, tag: str = TAG, first: int = 0) -> Order:
+    return Order(tag, 1, place, 1, tuple(bytes([first + i]) * 32 for i in range(n)))
 
 
 def test_an_engine_takes_l3s_drops_and_its_own_nodes_only_once():
-    pending = PendingDrops()
+    pending = PendingOrders()
     l3, here, there, other = drop(L3), drop("l2@a"), drop("l2@b"), drop(L3, tag=OTHER)
     pending.add([l3, here, there, other])
     assert pending.take(TAG, 1, "l2@a") == [l3, here]
@@ -30,8 +30,8 @@ def test_an_engine_takes_l3s_drops_and_its_own_nodes_only_once():
 
 
 def test_a_reply_carries_a_bounded_share_and_the_oldest_go_past_the_bound(monkeypatch):
-    monkeypatch.setattr(engine_drops, "MAX_PAGES_PER_REPLY", 3)
-    pending = PendingDrops(max_pages=5)
+    monkeypatch.setattr(engine_orders, "MAX_PAGES_PER_REPLY", 3)
+    pending = PendingOrders(max_pages=5)
     pending.add(
         [drop(L3, 2, first=i * 2) for i in range(4)]
     )  # 8 pages: the oldest two drops let go

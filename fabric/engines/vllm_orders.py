@@ -1,0 +1,87 @@
+"""A vLLM worker carrying out the fabric tree's orders for its shards
+(``fabric.cache.engine_places.Order``): delete them from L3 or from its node's
+L2 (the tree evicted the page), or copy them from its node's L2 into L3 (the
+write policy wants the page there: ``BACKUP``), deleting them from L2 after
+(``MOVE``: write-back, the page leaves L2). It runs on the worker's writer
+thread, after the stores queued before it.
+
+A copy reads each page from the node's L2 checked (its CRC, and its slot not
+rewritten while read), so a page another writer replaced meanwhile is skipped,
+never copied; what reached L3 is reported stored there, in runs of consecutive
+pages, as the worker's stores are. Nothing here raises into the engine: an
+order that fails is logged and counted, and the page stays where it was until
+its place's bound or a later order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from fabric.cache.engine_input import L3, StoredRun, stored_runs
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order
+from fabric.engines.vllm_moves import L2_PIN_MS, PageMoves
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Carried:
+    """What a batch of orders did: runs stored in L3 (``(tag, run)``) and counts."""
+
+    stored: list[tuple[str, StoredRun]] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+def mine(orders: list[Order], rank: int, place: str) -> list[Order]:
+    """The orders for this rank's shards in places it reaches (L3, its node's L2)."""
+    return [o for o in orders if o.mask >> rank & 1 and o.hashes and o.place in (L3, place)]
+
+
+def carry_out(pages: PageMoves, orders: list[Order]) -> Carried:
+    done = Carried()
+    for order in orders:
+        keys = pages.keys(order.tag, order.hashes)
+        try:
+            if order.kind in (BACKUP, MOVE):
+                _copy_to_l3(pages, order, keys, done)
+            if order.kind == DELETE and order.place == L3 and pages.store is not None:
+                done.counts["l3_deleted_pages"] += pages.store.delete(keys)
+            elif order.kind in (DELETE, MOVE) and order.place != L3 and pages.l2 is not None:
+                done.counts["l2_dropped_pages"] += pages.l2.remove(keys)
+        except Exception as exc:  # the page stays where it is: a cache, never an error
+            log.warning(
+                "kvfabric connector: a %s of %d pages failed: %s", order.kind, len(keys), exc
+            )
+            done.counts["orders_failed"] += 1
+    return done
+
+
+def _copy_to_l3(pages: PageMoves, order: Order, keys: list[str], done: Carried) -> None:
+    """Copy the order's pages this node's L2 holds whole into L3."""
+    l2, store = pages.l2, pages.store
+    if l2 is None or store is None or pages.provenance is None:
+        return
+    found = l2.find(keys, pin_ms=L2_PIN_MS)
+    buffer = pages.buffer(len(keys))
+    try:
+        good = []
+        for i, f in enumerate(found):
+            if f is not None and l2.check(f):
+                buffer[i].copy_(l2.pool[f[0]])
+                if l2.unchanged(f):
+                    good.append(i)
+        l2.unpin([f for f in found if f is not None])
+        rows = torch.tensor(good, dtype=torch.long)
+        ok = store.store([keys[i] for i in good], buffer[rows].numpy(), pages.provenance)
+    finally:
+        pages.give(buffer)
+    stored = [False] * len(keys)
+    for i, written in zip(good, ok, strict=True):
+        stored[i] = written
+    run = StoredRun(order.namespace, order.parent, order.hashes, L3, pages.page_bytes)
+    done.stored += [(order.tag, r) for r in stored_runs(run, stored)]
+    done.counts["l3_copied_pages"] += sum(stored)
