@@ -1,14 +1,22 @@
-"""The coordinator's socket for drivers' submits (``runtime.submit_transport``,
-``fabric.call_sockets``): made on the first driver's asking, served in the actor's
-event loop, answered by the actor's own ``submit_many``."""
+"""The coordinator's socket for drivers' submits and engines' calls
+(``runtime.submit_transport``, ``fabric.call_sockets``): made on the first
+asking, served in the actor's event loop, answered by the actor's own
+``submit_many`` and ``engine_*`` calls."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import ray
 
-from fabric.call_sockets import CallServer, SubmitCall
+from fabric.call_sockets import (
+    Call,
+    CallServer,
+    EngineForgetCall,
+    EngineLookupCall,
+    EngineReportCall,
+)
 from fabric.config import FabricConfig
 from fabric.coordinator.requests import RequestResult
 from fabric.errors import FabricError
@@ -16,11 +24,14 @@ from fabric.round_sockets import ray_tls
 
 
 class SubmitCalls:
-    """Mixed into ``CoordinatorActor``: ``config`` is its configuration and
-    ``submit_many`` its call."""
+    """Mixed into ``CoordinatorActor``: ``config`` is its configuration,
+    ``submit_many`` and the ``engine_*`` calls the calls it serves."""
 
     config: FabricConfig
     submit_many: Callable[..., Awaitable[list[RequestResult]]]
+    engine_lookup: Callable[..., Awaitable[list[int]]]
+    engine_report: Callable[..., Awaitable[Any]]
+    engine_forget: Callable[..., Awaitable[int]]
     _call_server: CallServer | None = None
 
     async def call_endpoint(self) -> tuple[str, bytes]:
@@ -34,10 +45,19 @@ class SubmitCalls:
         if self._call_server is None:
             host = ray.util.get_node_ip_address()
             max_bytes = self.config.runtime.max_message_bytes
-            self._call_server = CallServer(self._submit_call, host, max_bytes)
+            self._call_server = CallServer(self._serve_call, host, max_bytes)
         return self._call_server.endpoint, self._call_server.secret
 
-    async def _submit_call(self, call: SubmitCall) -> list[RequestResult]:
+    async def _serve_call(self, call: Call) -> Any:
+        if isinstance(call, EngineLookupCall):
+            c = call
+            return await self.engine_lookup(
+                c.engine_tag, c.world, c.chains, c.leases, c.lease_s, c.release, c.place
+            )
+        if isinstance(call, EngineReportCall):
+            return await self.engine_report(call.engine_tag, call.world, call.reports, call.place)
+        if isinstance(call, EngineForgetCall):
+            return await self.engine_forget(call.engine_tag, call.world, call.hashes)
         return await self.submit_many(
             call.prompts,
             call.namespace,

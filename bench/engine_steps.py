@@ -7,7 +7,8 @@ with the next step's lookup, as the connector releases them once loaded) and
 one report of what the step stored — every rank's shard of each page not hit,
 in L3 and in the engine's node L2. The chains are the Mooncake trace's
 (``../shared/traces``: each hash id one page), every engine going through them
-from its own point, so engines share prefixes as the trace's conversations do.
+from its own point, pass after pass, each pass's pages new, so engines share
+prefixes as the trace's conversations do and no more.
 L3's cap (``storage.max_bytes``) is small enough that the tree evicts.
 
 Per engine count: requests (chains looked up) per second, the coordinator
@@ -49,6 +50,15 @@ def chains(limit: int) -> list[list[bytes]]:
     return out
 
 
+def again(todo: list[list[bytes]], n: int) -> list[bytes]:
+    """Request ``n`` of an endless trace: the trace's requests over and over, each
+    pass's pages new (their hashes end in the pass number), so hits are only the
+    reuse the trace has, never a page from an earlier pass."""
+    chain = todo[n % len(todo)]
+    tail = (n // len(todo)).to_bytes(8, "little")
+    return [h[:24] + tail for h in chain]
+
+
 def engine(
     address: str, name: str, ns: str, seed: int, seconds: float, batch: int, ready, go, out
 ) -> None:
@@ -58,13 +68,13 @@ def engine(
     link = FabricLink(name, address, ns, timeout_s=60, retry_s=1)
     link.start()
     link.place = f"l2@bench-node-{seed % 2}"  # two engines a node
-    todo = chains(2000)
+    todo = chains(1 << 30)
     ready.put(seed)
     go.wait()
-    end, i, steps, asked, hit = time.monotonic() + seconds, 97 * seed, 0, 0, 0
+    end, i, steps, asked, hit = time.monotonic() + seconds, 997 * seed, 0, 0, 0
     held: list[str] = []
     while time.monotonic() < end:
-        group = [todo[(i + k) % len(todo)] for k in range(batch)]
+        group = [again(todo, i + k) for k in range(batch)]
         i += batch
         names = [f"e{seed}/{steps}/{k}" for k in range(batch)]
         hits = link.lookup(TAG, WORLD, group, names, 30.0, held, time.monotonic() + 60)

@@ -1,8 +1,10 @@
 """Drivers' submits over a socket (``runtime.submit_transport = "zmq"``): a call of
-``submit`` or ``submit_many`` reaches the coordinator over ZeroMQ instead of as a
-Ray actor call, which costs the coordinator about a millisecond of CPU in Ray's
-own threads whatever the call carries (``bench/fabric_load.py`` shows it by
-thread); at engine-step batches that was a fifth or more of its CPU per request.
+``submit`` or ``submit_many`` — and an engine connector's lookups, reports and
+forgets (``fabric.engines.fabric_link``) — reaches the coordinator over ZeroMQ
+instead of as a Ray actor call, which costs the coordinator about a millisecond
+of CPU in Ray's own threads whatever the call carries (``bench/fabric_load.py``
+shows it by thread); at engine-step batches that was a fifth or more of its CPU
+per request.
 
 **The coordinator's end** (``CallServer``) binds a ROUTER socket on its node's
 address and serves it in its event loop: each message is one call, encoded with
@@ -35,17 +37,19 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import zmq
 
+from fabric.cache.engine_input import StoredRun
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.round_sockets import FAILED, OK, SECRET_BYTES, SEQ_BYTES, LoopSocket, bind_router
 
 log = logging.getLogger(__name__)
 
 
-class SubmitCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class SubmitCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="submit"):
     """One ``submit_many`` call, as the actor method takes it."""
 
     prompts: list[bytes]
@@ -57,7 +61,37 @@ class SubmitCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     release: list[Lease]
 
 
-_CALL = msgspec.msgpack.Decoder(SubmitCall)
+class EngineLookupCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="lookup"):
+    """One ``engine_lookup`` call (``fabric.engines.fabric_link``)."""
+
+    engine_tag: str
+    world: int
+    chains: list[list[bytes]]
+    leases: list[str] | None
+    lease_s: float
+    release: list[str]
+    place: str
+
+
+class EngineReportCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="report"):
+    """One ``engine_report`` call."""
+
+    engine_tag: str
+    world: int
+    reports: dict[int, list[StoredRun]]
+    place: str
+
+
+class EngineForgetCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="forget"):
+    """One ``engine_forget`` call."""
+
+    engine_tag: str
+    world: int
+    hashes: list[bytes]
+
+
+Call = SubmitCall | EngineLookupCall | EngineReportCall | EngineForgetCall
+_CALL = msgspec.msgpack.Decoder(Call)
 _RESULTS = msgspec.msgpack.Decoder(list[RequestResult])
 _ERROR = msgspec.msgpack.Decoder(tuple[str, str])
 _ENCODE = msgspec.msgpack.Encoder()
@@ -94,13 +128,13 @@ class CallLost(ConnectionError):
 class CallServer:
     def __init__(
         self,
-        submit: Callable[[SubmitCall], Awaitable[list[RequestResult]]],
+        serve: Callable[[Call], Awaitable[Any]],
         host: str,
         max_bytes: int,
     ) -> None:
-        """Bind on ``host`` and serve calls with ``submit`` until ``close``; call
+        """Bind on ``host`` and serve calls with ``serve`` until ``close``; call
         from inside the running event loop."""
-        self.submit = submit
+        self.serve = serve
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._ctx = zmq.Context()
         sock, self.endpoint = bind_router(self._ctx, host, max_bytes)
@@ -125,7 +159,7 @@ class CallServer:
 
     async def _answer(self, peer: bytes, seq: bytes, payload: bytes) -> None:
         try:
-            results = await self.submit(_CALL.decode(payload))
+            results = await self.serve(_CALL.decode(payload))
             reply = [peer, seq, OK, _ENCODE.encode(results)]
         except msgspec.ValidationError as exc:
             reply = [peer, seq, FAILED, _ENCODE.encode(("InvalidInput", f"a bad call: {exc}"))]
@@ -234,6 +268,23 @@ class CallLink:
             if frames[1] == OK:
                 return _RESULTS.decode(frames[2]) if frames[2] else None
             raise _error(*_ERROR.decode(frames[2]))
+
+    def next_reply(self, timeout: float) -> tuple[int, Any] | None:
+        """The next reply this thread's socket has (within ``timeout``; ``None``
+        when none came): its sequence number and its payload's bytes, or the
+        call's error. Raises ``CallLost`` when the coordinator's end closed."""
+        sock = self._socket()
+        while True:
+            events = dict(sock.poller.poll(int(timeout * 1000)))
+            if not events:
+                return None
+            if sock.monitor in events:
+                self.lost = True
+                raise CallLost(f"the coordinator's call socket at {self.endpoint} closed")
+            frames = sock.sock.recv_multipart()
+            if len(frames) == 3:
+                seq = int.from_bytes(frames[0], "little")
+                return seq, frames[2] if frames[1] == OK else _error(*_ERROR.decode(frames[2]))
 
     def check(self) -> bool:
         """Whether the link still stands, as far as this thread's socket has heard

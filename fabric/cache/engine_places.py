@@ -41,6 +41,16 @@ class Order:
     parent: bytes | None = None
 
 
+def _count_child(parent: TreeNode, place: str, delta: int) -> None:
+    if parent.children_in is None:
+        parent.children_in = {}
+    n = parent.children_in.get(place, 0) + delta
+    if n:
+        parent.children_in[place] = n
+    else:
+        parent.children_in.pop(place, None)
+
+
 def medium_of(place: str) -> Medium:
     return Medium.STORAGE if place == L3 else Medium.HOST
 
@@ -89,10 +99,10 @@ class Places:
         """Recompute ``node``'s membership of its places' leaf sets and of ``ends``."""
         if node.parent is None:  # the root
             return
-        children = node.children.values()
+        below = node.children_in or {}
         for place in node.places or ():
             queue = self.queue(place)
-            if any(c.places and place in c.places for c in children):
+            if below.get(place):
                 queue.discard(node)
             else:
                 queue.add(node)
@@ -112,6 +122,7 @@ class Places:
         pages = len(node.page_hashes or ())
         self.used[place] = self.used.get(place, 0) + size * pages
         if not old:
+            _count_child(node.parent, place, 1)
             self.refresh(node)
             self.refresh(node.parent)
         if old | bit != full:
@@ -130,6 +141,8 @@ class Places:
         """``node`` leaves ``place``; the ranks that had it there."""
         assert node.places is not None and node.parent is not None
         mask = node.places.pop(place, 0)
+        if mask:
+            _count_child(node.parent, place, -1)
         pages = len(node.page_hashes or ())
         size = sum(sizes.get(rank, 0) for rank in ranks_of(mask))
         self.used[place] = max(0, self.used.get(place, 0) - size * pages)
@@ -140,7 +153,9 @@ class Places:
         return mask
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
-        """``upper`` was cut from ``lower`` with the same places: not a leaf of them."""
+        """``upper`` was cut from ``lower`` with the same places (its parent's counts
+        stay: one child there for another), ``lower`` its one child."""
+        upper.children_in = dict.fromkeys(upper.places or (), 1)
         self.refresh(upper)
         self.refresh(lower)
 

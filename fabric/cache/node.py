@@ -20,12 +20,14 @@ class TreeNode:
     anchors, pins). ``device_children`` counts children with a device value.
     ``page_hashes`` is ``None`` until first needed. ``sliding``, ``mamba`` and their
     locks are a hybrid model's other components (``fabric.cache.components``).
-    ``places`` is an engine page's residency (``fabric.cache.engine_tree``): per
-    place, the mask of the ranks whose shard is there.
+    ``places`` is an engine page's residency (``fabric.cache.engine_index``): per
+    place, the mask of the ranks whose shard is there; ``children_in`` counts,
+    per place, the children that are there.
     """
 
     __slots__ = (
         "children",
+        "children_in",
         "created",
         "device_children",
         "device_value",
@@ -85,6 +87,7 @@ class TreeNode:
         self.host_sliding: array | None = None
         self.host_mamba: int | None = None
         self.places: dict[str, int] | None = None
+        self.children_in: dict[str, int] | None = None
 
     @property
     def on_device(self) -> bool:

@@ -1,5 +1,7 @@
-"""An engine connector's line to a running fabric's coordinator: every Ray call
-the connector's scheduler side makes goes through here.
+"""An engine connector's line to a running fabric's coordinator: every call the
+connector's scheduler side makes goes through here — over the coordinator's
+call socket where it answers from here (``link_socket``: a Ray actor call costs
+the coordinator several times the tree's own work), else as Ray calls.
 
 The engine must serve whatever happens to the fabric. A fabric that cannot be
 reached at start, or whose calls fail or take longer than ``timeout_s``, is
@@ -23,6 +25,7 @@ from typing import Any
 
 from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
 from fabric.cache.engine_places import Order
+from fabric.engines.link_socket import SocketCalls, open_socket
 from fabric.engines.store import StoreOptions
 
 log = logging.getLogger(__name__)
@@ -59,8 +62,10 @@ class FabricLink:
         self._said_down = False
         self._reports: list[Any] = []
         self._connecting: threading.Thread | None = None
-        self._connected: tuple[Any, StoreOptions | None] | None = None
+        self._connected: tuple[Any, StoreOptions | None, SocketCalls | None] | None = None
         self._lock = threading.Lock()
+        # The coordinator's call socket, where it answers from here (else Ray calls).
+        self.calls: SocketCalls | None = None
 
     def start(self) -> None:
         """Attach at start-up, waiting at most ``timeout_s`` (so the first requests
@@ -94,7 +99,13 @@ class FabricLink:
 
         try:
             fabric = connect(self.name, self.address, self.ray_namespace)
-            result: Any = (fabric.coordinator, store_options(fabric.config))
+            calls = None
+            if fabric.config.runtime.submit_transport == "zmq":
+                calls = open_socket(
+                    lambda: fabric.result(fabric.coordinator.call_endpoint.remote(), 30),
+                    fabric.config.runtime.max_message_bytes, self.timeout_s, self.clock,
+                )  # fmt: skip
+            result: Any = (fabric.coordinator, store_options(fabric.config), calls)
         except Exception as exc:
             result = exc
         with self._lock:
@@ -109,17 +120,21 @@ class FabricLink:
         if isinstance(result, Exception):
             self._down(f"cannot be reached ({result})")
             return
-        self.coordinator, self.store = result
+        self.coordinator, self.store, self.calls = result
         log.info(
-            "kvfabric connector: attached to fabric %r (L3 %s)",
+            "kvfabric connector: attached to fabric %r (L3 %s; calls %s)",
             self.name,
             self.store.path if self.store else "none the workers can open",
+            "over its socket" if self.calls else "over Ray",
         )
         self._said_down = False
 
     def _down(self, why: str) -> None:
         self.coordinator = None
         self._reports.clear()
+        if self.calls is not None:
+            self.calls.close()
+            self.calls = None
         self._retry_at = self.clock() + self.retry_s
         if not self._said_down:
             log.warning(
@@ -149,6 +164,18 @@ class FabricLink:
 
         if not chains or not self.up:
             return None
+        if self.calls is not None:
+            try:
+                return self.calls.lookup(
+                    tag, world, chains, leases, lease_s, release[:MAX_CHAINS_PER_CALL],
+                    self.place, deadline,
+                )  # fmt: skip
+            except Exception as exc:
+                self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
+                return None
+            finally:
+                if len(release) > MAX_CHAINS_PER_CALL:
+                    self.release(tag, world, release[MAX_CHAINS_PER_CALL:])
         if not self._check_reports(in_flight=0, deadline=deadline):
             return None
         handles = []
@@ -177,6 +204,9 @@ class FabricLink:
         try:
             for at in range(0, len(names), MAX_CHAINS_PER_CALL):
                 part = list(names[at : at + MAX_CHAINS_PER_CALL])
+                if self.calls is not None:
+                    self.calls.release(tag, world, part, self.place)
+                    continue
                 self._reports.append(
                     self.coordinator.engine_lookup.remote(tag, world, [], None, 0.0, part)
                 )
@@ -192,6 +222,9 @@ class FabricLink:
             return
         try:
             for part in _report_parts(stored):
+                if self.calls is not None:
+                    self.calls.report(tag, world, part, self.place)
+                    continue
                 self._reports.append(
                     self.coordinator.engine_report.remote(tag, world, part, self.place)
                 )
@@ -215,6 +248,9 @@ class FabricLink:
         try:
             for at in range(0, len(hashes), MAX_PAGES_PER_CALL):
                 part = list(hashes[at : at + MAX_PAGES_PER_CALL])
+                if self.calls is not None:
+                    self.calls.forget(tag, world, part)
+                    continue
                 self._reports.append(self.coordinator.engine_forget.remote(tag, world, part))
         except Exception as exc:
             self._down(f"failed a report ({exc})")
@@ -229,6 +265,8 @@ class FabricLink:
         Whether the fabric is still up."""
         import ray
 
+        if self.calls is not None:
+            return self._check_socket(in_flight, deadline)
         if not self._reports:
             return True
         ready, pending = ray.wait(self._reports, num_returns=len(self._reports), timeout=0)
@@ -250,17 +288,32 @@ class FabricLink:
                 self.orders += reply[1]
         return True
 
+    def _check_socket(self, in_flight: int, deadline: float | None) -> bool:
+        calls = self.calls
+        assert calls is not None
+        try:
+            calls.settle(in_flight, self.clock() + self.timeout_s if deadline is None else deadline)
+        except Exception as exc:
+            self._down(f"failed a report ({type(exc).__name__}: {exc})")
+            return False
+        self.orders += calls.orders
+        calls.orders = []
+        return True
+
     def take_orders(self) -> list[Order]:
-        """The evictions handed back since the last call (replies that came)."""
-        if self._reports and self.coordinator is not None:
+        """The orders handed back since the last call (replies that came)."""
+        if self.coordinator is not None and (self._reports or self.calls is not None):
             self._check_reports()
-        drops, self.orders = self.orders, []
-        return drops
+        orders, self.orders = self.orders, []
+        return orders
 
     def close(self) -> None:
         """Wait (at most ``timeout_s``) for the reports in flight to land."""
-        if self.coordinator is not None and self._reports:
+        if self.coordinator is not None and (self._reports or self.calls is not None):
             self._check_reports(in_flight=0)
+        if self.calls is not None:
+            self.calls.close()
+            self.calls = None
 
 
 def _report_parts(stored: dict[int, list[StoredRun]]) -> list[dict[int, list[StoredRun]]]:

@@ -413,6 +413,12 @@ class EngineTreeMachine(RuleBasedStateMachine):
                 assert all(node.lock_ref for node in places.queue(place).members)
         if len(self.tree) > self.index:
             assert all(node.lock_ref for node in places.ends.members)
+        for node in [self.tree.tree.root, *self.tree.tree.walk()]:
+            below: dict[str, int] = {}
+            for child in node.children.values():
+                for place in child.places or ():
+                    below[place] = below.get(place, 0) + 1
+            assert (node.children_in or {}) == below
         for (tag, world, h), node in self.tree.where.items():
             assert h in node.page_hashes
             parent = node.parent
