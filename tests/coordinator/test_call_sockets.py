@@ -94,7 +94,9 @@ def test_the_coordinators_errors_are_raised_by_their_own_type():
         with pytest.raises(InvalidInput, match=r"a bad call: .*\$\[3\]"):
             bad = msgspec.msgpack.encode(["submit", [], "default", "high", [], None, None, []])
             link.receive(link.send(bad), 30)
-        with pytest.raises(InvalidInput, match=r"a bad call: Invalid value 'steal'"):  # no such call
+        with pytest.raises(
+            InvalidInput, match=r"a bad call: Invalid value 'steal'"
+        ):  # no such call
             link.receive(link.send(msgspec.msgpack.encode(["steal", 1])), 30)
     finally:
         link.close()
