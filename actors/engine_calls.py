@@ -44,13 +44,14 @@ class EngineCalls:
             self.core.stats.core_time_s += time.perf_counter() - started
 
     async def engine_report(
-        self, tag: str, world: int, reports: dict[int, list], place: str = ""
+        self, tag: str, world: int, reports: dict[int, list], place: str = "", place_bytes: int = 0
     ) -> tuple[int, list[Order]]:
         """One engine step's stores, by rank: the pages that became whole, and the
-        evictions the engine's ranks carry out (in L3 and in ``place``)."""
+        orders the engine's ranks carry out (in L3 and in ``place``, its node's L2,
+        whose regions hold ``place_bytes`` for it)."""
         started = time.perf_counter()
         try:
-            whole, drops = self.core.engine_report(tag, world, reports, place)
+            whole, drops = self.core.engine_report(tag, world, reports, place, place_bytes)
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
         if whole:

@@ -55,7 +55,9 @@ class SubmitCalls:
                 c.engine_tag, c.world, c.chains, c.leases, c.lease_s, c.release, c.place
             )
         if isinstance(call, EngineReportCall):
-            return await self.engine_report(call.engine_tag, call.world, call.reports, call.place)
+            return await self.engine_report(
+                call.engine_tag, call.world, call.reports, call.place, call.place_bytes
+            )
         if isinstance(call, EngineForgetCall):
             return await self.engine_forget(call.engine_tag, call.world, call.hashes)
         return await self.submit_many(

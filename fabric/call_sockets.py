@@ -80,6 +80,7 @@ class EngineReportCall(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
     world: int
     reports: dict[int, list[StoredRun]]
     place: str
+    place_bytes: int
 
 
 class EngineForgetCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="forget"):

@@ -44,7 +44,7 @@ class FakeCoordinator:
             self.pages.release(release)
             return self.pages.lookup(tag, world, chains, leases, lease_s, place=place)
 
-        def report(tag, world, reports, place=""):
+        def report(tag, world, reports, place="", place_bytes=0):
             self.calls.append(("report", max(len(r) for r in reports.values())))
             events, drops = self.pages.report(tag, world, reports)
             return len(events), drops

@@ -116,6 +116,16 @@ def check_place(place: object) -> str:
     )
 
 
+def check_count(value: object, what: str) -> int:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 0 <= value <= MAX_PAGE_BYTES << 12
+    ):
+        raise InvalidInput(f"{what} {value!r:.80} is refused: allowed is an int >= 0")
+    return value
+
+
 def check_leases(leases: object, chains: Sequence, lease_s: object) -> None:
     if not isinstance(leases, (list, tuple)) or len(leases) != len(chains):
         raise InvalidInput(

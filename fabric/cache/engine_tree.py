@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from fabric.cache.engine_index import EngineIndex
 from fabric.cache.engine_input import (
+    L2_AT,
     L3,
     MAX_LEASES,
     StoredRun,
@@ -38,6 +39,9 @@ from fabric.cache.events import KVEvent
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
 from policies import get_write_policy
+
+# The share of a node's L2 regions the tree fills (see ``EngineTree.declare``).
+L2_LOAD = 0.5
 
 
 class EngineTree(EngineIndex):
@@ -58,10 +62,24 @@ class EngineTree(EngineIndex):
         super().clear()
         self._leases: OrderedDict[str, tuple[float, TreeNode]] = OrderedDict()
         self._backing: set[int] = set()  # nodes a ``BACKUP`` was asked for
+        self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
 
     @property
     def leased(self) -> int:
         return len(self._leases)
+
+    def declare(self, place: str, tag: str, region_bytes: int) -> None:
+        """An engine of ``tag`` on ``place``'s node keeps its pages there in regions
+        of ``region_bytes`` in all (its ranks' ``l2_bytes``): the place holds
+        ``L2_LOAD`` of what its engines' regions hold (engines of one tag share
+        their regions). A region is set-associative: kept under that load, a
+        set is rarely full, so it seldom replaces a page the tree counts."""
+        if not place.startswith(L2_AT) or region_bytes <= 0:
+            return
+        regions = self._regions.setdefault(place, {})
+        if regions.get(tag) != region_bytes:
+            regions[tag] = region_bytes
+            self.places.capacity[place] = int(sum(regions.values()) * L2_LOAD)
 
     def take_orders(self) -> list[Order]:
         """The orders queued since the last call, oldest first."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
-from fabric.cache.engine_input import L3, StoredRun, check_place
+from fabric.cache.engine_input import L3, StoredRun, check_count, check_place
 from fabric.cache.engine_places import Order
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockStored
@@ -384,12 +384,16 @@ class CoordinatorCore:
         world: int,
         reports: dict[int, Sequence[StoredRun]],
         place: str = "",
+        place_bytes: int = 0,
     ) -> tuple[int, list[Order]]:
         """Ranks' reports of the pages they stored: how many pages became whole
         somewhere (each announced as a ``BlockStored``), and the orders this
-        engine's ranks carry out (in L3, and in ``place``: its node's L2)."""
+        engine's ranks carry out (in L3, and in ``place``: its node's L2, whose
+        regions hold ``place_bytes`` for this engine)."""
         if place:
             check_place(place)
+            check_count(place_bytes, "place_bytes")
+            self.engine_tree.declare(place, tag, place_bytes)
         events, orders = self.engine_tree.report(tag, world, reports, self.clock())
         self.events.add(events)
         self.engine_orders.add(orders)

@@ -56,6 +56,7 @@ class FabricLink:
         # This engine's node's L2 place (``""``: none): its lookups count pages
         # whole there, and the evictions it is handed include that place's.
         self.place = ""
+        self.place_bytes = 0  # what this engine's regions there hold (its ranks' l2_bytes)
         # Evictions the fabric handed this engine to carry out (``take_orders``).
         self.orders: list[Order] = []
         self._retry_at = 0.0
@@ -223,10 +224,12 @@ class FabricLink:
         try:
             for part in _report_parts(stored):
                 if self.calls is not None:
-                    self.calls.report(tag, world, part, self.place)
+                    self.calls.report(tag, world, part, self.place, self.place_bytes)
                     continue
                 self._reports.append(
-                    self.coordinator.engine_report.remote(tag, world, part, self.place)
+                    self.coordinator.engine_report.remote(
+                        tag, world, part, self.place, self.place_bytes
+                    )
                 )
         except Exception as exc:
             self._down(f"failed a report ({exc})")

@@ -82,8 +82,10 @@ class SocketCalls:
                 answers[seq] = _HITS.decode(payload)
         return [hit for seq in seqs for hit in answers[seq]]
 
-    def report(self, tag: str, world: int, part: dict[int, list[StoredRun]], place: str) -> None:
-        self._send(EngineReportCall(tag, world, part, place), "report")
+    def report(
+        self, tag: str, world: int, part: dict[int, list[StoredRun]], place: str, place_bytes: int
+    ) -> None:
+        self._send(EngineReportCall(tag, world, part, place, place_bytes), "report")
 
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         self._send(EngineForgetCall(tag, world, list(hashes)), "forget")

@@ -465,7 +465,7 @@ class _SlowReports:
     def __init__(self) -> None:
         self.reported = 0
 
-    async def engine_report(self, tag, world, reports, place):
+    async def engine_report(self, tag, world, reports, place, place_bytes):
         import asyncio
 
         await asyncio.sleep(0.3)

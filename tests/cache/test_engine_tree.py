@@ -168,6 +168,20 @@ def test_under_selective_write_through_a_page_hit_twice_is_copied_to_l3_once():
     assert tree.take_orders() == []
 
 
+def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
+    """Engines declare their node L2 regions; engines of one tag share theirs."""
+    tree = EngineTree("lru")
+    tree.declare(L2A, TAG, 100)
+    tree.declare(L2A, TAG, 100)  # another replica of the same engine: the same regions
+    tree.declare(L2A, "fedcba9876543210", 60)
+    tree.declare(L3, TAG, 1000)  # L3's cap is the fabric's, not an engine's
+    assert tree.places.cap(L2A) == 80 and tree.places.cap(L2B) == 0 and tree.places.cap(L3) == 0
+    c = chain(9)
+    tree.report(TAG, 1, {0: [run(c[:5], place=L2A)]})
+    _, orders = tree.report(TAG, 1, {0: [run(c[5:], c[4], place=L2A)]})  # 90 bytes of 80
+    assert tree.places.used[L2A] == 50 and [o.hashes for o in orders] == [tuple(c[5:])]
+
+
 def test_the_trees_own_bound_evicts_whole_nodes_from_every_place():
     tree = EngineTree("lru", index_pages=4)
     a, b = chain(3), chain(3, first=50)

@@ -72,3 +72,19 @@ def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each
     assert [e.page_hashes for e in removed] == [a]
     assert core.engine_report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
     assert not any(isinstance(e, BlockStored) for e in core.events.take())
+
+
+def test_an_engines_report_declares_its_node_l2_and_a_bad_size_is_refused():
+    import pytest
+
+    from fabric.coordinator.core import CoordinatorCore
+    from fabric.errors import InvalidInput
+    from tests.helpers import small_config
+
+    core = CoordinatorCore(small_config())
+    assert core.engine_report(TAG, 1, {}, "l2@n1", 1000) == (0, [])
+    assert core.engine_tree.places.cap("l2@n1") == 500
+    with pytest.raises(InvalidInput, match="place_bytes -1"):
+        core.engine_report(TAG, 1, {}, "l2@n1", -1)
+    with pytest.raises(InvalidInput, match="place 'disk'"):
+        core.engine_report(TAG, 1, {}, "disk", 10)
