@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fabric.cache.engine_input import L3, StoredRun, stored_runs
-from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order
+from fabric.cache.engine_places import BACKUP, MOVE, Order
 from fabric.engines.vllm_moves import L2_PIN_MS, PageMoves
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,13 @@ def carry_out(pages: PageMoves, orders: list[Order]) -> Carried:
         keys = pages.keys(order.tag, order.hashes)
         try:
             if order.kind in (BACKUP, MOVE):
-                _copy_to_l3(pages, order, keys, done)
-            if order.kind == DELETE and order.place == L3 and pages.store is not None:
+                copied = _copy_to_l3(pages, order, keys, done)
+                if order.kind == MOVE and pages.l2 is not None:  # what is in L3 now leaves L2
+                    moved = [k for k, ok in zip(keys, copied, strict=True) if ok]
+                    done.counts["l2_dropped_pages"] += pages.l2.remove(moved)
+            elif order.place == L3 and pages.store is not None:
                 done.counts["l3_deleted_pages"] += pages.store.delete(keys)
-            elif order.kind in (DELETE, MOVE) and order.place != L3 and pages.l2 is not None:
+            elif order.place != L3 and pages.l2 is not None:
                 done.counts["l2_dropped_pages"] += pages.l2.remove(keys)
         except Exception as exc:  # the page stays where it is: a cache, never an error
             log.warning(
@@ -60,11 +63,26 @@ def carry_out(pages: PageMoves, orders: list[Order]) -> Carried:
     return done
 
 
-def _copy_to_l3(pages: PageMoves, order: Order, keys: list[str], done: Carried) -> None:
-    """Copy the order's pages this node's L2 holds whole into L3."""
+def _copy_to_l3(pages: PageMoves, order: Order, keys: list[str], done: Carried) -> list[bool]:
+    """Copy the order's pages this node's L2 holds whole into L3, a page buffer at a
+    time; per page, whether it is in L3 now."""
+    stored = [False] * len(keys)
+    if pages.l2 is None or pages.store is None or pages.provenance is None:
+        return stored
+    for start in range(0, len(keys), pages.batch_pages):
+        end = min(start + pages.batch_pages, len(keys))
+        for i, ok in _copy_batch(pages, keys[start:end]):
+            stored[start + i] = ok
+    run = StoredRun(order.namespace, order.parent, order.hashes, L3, pages.page_bytes)
+    done.stored += [(order.tag, r) for r in stored_runs(run, stored)]
+    done.counts["l3_copied_pages"] += sum(stored)
+    return stored
+
+
+def _copy_batch(pages: PageMoves, keys: list[str]) -> list[tuple[int, bool]]:
+    """``(index, stored)`` for the pages of ``keys`` read whole from the node's L2."""
     l2, store = pages.l2, pages.store
-    if l2 is None or store is None or pages.provenance is None:
-        return
+    assert l2 is not None and store is not None and pages.provenance is not None
     found = l2.find(keys, pin_ms=L2_PIN_MS)
     buffer = pages.buffer(len(keys))
     try:
@@ -75,13 +93,10 @@ def _copy_to_l3(pages: PageMoves, order: Order, keys: list[str], done: Carried) 
                 if l2.unchanged(f):
                     good.append(i)
         l2.unpin([f for f in found if f is not None])
-        rows = torch.tensor(good, dtype=torch.long)
-        ok = store.store([keys[i] for i in good], buffer[rows].numpy(), pages.provenance)
+        if not good:
+            return []
+        rows = buffer[torch.tensor(good, dtype=torch.long)]
+        ok = store.store([keys[i] for i in good], rows.numpy(), pages.provenance)
+        return list(zip(good, ok, strict=True))
     finally:
         pages.give(buffer)
-    stored = [False] * len(keys)
-    for i, written in zip(good, ok, strict=True):
-        stored[i] = written
-    run = StoredRun(order.namespace, order.parent, order.hashes, L3, pages.page_bytes)
-    done.stored += [(order.tag, r) for r in stored_runs(run, stored)]
-    done.counts["l3_copied_pages"] += sum(stored)

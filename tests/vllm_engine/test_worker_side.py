@@ -15,7 +15,7 @@ import torch
 
 from fabric.cache.engine_input import L3, StoredRun, node_place
 from fabric.cache.engine_places import BACKUP, MOVE, Order
-from fabric.engines import vllm_writes
+from fabric.engines import vllm_moves, vllm_writes
 from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (
     FabricConnectorStats,
@@ -128,12 +128,16 @@ def test_a_store_reports_each_place_it_reached_and_the_fabrics_evictions_are_car
     writer.close()
 
 
-def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it(tmp_path):
+def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it(
+    tmp_path, monkeypatch
+):
     """The fabric's write policy reaches the workers with its store: under
     write-back a store fills the node's L2 only; a ``BACKUP`` order copies pages
     from there to L3 (reported stored there, in runs after their parent) and
     keeps them; a ``MOVE`` copies and then empties the slots. Pages the node's
-    L2 no longer holds are skipped, never copied."""
+    L2 no longer holds are skipped, never copied; a copy goes a page buffer at a
+    time (one page, here)."""
+    monkeypatch.setattr(vllm_moves, "STAGING_BYTES", PAGE_BYTES)
     store = StoreOptions(path=str(tmp_path), write_policy="write_back")
     source = caches(1)
     writer = worker(tmp_path, source, l2=True)
@@ -141,7 +145,9 @@ def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it
     run = StoredRun("vllm", None, hashes(4))
     writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
     drain(writer)
-    assert [r.place for _, _, r in writer.worker_meta().stored] == [here]
+    reported = [r for _, _, r in writer.worker_meta().stored]
+    assert {r.place for r in reported} == {here}
+    assert [h for r in reported for h in r.hashes] == list(run.hashes)
     keys = writer.pages.keys(TAG, run.hashes)
     assert writer.pages.store.present(keys) == [False] * 4
     writer.pages.l2.remove(keys[1:2])  # replaced meanwhile: not copied
