@@ -38,6 +38,7 @@ from fabric.cache.engine_input import (
     check_reports,
 )
 from fabric.cache.engine_places import (
+    DELETE,
     Order,
     Places,
     Whole,
@@ -152,9 +153,9 @@ class EngineIndex:
         self.now = now
         for rank, runs in reports.items():
             for run in runs:
-                sizes.setdefault(rank, run.page_bytes)  # a rank's page size never changes
-                if not sizes[rank]:
+                if run.page_bytes and not sizes.get(rank):  # a rank's page size never changes
                     sizes[rank] = run.page_bytes
+                    self.places.recount(self.tree.walk(), self.ranks)  # counted 0 before
                 self._record(tag, world, rank, run, events)
         for e in events:
             n, by = len(e.page_hashes), self.stats.whole_by_place
@@ -262,7 +263,8 @@ class EngineIndex:
 
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> list[KVEvent]:
         """Remove ``hashes`` from every place (a rank could not load them: gone, or
-        refused by its checks); a ``BlockRemoved`` per place they were whole in."""
+        refused by its checks); a ``BlockRemoved`` per place they were whole in, and
+        an order to delete the shards the other ranks hold."""
         check_group(tag, world)
         check_hashes(hashes, "hashes")
         events: list[KVEvent] = []
@@ -273,8 +275,8 @@ class EngineIndex:
             at = node.page_hashes.index(h)  # type: ignore[union-attr]
             node = self._isolate(node, at, at + 1)
             self.stats.forgotten_pages += 1
-            for place in list(node.places or ()):
-                events.extend(self._leave(node, place))
+            for place in list(node.places or ()):  # the other ranks' shards go too
+                events.extend(self._leave(node, place, DELETE))
             self._prune(node)
         return events
 

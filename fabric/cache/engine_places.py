@@ -10,7 +10,7 @@ node's L2 by its ``host_order`` (as the fabric's own L1 and L2 do).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from fabric.cache.engine_input import L2_AT, L3
@@ -151,6 +151,20 @@ class Places:
         self.queue(place).discard(node)
         self.refresh(node.parent)
         return mask
+
+    def recount(
+        self, nodes: Iterable[TreeNode], sizes: dict[tuple[str, int], dict[int, int]]
+    ) -> None:
+        """The bytes each place holds, counted anew (a rank's page size became known
+        after pages of it were counted at 0)."""
+        used: dict[str, int] = {}
+        for node in nodes:
+            rank_bytes = sizes.get(group_of(node), {})
+            pages = len(node.page_hashes or ())
+            for place, mask in (node.places or {}).items():
+                size = sum(rank_bytes.get(rank, 0) for rank in ranks_of(mask))
+                used[place] = used.get(place, 0) + size * pages
+        self.used = used
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``upper`` was cut from ``lower`` with the same places (its parent's counts

@@ -405,6 +405,7 @@ class CoordinatorCore:
         whole one announced as a ``BlockRemoved``); how many."""
         events = self.engine_tree.forget(tag, world, page_hashes)
         self.events.add(events)
+        self.engine_orders.add(self.engine_tree.take_orders())
         return sum(len(e.page_hashes) for e in events)
 
     def storage_drained(self) -> bool:

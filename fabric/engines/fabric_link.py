@@ -134,6 +134,7 @@ class FabricLink:
         self.coordinator = None
         self._reports.clear()
         if self.calls is not None:
+            self.orders += self.calls.orders  # taken already: still carried out
             self.calls.close()
             self.calls = None
         self._retry_at = self.clock() + self.retry_s
@@ -315,6 +316,7 @@ class FabricLink:
         if self.coordinator is not None and (self._reports or self.calls is not None):
             self._check_reports(in_flight=0)
         if self.calls is not None:
+            self.orders += self.calls.orders  # taken already: still carried out
             self.calls.close()
             self.calls = None
 

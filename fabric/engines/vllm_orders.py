@@ -87,12 +87,14 @@ def _copy_batch(pages: PageMoves, keys: list[str]) -> list[tuple[int, bool]]:
     buffer = pages.buffer(len(keys))
     try:
         good = []
-        for i, f in enumerate(found):
-            if f is not None and l2.check(f):
-                buffer[i].copy_(l2.pool[f[0]])
-                if l2.unchanged(f):
-                    good.append(i)
-        l2.unpin([f for f in found if f is not None])
+        try:
+            for i, f in enumerate(found):
+                if f is not None and l2.check(f):
+                    buffer[i].copy_(l2.pool[f[0]])
+                    if l2.unchanged(f):
+                        good.append(i)
+        finally:
+            l2.unpin([f for f in found if f is not None])
         if not good:
             return []
         rows = buffer[torch.tensor(good, dtype=torch.long)]

@@ -28,9 +28,11 @@ directory: each appends to its own segments and picks up the others' on a miss
 A deletion (``delete``: the fabric's tree evicted the page) appends a
 tombstone naming the record (its key, segment and offset, so a newer copy of
 the key stays) to the deleter's segment; every process drops that record from
-its index when it scans the tombstone, and a segment whose records are all
-dead, and that no writer appended to for ``2 * SEAL_S``, is removed by the first
-process to see it so.
+its index when it scans the tombstone, and a segment with no live record left
+but deleted ones, that no writer appended to for ``2 * SEAL_S`` and that this
+process has read to its end, is removed by the first process to see it so. A
+record superseded by another copy of its key is not dead: which copy is newer
+is only a process's scan order.
 
 Files and directories are owner-only (``file_mode``/``dir_mode``) and opened
 without following links. With ``max_bytes``, whole segments go, least recently
@@ -305,8 +307,9 @@ class SegmentBackend(L3Backend):
         self.note_stored(key)
         old = self._index.get(key)
         if old is not None:
+            # Not counted dead: which copy is newer is only this process's scan order,
+            # and another process may take the other one for the current copy.
             old.segment.keys.discard(key)
-            old.segment.dead += 1  # superseded
         self._index[key] = entry
         entry.segment.keys.add(key)
 
@@ -462,8 +465,10 @@ class SegmentBackend(L3Backend):
         self._reap()
         records = []
         with self._lock:
+            if any(check_key(key) not in self._index for key in keys):
+                self._refresh_on_miss()  # another process's page, written since the last scan
             for key in keys:
-                entry = self._index.get(check_key(key))
+                entry = self._index.get(key)
                 if entry is None:
                     continue
                 body = _OFFSET.pack(entry.page) + entry.segment.name.encode("ascii")
@@ -503,8 +508,9 @@ class SegmentBackend(L3Backend):
             if seg in active and time.monotonic() - seg.appended <= SEAL_S:
                 continue
             try:
-                if now - os.fstat(seg.fd).st_mtime < 2 * SEAL_S:
-                    continue
+                st = os.fstat(seg.fd)
+                if now - st.st_mtime < 2 * SEAL_S or st.st_size != seg.size:
+                    continue  # written to lately, or since this process read it all
                 os.unlink(seg.name, dir_fd=self._root_fd)
             except OSError:
                 continue  # gone already, or the store turned read-only

@@ -191,6 +191,23 @@ def test_the_trees_own_bound_evicts_whole_nodes_from_every_place():
     assert len(tree) == 3 and tree.lookup(TAG, 1, [a, b], place=L2A) == [0, 3]
 
 
+def test_pages_counted_before_their_ranks_size_was_known_are_counted_once_it_is():
+    """Pages an engine found in L3 itself come without a page size: once the rank's
+    size is known, what every place holds is counted anew (else evicting them
+    would subtract bytes never added, and the cap would drift)."""
+    tree = EngineTree("lru", capacity={L3: 35})
+    c = chain(7)
+    tree.report(TAG, 1, {0: [run(c[:3], page_bytes=0)]}, now=1.0)
+    assert tree.places.used[L3] == 0
+    _, orders = tree.report(TAG, 1, {0: [run(c[3:6], c[2])]}, now=2.0)  # 60 bytes of 35
+    assert tree.places.used[L3] == 30 and [o.hashes for o in orders] == [tuple(c[3:6])]
+    tree.report(TAG, 1, {0: [run(c[3:4], c[2])]}, now=3.0)
+    assert tree.places.used[L3] == 40 - 10  # one leaf more went, its 10 bytes
+    assert tree.residency()[L3]["bytes"] == 10 * sum(
+        len(n.page_hashes) for n in tree.tree.walk() if L3 in (n.places or {})
+    )
+
+
 def test_forget_all_announces_every_whole_page_gone():
     tree = EngineTree()
     c = chain(2)
@@ -399,6 +416,12 @@ class EngineTreeMachine(RuleBasedStateMachine):
     def forget(self, tag, world, ns, at) -> None:
         h = self.chains[ns][at]
         events = self.tree.forget(tag, world, [h])
+        orders = self.tree.take_orders()  # the shards other ranks hold are deleted
+        assert {(o.kind, o.place, o.hashes, o.mask) for o in orders} == {
+            (DELETE, p, (h,), self.model[(tag, world, p, h)])
+            for p in PLACES
+            if (tag, world, p, h) in self.model
+        }
         full = (1 << world) - 1
         was = sorted(p for p in PLACES if self.model.get((tag, world, p, h)) == full)
         assert sorted(e.medium for e in events) == sorted(

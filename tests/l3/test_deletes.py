@@ -109,3 +109,62 @@ def test_a_store_that_cannot_delete_deletes_nothing_and_says_so(tmp_path, caplog
     assert s.delete(keys(2)) == 0
     assert s.stats()["errors"] == 1 and "no deletes" in caplog.text
     s.close()
+
+
+def _sealed(tmp_path) -> None:
+    """Every segment untouched for longer than twice SEAL_S (its mtime set back)."""
+    for name in os.listdir(tmp_path):
+        if name.endswith(".kvs"):
+            os.utime(tmp_path / name, (1, 1))
+
+
+def test_two_copies_of_a_key_keep_both_segments_whichever_each_process_takes(tmp_path, monkeypatch):
+    """Which copy of a key is newer is only a process's scan order: a copy another
+    process took over is not dead, so neither segment goes."""
+    monkeypatch.setattr(segment, "SEAL_S", 0.05)
+    monkeypatch.setattr(segment, "REAP_S", 0.0)
+    a, b = store(tmp_path, "segment"), store(tmp_path, "segment")
+    k = keys(1)
+    a.store(k, rows(1), PROV)
+    b.store(k, rows(1), PROV)
+    a.backend.refresh()
+    b.backend.refresh()
+    time.sleep(0.1)
+    _sealed(tmp_path)
+    a.backend._reap()
+    b.backend._reap()
+    fresh = store(tmp_path, "segment")
+    assert loaded(a, k) == loaded(b, k) == loaded(fresh, k) == [True]
+    for s in (a, b, fresh):
+        s.close()
+
+
+def test_a_segment_another_process_wrote_to_since_it_was_read_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(segment, "SEAL_S", 0.05)
+    monkeypatch.setattr(segment, "REAP_S", 0.0)
+    a, b = store(tmp_path, "segment"), store(tmp_path, "segment")
+    k1, k2 = keys(1), keys(1, first=1)
+    a.store(k1, rows(1), PROV)
+    b.backend.refresh()
+    a.delete(k1)
+    b.backend.refresh()  # b: the segment's one record is dead
+    monkeypatch.setattr(segment, "SEAL_S", 60.0)  # a appends to the same segment again
+    a.store(k2, rows(1), PROV)
+    monkeypatch.setattr(segment, "SEAL_S", 0.05)
+    _sealed(tmp_path)
+    b.backend._reap()  # b has not read k2's record: it keeps the segment
+    assert loaded(a, k2) == [True] and loaded(store(tmp_path, "segment"), k2) == [True]
+    a.close()
+    b.close()
+
+
+def test_a_delete_of_a_page_another_process_stored_since_the_last_scan_finds_it(tmp_path):
+    a, b = store(tmp_path, "segment"), store(tmp_path, "segment")
+    k = keys(2)
+    a.store(k, rows(2), PROV)
+    time.sleep(segment.RESCAN_S)
+    assert b.delete(k) == 2  # b looked again before calling them absent
+    a.backend.refresh()
+    assert loaded(a, k) == [False, False]
+    a.close()
+    b.close()
