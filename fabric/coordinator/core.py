@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
-from fabric.cache.engine_input import L3, StoredRun, check_count, check_place
+from fabric.cache.engine_input import L3, StoredRun, check_count, check_group, check_place
 from fabric.cache.engine_places import Order
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockStored
@@ -391,6 +391,7 @@ class CoordinatorCore:
         engine's ranks carry out (in L3, and in ``place``: its node's L2, whose
         regions hold ``place_bytes`` for this engine)."""
         if place:
+            check_group(tag, world)
             check_place(place)
             check_count(place_bytes, "place_bytes")
             self.engine_tree.declare(place, tag, place_bytes)

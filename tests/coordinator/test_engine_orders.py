@@ -88,3 +88,6 @@ def test_an_engines_report_declares_its_node_l2_and_a_bad_size_is_refused():
         core.engine_report(TAG, 1, {}, "l2@n1", -1)
     with pytest.raises(InvalidInput, match="place 'disk'"):
         core.engine_report(TAG, 1, {}, "disk", 10)
+    with pytest.raises(InvalidInput, match="tag 'nope'"):
+        core.engine_report("nope", 1, {}, "l2@n2", 10)
+    assert core.engine_tree.places.cap("l2@n2") == 0, "a refused call declares nothing"
