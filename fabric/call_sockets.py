@@ -216,6 +216,10 @@ class CallLink:
         self.endpoint, self.secret, self.max_bytes = endpoint, secret, max_bytes
         self.stale = stale
         self._ctx = zmq.Context()
+        # Every socket of the link (the per-thread monitors included) lets go at
+        # once when closed: a context destroyed with a message pending, or when the
+        # link is collected unclosed, never blocks its thread.
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._local = threading.local()
         self._sockets: dict[threading.Thread, _ThreadSocket] = {}
         self._lock = threading.Lock()
@@ -309,6 +313,13 @@ class CallLink:
                 sock.close()
             self._sockets.clear()
         self._ctx.destroy(linger=0)
+
+    def __del__(self) -> None:
+        # A link dropped unclosed (an engine's link, a test's): its monitors are
+        # disabled before the context goes, which would otherwise wait on them.
+        with contextlib.suppress(Exception):
+            if not self._ctx.closed:
+                self.close()
 
 
 def open_link(

@@ -418,14 +418,22 @@ def test_an_engine_connectors_link_finds_pages_whole_once_every_rank_reported_th
     """What ``KvFabricConnector``'s scheduler side does, through its own link to
     the coordinator actor: reports by rank, lookups answered with the MIN over
     ranks, a forgotten page, and a bad call taken as the fabric being down."""
+    from fabric.engines.fabric_link import FabricLink
+
+    link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
+    link.start()
+    try:
+        _link_sees_whole_pages(fabric, link)
+    finally:
+        link.close()
+
+
+def _link_sees_whole_pages(fabric, link) -> None:
     import hashlib
 
     from fabric.cache.engine_input import StoredRun
-    from fabric.engines.fabric_link import FabricLink
 
     tag = "00112233445566aa"
-    link = FabricLink(NAME, "auto", "kvfabric-tests", timeout_s=30, retry_s=0.5)
-    link.start()
     assert link.up and link.calls is not None, "calls go over the coordinator's socket"
     chain = [hashlib.sha256(b"engine page %d" % i).digest() for i in range(4)]
     link.report(tag, 2, {0: [StoredRun("engine-test", None, tuple(chain))]})
@@ -485,8 +493,9 @@ def test_an_engine_links_lookup_sees_every_report_it_sent_before(fabric):
     assert link.up
     link.calls.close()
     link.calls = None  # as Ray calls (a coordinator whose socket is not reachable)
-    link.coordinator = _SlowReports.remote()
+    slow = link.coordinator = _SlowReports.remote()
     for _ in range(3):
         link.report("00112233445566aa", 1, {0: [StoredRun("t", None, (b"\0" * 32,))]})
     deadline = time.monotonic() + 30
     assert link.lookup("00112233445566aa", 1, [[b"\0" * 32]], None, 0.0, [], deadline) == [3]
+    ray.kill(slow)  # nothing of this test's is left in the shared Ray

@@ -284,3 +284,29 @@ def test_a_call_past_the_message_bound_goes_as_a_ray_call():
         assert f._over_socket(call(b"\0" * 4096)) is None
     finally:
         f._calls.close()
+
+
+def test_a_link_dropped_unclosed_after_another_thread_used_it_goes_without_blocking():
+    """An engine's link (or a test's) may be dropped without ``close``: collecting
+    it closes its sockets and monitors, and never blocks the collecting thread."""
+    import gc
+    import weakref
+
+    async def answer(c):
+        return []
+
+    c = Coordinator(answer)
+    link = c.link()
+    pinger = threading.Thread(target=link.ping, args=(10,))
+    pinger.start()
+    pinger.join(30)
+    assert link.ping(10)
+    gone = weakref.ref(link._ctx)
+    collector = threading.Thread(target=gc.collect)
+    del link
+    collector.start()
+    collector.join(30)
+    assert not collector.is_alive(), "collecting the link blocked"
+    gc.collect()
+    assert gone() is None or gone().closed
+    c.close()
