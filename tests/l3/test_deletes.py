@@ -88,9 +88,7 @@ def test_a_segment_whose_records_all_died_is_removed_once_nobody_appends(tmp_pat
     # Sealed: a's last append longer ago than SEAL_S, the file untouched for twice
     # as long (its mtime set back rather than waited for).
     time.sleep(0.1)
-    for name in os.listdir(tmp_path):
-        if name.endswith(".kvs"):
-            os.utime(tmp_path / name, (1, 1))
+    _sealed(tmp_path)
     a.backend.refresh()
     a.backend._reap()
     left = {n for n in os.listdir(tmp_path) if n.endswith(".kvs")}
