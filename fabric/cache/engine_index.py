@@ -66,6 +66,7 @@ class EngineTreeStats:
     lookup_pages: int = 0
     hit_pages: int = 0
     l2_hit_pages: int = 0
+    prefetch_pages: int = 0  # ordered read from L3 into a node's L2
     reported_pages: int = 0
     whole_pages: int = 0  # made whole in L3 (``whole_by_place``: in every place)
     forgotten_pages: int = 0

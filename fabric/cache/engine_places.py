@@ -23,13 +23,15 @@ from policies import EvictionPolicy
 DELETE = "delete"  # delete their shards there (the tree evicted the page)
 BACKUP = "backup"  # copy them from that node's L2 into L3 (the write policy wants it there)
 MOVE = "move"  # copy them into L3, then delete them from L2 (write-back: the page leaves L2)
+PREFETCH = "prefetch"  # read them from L3 into that node's L2 (a lookup found them in L3 only)
 
 
 @dataclass(frozen=True)
 class Order:
     """What the tree asks of the ranks in ``mask`` for the pages ``hashes`` of the
-    engine ``tag``, ``world`` in ``place`` (``kind``: ``DELETE``, ``BACKUP`` or
-    ``MOVE``). A copy's pages follow ``parent`` in ``namespace``'s chain."""
+    engine ``tag``, ``world`` in ``place`` (``kind``: ``DELETE``, ``BACKUP``,
+    ``MOVE``, or ``PREFETCH`` into ``place``). A copy's pages follow ``parent`` in
+    ``namespace``'s chain."""
 
     tag: str
     world: int

@@ -15,6 +15,11 @@ pages have them (``fabric.cache.evictions``, ``fabric.cache.writes``).
   ``write_through_selective`` in its node's L2, and a page found by
   ``hit_threshold`` lookups is copied to L3 (``BACKUP``).
 - **Lookups** count the leading pages whole in L3 or in the asking node's L2.
+  Under the ``best_effort`` prefetch stop policy (``l2_only``) they count only
+  the asking node's L2, and the pages after those that only L3 holds are
+  prefetched into that L2 (``PREFETCH``), not waited for: the next request of
+  the prefix finds them on the node. (Under ``timeout`` and ``wait_complete``
+  the request waits for its own L3 reads, which go to the node's L2 as well.)
 
 Orders wait in ``orders`` until taken (``take_orders``). Nothing here imports Ray.
 """
@@ -34,7 +39,7 @@ from fabric.cache.engine_input import (
     check_group,
     check_leases,
 )
-from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order
 from fabric.cache.events import KVEvent
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
@@ -42,6 +47,8 @@ from policies import get_write_policy
 
 # The share of a node's L2 regions the tree fills (see ``EngineTree.declare``).
 L2_LOAD = 0.5
+# A prefetch not seen landed within this long may be ordered again.
+PREFETCH_RETRY_S = 10.0
 
 
 class EngineTree(EngineIndex):
@@ -62,6 +69,8 @@ class EngineTree(EngineIndex):
         super().clear()
         self._leases: OrderedDict[str, tuple[float, TreeNode]] = OrderedDict()
         self._backing: set[int] = set()  # nodes a ``BACKUP`` was asked for
+        # (group, first page, place) prefetched -> when it may be ordered again
+        self._fetching: dict[tuple[str, bytes, str], float] = {}
         self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
 
     @property
@@ -97,12 +106,14 @@ class EngineTree(EngineIndex):
         lease_s: float = 0.0,
         now: float = 0.0,
         place: str = "",
+        l2_only: bool = False,
     ) -> list[int]:
         """Per chain (one request's page hashes, in order): how many leading pages
-        are whole in L3 or in ``place`` (the asking node's L2). The pages matched
-        are used now; with ``leases`` (a name per chain), each chain's match is
-        leased under its name until ``release`` or ``now + lease_s`` (a lease the
-        name held before ends: a name leases once)."""
+        are whole in L3 or in ``place`` (the asking node's L2) — with ``l2_only``,
+        in ``place`` only, the pages after them that L3 holds whole prefetched into
+        ``place``. The pages matched are used now; with ``leases`` (a name per
+        chain), each chain's match is leased under its name until ``release`` or
+        ``now + lease_s`` (a lease the name held before ends: a name leases once)."""
         check_group(tag, world)
         self.expire(now)
         if leases is not None:
@@ -111,7 +122,7 @@ class EngineTree(EngineIndex):
         full = (1 << world) - 1
         out = []
         for i, chain in enumerate(chains):
-            n, node = self._match(tag, world, chain, full, place, now)
+            n, node = self._match(tag, world, chain, full, place, now, l2_only and bool(place))
             self.stats.lookups += 1
             self.stats.lookup_pages += len(chain)
             self.stats.hit_pages += n
@@ -121,12 +132,21 @@ class EngineTree(EngineIndex):
         return out
 
     def _match(
-        self, tag: str, world: int, chain: Sequence[bytes], full: int, place: str, now: float
+        self,
+        tag: str,
+        world: int,
+        chain: Sequence[bytes],
+        full: int,
+        place: str,
+        now: float,
+        l2_only: bool = False,
     ) -> tuple[int, TreeNode | None]:
-        """The leading pages whole in L3 or ``place``, and the node of the last."""
+        """The leading pages whole in L3 or ``place`` (``l2_only``: in ``place``,
+        the L3 pages after them prefetched), and the node of the last."""
         matched, last, i = 0, None, 0
         node = self.where.get((tag, world, chain[0])) if chain else None
         at = node.page_hashes.index(chain[0]) if node is not None else 0  # type: ignore[union-attr]
+        counting = True
         while node is not None:
             places = node.places or {}
             in_l2 = places.get(place, 0) == full
@@ -139,15 +159,31 @@ class EngineTree(EngineIndex):
                 k += 1
             if k and at + k < len(hashes):  # the match ends inside: it is used, the rest not
                 node = self._split(node, at + k)
-            matched, i, last = matched + k, i + k, node
-            self.stats.l2_hit_pages += k if in_l2 else 0
             node.last_access = now
             node.hit_count += 1
-            self._maybe_back_up(node, full)
+            if l2_only and not in_l2:
+                counting = False
+                self._prefetch(node, place, full, now)
+            if counting:
+                matched, last = matched + k, node
+                self.stats.l2_hit_pages += k if in_l2 else 0
+                self._maybe_back_up(node, full)
+            i += k
             if at + k < len(node.page_hashes or ()) or i == len(chain):
                 break
             node, at = self.where.get((tag, world, chain[i])), 0
         return matched, last
+
+    def _prefetch(self, node: TreeNode, place: str, full: int, now: float) -> None:
+        """Order ``node``'s pages read from L3 into ``place`` (once while in flight)."""
+        key = (node.namespace, (node.page_hashes or [b""])[0], place)  # (kept over splits)
+        if self._fetching.get(key, -1.0) > now:
+            return
+        if len(self._fetching) >= MAX_LEASES:
+            self._fetching = {k: t for k, t in self._fetching.items() if t > now}
+        self._fetching[key] = now + PREFETCH_RETRY_S
+        self.orders.append(self._order(node, place, full, PREFETCH))
+        self.stats.prefetch_pages += len(node.page_hashes or ())
 
     def _lease(self, name: str, node: TreeNode | None, now: float, lease_s: float) -> None:
         if name in self._leases:

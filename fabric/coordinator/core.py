@@ -90,6 +90,9 @@ class CoordinatorCore:
             config.cache.write_policy,
         )
         self.engine_orders = PendingOrders()
+        # Under best_effort an engine's request takes only what its node's L2 has;
+        # what only L3 has is prefetched there for the next (``EngineTree.lookup``).
+        self.engine_l2_only = config.prefetch.stop_policy == "best_effort"
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -370,11 +373,14 @@ class CoordinatorCore:
     ) -> list[int]:
         """Per chain of page hashes, how many leading pages are whole for the
         engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
-        ``EngineTree.lookup``), each chain's match leased under its name in
-        ``leases`` for ``lease_s``; the leases ``release`` names end first."""
+        ``EngineTree.lookup``; under ``best_effort``, in ``place`` only), each
+        chain's match leased under its name in ``leases`` for ``lease_s``; the
+        leases ``release`` names end first."""
         if release:
             self.engine_tree.release(release)
-        hits = self.engine_tree.lookup(tag, world, chains, leases, lease_s, self.clock(), place)
+        hits = self.engine_tree.lookup(
+            tag, world, chains, leases, lease_s, self.clock(), place, self.engine_l2_only
+        )
         self.engine_orders.add(self.engine_tree.take_orders())  # copies the hits asked for
         return hits
 

@@ -152,6 +152,14 @@ class EngineFigures:
             keys=("l3",),
         ),
     ]
+    prefetch_pages: Annotated[
+        int,
+        Series(
+            "kvfabric_engine_prefetch_pages",
+            "counter",
+            "Engine pages ordered read from L3 into a node's L2 (best_effort lookups).",
+        ),
+    ]
     known_pages: Annotated[
         int,
         Series(
@@ -183,6 +191,7 @@ def engine_figures(core: CoordinatorCore) -> EngineFigures:
         hit_pages={"l2": stats.l2_hit_pages, "l3": stats.hit_pages - stats.l2_hit_pages},
         lookup_pages=stats.lookup_pages,
         evicted_pages=dict(stats.evicted_by_place),
+        prefetch_pages=stats.prefetch_pages,
         known_pages=len(tree),
         leases=tree.leased,
         orders_waiting=len(core.engine_orders),
@@ -335,4 +344,5 @@ def _engines_view(e: EngineFigures) -> dict[str, Any]:
         },
         "hit_pages": dict(e.hit_pages),
         "evicted_pages": dict(e.evicted_pages),
+        "prefetch_pages": e.prefetch_pages,
     }

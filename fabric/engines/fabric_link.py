@@ -57,13 +57,16 @@ class FabricLink:
         # whole there, and the evictions it is handed include that place's.
         self.place = ""
         self.place_bytes = 0  # what this engine's regions there hold (its ranks' l2_bytes)
+        # Whether the fabric's lookups count this node's L2 only, prefetching what
+        # only L3 holds there (its prefetch.stop_policy is best_effort).
+        self.l2_only = False
         # Evictions the fabric handed this engine to carry out (``take_orders``).
         self.orders: list[Order] = []
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
         self._connecting: threading.Thread | None = None
-        self._connected: tuple[Any, StoreOptions | None, SocketCalls | None] | None = None
+        self._connected: tuple[Any, StoreOptions | None, SocketCalls | None, bool] | None = None
         self._lock = threading.Lock()
         # The coordinator's call socket, where it answers from here (else Ray calls).
         self.calls: SocketCalls | None = None
@@ -106,7 +109,8 @@ class FabricLink:
                     lambda: fabric.result(fabric.coordinator.call_endpoint.remote(), 30),
                     fabric.config.runtime.max_message_bytes, self.timeout_s, self.clock,
                 )  # fmt: skip
-            result: Any = (fabric.coordinator, store_options(fabric.config), calls)
+            best_effort = fabric.config.prefetch.stop_policy == "best_effort"
+            result: Any = (fabric.coordinator, store_options(fabric.config), calls, best_effort)
         except Exception as exc:
             result = exc
         with self._lock:
@@ -121,7 +125,7 @@ class FabricLink:
         if isinstance(result, Exception):
             self._down(f"cannot be reached ({result})")
             return
-        self.coordinator, self.store, self.calls = result
+        self.coordinator, self.store, self.calls, self.l2_only = result
         log.info(
             "kvfabric connector: attached to fabric %r (L3 %s; calls %s)",
             self.name,
@@ -336,7 +340,7 @@ def store_options(config: Any) -> StoreOptions | None:
     """Where workers read and write a fabric's L3 themselves (its directory, with
     the fabric's own backend, cap and authentication); ``None`` for an L3 they
     cannot open (none, Redis, a dynamic backend)."""
-    storage = config.storage
+    storage, prefetch = config.storage, config.prefetch
     if storage.backend not in ("segment", "file"):
         return None
     return StoreOptions(
@@ -346,4 +350,10 @@ def store_options(config: Any) -> StoreOptions | None:
         fsync=storage.fsync,
         auth_key_file=storage.auth_key_file,
         write_policy=config.cache.write_policy,
+        prefetch_stop_policy=prefetch.stop_policy,
+        prefetch_timeout_s=(
+            prefetch.timeout_base_s,
+            prefetch.timeout_per_ki_token_s,
+            prefetch.timeout_max_s,
+        ),
     )

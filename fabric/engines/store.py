@@ -71,6 +71,24 @@ class StoreOptions(BaseModel):
         description="write_through, write_back or write_through_selective (the fabric's "
         "cache.write_policy: whether an engine with a node L2 stores a page in L3 at once)",
     )
+    prefetch_stop_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
+        "timeout",
+        description="best_effort, wait_complete or timeout (the fabric's "
+        "prefetch.stop_policy: how long a request waits for its pages' L3 reads)",
+    )
+    prefetch_timeout_s: tuple[float, float, float] = Field(
+        (1.0, 0.25, 10.0),
+        description="(base, per 1024 tokens, max) seconds, each >= 0 (the fabric's "
+        "prefetch.timeout_*: under timeout, the longest a load reads L3)",
+    )
+
+    def limit_s(self, tokens: int) -> float:
+        """How long a load of ``tokens`` may read L3 (0: as long as the connector's
+        ``timeout_s`` lets it): the ``timeout`` prefetch stop policy's limit."""
+        if self.prefetch_stop_policy != "timeout":
+            return 0.0
+        base, per_ki, most = self.prefetch_timeout_s
+        return max(min(base + per_ki * tokens / 1024, most), 1e-3)
 
     @model_validator(mode="after")
     def _one_place(self) -> StoreOptions:

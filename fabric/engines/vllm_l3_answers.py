@@ -89,8 +89,11 @@ class L3Answers:
     ) -> list[int]:
         """Each request's answer (``answers``; ``None``: the fabric is down)
         extended over the pages after it that every rank's shard of is in the store;
-        those are reported to the coordinator (``link``) when it answered."""
+        those are reported to the coordinator (``link``) when it answered. Under
+        best_effort (``link.l2_only``) the fabric answers from the node's L2 and
+        prefetches the rest: those pages are reported, not taken into the hit."""
         hits = list(answers) if answers is not None else [0] * len(states)
+        only_told = answers is not None and link.l2_only
         if self.store is None:
             return hits
         todo = [i for i, s in enumerate(states) if hits[i] < s.whole(block_size)]
@@ -106,7 +109,7 @@ class L3Answers:
                 run = StoredRun(state.namespace, parent, tuple(hashes[:n]))
                 for r in range(world):
                     reports[r].append(run)
-            hits[i] = hit + n
+            hits[i] = hit if only_told else hit + n
         if any(reports.values()):
             link.report(tag, world, reports)
         return hits

@@ -49,7 +49,7 @@ def load_layers(pages: PageMoves, step: StepLoad) -> list[Outcome]:
     started = time.perf_counter()
     fetched: list[Fetched] = []
     try:
-        fetched = [pages.fetch(job.tag, job.hashes, job.block_ids) for job in step.jobs]
+        fetched = [pages.fetch(job, deadline=_deadline(job)) for job in step.jobs]
         for layer, event in enumerate(step.events):
             with step.guard.lock:
                 if step.guard.cancelled:
@@ -58,7 +58,7 @@ def load_layers(pages: PageMoves, step: StepLoad) -> list[Outcome]:
                     pages.scatter_layer(f, layer)
                 pages.sync()
             event.set()
-        done = [(pages.settle(f), f.l2, not f.raced) for f in fetched]
+        done = [(pages.settle(f), f.l2, f.checked) for f in fetched]
     except Cancelled:
         done = [(0, 0, False)] * len(step.jobs)
     except Exception as exc:  # a load that fails is recomputed, never fatal
@@ -82,7 +82,7 @@ def timed_load(pages: PageMoves, job: PageLoad, guard: LoadGuard) -> Outcome:
     """One load, its failures and a cancelled guard counted as pages not loaded."""
     started = time.perf_counter()
     try:
-        n, l2, checked = pages.load_one(job.tag, job.hashes, job.block_ids, guard)
+        n, l2, checked = pages.load_one(job, guard, _deadline(job))
     except Cancelled:
         n, l2, checked = 0, 0, False
     except Exception as exc:  # a load that fails is recomputed, never fatal
@@ -156,6 +156,11 @@ class AsyncLoads:
             self._thread.shutdown(wait=not busy, cancel_futures=True)
             self._thread = None
         return busy
+
+
+def _deadline(job: PageLoad) -> float | None:
+    """When the job's L3 reads stop starting (its ``limit_s`` from now), if ever."""
+    return time.monotonic() + job.limit_s if job.limit_s > 0 else None
 
 
 def _done(result: object) -> Future:

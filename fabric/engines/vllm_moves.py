@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from fabric.cache.engine_input import StoredRun
 from fabric.engines.store import PageStore
-from fabric.engines.vllm_pages import Placement
+from fabric.engines.vllm_pages import PageLoad, Placement
 from fabric.l3.format import Provenance, page_key
 from fabric.rank.node_l2 import NodeL2
 
@@ -32,6 +34,11 @@ MAX_FREE_BUFFERS = 8
 MAX_FREE_BYTES = 8 * STAGING_BYTES
 # How long a load holds the node L2's slots it found at most (it lets go once copied).
 L2_PIN_MS = 5000
+
+
+# Takes pages read from L3 to keep in the node's L2: (tag, run, keys, pages, their
+# buffer, given back once done).
+Promoter = Callable[[str, StoredRun, list[str], torch.Tensor, torch.Tensor], None]
 
 
 def _pow2(n: int) -> int:
@@ -63,6 +70,12 @@ class Fetched:
     l2: int = 0  # pages found in the node's L2
     pinned: list = field(default_factory=list)  # its slots this load holds
     raced: bool = False  # a node L2 slot was rewritten while copied: no verdict on the page
+    late: bool = False  # an L3 read was not started past the load's limit: no verdict either
+
+    @property
+    def checked(self) -> bool:
+        """Whether the first page not fetched was found missing or bad (a verdict)."""
+        return not self.raced and not self.late
 
 
 class Cancelled(Exception):
@@ -102,9 +115,9 @@ class PageMoves:
         self._free: dict[int, list[torch.Tensor]] = {}  # page buffers not in use, by rows
         self._free_bytes = 0
         self._buffers = threading.Lock()
-        # Takes pages read from L3 (keys, pages, their buffer) to keep in the node's
-        # L2 later, giving the buffer back once done.
-        self.promoter: Callable[[list[str], torch.Tensor, torch.Tensor], None] | None = None
+        # Takes pages read from L3 (tag, run, keys, pages, their buffer) to keep in
+        # the node's L2 later, giving the buffer back once done.
+        self.promoter: Promoter | None = None
 
     def keys(self, tag: str, hashes: tuple[bytes, ...]) -> list[str]:
         suffix = self.placement.suffix
@@ -138,18 +151,19 @@ class PageMoves:
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
     def load_one(
-        self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...], guard: LoadGuard
+        self, job: PageLoad, guard: LoadGuard, deadline: float | None = None
     ) -> tuple[int, int, bool]:
-        """Read the leading pages into their blocks, a batch at a time, while
-        ``guard`` is not cancelled; how many, how many of them came from the node's
-        L2, and whether the first not read was found missing or bad (else: a slot
-        of the node's L2 rewritten while copied — no verdict on the page)."""
+        """Read the job's leading pages into their blocks, a batch at a time, while
+        ``guard`` is not cancelled (and no L3 read past ``deadline``); how many, how
+        many of them came from the node's L2, and whether the first not read was
+        found missing or bad (else: a slot of the node's L2 rewritten while copied,
+        or the deadline passed — no verdict on the page)."""
         if not self.layers:
             return 0, 0, False
         done = l2 = 0
-        for start in range(0, len(hashes), self.batch_pages):
-            end = min(start + self.batch_pages, len(hashes))
-            f = self.fetch(tag, hashes[start:end], block_ids[start:end])
+        for start in range(0, len(job.hashes), self.batch_pages):
+            end = min(start + self.batch_pages, len(job.hashes))
+            f = self.fetch(job, start, end, deadline)
             try:
                 with guard.lock:
                     if guard.cancelled:
@@ -163,14 +177,19 @@ class PageMoves:
             done += n
             l2 += f.l2
             if n < end - start:
-                return done, l2, not f.raced
+                return done, l2, f.checked
         return done, l2, True
 
-    def fetch(self, tag: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> Fetched:
-        """Find the leading pages: those the node's L2 holds (checked in place), the
-        others read from L3 into page buffers; the first that is neither ends it."""
+    def fetch(
+        self, job: PageLoad, start: int = 0, end: int | None = None, deadline: float | None = None
+    ) -> Fetched:
+        """Find the job's leading pages ``[start, end)``: those the node's L2 holds
+        (checked in place), the others read from L3 into page buffers (none once
+        ``deadline`` has passed); the first that is neither ends it."""
         assert self.provenance is not None
-        keys = self.keys(tag, hashes)
+        end = len(job.hashes) if end is None else end
+        block_ids = job.block_ids[start:end]
+        keys = self.keys(job.tag, job.hashes[start:end])
         f = Fetched()
         if not self.layers:
             return f
@@ -196,11 +215,16 @@ class PageMoves:
                 j += 1
             if self.store is None:
                 return f
+            if deadline is not None and time.monotonic() > deadline:
+                f.late = True
+                return f
             buffer = self.buffer(j - i)
             f.buffers.append(buffer)
             n = self.store.load(keys[i:j], buffer[: j - i].numpy(), self.provenance)
             if n:
-                f.parts.append(("l3", [buffer[:n], keys[i : i + n], buffer], block_ids[i : i + n]))
+                run = (job.tag, job.run(start + i, start + i + n))
+                source = [buffer[:n], keys[i : i + n], buffer, run]
+                f.parts.append(("l3", source, block_ids[i : i + n]))
             if n < j - i:
                 return f
             i = j
@@ -246,11 +270,11 @@ class PageMoves:
         return n
 
     def _promote(self, f: Fetched, source: list) -> None:
-        pages, keys, buffer = source
+        pages, keys, buffer, (tag, run) = source
         if self.l2 is None or self.promoter is None or not len(pages):
             return
         f.buffers = [b for b in f.buffers if b is not buffer]  # the promoter gives it back
-        self.promoter(keys, pages, buffer)
+        self.promoter(tag, run, keys, pages, buffer)
 
     def release(self, f: Fetched) -> None:
         for buffer in f.buffers:

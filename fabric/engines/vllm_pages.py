@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from fabric.cache.engine_input import StoredRun
+from fabric.cache.engine_input import StoredRun, part
 from fabric.cache.engine_places import Order
 from fabric.cache.keys import MAX_NAMESPACE_CHARS, check_namespace
 from fabric.engines.store import StoreOptions
@@ -176,7 +176,11 @@ class PageLoad:
     """Pages a worker reads into blocks, under the engine's page tag ``tag``:
     before the step's forward or, when ``asynchronous``, on its load thread,
     reporting the request when done. Every rank reports how many it loaded under
-    ``load_id`` (``FabricWorkerMeta.loaded``)."""
+    ``load_id`` (``FabricWorkerMeta.loaded``). The pages follow ``parent`` in
+    ``namespace``'s chain (what a page read from L3 is reported as once the node's
+    L2 keeps it too). With ``limit_s`` (the ``timeout`` prefetch stop policy), no
+    L3 read starts later than that after the load did: the pages after are
+    computed, with no verdict on them."""
 
     load_id: int
     req_id: str
@@ -184,6 +188,14 @@ class PageLoad:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     asynchronous: bool = False
+    namespace: str = ""
+    parent: bytes | None = None
+    limit_s: float = 0.0
+
+    def run(self, start: int = 0, end: int | None = None) -> StoredRun:
+        """Pages ``[start, end)`` as a run (after their parent)."""
+        whole = StoredRun(self.namespace, self.parent, self.hashes)
+        return part(whole, start, len(self.hashes) if end is None else end)
 
 
 @dataclass(frozen=True)
@@ -265,6 +277,7 @@ STAT_KEYS = (
     "l3_deleted_pages",
     "l2_dropped_pages",
     "l3_copied_pages",
+    "l2_prefetched_pages",
     "orders_failed",
 )
 

@@ -120,7 +120,8 @@ class SchedulerSide:
         state.fabric_pages = None
         state.scheduled = False
         state.first_computed = None
-        if getattr(state.request, "skip_reading_prefix_cache", False) or self._whole(state) <= 0:
+        skip = getattr(state.request, "skip_reading_prefix_cache", False)
+        if skip or state.whole(self.block_size) <= 0:
             state.fabric_pages = 0
         else:
             self._questions[state.rid] = None
@@ -155,9 +156,6 @@ class SchedulerSide:
         state.load = (num_computed_tokens // self.block_size, state.fabric_pages)
         return hit_tokens - num_computed_tokens
 
-    def _whole(self, state: TrackedRequest) -> int:
-        return state.whole(self.block_size)
-
     def _track(self, request: Any) -> TrackedRequest | None:
         """What is kept of a new request (``None``: its LoRA adapter cannot be read,
         and the fabric does not serve it)."""
@@ -182,7 +180,7 @@ class SchedulerSide:
             state = self.tracked.get(rid)
             if state is None or state.fabric_pages is not None:
                 continue
-            whole = min(self._whole(state), MAX_PAGES_PER_CALL)
+            whole = min(state.whole(self.block_size), MAX_PAGES_PER_CALL)
             state.hashes_to(whole, self.block_size)
             if self.stores.any_of(state.hashes[:whole]):
                 waiting.append(rid)  # asked once this engine has stored those pages
@@ -241,8 +239,10 @@ class SchedulerSide:
         rid = state.request.request_id
         load_id = self.loads.open(rid, start, blocks, sync, self.clock())
         state.waiting_on.add(load_id)
+        parent, store = state.hashes[start - 1] if start else None, self.link.store
+        limit_s = store.limit_s((end - start) * self.block_size) if store else 0.0
         return PageLoad(load_id, rid, state.asked_tag, tuple(state.hashes[start:end]), blocks,
-                        asynchronous=not sync)  # fmt: skip
+                        not sync, state.namespace, parent, limit_s)  # fmt: skip
 
     # -- build_connector_meta ---------------------------------------------------------
 

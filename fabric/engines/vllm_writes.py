@@ -69,6 +69,7 @@ class _Write:
     future: Future
     buffer: torch.Tensor | None  # None: orders
     started: float
+    promoted: tuple[str, StoredRun] | None = None  # a promotion's pages
 
 
 class WriteQueue:
@@ -160,9 +161,12 @@ class WriteQueue:
         future = self._thread.submit(self._store, chunk)
         self._queue(_Write(chunk, future, chunk.buffer, self.clock()))
 
-    def promote(self, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Keep pages read from L3 in the node's L2 too, for the node's next reader
-        (the load does not wait for it; dropped when the queue is full)."""
+    def promote(
+        self, tag: str, run: StoredRun, keys: list[str], pages: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        """Keep pages read from L3 (``run`` of ``tag``) in the node's L2 too, for the
+        node's next reader, reported stored there (the load does not wait for it;
+        dropped when the queue is full)."""
         self.collect()
         thread = self._thread
         with self._lock:
@@ -173,7 +177,7 @@ class WriteQueue:
             self.pages.give(buffer)
             return
         future = thread.submit(self._put_l2, keys, pages)
-        self._queue(_Write(None, future, buffer, self.clock()))
+        self._queue(_Write(None, future, buffer, self.clock(), (tag, run)))
 
     def carry_out(self, orders: list[Order]) -> None:
         """Carry out the fabric's orders for this rank's shards (``vllm_orders``), on
@@ -247,14 +251,18 @@ class WriteQueue:
             return
         ok, seconds, l2 = result
         self.counts["l2_stored_pages"] += sum(l2)
+        size, place = self.pages.page_bytes, self.pages.l2_place
         if write.chunk is None:  # a promotion into the node's L2
+            if write.promoted is not None and place and write.promoted[1].namespace:
+                tag, run = write.promoted
+                for r in stored_runs(replace(run, place=place, page_bytes=size), l2):
+                    self.stored.append((tag, self.rank, r))
             return
         self.counts["store_seconds"] += seconds
         self.counts["stored_pages"] += sum(ok)
         self.counts["store_failed_pages"] += sum(
             not a and not b for a, b in zip(ok, l2, strict=True)
         )
-        size, place = self.pages.page_bytes, self.pages.l2_place
         for tag, run, _, row in write.chunk.parts:
             self.ended += [(self.rank, h) for h in run.hashes]
             rows = slice(row, row + len(run.hashes))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fabric.cache.engine_input import L3, StoredRun
-from fabric.cache.engine_places import BACKUP, DELETE, MOVE, Order, ranks_of
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, ranks_of
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockRemoved, BlockStored, Medium
 from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
@@ -165,6 +165,39 @@ def test_under_selective_write_through_a_page_hit_twice_is_copied_to_l3_once():
     assert tree.take_orders() == [], "asked once"
     tree.report(TAG, 2, {0: [run(c)], 1: [run(c)]})  # the copy arrived
     tree.lookup(TAG, 2, [c], place=L2B)  # found in L3 by another node: nothing to copy
+    assert tree.take_orders() == []
+
+
+def test_under_best_effort_a_lookup_takes_its_nodes_l2_and_prefetches_what_only_l3_has():
+    """``l2_only``: the hit is the leading pages whole in the asker's L2; the pages
+    after it that L3 holds whole are ordered read into that L2 (once while the
+    order is in flight), and count once they land there."""
+    tree = EngineTree()
+    c = chain(5)
+    tree.report(TAG, 2, {r: [run(c), run(c[:2], place=L2A)] for r in (0, 1)})
+    assert tree.lookup(TAG, 2, [c], place=L2A, l2_only=True, now=1.0) == [2]
+    (order,) = tree.take_orders()
+    assert (order.kind, order.place, order.mask) == (PREFETCH, L2A, 0b11)
+    assert (order.hashes, order.parent, order.namespace) == (tuple(c[2:]), c[1], "vllm")
+    assert tree.lookup(TAG, 2, [c[:4]], place=L2A, l2_only=True, now=2.0) == [2]
+    assert tree.take_orders() == [], "ordered once while in flight"
+    # Without l2_only (timeout, wait_complete), L3 counts: the load reads it.
+    assert tree.lookup(TAG, 2, [c], place=L2A, now=2.0) == [5]
+    assert tree.take_orders() == []
+    tree.report(TAG, 2, {r: [run(c[2:], c[1], place=L2A)] for r in (0, 1)})  # it landed
+    assert tree.lookup(TAG, 2, [c], place=L2A, l2_only=True, now=3.0) == [5]
+    assert tree.stats.prefetch_pages == 3 and tree.take_orders() == []
+    # Not landed (a rank failed): ordered again once its retry time is up.
+    d = chain(3, first=60)
+    tree.report(TAG, 2, {r: [run(d)] for r in (0, 1)})
+    tree.lookup(TAG, 2, [d], place=L2B, l2_only=True, now=4.0)
+    assert [o.hashes for o in tree.take_orders()] == [tuple(d)]
+    tree.lookup(TAG, 2, [d], place=L2B, l2_only=True, now=5.0)
+    assert tree.take_orders() == []
+    tree.lookup(TAG, 2, [d], place=L2B, l2_only=True, now=20.0)
+    assert [o.hashes for o in tree.take_orders()] == [tuple(d)]
+    # An asker with no L2 has nothing to prefetch into: L3 counts.
+    assert tree.lookup(TAG, 2, [d], l2_only=True, now=21.0) == [3]
     assert tree.take_orders() == []
 
 
@@ -321,6 +354,10 @@ class EngineTreeMachine(RuleBasedStateMachine):
                 assert self.write == "write_through_selective" and o.place != L3
                 assert all(m != (1 << o.world) - 1 for m in l3)
                 continue
+            if o.kind == PREFETCH:  # pages L3 holds whole, read into a node's L2
+                assert o.place != L3 and o.mask == (1 << o.world) - 1
+                assert all(m == o.mask for m in l3)
+                continue
             if o.kind == MOVE:
                 assert self.write == "write_back" and o.place != L3
                 assert all(o.mask & ~m for m in l3)
@@ -373,24 +410,28 @@ class EngineTreeMachine(RuleBasedStateMachine):
         length=st.integers(0, 6),
         place=st.sampled_from(["", L2A, L2B]),
         lease=st.one_of(st.none(), st.tuples(st.sampled_from(NAMES), st.sampled_from([1.0, 5.0]))),
+        l2_only=st.booleans(),
     )
-    def lookup(self, tag, world, ns, length, place, lease) -> None:
+    def lookup(self, tag, world, ns, length, place, lease, l2_only) -> None:
         c = self.chains[ns][:length]
         self.leases = {n: t for n, t in self.leases.items() if t > self.now}
-        if lease is None:
-            (hit,) = self.tree.lookup(tag, world, [c], now=self.now, place=place)
-        else:
-            (hit,) = self.tree.lookup(tag, world, [c], [lease[0]], lease[1], self.now, place)
-        self._apply(self.tree.take_orders())
+        name, lease_s = lease if lease is not None else (None, 0.0)
+        leases = [name] if name is not None else None
+        (hit,) = self.tree.lookup(tag, world, [c], leases, lease_s, self.now, place, l2_only)
+        orders = self.tree.take_orders()
+        self._apply(orders)
         full, expected = (1 << world) - 1, 0
+        only = l2_only and place
         for h in c:
-            if full not in (
-                self.model.get((tag, world, L3, h)),
-                self.model.get((tag, world, place, h)),
-            ):
+            in_l2 = self.model.get((tag, world, place, h)) == full
+            if not in_l2 and (only or self.model.get((tag, world, L3, h)) != full):
                 break
             expected += 1
         assert hit == expected
+        fetched = [h for o in orders if o.kind == PREFETCH for h in o.hashes]
+        assert set(fetched) <= set(c[expected:]), "only what follows the hit is prefetched"
+        if not only:
+            assert not fetched
         if lease is not None:
             self.leases.pop(lease[0], None)
             if hit:

@@ -91,3 +91,23 @@ def test_an_engines_report_declares_its_node_l2_and_a_bad_size_is_refused():
     with pytest.raises(InvalidInput, match="tag 'nope'"):
         core.engine_report("nope", 1, {}, "l2@n2", 10)
     assert core.engine_tree.places.cap("l2@n2") == 0, "a refused call declares nothing"
+
+
+def test_under_best_effort_the_coordinator_prefetches_into_the_askers_node():
+    """``prefetch.stop_policy=best_effort``: an engine's lookup takes what its
+    node's L2 holds, and the pages only L3 holds go back, as a ``PREFETCH`` into
+    that node's L2, with the next report of an engine there; under the other
+    policies L3 counts (the request waits for its own reads)."""
+    from fabric.cache.engine_input import StoredRun
+    from fabric.cache.engine_places import PREFETCH
+    from fabric.coordinator.core import CoordinatorCore
+    from tests.helpers import small_config
+
+    a = [bytes([i]) * 32 for i in range(3)]
+    for policy, hits in (("best_effort", 0), ("timeout", 3), ("wait_complete", 3)):
+        core = CoordinatorCore(small_config(f"prefetch.stop_policy={policy}"))
+        core.engine_report(TAG, 1, {0: [StoredRun("t", None, tuple(a), L3, 10)]})
+        assert core.engine_lookup(TAG, 1, [a], place="l2@n1") == [hits]
+        _, orders = core.engine_report(TAG, 1, {}, "l2@n1", 100)
+        expected = [(PREFETCH, "l2@n1", tuple(a))] if policy == "best_effort" else []
+        assert [(o.kind, o.place, o.hashes) for o in orders] == expected

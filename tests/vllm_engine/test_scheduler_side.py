@@ -40,6 +40,7 @@ class FakeLink:
         self.hits = hits
         self.up = up
         self.store = store
+        self.l2_only = False  # the fabric's prefetch.stop_policy is not best_effort
         self.asked: list[list[list[bytes]]] = []
         self.reports: list[tuple[str, dict]] = []
         self.forgotten: list[bytes] = []
@@ -481,6 +482,51 @@ def test_the_store_extends_the_fabrics_answer_and_the_fabric_is_told(tmp_path):
     assert link.forgotten == [hashes[1]]
     assert s.matched(Req("r2", list(range(17))), 0) == (BLOCK, False)
     s.close()
+
+
+def test_under_best_effort_pages_only_l3_holds_are_told_to_the_fabric_not_loaded(tmp_path):
+    """The fabric's best_effort answers from the node's L2 and prefetches the rest
+    into it: what the store holds beyond the answer is reported (the fabric may
+    not know it), never taken into the hit."""
+    options = StoreOptions(path=str(tmp_path), prefetch_stop_policy="best_effort")
+    link = FakeLink(hits=1, store=options)
+    link.l2_only = True
+    s = side(link)
+    r = Req("r", list(range(17)))
+    hashes = _chain(s, r)
+    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
+    store = DirectStore(options, "vllm")
+    for suffix in SUFFIXES:
+        rows = np.zeros((2, 8), np.uint8)
+        store.store([page_key(h, s.tag, suffix) for h in hashes[1:3]], rows, provenance)
+    store.close()
+    assert s.matched(r, 0) == (BLOCK, False)
+    run = StoredRun("vllm", hashes[0], tuple(hashes[1:3]))
+    assert link.reports == [(s.tag, {0: [run], 1: [run]})]
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("policy", "limit_s"), [("timeout", 1.5 + 2.0 * 3 * BLOCK / 1024), ("wait_complete", 0.0)]
+)
+def test_a_load_carries_its_chain_and_the_fabrics_prefetch_limit(policy, limit_s):
+    """A load names its pages' namespace and parent (what a page read from L3 is
+    reported as once the node's L2 keeps it) and, under the fabric's ``timeout``
+    prefetch stop policy, the limit on its L3 reads for its tokens (none under
+    ``wait_complete``: the connector's ``timeout_s`` alone bounds it)."""
+    options = StoreOptions(
+        fabric="f", prefetch_stop_policy=policy, prefetch_timeout_s=(1.5, 2.0, 9.0)
+    )
+    s = side(FakeLink(hits=4, store=options))
+    r = Req("r", list(range(17)))
+    hashes = _chain(s, r)
+    assert s.matched(r, 4) == (3 * BLOCK, False)
+    s.allocated(r, None, 3 * BLOCK)
+    meta = s.step_meta(output([new_req("r", [10, 11, 12, 13, 14], 4)], scheduled={"r": 13}))
+    (load,) = meta.loads
+    assert (load.namespace, load.parent, load.hashes) == ("vllm", hashes[0], tuple(hashes[1:4]))
+    assert load.limit_s == pytest.approx(limit_s)
+    assert load.run(1) == StoredRun("vllm", hashes[1], tuple(hashes[2:4]))
 
 
 def _chain(s: SchedulerSide, r: Req) -> list[bytes]:

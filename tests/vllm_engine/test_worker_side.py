@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fabric.cache.engine_input import L3, StoredRun, node_place
-from fabric.cache.engine_places import BACKUP, MOVE, Order
+from fabric.cache.engine_places import BACKUP, MOVE, PREFETCH, Order
 from fabric.engines import vllm_moves, vllm_writes
 from fabric.engines.store import PageStore, StoreOptions
 from fabric.engines.vllm_pages import (
@@ -37,8 +37,10 @@ TAG = "0123456789abcdef"
 PAGE_BYTES = BLOCK_BYTES * len(LAYERS)
 
 
-def pload(hs, blocks, rid: str = "r", load_id: int = 0, asynchronous: bool = False) -> PageLoad:
-    return PageLoad(load_id, rid, TAG, tuple(hs), tuple(blocks), asynchronous)
+def pload(
+    hs, blocks, rid: str = "r", load_id: int = 0, asynchronous: bool = False, **more
+) -> PageLoad:
+    return PageLoad(load_id, rid, TAG, tuple(hs), tuple(blocks), asynchronous, **more)
 
 
 def psave(run: StoredRun, blocks) -> PageSave:
@@ -295,12 +297,21 @@ def test_a_damaged_node_l2_page_is_read_from_l3_instead(tmp_path):
 
 
 def test_pages_read_from_l3_are_kept_in_the_node_l2_for_the_next_reader(tmp_path):
+    """A load's pages read from L3 go to the node's L2 too, reported stored there
+    (after their parent), so the fabric's tree counts them for the node."""
     source = caches(1)
     store = stored(tmp_path, source, (0, 1, 2))  # an engine without a node L2 (another node)
     first = worker(tmp_path, caches(2), l2=True)
-    first.load(FabricStepMeta(loads=[pload(hashes(3), (3, 4, 5))], store=store))
+    h = hashes(3)
+    first.load(FabricStepMeta(loads=[pload(h[1:], (4, 5), namespace="vllm", parent=h[0])],
+                              store=store))  # fmt: skip
     assert first.load_errors() == set()
     drain(first)  # its promotions are stored by then
+    here = node_place(str(tmp_path / "shm"))
+    run = StoredRun("vllm", h[0], h[1:], here, PAGE_BYTES)
+    assert first.worker_meta().stored == [(TAG, 0, run)]
+    first.load(FabricStepMeta(loads=[pload(h[:1], (3,), namespace="vllm")], store=store))
+    drain(first)
     drop_l3(tmp_path)
     target = caches(3)
     second = worker(tmp_path, target, l2=True)
@@ -607,7 +618,8 @@ def test_the_write_queue_takes_promotions_from_load_threads_while_the_engine_sto
         try:
             for i in range(300):
                 buffer = writer.pages.buffer(1)
-                writer.writes.promote([f"{i:064x}.{TAG}.0-0-0"], buffer[:1], buffer)
+                run = StoredRun("vllm", None, (hashlib.sha256(b"p%d" % i).digest(),))
+                writer.writes.promote(TAG, run, [f"{i:064x}.{TAG}.0-0-0"], buffer[:1], buffer)
         except BaseException as exc:
             errors.append(exc)
 
@@ -631,3 +643,82 @@ def test_the_write_queue_takes_promotions_from_load_threads_while_the_engine_sto
     assert writer.writes.queued_bytes == 0
     assert len(ended) == len(set(ended)) == 300  # every store ended once
     writer.close()
+
+
+def test_a_prefetch_order_reads_pages_from_l3_into_the_node_l2_and_reports_them(
+    tmp_path, monkeypatch
+):
+    """``PREFETCH`` (the fabric's best_effort lookups): the worker reads its shards
+    from L3 into its node's L2, a page buffer at a time, reports them stored
+    there after their parent, and stops at a page L3 lacks; another node's
+    prefetch is not its own."""
+    monkeypatch.setattr(vllm_moves, "STAGING_BYTES", PAGE_BYTES)
+    source = caches(1)
+    store = stored(tmp_path, source, (0, 1, 2))
+    h = hashes(5)  # L3 has the first three
+    side = worker(tmp_path, caches(2), l2=True)
+    here = node_place(str(tmp_path / "shm"))
+    orders = [
+        Order(TAG, 2, here, 0b11, h[1:], PREFETCH, "vllm", h[0]),
+        Order(TAG, 2, "l2@elsewhere", 0b11, h[:1], PREFETCH, "vllm", None),
+    ]
+    side.save(FabricStepMeta(orders=orders, store=store))
+    drain(side)
+    assert side.worker_meta().stored == [
+        (TAG, 0, StoredRun("vllm", h[0], h[1:3], here, PAGE_BYTES))
+    ]
+    keys = side.pages.keys(TAG, h)
+    assert [f is not None for f in side.pages.l2.find(keys)] == [False, True, True, False, False]
+    assert side.take_stats().data["l2_prefetched_pages"] == 2
+    drop_l3(tmp_path)  # what the node's L2 holds now loads without L3
+    target = caches(3)
+    reader = worker(tmp_path, target, l2=True)
+    reader.load(FabricStepMeta(loads=[pload(h[1:3], (6, 7))], store=store))
+    assert reader.load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][6:8], source[name][1:3])
+    for s in (reader, side):
+        s.close()
+
+
+class SlowStore(WedgedStore):
+    """Every read takes ``seconds``."""
+
+    def __init__(self, rows, seconds: float):
+        super().__init__(rows)
+        self.seconds = seconds
+        self.reads = 0
+        self.go.set()
+
+    def _load(self, keys, out, provenance):
+        import time
+
+        self.reads += 1
+        time.sleep(self.seconds)
+        return super()._load(keys, out, provenance)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_load_past_its_prefetch_limit_starts_no_more_l3_reads_and_blames_no_page(
+    tmp_path, monkeypatch, asynchronous
+):
+    """The ``timeout`` prefetch stop policy: a load's ``limit_s`` after it started,
+    no L3 read starts; the pages read by then are loaded, the rest are load
+    errors (recomputed) with no verdict on them — the fabric forgets none."""
+    monkeypatch.setattr(vllm_moves, "STAGING_BYTES", PAGE_BYTES)  # a read per page
+    rows = torch.full((1, 2 * BLOCK_BYTES), 7, dtype=torch.uint8).numpy()
+    target = caches(2)
+    reader = worker(tmp_path, target, timeout_s=30.0)
+    reader.pages.store = store = SlowStore(rows, 0.2)
+    job = pload(hashes(4), (8, 9, 10, 11), load_id=3, asynchronous=asynchronous, limit_s=0.1)
+    reader.load(FabricStepMeta(loads=[job]))
+    if asynchronous:
+        deadline = reader.clock() + 30
+        while "r" not in reader.finished_loads():
+            assert reader.clock() < deadline
+    assert reader.load_errors() == {9, 10, 11}
+    meta = reader.worker_meta()
+    assert meta.loaded == [(0, 3, 1)] and meta.failed == []
+    assert store.reads == 1
+    assert bool((target[LAYERS[0]][8].view(torch.uint8) == 7).all())
+    reader.close()
