@@ -66,6 +66,22 @@ class EngineCalls:
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
 
+    async def engine_hold(
+        self,
+        tag: str,
+        world: int,
+        chain: list[bytes],
+        name: str,
+        kind: str,
+        ttl_s: float | None = None,
+    ) -> str | None:
+        """Keep an engine's prefix as a session or a pin; ``None``, or why not."""
+        started = time.perf_counter()
+        try:
+            return self.core.engine_hold(tag, world, chain, name, kind, ttl_s)
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
+
     def engine_stats(self) -> dict[str, Any]:
         """The tree's engine-page counters, what it holds per place (whole pages,
         bytes, pages per tenant) and the evictions waiting for an engine."""
@@ -77,4 +93,5 @@ class EngineCalls:
             "places": tree.residency(),
             "orders_waiting": len(self.core.engine_orders),
             "orders_let_go": self.core.engine_orders.let_go,
+            "holds": tree.holds.figures(),
         }

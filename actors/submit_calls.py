@@ -14,6 +14,7 @@ from fabric.call_sockets import (
     Call,
     CallServer,
     EngineForgetCall,
+    EngineHoldCall,
     EngineLookupCall,
     EngineReportCall,
 )
@@ -32,6 +33,7 @@ class SubmitCalls:
     engine_lookup: Callable[..., Awaitable[list[int]]]
     engine_report: Callable[..., Awaitable[Any]]
     engine_forget: Callable[..., Awaitable[int]]
+    engine_hold: Callable[..., Awaitable[str | None]]
     _call_server: CallServer | None = None
 
     async def call_endpoint(self) -> tuple[str, bytes]:
@@ -60,6 +62,9 @@ class SubmitCalls:
             )
         if isinstance(call, EngineForgetCall):
             return await self.engine_forget(call.engine_tag, call.world, call.hashes)
+        if isinstance(call, EngineHoldCall):
+            c = call
+            return await self.engine_hold(c.engine_tag, c.world, c.chain, c.name, c.kind, c.ttl_s)
         return await self.submit_many(
             call.prompts,
             call.namespace,

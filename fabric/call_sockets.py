@@ -91,7 +91,18 @@ class EngineForgetCall(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
     hashes: list[bytes]
 
 
-Call = SubmitCall | EngineLookupCall | EngineReportCall | EngineForgetCall
+class EngineHoldCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="hold"):
+    """One ``engine_hold`` call."""
+
+    engine_tag: str
+    world: int
+    chain: list[bytes]
+    name: str
+    kind: str
+    ttl_s: float | None
+
+
+Call = SubmitCall | EngineLookupCall | EngineReportCall | EngineForgetCall | EngineHoldCall
 _CALL = msgspec.msgpack.Decoder(Call)
 _RESULTS = msgspec.msgpack.Decoder(list[RequestResult])
 _ERROR = msgspec.msgpack.Decoder(tuple[str, str])

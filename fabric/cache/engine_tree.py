@@ -21,6 +21,9 @@ pages have them (``fabric.cache.evictions``, ``fabric.cache.writes``).
   the prefix finds them on the node. (Under ``timeout`` and ``wait_complete``
   the request waits for its own L3 reads, which go to the node's L2 as well.)
 
+- **Holds**: sessions and pins (``fabric.cache.engine_holds``) lock a prefix
+  in every place it is in until their TTL passes.
+
 Orders wait in ``orders`` until taken (``take_orders``). Nothing here imports Ray.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from fabric.cache.engine_holds import EngineHolds, HoldOptions
 from fabric.cache.engine_index import EngineIndex
 from fabric.cache.engine_input import (
     L2_AT,
@@ -39,7 +43,7 @@ from fabric.cache.engine_input import (
     check_group,
     check_leases,
 )
-from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, group_of
 from fabric.cache.events import KVEvent
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
@@ -58,10 +62,13 @@ class EngineTree(EngineIndex):
         index_pages: int = 1 << 20,
         capacity: dict[str, int] | None = None,
         write_policy: str = "write_through",
+        holds: HoldOptions | None = None,
     ) -> None:
         """``capacity``: bytes per place (``L3``, a node's L2, or ``L2_AT`` for
-        every node's); a place not named, or 0, is capped by ``index_pages`` only."""
+        every node's); a place not named, or 0, is capped by ``index_pages`` only.
+        ``holds``: the sessions' and pins' budgets and TTL."""
         self.write = get_write_policy(write_policy)
+        self.hold_options = holds or HoldOptions(l3_bytes=(capacity or {}).get(L3, 0))
         super().__init__(eviction_policy, index_pages, capacity)
 
     def clear(self) -> None:
@@ -72,6 +79,9 @@ class EngineTree(EngineIndex):
         # (group, first page, place) prefetched -> when it may be ordered again
         self._fetching: dict[tuple[str, bytes, str], float] = {}
         self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
+        self.holds = EngineHolds(
+            self.tree, self.places, self.hold_options, self._walk, self._unhold, self._page_bytes
+        )
 
     @property
     def leased(self) -> int:
@@ -212,7 +222,8 @@ class EngineTree(EngineIndex):
         return ended
 
     def expire(self, now: float) -> int:
-        """End the leases whose time is up at ``now``; how many."""
+        """End the leases whose time is up at ``now`` (and the holds); how many leases."""
+        self.holds.expire(now)
         expired = [name for name, (until, _) in self._leases.items() if until <= now]
         for name in expired:
             self._end(name)
@@ -233,8 +244,67 @@ class EngineTree(EngineIndex):
         pages this made whole somewhere or evicted, and the orders queued since the
         last take (this report's evictions among them)."""
         events = self.record(tag, world, reports, now)
+        self.holds.expire(now)
+        if self.holds.awaiting:
+            for runs in reports.values():
+                for run in runs:
+                    self.holds.reported(tag, world, run.hashes, now)
         self._evict(events)
         return events, self.take_orders()
+
+    # -- sessions and pins -----------------------------------------------------------------
+
+    def hold(
+        self,
+        tag: str,
+        world: int,
+        chain: Sequence[bytes],
+        name: str,
+        kind: str,
+        ttl_s: float | None = None,
+        now: float = 0.0,
+    ) -> str | None:
+        """Keep ``chain``'s pages (one prefix) in every place they are in, under
+        ``name`` of ``kind`` (``engine_holds``); ``None``, or why nothing is held."""
+        check_group(tag, world)
+        check_chains([chain])
+        return self.holds.hold(tag, world, chain, name, kind, ttl_s, now)
+
+    def unhold(self, name: str, kind: str) -> bool:
+        """End the hold ``name`` of ``kind``; whether there was one."""
+        return self.holds.end(name, kind)
+
+    def _walk(self, tag: str, world: int, chain: Sequence[bytes]) -> tuple[TreeNode | None, int]:
+        """The node of the deepest page of ``chain`` the tree knows on its path (cut
+        to end there), and how many pages that is."""
+        node = self.where.get((tag, world, chain[0])) if chain else None
+        if node is None or (node.page_hashes or [None])[0] != chain[0]:
+            return None, 0
+        last, i = None, 0
+        while node is not None:
+            hashes = node.page_hashes or []
+            k = 0
+            while k < len(hashes) and i + k < len(chain) and hashes[k] == chain[i + k]:
+                k += 1
+            if k < len(hashes):  # the chain ends or leaves inside: held up to there
+                node = self._split(node, k) if k else None
+                if node is not None:
+                    last, i = node, i + k
+                break
+            last, i = node, i + k
+            if i == len(chain):
+                break
+            node = self.where.get((tag, world, chain[i]))
+            if node is not None and node.parent is not last:
+                break
+        return last, i
+
+    def _unhold(self, node: TreeNode) -> None:
+        self.places.lock(node, -1)
+        self._prune(node)
+
+    def _page_bytes(self, node: TreeNode) -> int:
+        return sum(self.ranks.get(group_of(node), {}).values())
 
     def _evict(self, events: list[KVEvent]) -> None:
         """Leaves leave each place over its capacity, then the tree's pages over

@@ -31,6 +31,7 @@ class Held:
     node: TreeNode
     tokens: int
     expires_at: float
+    tenant: str
 
 
 class Sessions:
@@ -44,7 +45,14 @@ class Sessions:
         write_backup: Callable[[TreeNode], int],
         unlock: Callable[[TreeNode], None] | None = None,
         tenant_budget: int | None = None,
+        *,
+        size: Callable[[TreeNode], int] | None = None,
+        tenant: Callable[[TreeNode], str] | None = None,
+        unit: str = "tokens",
     ) -> None:
+        """``size`` and ``unit``: what a node held costs of the budget (its tokens
+        from the root by default); ``tenant``: whose share it counts in (its
+        namespace by default)."""
         if tier not in SESSION_TIERS:
             raise InvalidInput(
                 f"session tier {tier!r} is refused: allowed is one of {SESSION_TIERS}"
@@ -58,6 +66,9 @@ class Sessions:
         self.write_backup = write_backup
         # Drops a request's lock (``Placement.dec_lock_ref``: its components' too).
         self.unlock = unlock or tree.dec_lock_ref
+        self.size = size or (lambda node: tree.depth_pages(node) * tree.page_size)
+        self.tenant = tenant or (lambda node: node.namespace)
+        self.unit = unit
         self.reset()
 
     @classmethod
@@ -90,27 +101,27 @@ class Sessions:
         self.held_tokens = 0
         self.by_tenant: dict[str, int] = {}  # tokens held per namespace
 
-    def keep(self, session_id: str, node: TreeNode) -> str | None:
-        """The session now holds ``node``, taking over one lock on it that the caller
-        passes on (``Admission.end``), in place of what it held before. Returns
-        ``None``, or why it holds nothing (the lock is dropped then)."""
+    def keep(self, session_id: str, node: TreeNode, ttl_s: float | None = None) -> str | None:
+        """The session now holds ``node`` (for ``ttl_s``, the configured TTL by
+        default), taking over one lock on it that the caller passes on
+        (``Admission.end``), in place of what it held before. Returns ``None``, or
+        why it holds nothing (the lock is dropped then)."""
         check_session_id(session_id)
-        tokens = self.tree.depth_pages(node) * self.tree.page_size
         self.end(session_id)
         if node is self.tree.root:
             return "no whole page to keep"
-        tenant = node.namespace
+        tokens, tenant, unit = self.size(node), self.tenant(node), self.unit
         if tokens > self.tenant_budget:
             self.unlock(node)
             if tokens > self.budget:
-                return f"a session of {tokens} tokens exceeds the session budget of {self.budget}"
+                return f"a session of {tokens} {unit} exceeds the session budget of {self.budget}"
             return (
-                f"a session of {tokens} tokens exceeds tenant {tenant!r}'s session budget of "
+                f"a session of {tokens} {unit} exceeds tenant {tenant!r}'s session budget of "
                 f"{self.tenant_budget} (cache.tenant_share)"
             )
         while self.by_tenant.get(tenant, 0) + tokens > self.tenant_budget:
             # The tenant's own least recently kept, not another tenant's.
-            self.end(next(s for s, h in self.held.items() if h.node.namespace == tenant))
+            self.end(next(s for s, h in self.held.items() if h.tenant == tenant))
         while self.held_tokens + tokens > self.budget:
             self.end(next(iter(self.held)))  # the least recently kept
         if self.tier == "host":
@@ -118,7 +129,8 @@ class Sessions:
             if node.host_value is None:
                 self.write_backup(node)
             self.unlock(node)
-        self.held[session_id] = Held(node, tokens, self.clock() + self.ttl_s)
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        self.held[session_id] = Held(node, tokens, self.clock() + ttl, tenant)
         self.held_tokens += tokens
         self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + tokens
         return None
@@ -129,11 +141,11 @@ class Sessions:
         if held is None:
             return False
         self.held_tokens -= held.tokens
-        left = self.by_tenant[held.node.namespace] - held.tokens
+        left = self.by_tenant[held.tenant] - held.tokens
         if left:
-            self.by_tenant[held.node.namespace] = left
+            self.by_tenant[held.tenant] = left
         else:
-            del self.by_tenant[held.node.namespace]
+            del self.by_tenant[held.tenant]
         if self.tier == "host":
             held.node.host_ref -= 1
         else:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
+from fabric.cache.engine_holds import HoldOptions
 from fabric.cache.engine_input import L3, StoredRun, check_count, check_group, check_place
 from fabric.cache.engine_places import Order
 from fabric.cache.engine_tree import EngineTree
@@ -88,6 +89,13 @@ class CoordinatorCore:
             config.runtime.engine_pages,
             {L3: config.storage.max_bytes},
             config.cache.write_policy,
+            HoldOptions(
+                config.storage.max_bytes,
+                config.cache.session_budget_fraction,
+                config.cache.pin_budget_fraction,
+                config.cache.tenant_share,
+                config.cache.session_ttl_s,
+            ),
         )
         self.engine_orders = PendingOrders()
         # Under best_effort an engine's request takes only what its node's L2 has;
@@ -406,6 +414,20 @@ class CoordinatorCore:
         self.engine_orders.add(orders)
         whole = sum(len(e.page_hashes) for e in events if isinstance(e, BlockStored))
         return whole, self.engine_orders.take(tag, world, place)
+
+    def engine_hold(
+        self,
+        tag: str,
+        world: int,
+        chain: Sequence[bytes],
+        name: str,
+        kind: str,
+        ttl_s: float | None = None,
+    ) -> str | None:
+        """Keep an engine's prefix (``chain``) in every place it is in, as a session
+        (the configured TTL) or a pin (``ttl_s``) named ``name``; ``None``, or why
+        nothing is held (``EngineTree.hold``)."""
+        return self.engine_tree.hold(tag, world, chain, name, kind, ttl_s, self.clock())
 
     def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
         """Pages a rank could not load: matched no more until stored anew (each

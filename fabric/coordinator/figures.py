@@ -160,6 +160,16 @@ class EngineFigures:
             "Engine pages ordered read from L3 into a node's L2 (best_effort lookups).",
         ),
     ]
+    held_bytes: Annotated[
+        dict[str, int],
+        Series(
+            "kvfabric_engine_held_bytes",
+            "gauge",
+            "Bytes of engine pages sessions and pins hold (kept in every place), by kind.",
+            by="kind",
+            keys=("session", "pin"),
+        ),
+    ]
     known_pages: Annotated[
         int,
         Series(
@@ -192,6 +202,7 @@ def engine_figures(core: CoordinatorCore) -> EngineFigures:
         lookup_pages=stats.lookup_pages,
         evicted_pages=dict(stats.evicted_by_place),
         prefetch_pages=stats.prefetch_pages,
+        held_bytes={k: f["bytes"] for k, f in tree.holds.figures().items()},
         known_pages=len(tree),
         leases=tree.leased,
         orders_waiting=len(core.engine_orders),
@@ -345,4 +356,5 @@ def _engines_view(e: EngineFigures) -> dict[str, Any]:
         "hit_pages": dict(e.hit_pages),
         "evicted_pages": dict(e.evicted_pages),
         "prefetch_pages": e.prefetch_pages,
+        "held_bytes": dict(e.held_bytes),
     }

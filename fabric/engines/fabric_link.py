@@ -249,6 +249,32 @@ class FabricLink:
         for tag, reports in by_tag.items():
             self.report(tag, world, reports)
 
+    def hold(
+        self,
+        tag: str,
+        world: int,
+        chain: Sequence[bytes],
+        name: str,
+        kind: str,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Keep a request's prefix in the fabric as a session or a pin (sent without
+        waiting: the coordinator holds what it knows and waits for the rest)."""
+        if not chain or not self.up:
+            return
+        chain = list(chain[:MAX_PAGES_PER_CALL])
+        try:
+            if self.calls is not None:
+                self.calls.hold(tag, world, chain, name, kind, ttl_s)
+            else:
+                self._reports.append(
+                    self.coordinator.engine_hold.remote(tag, world, chain, name, kind, ttl_s)
+                )
+        except Exception as exc:
+            self._down(f"failed a hold ({exc})")
+            return
+        self._check_reports()
+
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         """Tell the fabric pages failed to load (sent without waiting)."""
         if not hashes or not self.up:

@@ -24,6 +24,7 @@ from fabric.cache.engine_places import Order
 from fabric.call_sockets import (
     CallLink,
     EngineForgetCall,
+    EngineHoldCall,
     EngineLookupCall,
     EngineReportCall,
     open_link,
@@ -89,6 +90,11 @@ class SocketCalls:
 
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         self._send(EngineForgetCall(tag, world, list(hashes)), "forget")
+
+    def hold(
+        self, tag: str, world: int, chain: list[bytes], name: str, kind: str, ttl_s: float | None
+    ) -> None:
+        self._send(EngineHoldCall(tag, world, chain, name, kind, ttl_s), "hold")
 
     def release(self, tag: str, world: int, names: list[str], place: str) -> None:
         self._send(EngineLookupCall(tag, world, [], None, 0.0, names, place), "release")

@@ -56,6 +56,47 @@ class TrackedRequest:
         self.hashes += chain_hashes(prev, pack_tokens(tokens), block_size * TOKEN_BYTES)
 
 
+# What a request asks the fabric to keep of its prefix once it ends, in vLLM's
+# ``kv_transfer_params``: a session (a conversation's id: its pages kept warm for
+# the fabric's cache.session_ttl_s, until its next turn takes over) and a pin
+# (kept for this many seconds).
+SESSION_PARAM = "kvfabric_session"
+PIN_PARAM = "kvfabric_pin_s"
+MAX_HOLD_NAME = 256
+MAX_PIN_S = 7 * 24 * 3600.0
+
+
+def ask_holds(state: TrackedRequest, done: int, block_size: int, link: Any, world: int) -> None:
+    """The request ended with ``done`` tokens computed: ask the fabric (``link``) to
+    hold the session and the pin its ``kv_transfer_params`` ask for (a bad value is
+    logged, naming it, and ignored: the request is served all the same)."""
+    params = getattr(state.request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or not (SESSION_PARAM in params or PIN_PARAM in params):
+        return
+    state.hashes_to(done // block_size, block_size)
+    chain = state.hashes[: done // block_size]
+    if not chain:
+        return
+    session, pin_s = params.get(SESSION_PARAM), params.get(PIN_PARAM)
+    if session is not None:
+        if isinstance(session, str) and 0 < len(session) <= MAX_HOLD_NAME:
+            link.hold(state.tag, world, chain, session, "session", None)
+        else:
+            log.warning(
+                "kvfabric connector: %s=%r is ignored: allowed is a non-empty str of at most "
+                "%d characters", SESSION_PARAM, session, MAX_HOLD_NAME,
+            )  # fmt: skip
+    if pin_s is not None:
+        good = isinstance(pin_s, (int, float)) and not isinstance(pin_s, bool)
+        if good and 0 < pin_s <= MAX_PIN_S:
+            link.hold(state.tag, world, chain, "pin/" + chain[-1].hex(), "pin", float(pin_s))
+        else:
+            log.warning(
+                "kvfabric connector: %s=%r is ignored: allowed is a number of seconds in "
+                "(0, %.0f]", PIN_PARAM, pin_s, MAX_PIN_S,
+            )  # fmt: skip
+
+
 def unkeyed(request: Any) -> bool:
     """Whether a request's KV is not named by its token ids: images and other
     multimodal inputs, prompt embeddings (whose token ids are placeholders)."""

@@ -38,7 +38,7 @@ from fabric.engines.vllm_pages import (
     PageSave,
     request_namespace,
 )
-from fabric.engines.vllm_requests import LoraIdentities, TrackedRequest, unkeyed
+from fabric.engines.vllm_requests import LoraIdentities, TrackedRequest, ask_holds, unkeyed
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +425,7 @@ class SchedulerSide:
         if state is None:
             self.leases.end([rid])
             return False
+        ask_holds(state, _done_tokens(request), self.block_size, self.link, self.world)
         if state.async_loading:
             return True  # freed once the load is reported done (finished_recving)
         self.leases.end([rid])

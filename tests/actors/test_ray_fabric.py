@@ -450,6 +450,10 @@ def _link_sees_whole_pages(fabric, link) -> None:
     assert _lookup(link, tag, [chain], ["e1/r3"], 30.0) == [3]
     link.release(tag, 2, ["e1/r3"])
     assert wait_for(lambda: fabric.stats()["engine_pages"]["leased"] == 0, timeout=10)
+    # A session holds a conversation's pages (sent without waiting for its reply).
+    link.hold(tag, 2, chain[:3], "conv-" + tag, "session")
+    held = lambda: fabric.stats()["engine_pages"]["holds"]["session"]["held"]  # noqa: E731
+    assert wait_for(lambda: held() >= 1, timeout=10)
     link.forget(tag, 2, [chain[1]])
     assert _lookup(link, tag, [chain]) == [1]
     pages = fabric.stats()["engine_pages"]
@@ -459,6 +463,12 @@ def _link_sees_whole_pages(fabric, link) -> None:
     assert not link.up
     assert wait_for(lambda: link.up, timeout=10)
     assert _lookup(link, tag, [chain]) == [1]
+    calls, link.calls = link.calls, None  # a pin, over Ray calls
+    link.hold(tag, 2, chain[:1], "pin/" + tag, "pin", 60.0)
+    pinned = lambda: fabric.stats()["engine_pages"]["holds"]["pin"]["held"]  # noqa: E731
+    assert wait_for(lambda: pinned() >= 1, timeout=10)
+    link._check_reports(in_flight=0)
+    link.calls = calls
 
 
 def _lookup(link, tag, chains, leases=None, lease_s=0.0, release=()):

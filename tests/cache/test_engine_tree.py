@@ -13,6 +13,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from fabric.cache.engine_holds import HoldOptions
 from fabric.cache.engine_input import L3, StoredRun
 from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, ranks_of
 from fabric.cache.engine_tree import EngineTree
@@ -317,6 +318,93 @@ PLACES = [L3, L2A, L2B]
 NAMES = ["e/r1", "e/r2", "f/r1"]
 
 
+def test_a_session_keeps_its_conversation_past_capacity_until_its_next_turn_or_ttl():
+    """A session (``hold``) locks its prefix in every place: eviction passes over
+    it; the next turn under the same id takes over (the old turn's pages are
+    evictable again), and the TTL ends it."""
+    holds = HoldOptions(l3_bytes=1000, session_ttl_s=60.0)
+    tree = EngineTree("lru", capacity={L3: 80}, holds=holds)
+    a, b, c, d = (chain(4, first=f) for f in (0, 50, 100, 150))
+    tree.report(TAG, 1, {0: [run(a)]}, now=1.0)
+    assert tree.hold(TAG, 1, a[:3], "conv-1", "session", now=1.0) is None
+    tree.report(TAG, 1, {0: [run(b)]}, now=2.0)
+    _, drops = tree.report(TAG, 1, {0: [run(c)]}, now=3.0)  # 120 bytes: 40 go
+    assert [o.hashes for o in drops] == [(a[3],), tuple(b)], "the held prefix is passed over"
+    assert tree.lookup(TAG, 1, [a, b, c], now=3.0) == [3, 0, 4]
+    figures = tree.holds.figures()["session"]
+    assert (figures["held"], figures["bytes"], figures["tenants"]) == (1, 30, {"vllm": 30})
+    # The next turn takes over: it holds c's first pages now, and a may go.
+    assert tree.hold(TAG, 1, c[:2], "conv-1", "session", now=4.0) is None
+    tree.lookup(TAG, 1, [c], now=4.0)
+    _, drops = tree.report(TAG, 1, {0: [run(d)]}, now=5.0)
+    assert [o.hashes for o in drops] == [tuple(a[:3])]
+    # Its TTL passes: nothing is held, and the cap applies to it again.
+    tree.lookup(TAG, 1, [[]], now=70.0)
+    assert tree.holds.figures()["session"]["held"] == 0
+    assert all(n.lock_ref == 0 for n in tree.tree.walk())
+
+
+def test_a_hold_waits_for_the_pages_its_request_stored_last_and_moves_down_to_them():
+    tree = EngineTree()
+    a = chain(5)
+    tree.report(TAG, 2, {0: [run(a[:2])], 1: [run(a[:2])]}, now=1.0)
+    assert tree.hold(TAG, 2, a, "pin/x", "pin", ttl_s=30.0, now=1.0) is None
+    (held,) = tree.holds.kinds["pin"].held.values()
+    assert held.node.page_hashes == a[:2]
+    tree.report(TAG, 2, {0: [run(a[2:], a[1])]}, now=2.0)  # one rank's: the path is known
+    (held,) = tree.holds.kinds["pin"].held.values()
+    assert held.node.page_hashes[-1] == a[4] and held.expires_at == 31.0
+    assert not tree.holds.awaiting
+    # A chain the tree knows nothing of holds nothing, and says why.
+    assert tree.hold(TAG, 2, chain(2, first=70), "s", "session", now=3.0) == (
+        "no page of it is known"
+    )
+
+
+def test_holds_stay_within_their_share_of_l3_and_one_tenants_share_of_that():
+    """Sessions hold at most ``session_fraction`` of L3's cap, one tenant at most
+    ``tenant_share`` of that: past it the tenant's own least recently kept go."""
+    holds = HoldOptions(l3_bytes=200, session_fraction=0.5, tenant_share=0.5)  # 100, 50 a tenant
+    tree = EngineTree(capacity={L3: 200}, holds=holds)
+    a, b, c = chain(3, "t1"), chain(2, "t1", first=40), chain(3, "t2")
+    tree.report(TAG, 1, {0: [run(a, namespace="t1"), run(b, namespace="t1")]})
+    tree.report(TAG, 1, {0: [run(c, namespace="t2")]})
+    assert tree.hold(TAG, 1, a, "s1", "session") is None  # 30 bytes of t1's 50
+    assert tree.hold(TAG, 1, b, "s2", "session") is None  # 20 more: 50
+    assert tree.hold(TAG, 1, a[:1], "s3", "session") is None  # 10 more: s1 (oldest) goes
+    figures = tree.holds.figures()["session"]
+    assert figures["tenants"] == {"t1": 30} and set(tree.holds.kinds["session"].held) == {
+        "s2",
+        "s3",
+    }
+    assert tree.hold(TAG, 1, c, "s4", "session") is None
+    assert tree.holds.figures()["session"]["bytes"] == 60
+    too_long = chain(6, "t2", first=200)
+    tree.report(TAG, 1, {0: [run(too_long, namespace="t2")]})
+    why = tree.hold(TAG, 1, too_long, "s5", "session")
+    assert why is not None and "60 bytes exceeds tenant 't2'" in why and "50" in why
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda t: t.hold(TAG, 1, chain(1), "", "session"), "session id ''"),
+        (lambda t: t.hold(TAG, 1, chain(1), "x", "forever"), "hold kind 'forever'"),
+        (lambda t: t.hold(TAG, 1, chain(1), "x", "pin", ttl_s=-1), "hold ttl_s -1"),
+        (lambda t: t.hold(TAG, 1, chain(1), "x", "pin", ttl_s=True), "hold ttl_s True"),
+        (lambda t: t.hold(TAG, 1, [b"short"], "x", "pin"), "short"),
+        (lambda t: t.hold("nothex", 1, chain(1), "x", "pin"), "tag 'nothex'"),
+    ],
+)
+def test_a_bad_hold_is_refused_naming_the_value(call, needle):
+    tree = EngineTree()
+    tree.report(TAG, 1, {0: [run(chain(2))]})
+    with pytest.raises(InvalidInput, match=None) as err:
+        call(tree)
+    assert needle in str(err.value)
+    assert tree.holds.figures()["pin"]["held"] == 0
+
+
 class EngineTreeMachine(RuleBasedStateMachine):
     """Model: per (engine, place, page), the ranks that stored it there, updated
     from the reports and from the drops the tree returns. A lookup is the leading
@@ -447,6 +535,35 @@ class EngineTreeMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
     def tick(self, seconds) -> None:
         self.now += seconds
+
+    @rule(
+        tag=st.sampled_from(TAGS),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        length=st.integers(1, 6),
+        name=st.sampled_from(["s1", "s2"]),
+        kind=st.sampled_from(["session", "pin"]),
+        ttl_s=st.sampled_from([None, 1.0, 30.0]),
+    )
+    def hold(self, tag, world, ns, length, name, kind, ttl_s) -> None:
+        """A hold never changes what is where; what it holds is on the tree, locked,
+        and within its budget (checked in ``held``)."""
+        before = dict(self.model)
+        why = self.tree.hold(tag, world, self.chains[ns][:length], name, kind, ttl_s, self.now)
+        known = (tag, world, self.chains[ns][0]) in self.tree.where
+        assert (why is None) or not known or "exceeds" in why
+        self._apply(self.tree.take_orders())
+        assert self.model == before
+
+    @invariant()
+    def held(self) -> None:
+        for kind in self.tree.holds.kinds.values():
+            assert kind.held_tokens <= kind.budget
+            assert kind.held_tokens == sum(h.tokens for h in kind.held.values())
+            for h in kind.held.values():
+                node = h.node
+                assert node.lock_ref >= 1
+                assert node.parent is not None and node in node.parent.children.values()
 
     @rule(
         tag=st.sampled_from(TAGS),

@@ -120,9 +120,10 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     """Run ``steps`` on ``llm``; what each labelled step gave, by label. Steps:
 
     - ``{"op": "generate", "label", "prompts": [[ids]], "salt"?, "max_tokens"?,
-      "prompt_logprobs"?, "together"?}``: greedy; per prompt its output tokens,
+      "prompt_logprobs"?, "together"?, "kv"?}``: greedy; per prompt its output tokens,
       ``num_cached_tokens`` and, with ``prompt_logprobs``, each prompt token's
       logprob; ``together``: one ``generate`` call for all (else one each);
+      ``kv``: the requests' ``kv_transfer_params``;
     - ``{"op": "chat", "label", "first": [ids], "then": [ids], "salt"?, "max_tokens"?}``:
       the first turn, vLLM's prefix cache reset, then a turn of the first's
       prompt, its output and ``then``;
@@ -137,9 +138,10 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     for step in steps:
         op = step["op"]
         if op == "generate":
+            kv = {"kv_transfer_params": step["kv"]} if step.get("kv") else None
             params = SamplingParams(
                 max_tokens=step.get("max_tokens", args.max_tokens), temperature=0.0,
-                prompt_logprobs=step.get("prompt_logprobs"),
+                prompt_logprobs=step.get("prompt_logprobs"), extra_args=kv,
             )  # fmt: skip
             items = [
                 {

@@ -106,6 +106,7 @@ def launch_fabric(store: Path, name: str, **runtime: object):
         {
             "storage": {"path": str(store)},
             "topology": {"tp": 1},
+            "cache": {"session_ttl_s": 3600.0},  # sessions outlive a module's engines
             "runtime": {"name": name, "dashboard": False, **runtime},
         }
     )
@@ -225,7 +226,7 @@ def pair(workdir: Path, fabric) -> dict:
     a_script = [
         gen("first", prompts()),
         reset(),
-        gen("second", prompts()),
+        gen("second", prompts(), kv={"kvfabric_session": "conv-a", "kvfabric_pin_s": 600}),
         {"op": "signal", "path": str(bar / "stored")},
         {"op": "chat", "label": "chat", "first": p["chat_first"], "then": p["chat_then"],
          "max_tokens": 40, "salt": "chat"},
@@ -276,6 +277,16 @@ def test_outputs_are_identical_and_a_second_run_loads_the_prompts_from_the_fabri
     # The chat's later turns share the earlier turns' pages even in the first run.
     assert first["cached"][2] >= loadable(tokens[1])
     assert pair["after"]["whole_pages"] > pair["before"]["whole_pages"]
+
+
+def test_a_request_asking_for_a_session_and_a_pin_holds_its_prefix_in_the_fabric(pair):
+    """``kv_transfer_params`` through vLLM: each request of the run asked for one
+    session (the later taking over from the earlier) and a pin of its own."""
+    before, after = pair["before"]["holds"], pair["after"]["holds"]
+    assert before["session"]["held"] == before["pin"]["held"] == 0
+    assert after["session"]["held"] == 1
+    assert after["pin"]["held"] == len(prompts())
+    assert after["session"]["tenants"].keys() == {"vllm"}
 
 
 def test_a_second_engine_process_loads_the_pages_the_first_computed(pair, baseline):

@@ -46,6 +46,7 @@ class FakeLink:
         self.forgotten: list[bytes] = []
         self.leases: list[tuple[list[str], float, list[str]]] = []
         self.released: list[str] = []
+        self.holds: list[tuple] = []
 
     def lookup(self, tag, world, chains, leases, lease_s, release, deadline):
         if not self.up:
@@ -56,6 +57,9 @@ class FakeLink:
 
     def release(self, tag, world, names):
         self.released += names
+
+    def hold(self, tag, world, chain, name, kind, ttl_s):
+        self.holds.append((tag, world, list(chain), name, kind, ttl_s))
 
     def report(self, tag, world, stored):
         self.reports.append((tag, stored))
@@ -746,3 +750,36 @@ def test_a_request_finished_while_a_load_it_shares_is_pending_keeps_its_blocks()
     assert {11, 20, 21} <= s.loads.poisoned
     out = s.step_meta(output())
     assert out.finished == ["b"] and not out.saves
+
+
+def test_a_request_that_asks_for_a_session_or_a_pin_holds_its_prefix_once_it_ends(caplog):
+    """``kv_transfer_params``: ``kvfabric_session`` holds the prefix the request
+    computed (its whole pages) as the conversation's, ``kvfabric_pin_s`` pins it
+    for that long; a bad value is logged by name and the request served as ever."""
+    link = FakeLink()
+    s = side(link)
+    params = {"kvfabric_session": "conv-7", "kvfabric_pin_s": 120}
+    r = Req("r", list(range(14)), kv_transfer_params=params)
+    s.matched(r, 0)
+    r.all_token_ids += [50, 51, 52]  # decoded: 17 tokens, 4 whole pages
+    r.num_computed_tokens = 16
+    s.finished(r, [1, 2, 3, 4])
+    chain = _chain(s, Req("x", [*range(14), 50, 51, 52]))[:4]
+    assert link.holds == [
+        (s.tag, 2, chain, "conv-7", "session", None),
+        (s.tag, 2, chain, "pin/" + chain[-1].hex(), "pin", 120.0),
+    ]
+    bad = {"kvfabric_session": "", "kvfabric_pin_s": True}
+    r2 = Req("r2", list(range(14)), kv_transfer_params=bad)
+    s.matched(r2, 0)
+    r2.num_computed_tokens = 13
+    with caplog.at_level("WARNING"):
+        s.finished(r2, [5, 6, 7, 8])
+    assert len(link.holds) == 2
+    assert "kvfabric_session='' is ignored" in caplog.text
+    assert "kvfabric_pin_s=True is ignored" in caplog.text
+    r3 = Req("r3", list(range(14)), kv_transfer_params={"other": 1})
+    s.matched(r3, 0)
+    r3.num_computed_tokens = 13
+    s.finished(r3, [9])
+    assert len(link.holds) == 2
