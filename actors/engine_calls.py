@@ -1,6 +1,6 @@
 """The coordinator's calls for engines attached through a connector
 (``fabric.engines.vllm_connector``): one lookup and one report per engine step,
-answered from the tree's engine pages (``CoordinatorCore.engine_tree``), their
+answered from the tree's engine pages (``CoordinatorCore.engines``), their
 core time counted in ``core_time_s`` as every other core call's."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class EngineCalls:
         names end first."""
         started = time.perf_counter()
         try:
-            return self.core.engine_lookup(
+            return self.core.engines.lookup(
                 tag, world, chains, leases, lease_s, release or (), place
             )
         finally:
@@ -51,7 +51,7 @@ class EngineCalls:
         whose regions hold ``place_bytes`` for it)."""
         started = time.perf_counter()
         try:
-            whole, drops = self.core.engine_report(tag, world, reports, place, place_bytes)
+            whole, drops = self.core.engines.report(tag, world, reports, place, place_bytes)
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
         if whole:
@@ -62,7 +62,17 @@ class EngineCalls:
         """Pages a rank could not load; how many whole ones are forgotten."""
         started = time.perf_counter()
         try:
-            return self.core.engine_forget(tag, world, page_hashes)
+            return self.core.engines.forget(tag, world, page_hashes)
+        finally:
+            self.core.stats.core_time_s += time.perf_counter() - started
+
+    async def engine_drop(
+        self, tag: str, world: int, place: str, page_hashes: list[bytes], everything: bool = False
+    ) -> int:
+        """Pages left a replica's blocks (vLLM evicted them), or all did."""
+        started = time.perf_counter()
+        try:
+            return self.core.engines.drop(tag, world, place, page_hashes, everything)
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
 
@@ -78,20 +88,20 @@ class EngineCalls:
         """Keep an engine's prefix as a session or a pin; ``None``, or why not."""
         started = time.perf_counter()
         try:
-            return self.core.engine_hold(tag, world, chain, name, kind, ttl_s)
+            return self.core.engines.hold(tag, world, chain, name, kind, ttl_s)
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
 
     def engine_stats(self) -> dict[str, Any]:
         """The tree's engine-page counters, what it holds per place (whole pages,
         bytes, pages per tenant) and the evictions waiting for an engine."""
-        tree = self.core.engine_tree
+        tree = self.core.engines.tree
         return {
             **asdict(tree.stats),
             "known": len(tree),
             "leased": tree.leased,
             "places": tree.residency(),
-            "orders_waiting": len(self.core.engine_orders),
-            "orders_let_go": self.core.engine_orders.let_go,
+            "orders_waiting": len(self.core.engines.orders),
+            "orders_let_go": self.core.engines.orders.let_go,
             "holds": tree.holds.figures(),
         }

@@ -13,6 +13,7 @@ import ray
 from fabric.call_sockets import (
     Call,
     CallServer,
+    EngineDropCall,
     EngineForgetCall,
     EngineHoldCall,
     EngineLookupCall,
@@ -34,6 +35,7 @@ class SubmitCalls:
     engine_report: Callable[..., Awaitable[Any]]
     engine_forget: Callable[..., Awaitable[int]]
     engine_hold: Callable[..., Awaitable[str | None]]
+    engine_drop: Callable[..., Awaitable[int]]
     _call_server: CallServer | None = None
 
     async def call_endpoint(self) -> tuple[str, bytes]:
@@ -62,6 +64,11 @@ class SubmitCalls:
             )
         if isinstance(call, EngineForgetCall):
             return await self.engine_forget(call.engine_tag, call.world, call.hashes)
+        if isinstance(call, EngineDropCall):
+            c2 = call
+            return await self.engine_drop(
+                c2.engine_tag, c2.world, c2.place, c2.hashes, c2.everything
+            )
         if isinstance(call, EngineHoldCall):
             c = call
             return await self.engine_hold(c.engine_tag, c.world, c.chain, c.name, c.kind, c.ttl_s)

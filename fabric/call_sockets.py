@@ -102,7 +102,24 @@ class EngineHoldCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     ttl_s: float | None
 
 
-Call = SubmitCall | EngineLookupCall | EngineReportCall | EngineForgetCall | EngineHoldCall
+class EngineDropCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="drop"):
+    """One ``engine_drop`` call."""
+
+    engine_tag: str
+    world: int
+    place: str
+    hashes: list[bytes]
+    everything: bool
+
+
+Call = (
+    SubmitCall
+    | EngineLookupCall
+    | EngineReportCall
+    | EngineForgetCall
+    | EngineHoldCall
+    | EngineDropCall
+)
 _CALL = msgspec.msgpack.Decoder(Call)
 _RESULTS = msgspec.msgpack.Decoder(list[RequestResult])
 _ERROR = msgspec.msgpack.Decoder(tuple[str, str])

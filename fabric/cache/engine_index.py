@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 
 from fabric.cache.engine_input import (
     HASH_BYTES,
-    L2_AT,
+    L1_AT,
     L3,
     StoredRun,
     check_group,
     check_hashes,
+    check_place,
     check_reports,
 )
 from fabric.cache.engine_places import (
@@ -46,8 +47,9 @@ from fabric.cache.engine_places import (
     group_of,
     medium_of,
     namespace_of,
+    place_of,
 )
-from fabric.cache.events import BlockRemoved, KVEvent, Medium
+from fabric.cache.events import BlockRemoved, KVEvent
 from fabric.cache.keys import TOKEN_BYTES
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree
@@ -160,7 +162,7 @@ class EngineIndex:
                 self._record(tag, world, rank, run, events)
         for e in events:
             n, by = len(e.page_hashes), self.stats.whole_by_place
-            key = L3 if e.medium is Medium.STORAGE else L2_AT + e.place
+            key = place_of(e.medium, e.place)
             by[key] = by.get(key, 0) + n
             self.stats.whole_pages += n if key == L3 else 0
         return events
@@ -281,6 +283,39 @@ class EngineIndex:
             self._prune(node)
         return events
 
+    def drop(self, tag: str, world: int, place: str, hashes: Sequence[bytes]) -> list[KVEvent]:
+        """``hashes`` left ``place`` (vLLM evicted them from a replica's blocks, and
+        only the tree is to be told): a ``BlockRemoved`` per run whole there."""
+        check_group(tag, world)
+        check_place(place)
+        check_hashes(hashes, "hashes")
+        events: list[KVEvent] = []
+        i = 0
+        while i < len(hashes):
+            node = self.where.get((tag, world, hashes[i]))
+            if node is None or place not in (node.places or {}):
+                i += 1
+                continue
+            page_hashes = node.page_hashes or []
+            at = end = page_hashes.index(hashes[i])
+            while end < len(page_hashes) and i < len(hashes) and page_hashes[end] == hashes[i]:
+                end, i = end + 1, i + 1  # a run of the node's pages, in order
+            node = self._isolate(node, at, end)
+            events.extend(self._leave(node, place))
+            self._prune(node)
+        return events
+
+    def drop_place(self, place: str) -> list[KVEvent]:
+        """Every page leaves ``place`` (a replica's blocks were all cleared, or it
+        went away); a ``BlockRemoved`` per node whole there."""
+        check_place(place)
+        events: list[KVEvent] = []
+        for node in [n for n in self.tree.walk() if place in (n.places or {})]:
+            events.extend(self._leave(node, place))
+        for node in [n for n in self.tree.walk() if not n.children]:
+            self._prune(node)
+        return events
+
     def _leave(self, node: TreeNode, place: str, kind: str | None = None) -> list[KVEvent]:
         """``node`` leaves ``place``: its event if it was whole there; with ``kind``,
         the order its ranks there carry out (``Order``), queued."""
@@ -288,7 +323,7 @@ class EngineIndex:
         full = (1 << world) - 1
         mask = self.places.remove(node, place, self.ranks.get((tag, world), {}))
         hashes = tuple(node.page_hashes or ())
-        if kind is not None:
+        if kind is not None and not place.startswith(L1_AT):  # vLLM's: not the tree's to order
             self.orders.append(self._order(node, place, mask, kind))
         if mask != full:
             return []

@@ -29,10 +29,12 @@ MAX_PAGE_BYTES = 1 << 40
 MAX_PLACE = 256
 _TAG = re.compile(r"[0-9a-f]{16}")
 
-# Where an engine page lives: the fabric's L3, or a node's shared-memory L2
-# (``L2_AT + node``).
+# Where an engine page lives: the fabric's L3, a node's shared-memory L2
+# (``L2_AT + node``), or one engine replica's device blocks (``L1_AT + replica``:
+# vLLM keeps and evicts them; the tree is told).
 L3 = "l3"
 L2_AT = "l2@"
+L1_AT = "l1@"
 
 
 def node_place(directory: str = "") -> str:
@@ -103,16 +105,17 @@ def check_chains(chains: object) -> None:
 
 
 def check_place(place: object) -> str:
-    """``place`` when it names one (``L3``, or ``L2_AT`` and a node)."""
+    """``place`` when it names one (``L3``, ``L2_AT`` and a node, ``L1_AT`` and a
+    replica)."""
     if (
         isinstance(place, str)
         and len(place) <= MAX_PLACE
-        and (place == L3 or (place.startswith(L2_AT) and len(place) > len(L2_AT)))
+        and (place == L3 or (place.startswith((L2_AT, L1_AT)) and len(place) > len(L2_AT)))
     ):
         return place
     raise InvalidInput(
-        f"place {place!r:.80} is refused: allowed is {L3!r} or {L2_AT!r} and a node's name "
-        f"(at most {MAX_PLACE} characters)"
+        f"place {place!r:.80} is refused: allowed is {L3!r}, {L2_AT!r} and a node's name, or "
+        f"{L1_AT!r} and an engine replica's (at most {MAX_PLACE} characters)"
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from fabric.cache.engine_input import L2_AT, L3
+from fabric.cache.engine_input import L1_AT, L2_AT, L3
 from fabric.cache.events import BlockStored, Medium
 from fabric.cache.leaves import LeafQueue
 from fabric.cache.node import TreeNode
@@ -54,7 +54,9 @@ def _count_child(parent: TreeNode, place: str, delta: int) -> None:
 
 
 def medium_of(place: str) -> Medium:
-    return Medium.STORAGE if place == L3 else Medium.HOST
+    if place == L3:
+        return Medium.STORAGE
+    return Medium.DEVICE if place.startswith(L1_AT) else Medium.HOST
 
 
 def ranks_of(mask: int) -> Iterator[int]:
@@ -274,5 +276,13 @@ def namespace_of(node: TreeNode) -> str:
 
 
 def event_place(place: str) -> str:
-    """An event's place: the node of an L2 (L3 is one place: none named)."""
-    return place[len(L2_AT) :] if place.startswith(L2_AT) else ""
+    """An event's place: the node of an L2, the replica of an L1 (L3 is one place:
+    none named)."""
+    return place[len(L2_AT) :] if place.startswith((L2_AT, L1_AT)) else ""
+
+
+def place_of(medium: Medium, place: str) -> str:
+    """The place an event's medium and place name (``event_place``'s inverse)."""
+    if medium is Medium.STORAGE:
+        return L3
+    return (L1_AT if medium is Medium.DEVICE else L2_AT) + place

@@ -130,6 +130,7 @@ class EngineTree(EngineIndex):
             check_leases(leases, chains, lease_s)
         check_chains(chains)
         full = (1 << world) - 1
+        place = place if place.startswith(L2_AT) else ""  # (a replica's blocks: vLLM's)
         out = []
         for i, chain in enumerate(chains):
             n, node = self._match(tag, world, chain, full, place, now, l2_only and bool(place))
@@ -337,7 +338,7 @@ class EngineTree(EngineIndex):
         places = node.places or {}
         if places.get(L3, 0) == full or node.id in self._backing:
             return
-        source = next((p for p, m in places.items() if p != L3 and m == full), None)
+        source = next((p for p, m in places.items() if p.startswith(L2_AT) and m == full), None)
         if source is not None:
             self._backing.add(node.id)
             self.orders.append(self._order(node, source, full, BACKUP))

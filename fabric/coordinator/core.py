@@ -25,18 +25,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fabric.cache.admission import Admission
 from fabric.cache.adopt import Entry, adopt_host, common_pages
-from fabric.cache.engine_holds import HoldOptions
-from fabric.cache.engine_input import L3, StoredRun, check_count, check_group, check_place
-from fabric.cache.engine_places import Order
-from fabric.cache.engine_tree import EngineTree
-from fabric.cache.events import BlockStored
 from fabric.cache.hicache import HiCache
 from fabric.cache.keys import TOKEN_BYTES, TokenKey
 from fabric.cache.results import PinResult
 from fabric.cache.sessions import check_session_id
 from fabric.config import FabricConfig
 from fabric.coordinator.commands import FabricController, Query
-from fabric.coordinator.engine_orders import PendingOrders
+from fabric.coordinator.engine_side import EngineSide
 from fabric.coordinator.event_queue import EventQueue
 from fabric.coordinator.intake import Intake
 from fabric.coordinator.leases import LeaseTable
@@ -82,25 +77,8 @@ class CoordinatorCore:
             self.stats,
             clock,
         )
-        # What engines attached through a connector stored, place by place, shard
-        # by shard: kept by the cache's eviction policy within L3's cap.
-        self.engine_tree = EngineTree(
-            config.cache.eviction_policy,
-            config.runtime.engine_pages,
-            {L3: config.storage.max_bytes},
-            config.cache.write_policy,
-            HoldOptions(
-                config.storage.max_bytes,
-                config.cache.session_budget_fraction,
-                config.cache.pin_budget_fraction,
-                config.cache.tenant_share,
-                config.cache.session_ttl_s,
-            ),
-        )
-        self.engine_orders = PendingOrders()
-        # Under best_effort an engine's request takes only what its node's L2 has;
-        # what only L3 has is prefetched there for the next (``EngineTree.lookup``).
-        self.engine_l2_only = config.prefetch.stop_policy == "best_effort"
+        # What engines attached through a connector stored, and its calls.
+        self.engines = EngineSide(config, self.events, clock)
         self._ids = itertools.count(1)
 
     # -- client calls ------------------------------------------------------------------
@@ -363,79 +341,8 @@ class CoordinatorCore:
     def l3_cleared(self) -> None:
         """The store was cleared or detached: every L3 page announced is gone."""
         self.cache.events.l3_cleared()
-        self.events.add(self.engine_tree.forget_all())
-        self.engine_orders.clear()
+        self.engines.clear()
         self.events.collect()
-
-    # -- engines attached through a connector -------------------------------------------
-
-    def engine_lookup(
-        self,
-        tag: str,
-        world: int,
-        chains: Sequence[Sequence[bytes]],
-        leases: Sequence[str] | None = None,
-        lease_s: float = 0.0,
-        release: Sequence[str] = (),
-        place: str = "",
-    ) -> list[int]:
-        """Per chain of page hashes, how many leading pages are whole for the
-        engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
-        ``EngineTree.lookup``; under ``best_effort``, in ``place`` only), each
-        chain's match leased under its name in ``leases`` for ``lease_s``; the
-        leases ``release`` names end first."""
-        if release:
-            self.engine_tree.release(release)
-        hits = self.engine_tree.lookup(
-            tag, world, chains, leases, lease_s, self.clock(), place, self.engine_l2_only
-        )
-        self.engine_orders.add(self.engine_tree.take_orders())  # copies the hits asked for
-        return hits
-
-    def engine_report(
-        self,
-        tag: str,
-        world: int,
-        reports: dict[int, Sequence[StoredRun]],
-        place: str = "",
-        place_bytes: int = 0,
-    ) -> tuple[int, list[Order]]:
-        """Ranks' reports of the pages they stored: how many pages became whole
-        somewhere (each announced as a ``BlockStored``), and the orders this
-        engine's ranks carry out (in L3, and in ``place``: its node's L2, whose
-        regions hold ``place_bytes`` for this engine)."""
-        if place:
-            check_group(tag, world)
-            check_place(place)
-            check_count(place_bytes, "place_bytes")
-            self.engine_tree.declare(place, tag, place_bytes)
-        events, orders = self.engine_tree.report(tag, world, reports, self.clock())
-        self.events.add(events)
-        self.engine_orders.add(orders)
-        whole = sum(len(e.page_hashes) for e in events if isinstance(e, BlockStored))
-        return whole, self.engine_orders.take(tag, world, place)
-
-    def engine_hold(
-        self,
-        tag: str,
-        world: int,
-        chain: Sequence[bytes],
-        name: str,
-        kind: str,
-        ttl_s: float | None = None,
-    ) -> str | None:
-        """Keep an engine's prefix (``chain``) in every place it is in, as a session
-        (the configured TTL) or a pin (``ttl_s``) named ``name``; ``None``, or why
-        nothing is held (``EngineTree.hold``)."""
-        return self.engine_tree.hold(tag, world, chain, name, kind, ttl_s, self.clock())
-
-    def engine_forget(self, tag: str, world: int, page_hashes: Sequence[bytes]) -> int:
-        """Pages a rank could not load: matched no more until stored anew (each
-        whole one announced as a ``BlockRemoved``); how many."""
-        events = self.engine_tree.forget(tag, world, page_hashes)
-        self.events.add(events)
-        self.engine_orders.add(self.engine_tree.take_orders())
-        return sum(len(e.page_hashes) for e in events)
 
     def storage_drained(self) -> bool:
         return self.cache.l3.idle

@@ -192,7 +192,7 @@ class EngineFigures:
 
 
 def engine_figures(core: CoordinatorCore) -> EngineFigures:
-    tree = core.engine_tree
+    tree = core.engines.tree
     places, stats = tree.residency(), tree.stats
     return EngineFigures(
         pages={p: f["pages"] for p, f in places.items()},
@@ -205,7 +205,7 @@ def engine_figures(core: CoordinatorCore) -> EngineFigures:
         held_bytes={k: f["bytes"] for k, f in tree.holds.figures().items()},
         known_pages=len(tree),
         leases=tree.leased,
-        orders_waiting=len(core.engine_orders),
+        orders_waiting=len(core.engines.orders),
     )
 
 

@@ -275,6 +275,27 @@ class FabricLink:
             return
         self._check_reports()
 
+    def drop(
+        self, tag: str, world: int, place: str, hashes: Sequence[bytes], everything: bool = False
+    ) -> None:
+        """Tell the fabric pages left this replica's blocks (``place``), or all did
+        (sent without waiting)."""
+        if not (hashes or everything) or not self.up:
+            return
+        try:
+            for at in range(0, max(len(hashes), 1), MAX_PAGES_PER_CALL):
+                part = list(hashes[at : at + MAX_PAGES_PER_CALL])
+                if self.calls is not None:
+                    self.calls.drop(tag, world, place, part, everything)
+                    continue
+                self._reports.append(
+                    self.coordinator.engine_drop.remote(tag, world, place, part, everything)
+                )
+        except Exception as exc:
+            self._down(f"failed a report ({exc})")
+            return
+        self._check_reports()
+
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         """Tell the fabric pages failed to load (sent without waiting)."""
         if not hashes or not self.up:

@@ -23,6 +23,7 @@ from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, StoredRun
 from fabric.cache.engine_places import Order
 from fabric.call_sockets import (
     CallLink,
+    EngineDropCall,
     EngineForgetCall,
     EngineHoldCall,
     EngineLookupCall,
@@ -90,6 +91,9 @@ class SocketCalls:
 
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         self._send(EngineForgetCall(tag, world, list(hashes)), "forget")
+
+    def drop(self, tag: str, world: int, place: str, hashes: list[bytes], everything: bool) -> None:
+        self._send(EngineDropCall(tag, world, place, hashes, everything), "drop")
 
     def hold(
         self, tag: str, world: int, chain: list[bytes], name: str, kind: str, ttl_s: float | None

@@ -52,6 +52,7 @@ from fabric.engines.vllm_identity import (
     page_provenance,
     rank_identity,
 )
+from fabric.engines.vllm_l1 import DeviceBlocks, subscribe_endpoint
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricConnectorStats,
@@ -89,6 +90,21 @@ def _backends(vllm_config: Any) -> dict[str, str]:
     return out
 
 
+def _device_blocks(vllm_config: Any, block_size: int, kv_cache_config: Any) -> DeviceBlocks | None:
+    """This replica's blocks as an L1 place, where vLLM publishes its KV events."""
+    endpoint = subscribe_endpoint(vllm_config)
+    if endpoint is None:
+        log.info(
+            "kvfabric connector: vLLM's KV events (kv_events_config, zmq, bound here) are "
+            "off: this replica's blocks are not shown as an L1 place"
+        )
+        return None
+    topic = vllm_config.kv_events_config.topic
+    blocks = DeviceBlocks(endpoint, topic, block_size, max(4 * kv_cache_config.num_blocks, 1 << 16))
+    log.info("kvfabric connector: this replica's blocks are %s (events %s)", blocks.place, endpoint)
+    return blocks
+
+
 def _log_to_stderr() -> None:
     """With ``KVFABRIC_LOG_LEVEL`` set (``INFO``, ``DEBUG``...), the connector's lines
     at that level go to stderr in every engine process (vLLM configures only its
@@ -122,13 +138,16 @@ class KvFabricConnector(KVConnectorBase_V1):
         placement = placement_of(vllm_config)
         group = attention_group(kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
+        self.device_blocks: DeviceBlocks | None = None  # this replica's L1, from KV events
         self.worker_side: WorkerSide | None = None
         self._identity = ""  # this worker's pages' identity, once its KV cache is known
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A page that fails a check must be recomputed, never fail the request.
                 transfer.kv_load_failure_policy = "recompute"
-            self.scheduler_side = self._scheduler_side(placement, group.kv_cache_spec.block_size)
+            block_size = group.kv_cache_spec.block_size
+            self.scheduler_side = self._scheduler_side(placement, block_size)
+            self.device_blocks = _device_blocks(vllm_config, block_size, kv_cache_config)
         else:
             self.worker_side = self._worker_side(placement, group, kv_cache_config)
 
@@ -251,8 +270,13 @@ class KvFabricConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
-        if self.scheduler_side is not None:
-            self.scheduler_side.close()
+        side = self.scheduler_side
+        if self.device_blocks is not None:
+            if side is not None and side.tag is not None:  # its blocks go with it
+                side.link.drop(side.tag, side.world, self.device_blocks.place, [], everything=True)
+            self.device_blocks.close()
+        if side is not None:
+            side.close()  # (after the reports in flight, that drop among them)
 
     # -- scheduler side ---------------------------------------------------------------
 
@@ -271,8 +295,18 @@ class KvFabricConnector(KVConnectorBase_V1):
         self.scheduler_side.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.scheduler_side is not None
-        return self.scheduler_side.step_meta(scheduler_output)
+        side = self.scheduler_side
+        assert side is not None
+        meta = side.step_meta(scheduler_output)
+        l1 = self.device_blocks
+        if l1 is not None and side.tag is not None:
+            cached = scheduler_output.scheduled_cached_reqs.req_ids
+            for rid in [*(r.req_id for r in scheduler_output.scheduled_new_reqs), *cached]:
+                state = side.tracked.get(rid)
+                if state is not None:
+                    l1.learn(state)
+            l1.poll(side.tag, side.world, side.link)
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler_side is not None:

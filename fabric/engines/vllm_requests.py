@@ -33,6 +33,7 @@ class TrackedRequest:
     first_computed: int | None = None  # its first token it computed (or loaded) itself
     no_save: bool = False  # its KV cannot be vouched for (a load never reported)
     async_loading: bool = False  # an asynchronous load is writing its blocks
+    l1_named: int = 0  # its blocks whose hash in vLLM is paired with the page's (vllm_l1)
 
     @property
     def rid(self) -> str:

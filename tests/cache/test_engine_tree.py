@@ -202,6 +202,34 @@ def test_under_best_effort_a_lookup_takes_its_nodes_l2_and_prefetches_what_only_
     assert tree.take_orders() == []
 
 
+def test_a_replicas_device_blocks_are_a_place_vllm_keeps_and_the_tree_is_told_of():
+    """L1 (``l1@<replica>``): pages a replica's blocks hold, announced with medium
+    device and the replica; never counted by a lookup (vLLM's own cache serves
+    them), never evicted or ordered by the tree; ``drop`` and ``drop_place`` say
+    vLLM let them go."""
+    l1 = "l1@node-a:1234"
+    tree = EngineTree(index_pages=5)
+    c = chain(4)
+    events, _ = tree.report(TAG, 2, {r: [run(c, place=l1)] for r in (0, 1)})
+    assert events == [BlockStored(tuple(c), Medium.DEVICE, "vllm", None, place="node-a:1234")]
+    assert tree.lookup(TAG, 2, [c], place=l1) == [0]
+    assert tree.residency()[l1]["pages"] == 4
+    tree.report(TAG, 2, {r: [run(c[:2])] for r in (0, 1)})  # L3 has the first two
+    assert tree.drop(TAG, 2, l1, [c[3], c[2], chain(1, first=99)[0]]) == [
+        BlockRemoved((c[3],), Medium.DEVICE, "vllm", "node-a:1234"),
+        BlockRemoved((c[2],), Medium.DEVICE, "vllm", "node-a:1234"),
+    ]
+    assert len(tree) == 2, "pages in no place are pruned"
+    d = chain(3, first=40)
+    tree.report(TAG, 2, {r: [run(d, place=l1)] for r in (0, 1)})
+    tree.forget(TAG, 2, [d[2]])  # a failed load: every place but L1 would be ordered
+    assert tree.take_orders() == [], "nothing to order of vLLM's blocks"
+    events = tree.drop_place(l1)
+    assert {e.medium for e in events} == {Medium.DEVICE}
+    assert l1 not in tree.residency() or tree.residency()[l1]["pages"] == 0
+    assert tree.lookup(TAG, 2, [c]) == [2] and len(tree) == 2
+
+
 def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
     """Engines declare their node L2 regions; engines of one tag share theirs."""
     tree = EngineTree("lru")
@@ -314,7 +342,8 @@ def test_a_bad_run_among_good_ones_records_none_of_them():
 
 
 TAGS = [TAG, "fedcba9876543210"]
-PLACES = [L3, L2A, L2B]
+L1A = "l1@node-a:1"  # a replica's device blocks: vLLM evicts them, the tree is told
+PLACES = [L3, L2A, L2B, L1A]
 NAMES = ["e/r1", "e/r2", "f/r1"]
 
 
@@ -423,7 +452,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
     def setup(self, l3: int, l2: int, index: int, policy: str, write: str) -> None:
         self.tree = EngineTree(policy, index, {L3: l3, "l2@": l2}, write)
         self.write = write
-        self.caps = {L3: l3, L2A: l2, L2B: l2}
+        self.caps = {L3: l3, L2A: l2, L2B: l2, L1A: 0}
         self.index = index
         self.model: dict[tuple[str, int, str, bytes], int] = {}
         self.chains = {ns: chain(6, ns) for ns in ("a", "b")}
@@ -486,6 +515,11 @@ class EngineTreeMachine(RuleBasedStateMachine):
                 whole.append(key)
         assert stored(events) == [k[3] for k in whole]
         self._apply(drops)
+        for k in [k for k in self.model if k[2] == L1A]:  # no order: the tree forgot it
+            node = self.tree.where.get((k[0], k[1], k[3]))
+            if node is None or L1A not in (node.places or {}):
+                assert len(before) + len(hashes) > self.index, "only past the tree's bound"
+                del self.model[k]
         removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.page_hashes]
         gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
         gone += [k for k in whole if k not in self.model]
@@ -578,15 +612,40 @@ class EngineTreeMachine(RuleBasedStateMachine):
         assert {(o.kind, o.place, o.hashes, o.mask) for o in orders} == {
             (DELETE, p, (h,), self.model[(tag, world, p, h)])
             for p in PLACES
-            if (tag, world, p, h) in self.model
+            if (tag, world, p, h) in self.model and p != L1A
         }
         full = (1 << world) - 1
         was = sorted(p for p in PLACES if self.model.get((tag, world, p, h)) == full)
         assert sorted(e.medium for e in events) == sorted(
-            Medium.STORAGE if p == L3 else Medium.HOST for p in was
+            {L3: Medium.STORAGE, L1A: Medium.DEVICE}.get(p, Medium.HOST) for p in was
         )
         for p in PLACES:
             self.model.pop((tag, world, p, h), None)
+
+    @rule(
+        tag=st.sampled_from(TAGS),
+        world=st.sampled_from([1, 2, 3]),
+        ns=st.sampled_from(["a", "b"]),
+        at=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+        everything=st.booleans(),
+    )
+    def drop_l1(self, tag, world, ns, at, everything) -> None:
+        """vLLM evicted pages from the replica's blocks (or cleared them all): they
+        leave L1 alone, with an event for each page that was whole there."""
+        hashes = [self.chains[ns][i] for i in at]
+        if everything:
+            events = self.tree.drop_place(L1A)
+            gone = [k for k in self.model if k[2] == L1A]
+        else:
+            events = self.tree.drop(tag, world, L1A, hashes)
+            gone = [(tag, world, L1A, h) for h in dict.fromkeys(hashes)]
+            gone = [k for k in gone if k in self.model]
+        removed = sorted(h for e in events for h in e.page_hashes)
+        assert removed == sorted(k[3] for k in gone if self.model[k] == (1 << k[1]) - 1)
+        assert {e.medium for e in events} <= {Medium.DEVICE}
+        assert self.tree.take_orders() == []
+        for k in gone:
+            del self.model[k]
 
     @invariant()
     def exact_and_bounded(self) -> None:

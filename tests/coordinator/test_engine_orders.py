@@ -56,7 +56,7 @@ def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each
     core.events.take()
     a = tuple(bytes([i]) * 32 for i in range(3))
     b = tuple(bytes([9 + i]) * 32 for i in range(3))
-    whole, drops = core.engine_report(
+    whole, drops = core.engines.report(
         TAG, 1, {0: [StoredRun("t", None, a, "l2@n1", 10), StoredRun("t", None, a, L3, 10)]},
         "l2@n1",
     )  # fmt: skip
@@ -65,12 +65,12 @@ def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each
     assert [(e.medium, e.place) for e in events] == [(Medium.HOST, "n1"), (Medium.STORAGE, "")]
     wire = to_wire(events, 4)
     assert isinstance(wire[0], WireBlockStored) and wire[0].place == "n1"
-    assert core.engine_lookup(TAG, 1, [list(a)], place="l2@n2") == [3]  # L3 serves every node
-    whole, drops = core.engine_report(TAG, 1, {0: [StoredRun("t", None, b, L3, 10)]}, "l2@n2")
+    assert core.engines.lookup(TAG, 1, [list(a)], place="l2@n2") == [3]  # L3 serves every node
+    whole, drops = core.engines.report(TAG, 1, {0: [StoredRun("t", None, b, L3, 10)]}, "l2@n2")
     assert [(d.place, d.hashes) for d in drops] == [(L3, a)]  # a, least recently used
     removed = [e for e in core.events.take() if isinstance(e, BlockRemoved)]
     assert [e.page_hashes for e in removed] == [a]
-    assert core.engine_report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
+    assert core.engines.report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
     assert not any(isinstance(e, BlockStored) for e in core.events.take())
 
 
@@ -82,15 +82,15 @@ def test_an_engines_report_declares_its_node_l2_and_a_bad_size_is_refused():
     from tests.helpers import small_config
 
     core = CoordinatorCore(small_config())
-    assert core.engine_report(TAG, 1, {}, "l2@n1", 1000) == (0, [])
-    assert core.engine_tree.places.cap("l2@n1") == 500
+    assert core.engines.report(TAG, 1, {}, "l2@n1", 1000) == (0, [])
+    assert core.engines.tree.places.cap("l2@n1") == 500
     with pytest.raises(InvalidInput, match="place_bytes -1"):
-        core.engine_report(TAG, 1, {}, "l2@n1", -1)
+        core.engines.report(TAG, 1, {}, "l2@n1", -1)
     with pytest.raises(InvalidInput, match="place 'disk'"):
-        core.engine_report(TAG, 1, {}, "disk", 10)
+        core.engines.report(TAG, 1, {}, "disk", 10)
     with pytest.raises(InvalidInput, match="tag 'nope'"):
-        core.engine_report("nope", 1, {}, "l2@n2", 10)
-    assert core.engine_tree.places.cap("l2@n2") == 0, "a refused call declares nothing"
+        core.engines.report("nope", 1, {}, "l2@n2", 10)
+    assert core.engines.tree.places.cap("l2@n2") == 0, "a refused call declares nothing"
 
 
 def test_under_best_effort_the_coordinator_prefetches_into_the_askers_node():
@@ -106,8 +106,8 @@ def test_under_best_effort_the_coordinator_prefetches_into_the_askers_node():
     a = [bytes([i]) * 32 for i in range(3)]
     for policy, hits in (("best_effort", 0), ("timeout", 3), ("wait_complete", 3)):
         core = CoordinatorCore(small_config(f"prefetch.stop_policy={policy}"))
-        core.engine_report(TAG, 1, {0: [StoredRun("t", None, tuple(a), L3, 10)]})
-        assert core.engine_lookup(TAG, 1, [a], place="l2@n1") == [hits]
-        _, orders = core.engine_report(TAG, 1, {}, "l2@n1", 100)
+        core.engines.report(TAG, 1, {0: [StoredRun("t", None, tuple(a), L3, 10)]})
+        assert core.engines.lookup(TAG, 1, [a], place="l2@n1") == [hits]
+        _, orders = core.engines.report(TAG, 1, {}, "l2@n1", 100)
         expected = [(PREFETCH, "l2@n1", tuple(a))] if policy == "best_effort" else []
         assert [(o.kind, o.place, o.hashes) for o in orders] == expected

@@ -50,6 +50,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--load-async", action="store_true", help="the connector's load_async")
     p.add_argument("--l2-dir", default="", help="the connector's l2_dir option")
     p.add_argument("--l2-bytes", type=int, default=None, help="the connector's l2_bytes option")
+    p.add_argument(
+        "--kv-events", default="", help="publish vLLM's KV events on this ZeroMQ endpoint"
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)
@@ -83,6 +86,20 @@ def corrupt(directory: Path) -> int:
             flipped += 1
         path.write_bytes(bytes(data))
     return flipped
+
+
+def fabric_places(args: argparse.Namespace, wait_for: str) -> dict:
+    """The fabric's engine pages per place, once one named ``wait_for...`` has some."""
+    from fabric.client import connect
+
+    fabric = connect(args.fabric, args.address)
+    deadline = time.monotonic() + 30
+    while True:
+        places = fabric.stats()["engine_pages"]["places"]
+        ready = any(p.startswith(wait_for) and f["pages"] for p, f in places.items())
+        if ready or not wait_for or time.monotonic() > deadline:
+            return places
+        time.sleep(0.2)
 
 
 def kill_fabric(name: str, address: str) -> None:
@@ -130,7 +147,9 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     - ``{"op": "reset", "label"?, "connector": bool}``: ``reset_prefix_cache``;
     - ``{"op": "signal", "path"}``, ``{"op": "wait", "path"}``: barriers between
       engine processes (a file made, a file waited for);
-    - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``.
+    - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``;
+    - ``{"op": "places", "label", "wait_for"?}``: the fabric's engine pages per place
+      (waiting up to 30 s for a place whose name starts ``wait_for`` to have pages).
     """
     from vllm import SamplingParams
 
@@ -211,6 +230,8 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
             delete_segments(Path(step["dir"]))
         elif op == "kill_fabric":
             kill_fabric(args.fabric, args.address)
+        elif op == "places":
+            out[step["label"]] = fabric_places(args, step.get("wait_for", ""))
         else:
             raise ValueError(f"unknown step {op!r}")
     return out
@@ -259,6 +280,11 @@ def main(argv: list[str]) -> dict:
         kv_transfer_config=connector if args.fabric or args.example else None,
         seed=0,
         enable_prompt_embeds=args.prompt_embeds,
+        kv_events_config=(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": args.kv_events}
+            if args.kv_events
+            else None
+        ),
         speculative_config=(
             {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_max": 4}
             if args.ngram

@@ -249,6 +249,7 @@ def pair(workdir: Path, fabric) -> dict:
     b_script = [
         {"op": "wait", "path": str(bar / "stored")},
         gen("second_process", prompts()),
+        {"op": "places", "label": "places", "wait_for": "l1@"},
         gen("warm", [p["warm"]], salt="race"),  # B writes: its store has just looked
         {"op": "signal", "path": str(bar / "b-wrote")},
         {"op": "wait", "path": str(bar / "a-raced")},
@@ -260,7 +261,10 @@ def pair(workdir: Path, fabric) -> dict:
     before = fabric.stats()["engine_pages"]
     a = start_engine(workdir, *connected(fabric), "--prompt-embeds", script=a_script, name="a")
     b_node = connected(fabric, workdir / "node-b")  # another node: B reads A's pages from L3
-    b = start_engine(workdir, *b_node, "--load-async", script=b_script, name="b")
+    events = f"ipc://{workdir}/b-kv-events"  # B publishes vLLM's KV events: its blocks are L1
+    b = start_engine(
+        workdir, *b_node, "--load-async", "--kv-events", events, script=b_script, name="b"
+    )
     (a_result, a_logs), (b_result, b_logs) = finish_engine(a), finish_engine(b)
     return {"a": a_result["steps"], "b": b_result["steps"], "before": before,
             "after": fabric.stats()["engine_pages"], "logs": a_logs + b_logs}  # fmt: skip
@@ -294,6 +298,16 @@ def test_a_second_engine_process_loads_the_pages_the_first_computed(pair, baseli
     assert run["outputs"] == baseline["prompts"]["outputs"]
     for tokens, cached in zip(prompts(), run["cached"], strict=True):
         assert cached == loadable(len(tokens))
+
+
+def test_a_replicas_own_blocks_are_its_l1_place_while_it_runs(pair):
+    """B publishes vLLM's KV events: the pages its prefix cache holds are whole in
+    its L1 place (``l1@<host>:<pid>``) as it runs, and leave with it."""
+    places = pair["b"]["places"]
+    (l1,) = [p for p in places if p.startswith("l1@")]
+    assert places[l1]["pages"] >= sum(loadable(len(t)) for t in prompts()) // BLOCK_SIZE
+    after = pair["after"]["places"]
+    assert not any(f["pages"] for p, f in after.items() if p.startswith("l1@"))
 
 
 def test_a_page_another_process_stored_a_moment_ago_is_loaded_not_forgotten(pair, baseline):
