@@ -312,6 +312,7 @@ class EngineTree(EngineIndex):
         ``index_pages``, in the policy's order, leased ones passed over."""
         for place in self.places.over():
             for node in self.places.victims(place):
+                node = self._tail(node, place)
                 events.extend(self._leave(node, place, self._eviction(node, place)))
                 self._count(place, node)
                 self._prune(node)
@@ -320,6 +321,24 @@ class EngineTree(EngineIndex):
                 events.extend(self._leave(node, place, DELETE))
                 self._count(place, node)
             self._prune(node)
+
+    def _tail(self, node: TreeNode, place: str) -> TreeNode:
+        """The pages of the leaf ``node`` that must leave ``place`` to bring it within
+        its capacity: its last ones only (cut off), its first kept — a node is
+        the pages one report stored, and a prompt's many pages need not all go
+        for one page's room."""
+        pages = node.page_hashes or []
+        ranks = self.ranks.get(group_of(node), {})
+        mask = (node.places or {}).get(place, 0)
+        per_page = sum(size for rank, size in ranks.items() if mask >> rank & 1)
+        over = self.places.used.get(place, 0) - self.places.cap(place)
+        if per_page <= 0 or len(pages) < 2 or over <= 0:
+            return node
+        need = -(-over // per_page)
+        if need >= len(pages):
+            return node
+        self._split(node, len(pages) - need)  # ``node`` keeps the last ``need`` pages
+        return node
 
     def _eviction(self, node: TreeNode, place: str) -> str:
         """What a node leaving ``place`` asks of its ranks there: under write-back, a

@@ -15,6 +15,7 @@ from fabric.cli.options import (
     workload_options,
 )
 from fabric.cli.render import simulate_text
+from fabric.cli.simulate_engines import EngineShape, engine_text, engine_what_if
 from fabric.config import FabricConfig
 from fabric.errors import FabricError
 from fabric.observe.progress import Progress
@@ -72,10 +73,29 @@ def _policies(text: str | None) -> list[str]:
     metavar="FILE.png",
     help="Also draw hit rate against capacity (pip install 'kvfabric[plot]').",
 )
+@click.option(
+    "--engine-pages",
+    "engine_pages",
+    is_flag=True,
+    help="Instead: what the engine tree serves engines attached through a connector "
+    "(each hash id one page; --engines, --nodes, --page-bytes, --l2-bytes; L3's cap is "
+    "storage.max_bytes, the policies the config's), beside the flat LRU index before it.",
+)
+@click.option("--engines", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--page-bytes", type=click.IntRange(1), default=65536, show_default=True,
+    help="One page of one rank (--engine-pages).",
+)  # fmt: skip
+@click.option(
+    "--l2-bytes", type=click.IntRange(0), default=16 << 20, show_default=True,
+    help="Each node's L2 regions (--engine-pages; 0: none). The tree fills half.",
+)  # fmt: skip
 @json_option
 def simulate(
-    trace, workload_kind, requests, config_file, overrides, capacities, policies, plot, as_json
-) -> None:
+    trace, workload_kind, requests, config_file, overrides, capacities, policies, plot,
+    engine_pages, engines, nodes, page_bytes, l2_bytes, as_json,
+) -> None:  # fmt: skip
     """What-if on a trace, with no Ray and no KV bytes.
 
     Serves the trace through the core at the configured sizes and policies and
@@ -89,6 +109,14 @@ def simulate(
     config = load(config_file, overrides)
     others = _policies(policies)
     reqs, source = read_requests(trace, requests, workload_kind, whole_trace_ok=True)
+    if engine_pages:
+        out = engine_what_if(
+            config, reqs, source, EngineShape(engines, nodes, page_bytes, l2_bytes)
+        )
+        if not as_json:
+            click.echo(engine_text(out))
+        emit(out)
+        return
     out, limits = _what_if(config, reqs, source, _capacities(capacities, config), others)
     if not as_json:
         click.echo(simulate_text(out))

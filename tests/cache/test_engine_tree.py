@@ -108,17 +108,23 @@ def test_forget_ends_matches_until_stored_again_and_keeps_what_follows():
 def test_eviction_takes_leaves_first_in_policy_order_within_the_cap():
     """Least recently used first, but never a page before the pages after it:
     what stays is always a whole prefix (a flat LRU forgot a chain's first page,
-    which a lookup refreshes first, and with it every page after)."""
+    which a lookup refreshes first, and with it every page after) — and of a
+    leaf, only as many of its last pages as the room needs."""
     tree = EngineTree("lru", capacity={L3: 60})  # six pages of 10 bytes
     a, b = chain(4), chain(3, first=50)
     tree.report(TAG, 1, {0: [run(a)]}, now=1.0)
     tree.lookup(TAG, 1, [a[:2]], now=2.0)  # a's first two pages are used again
-    events, drops = tree.report(TAG, 1, {0: [run(b)]}, now=3.0)
-    assert drops == [Order(TAG, 1, L3, 1, tuple(a[2:]), DELETE, "vllm", a[1])]
-    assert BlockRemoved(tuple(a[2:]), Medium.STORAGE, "vllm") in events
-    assert tree.lookup(TAG, 1, [a, b], now=4.0) == [2, 3]
-    assert tree.places.used[L3] == 50
-    assert tree.stats.evicted_by_place == {L3: 2}
+    events, drops = tree.report(TAG, 1, {0: [run(b)]}, now=3.0)  # 70 bytes: one page goes
+    assert drops == [Order(TAG, 1, L3, 1, (a[3],), DELETE, "vllm", a[2])]
+    assert BlockRemoved((a[3],), Medium.STORAGE, "vllm") in events
+    assert tree.lookup(TAG, 1, [a], now=4.0) == [3]
+    assert tree.lookup(TAG, 1, [b], now=4.5) == [3]
+    assert tree.places.used[L3] == 60
+    c = chain(3, first=90)
+    _, drops = tree.report(TAG, 1, {0: [run(c)]}, now=5.0)  # 90 bytes: a goes, tail first
+    assert [o.hashes for o in drops] == [(a[2],), tuple(a[:2])]
+    assert tree.lookup(TAG, 1, [a, b, c], now=6.0) == [0, 3, 3]
+    assert tree.stats.evicted_by_place == {L3: 4}
 
 
 def test_a_leased_match_is_kept_past_capacity_until_released_or_expired():
@@ -142,10 +148,10 @@ def test_under_write_back_a_page_leaving_a_nodes_l2_for_good_moves_to_l3_first()
     tree = EngineTree("lru", capacity={L2A: 40}, write_policy="write_back")
     a, b = chain(4), chain(3, first=50)
     tree.report(TAG, 1, {0: [run(a[:2]), run(a, place=L2A)]}, now=1.0)  # L3 has a's first two
-    _, orders = tree.report(TAG, 1, {0: [run(b, place=L2A)]}, now=2.0)  # 70 bytes: a goes
+    _, orders = tree.report(TAG, 1, {0: [run(b, place=L2A)]}, now=2.0)  # 70 bytes: 30 go
     assert [(o.kind, o.place, o.hashes, o.parent) for o in orders] == [
         (MOVE, L2A, tuple(a[2:]), a[1]),
-        (DELETE, L2A, tuple(a[:2]), None),  # L3 holds it already
+        (DELETE, L2A, (a[1],), a[0]),  # L3 holds it already
     ]
     assert orders[0].namespace == "vllm"
     # Write-through: what leaves L2 is in L3 already (every store wrote both).
@@ -241,7 +247,7 @@ def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
     c = chain(9)
     tree.report(TAG, 1, {0: [run(c[:5], place=L2A)]})
     _, orders = tree.report(TAG, 1, {0: [run(c[5:], c[4], place=L2A)]})  # 90 bytes of 80
-    assert tree.places.used[L2A] == 50 and [o.hashes for o in orders] == [tuple(c[5:])]
+    assert tree.places.used[L2A] == 80 and [o.hashes for o in orders] == [(c[8],)]
 
 
 def test_the_trees_own_bound_evicts_whole_nodes_from_every_place():
@@ -358,15 +364,19 @@ def test_a_session_keeps_its_conversation_past_capacity_until_its_next_turn_or_t
     assert tree.hold(TAG, 1, a[:3], "conv-1", "session", now=1.0) is None
     tree.report(TAG, 1, {0: [run(b)]}, now=2.0)
     _, drops = tree.report(TAG, 1, {0: [run(c)]}, now=3.0)  # 120 bytes: 40 go
-    assert [o.hashes for o in drops] == [(a[3],), tuple(b)], "the held prefix is passed over"
-    assert tree.lookup(TAG, 1, [a, b, c], now=3.0) == [3, 0, 4]
+    assert [o.hashes for o in drops] == [(a[3],), tuple(b[1:])], "the held prefix is passed over"
+    assert [tree.lookup(TAG, 1, [x], now=t)[0] for x, t in ((a, 3.0), (b, 3.2), (c, 3.4))] == [
+        3,
+        1,
+        4,
+    ]
     figures = tree.holds.figures()["session"]
     assert (figures["held"], figures["bytes"], figures["tenants"]) == (1, 30, {"vllm": 30})
     # The next turn takes over: it holds c's first pages now, and a may go.
     assert tree.hold(TAG, 1, c[:2], "conv-1", "session", now=4.0) is None
     tree.lookup(TAG, 1, [c], now=4.0)
     _, drops = tree.report(TAG, 1, {0: [run(d)]}, now=5.0)
-    assert [o.hashes for o in drops] == [tuple(a[:3])]
+    assert [o.hashes for o in drops] == [tuple(a[:3]), (b[0],)]
     # Its TTL passes: nothing is held, and the cap applies to it again.
     tree.lookup(TAG, 1, [[]], now=70.0)
     assert tree.holds.figures()["session"]["held"] == 0
