@@ -58,6 +58,9 @@ from policies import get_eviction_policy
 # Runs whose parent page the tree does not know yet (a rank's later store
 # reported first), kept at most this many until it comes.
 MAX_ORPHANS = 4096
+# Pages the tree evicted from L3, remembered (at most this many) so that a lookup
+# stopping at one is final: the engine does not look in the store beyond it.
+MAX_GONE = 1 << 18
 
 Group = tuple[str, int]  # the engine's page tag and world
 
@@ -117,6 +120,7 @@ class EngineIndex:
         self.where: dict[tuple[str, int, bytes], TreeNode] = {}
         self.ranks: dict[Group, dict[int, int]] = {}  # bytes of a page, per rank
         self.orders: list[Order] = []  # for the ranks to carry out, taken by ``take_orders``
+        self.gone: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()
         self._orphans: OrderedDict[tuple[str, int, bytes], list[tuple[int, StoredRun]]] = (
             OrderedDict()
         )
@@ -179,6 +183,9 @@ class EngineIndex:
             at = node.page_hashes.index(run.parent)  # type: ignore[union-attr]
         whole = Whole(run.namespace, run.place, run.parent)
         hashes, i = run.hashes, 0
+        if run.place == L3 and run.page_bytes and self.gone:  # stored anew (not found)
+            for h in hashes:
+                self.gone.pop((tag, world, h), None)
         while i < len(hashes):
             inside = node.page_hashes[at + 1 :] if node is not self.tree.root else []
             k = 0

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from fabric.cache.engine_holds import EngineHolds, HoldOptions
-from fabric.cache.engine_index import EngineIndex
+from fabric.cache.engine_index import MAX_GONE, EngineIndex
 from fabric.cache.engine_input import (
     L2_AT,
     L3,
@@ -117,13 +117,16 @@ class EngineTree(EngineIndex):
         now: float = 0.0,
         place: str = "",
         l2_only: bool = False,
+        final: list[bool] | None = None,
     ) -> list[int]:
         """Per chain (one request's page hashes, in order): how many leading pages
         are whole in L3 or in ``place`` (the asking node's L2) — with ``l2_only``,
         in ``place`` only, the pages after them that L3 holds whole prefetched into
         ``place``. The pages matched are used now; with ``leases`` (a name per
         chain), each chain's match is leased under its name until ``release`` or
-        ``now + lease_s`` (a lease the name held before ends: a name leases once)."""
+        ``now + lease_s`` (a lease the name held before ends: a name leases once).
+        ``final`` gets, per chain, whether the page after the match is one the
+        tree evicted from L3 (nothing beyond is to be looked for in the store)."""
         check_group(tag, world)
         self.expire(now)
         if leases is not None:
@@ -138,6 +141,8 @@ class EngineTree(EngineIndex):
             self.stats.lookup_pages += len(chain)
             self.stats.hit_pages += n
             out.append(n)
+            if final is not None:
+                final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
                 self._lease(leases[i], node, now, lease_s)
         return out
@@ -313,6 +318,8 @@ class EngineTree(EngineIndex):
         for place in self.places.over():
             for node in self.places.victims(place):
                 node = self._tail(node, place)
+                if place == L3:
+                    self._gone(node)
                 events.extend(self._leave(node, place, self._eviction(node, place)))
                 self._count(place, node)
                 self._prune(node)
@@ -321,6 +328,15 @@ class EngineTree(EngineIndex):
                 events.extend(self._leave(node, place, DELETE))
                 self._count(place, node)
             self._prune(node)
+
+    def _gone(self, node: TreeNode) -> None:
+        """``node`` leaves L3 by the tree's choice: a lookup stopping at it is final."""
+        group = group_of(node)
+        for h in node.page_hashes or ():
+            self.gone[(*group, h)] = None
+            self.gone.move_to_end((*group, h))
+        while len(self.gone) > MAX_GONE:
+            self.gone.popitem(last=False)
 
     def _tail(self, node: TreeNode, place: str) -> TreeNode:
         """The pages of the leaf ``node`` that must leave ``place`` to bring it within

@@ -63,14 +63,17 @@ class EngineSide:
         engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
         ``EngineTree.lookup``; under ``best_effort``, in ``place`` only), each
         chain's match leased under its name in ``leases`` for ``lease_s``; the
-        leases ``release`` names end first."""
+        leases ``release`` names end first. A *final* answer — the page after the
+        match is one the tree evicted from L3, so the engine is not to look for
+        more in the store — is sent as ``-1 - pages`` (``decode_answers``)."""
         if release:
             self.tree.release(release)
+        final: list[bool] = []
         hits = self.tree.lookup(
-            tag, world, chains, leases, lease_s, self.clock(), place, self.l2_only
+            tag, world, chains, leases, lease_s, self.clock(), place, self.l2_only, final
         )
         self.orders.add(self.tree.take_orders())  # copies the hits asked for
-        return hits
+        return [-1 - n if last else n for n, last in zip(hits, final, strict=True)]
 
     def report(
         self,

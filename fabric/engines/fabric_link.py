@@ -161,7 +161,7 @@ class FabricLink:
         lease_s: float,
         release: list[str],
         deadline: float,
-    ) -> list[int] | None:
+    ) -> Answers | None:
         """One step's lookups (their matches leased under ``leases`` for ``lease_s``;
         the leases ``release`` names ended first), in as many calls as the
         coordinator's bound asks, all answered by ``deadline``; ``None`` when the
@@ -172,10 +172,10 @@ class FabricLink:
             return None
         if self.calls is not None:
             try:
-                return self.calls.lookup(
+                return decode_answers(self.calls.lookup(
                     tag, world, chains, leases, lease_s, release[:MAX_CHAINS_PER_CALL],
                     self.place, deadline,
-                )  # fmt: skip
+                ))  # fmt: skip
             except Exception as exc:
                 self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
                 return None
@@ -201,7 +201,7 @@ class FabricLink:
         except Exception as exc:
             self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
             return None
-        return [hit for part in answers for hit in part]
+        return decode_answers([hit for part in answers for hit in part])
 
     def release(self, tag: str, world: int, names: Sequence[str]) -> None:
         """End leases (their pages are loaded): sent without waiting."""
@@ -370,6 +370,21 @@ class FabricLink:
             self.orders += self.calls.orders  # taken already: still carried out
             self.calls.close()
             self.calls = None
+
+
+class Answers(list):
+    """A step's lookup answers (pages per chain), and per chain whether the answer
+    is ``final``: the page after it is one the fabric's tree evicted from L3, so
+    the store is not to be searched beyond it."""
+
+    final: list[bool]
+
+
+def decode_answers(wire: list[int]) -> Answers:
+    """The coordinator's answers (``EngineSide.lookup``: ``-1 - pages`` when final)."""
+    out = Answers(n if n >= 0 else -1 - n for n in wire)
+    out.final = [n < 0 for n in wire]
+    return out
 
 
 def _report_parts(stored: dict[int, list[StoredRun]]) -> list[dict[int, list[StoredRun]]]:

@@ -89,14 +89,17 @@ class L3Answers:
     ) -> list[int]:
         """Each request's answer (``answers``; ``None``: the fabric is down)
         extended over the pages after it that every rank's shard of is in the store;
-        those are reported to the coordinator (``link``) when it answered. Under
+        those are reported to the coordinator (``link``) when it answered — but not
+        past a final answer (the fabric evicted the next page: what the store
+        still holds of it is on its way out). Under
         best_effort (``link.l2_only``) the fabric answers from the node's L2 and
         prefetches the rest: those pages are reported, not taken into the hit."""
         hits = list(answers) if answers is not None else [0] * len(states)
         only_told = answers is not None and link.l2_only
+        final = getattr(answers, "final", None) or [False] * len(states)
         if self.store is None:
             return hits
-        todo = [i for i, s in enumerate(states) if hits[i] < s.whole(block_size)]
+        todo = [i for i, s in enumerate(states) if hits[i] < s.whole(block_size) and not final[i]]
         runs = [states[i].hashes[hits[i] : states[i].whole(block_size)] for i in todo]
         world = len(self.suffixes)
         reports: dict[int, list[StoredRun]] = {r: [] for r in range(world)}

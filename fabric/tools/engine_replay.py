@@ -51,7 +51,7 @@ class EngineReplay:
     requests: int = 0
     asked_pages: int = 0  # pages a lookup could serve (every page before the last token's)
     hit_pages: dict[str, int] = field(default_factory=lambda: {"l2": 0, "l3": 0})
-    l3_pages_written: int = 0
+    l3_pages_written: int = 0  # pages L3 newly held (a page stored again not counted)
     per_request: list[tuple[int, int]] = field(default_factory=list)  # (l2, l3) hits
 
     def hit_rate(self, tier: str | None = None) -> float:
@@ -126,8 +126,9 @@ class TreeIndex:
         return l2, hit - l2
 
     def serve(self, chain: list[bytes], l2: int, l3: int, place: str) -> int:
-        """The request's loads and stores, then the orders; L3 pages written."""
-        hit, written = l2 + l3, 0
+        """The request's loads and stores, then the orders; pages L3 newly holds."""
+        hit = l2 + l3
+        before = self.tree.stats.whole_by_place.get(L3, 0)
         runs: list[StoredRun] = []
         size = self.setup.page_bytes
         if place and l3:  # read from L3: kept in the node's L2 too
@@ -139,7 +140,6 @@ class TreeIndex:
                 runs.append(StoredRun(NAMESPACE, parent, computed, place, size))
             if not place or self.setup.write_policy == "write_through":
                 runs.append(StoredRun(NAMESPACE, parent, computed, L3, size))
-                written += len(computed)
         orders = self._report(runs)
         for _ in range(64):  # what the orders store may evict more
             if not orders:
@@ -148,11 +148,10 @@ class TreeIndex:
             for order in orders:
                 if order.kind in (BACKUP, MOVE):
                     runs.append(StoredRun(NAMESPACE, order.parent, order.hashes, L3, size))
-                    written += len(order.hashes)
                 elif order.kind == PREFETCH:
                     runs.append(StoredRun(NAMESPACE, order.parent, order.hashes, order.place, size))
             orders = self._report(runs)
-        return written
+        return self.tree.stats.whole_by_place.get(L3, 0) - before
 
     def _l3_loaded(self, chain: list[bytes], hit: int, place: str) -> list[StoredRun]:
         """The pages of the hit its node's L2 lacked (read from L3), as runs there."""
@@ -216,28 +215,26 @@ class FlatIndex:
     def serve(self, chain: list[bytes], l2: int, l3: int, place: str) -> int:
         hit, written = l2 + l3, 0
         if place:
-            self._store(place, chain[:hit] + chain[hit:])  # L3 reads kept in L2 too
+            self._store(place, chain)  # (what was read from L3 kept in L2 too)
         if not place or self.setup.write_policy == "write_through":
-            self._store(L3, chain[hit:])
-            written += len(chain) - hit
+            written += self._store(L3, chain[hit:])
         elif self.setup.write_policy == "write_back":
             for page in self._evict(place):  # a page leaving L2 goes to L3 first
-                if page not in self._lru(L3):
-                    self._store(L3, [page])
-                    written += 1
+                written += self._store(L3, [page])
         else:  # write_through_selective: a page found twice is copied to L3
-            backed = [p for p in chain[:l2] if self.hits.get(p) == 2 and p not in self._lru(L3)]
-            self._store(L3, backed)
-            written += len(backed)
+            written += self._store(L3, [p for p in chain[:l2] if self.hits.get(p) == 2])
         return written
 
-    def _store(self, place: str, pages: list[bytes]) -> None:
-        lru = self._lru(place)
+    def _store(self, place: str, pages: list[bytes]) -> int:
+        """Store ``pages`` in ``place``; how many it did not hold."""
+        lru, new = self._lru(place), 0
         for page in pages:
+            new += page not in lru
             lru[page] = None
             lru.move_to_end(page)
         if place == L3 or self.setup.write_policy != "write_back":
             self._evict(place)
+        return new
 
     def _evict(self, place: str) -> list[bytes]:
         lru, cap, gone = self._lru(place), self._cap(place), []

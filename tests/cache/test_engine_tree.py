@@ -236,6 +236,23 @@ def test_a_replicas_device_blocks_are_a_place_vllm_keeps_and_the_tree_is_told_of
     assert tree.lookup(TAG, 2, [c]) == [2] and len(tree) == 2
 
 
+def test_a_lookup_stopping_at_a_page_the_tree_evicted_from_l3_is_final():
+    """The store may still hold an evicted page until its delete is carried out:
+    a lookup that stops there says so (the engine is not to look beyond), until
+    the page is stored anew."""
+    tree = EngineTree("lru", capacity={L3: 40})
+    a, b = chain(3), chain(3, first=50)
+    tree.report(TAG, 1, {0: [run(a)]}, now=1.0)
+    tree.report(TAG, 1, {0: [run(b)]}, now=2.0)  # 60 bytes: a's last two pages go
+    final: list[bool] = []
+    assert tree.lookup(TAG, 1, [a, b, chain(2, first=90)], final=final, now=3.0) == [1, 3, 0]
+    assert final == [True, False, False]
+    tree.report(TAG, 1, {0: [run(a[1:], a[0])]}, now=4.0)  # stored anew
+    final = []
+    tree.lookup(TAG, 1, [a], final=final, now=5.0)
+    assert final == [False]
+
+
 def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
     """Engines declare their node L2 regions; engines of one tag share theirs."""
     tree = EngineTree("lru")

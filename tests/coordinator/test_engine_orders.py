@@ -67,9 +67,11 @@ def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each
     assert isinstance(wire[0], WireBlockStored) and wire[0].place == "n1"
     assert core.engines.lookup(TAG, 1, [list(a)], place="l2@n2") == [3]  # L3 serves every node
     whole, drops = core.engines.report(TAG, 1, {0: [StoredRun("t", None, b, L3, 10)]}, "l2@n2")
-    assert [(d.place, d.hashes) for d in drops] == [(L3, a)]  # a, least recently used
+    # a, least recently used: its last pages, as many as the room needs
+    assert [(d.place, d.hashes) for d in drops] == [(L3, a[1:])]
     removed = [e for e in core.events.take() if isinstance(e, BlockRemoved)]
-    assert [e.page_hashes for e in removed] == [a]
+    assert [e.page_hashes for e in removed] == [a[1:]]
+    assert core.engines.lookup(TAG, 1, [list(a)]) == [-2], "final: a's second page was evicted"
     assert core.engines.report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
     assert not any(isinstance(e, BlockStored) for e in core.events.take())
 

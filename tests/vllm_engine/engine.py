@@ -90,9 +90,7 @@ def corrupt(directory: Path) -> int:
 
 def fabric_places(args: argparse.Namespace, wait_for: str) -> dict:
     """The fabric's engine pages per place, once one named ``wait_for...`` has some."""
-    from fabric.client import connect
-
-    fabric = connect(args.fabric, args.address)
+    fabric = _fabric(args)
     deadline = time.monotonic() + 30
     while True:
         places = fabric.stats()["engine_pages"]["places"]
@@ -100,6 +98,42 @@ def fabric_places(args: argparse.Namespace, wait_for: str) -> dict:
         if ready or not wait_for or time.monotonic() > deadline:
             return places
         time.sleep(0.2)
+
+
+_FABRIC: list = []  # the front end's own connection to the fabric, made once
+
+
+def _fabric(args: argparse.Namespace):
+    from fabric.client import connect
+
+    if not _FABRIC:
+        _FABRIC.append(connect(args.fabric, args.address))
+    return _FABRIC[0]
+
+
+def settle(args: argparse.Namespace, pages: int) -> None:
+    """Wait until the fabric's tree took ``pages`` more reported pages than at the
+    last ``mark`` and no more came for a moment (this engine's stores and what
+    they set off are in), at most 30 s."""
+    fabric = _fabric(args)
+
+    def reported() -> int:
+        return fabric.stats()["engine_pages"]["reported_pages"]
+
+    target = (_SETTLED[0] if _SETTLED else reported()) + pages
+    deadline = time.monotonic() + 30
+    last, since = reported(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = reported()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now >= target and time.monotonic() - since > 0.3:
+            break
+    _SETTLED[:] = [last]
+
+
+_SETTLED: list[int] = []
 
 
 def kill_fabric(name: str, address: str) -> None:
@@ -144,12 +178,15 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     - ``{"op": "chat", "label", "first": [ids], "then": [ids], "salt"?, "max_tokens"?}``:
       the first turn, vLLM's prefix cache reset, then a turn of the first's
       prompt, its output and ``then``;
-    - ``{"op": "reset", "label"?, "connector": bool}``: ``reset_prefix_cache``;
+    - ``{"op": "reset", "label"?, "connector": bool, "retry_s"?}``: ``reset_prefix_cache``
+      (tried again for ``retry_s`` while it fails: blocks not freed yet);
     - ``{"op": "signal", "path"}``, ``{"op": "wait", "path"}``: barriers between
       engine processes (a file made, a file waited for);
     - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``;
     - ``{"op": "places", "label", "wait_for"?}``: the fabric's engine pages per place
-      (waiting up to 30 s for a place whose name starts ``wait_for`` to have pages).
+      (waiting up to 30 s for a place whose name starts ``wait_for`` to have pages);
+    - ``{"op": "mark"}``, ``{"op": "settle", "pages"}``: wait for the fabric to take
+      that many more reported pages than at the mark, and then a moment more.
     """
     from vllm import SamplingParams
 
@@ -214,6 +251,10 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
             }
         elif op == "reset":
             done = llm.reset_prefix_cache(reset_connector=step.get("connector", False))
+            deadline = time.monotonic() + step.get("retry_s", 0.0)
+            while not done and time.monotonic() < deadline:  # blocks not freed yet
+                time.sleep(0.05)
+                done = llm.reset_prefix_cache(reset_connector=step.get("connector", False))
             if step.get("label"):
                 out[step["label"]] = done
         elif op == "signal":
@@ -232,6 +273,10 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
             kill_fabric(args.fabric, args.address)
         elif op == "places":
             out[step["label"]] = fabric_places(args, step.get("wait_for", ""))
+        elif op == "mark":
+            _SETTLED[:] = [_fabric(args).stats()["engine_pages"]["reported_pages"]]
+        elif op == "settle":
+            settle(args, step.get("pages", 0))
         else:
             raise ValueError(f"unknown step {op!r}")
     return out

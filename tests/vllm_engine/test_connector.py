@@ -249,8 +249,9 @@ def pair(workdir: Path, fabric) -> dict:
     b_script = [
         {"op": "wait", "path": str(bar / "stored")},
         gen("second_process", prompts()),
-        {"op": "places", "label": "places", "wait_for": "l1@"},
         gen("warm", [p["warm"]], salt="race"),  # B writes: its store has just looked
+        # (vLLM's events of a step are read at the next: second_process's are in now)
+        {"op": "places", "label": "places", "wait_for": "l1@"},
         {"op": "signal", "path": str(bar / "b-wrote")},
         {"op": "wait", "path": str(bar / "a-raced")},
         gen("race", [p["race"]], salt="race"),
@@ -301,8 +302,9 @@ def test_a_second_engine_process_loads_the_pages_the_first_computed(pair, baseli
 
 
 def test_a_replicas_own_blocks_are_its_l1_place_while_it_runs(pair):
-    """B publishes vLLM's KV events: the pages its prefix cache holds are whole in
-    its L1 place (``l1@<host>:<pid>``) as it runs, and leave with it."""
+    """B publishes vLLM's KV events: the pages its prefix cache holds (every page of
+    the prompts it served) are whole in its L1 place (``l1@<host>:<pid>``) as it
+    runs, and leave with it."""
     places = pair["b"]["places"]
     (l1,) = [p for p in places if p.startswith("l1@")]
     assert places[l1]["pages"] >= sum(loadable(len(t)) for t in prompts()) // BLOCK_SIZE

@@ -488,6 +488,28 @@ def test_the_store_extends_the_fabrics_answer_and_the_fabric_is_told(tmp_path):
     s.close()
 
 
+def test_a_final_answer_is_not_extended_over_what_the_store_still_holds(tmp_path):
+    """The fabric evicted the page after its answer (``final``): the store may hold
+    it until its delete is carried out, but it is not served or reported back."""
+    from fabric.engines.fabric_link import decode_answers
+
+    options = StoreOptions(path=str(tmp_path))
+    link = FakeLink(hits=1, store=options)
+    s = side(link)
+    r = Req("r", list(range(17)))
+    hashes = _chain(s, r)
+    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
+    store = DirectStore(options, "vllm")
+    for suffix in SUFFIXES:
+        rows = np.zeros((2, 8), np.uint8)
+        store.store([page_key(h, s.tag, suffix) for h in hashes[1:3]], rows, provenance)
+    store.close()
+    link.lookup = lambda *a, **k: decode_answers([-2])  # 1 page, final
+    assert s.matched(r, 0) == (BLOCK, False)
+    assert link.reports == []
+    s.close()
+
+
 def test_under_best_effort_pages_only_l3_holds_are_told_to_the_fabric_not_loaded(tmp_path):
     """The fabric's best_effort answers from the node's L2 and prefetches the rest
     into it: what the store holds beyond the answer is reported (the fabric may
