@@ -117,3 +117,28 @@ def test_a_reconnect_runs_on_its_own_thread_and_no_step_waits_for_it(monkeypatch
     gate.set()
     link._connecting.join(5)
     assert not link.up and link._said_down
+
+
+def test_the_engine_steps_on_while_the_fabrics_orders_wait_or_run_and_not_longer(link):
+    """``busy`` (vLLM's ``has_pending_push_work``): orders the fabric handed back and
+    not yet given to the workers, or given and not reported carried out by every
+    rank, keep an idle engine stepping; orders never reported done are given up
+    after ``ORDERS_STALL_S``."""
+    from fabric.cache.engine_places import Order
+    from fabric.engines import fabric_link
+
+    now = [0.0]
+    link.clock = lambda: now[0]
+    assert not link.busy
+    link.orders = [Order(TAG, 2, "l3", 1, (h(1),))]
+    assert link.busy
+    assert len(link.take_orders(2)) == 1 and link.busy  # two ranks carry it out
+    link.orders_done(1)
+    assert link.busy
+    link.orders_done(1)
+    assert not link.busy
+    assert link.take_orders(2) == [] and not link.busy  # nothing handed: nothing to wait for
+    link.orders = [Order(TAG, 2, "l3", 1, (h(2),))]
+    link.take_orders(2)
+    now[0] += fabric_link.ORDERS_STALL_S + 1
+    assert not link.busy, "a worker that never reports does not keep the engine stepping"

@@ -102,7 +102,9 @@ def simulate(
     prints the share of prompt tokens each tier served, next to block-level
     bounds at given capacities: LRU, Belady (the offline optimum) and an
     infinite cache. With --policies, the core's hit rate under each named
-    eviction policy too.
+    eviction policy too. With --engine-pages, what the engine tree serves
+    engines attached through a connector instead (each hash id one page),
+    per write policy, beside the flat LRU index kvfabric had before it.
     """
     from fabric.tools.simulate import plot as draw
 

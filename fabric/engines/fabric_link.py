@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # Reports in flight before the oldest is waited for (a bound on what a slow
 # coordinator can make an engine hold).
 MAX_REPORTS_IN_FLIGHT = 64
+# Orders handed to the workers and not reported carried out within this long are
+# given up on (the engine stops stepping for them).
+ORDERS_STALL_S = 60.0
 
 
 class FabricLink:
@@ -62,6 +65,8 @@ class FabricLink:
         self.l2_only = False
         # Evictions the fabric handed this engine to carry out (``take_orders``).
         self.orders: list[Order] = []
+        self._orders_out = 0  # batches handed to the workers, times ranks, not done
+        self._orders_since = 0.0
         self._retry_at = 0.0
         self._said_down = False
         self._reports: list[Any] = []
@@ -355,12 +360,33 @@ class FabricLink:
         calls.orders = []
         return True
 
-    def take_orders(self) -> list[Order]:
-        """The orders handed back since the last call (replies that came)."""
+    def take_orders(self, ranks: int = 1) -> list[Order]:
+        """The orders handed back since the last call (replies that came), for the
+        engine's ``ranks`` workers to carry out (``orders_done`` counts them in)."""
         if self.coordinator is not None and (self._reports or self.calls is not None):
             self._check_reports()
         orders, self.orders = self.orders, []
+        if orders:
+            self._orders_out += ranks
+            self._orders_since = self.clock()
         return orders
+
+    def orders_done(self, batches: int) -> None:
+        """Workers carried out ``batches`` of the orders handed to them."""
+        self._orders_out = max(0, self._orders_out - batches)
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine has fabric work to step for while it serves nothing:
+        replies awaited (they may carry orders), orders not yet handed to the
+        workers, or handed ones not reported done (given up after ``ORDERS_STALL_S``)."""
+        if self._orders_out and self.clock() - self._orders_since > ORDERS_STALL_S:
+            self._orders_out = 0
+        if self.coordinator is not None and (self._reports or self.calls is not None):
+            self._check_reports()
+        calls = self.calls
+        waiting = bool(self._reports) or (calls is not None and bool(calls.sent))
+        return bool(self.orders) or self._orders_out > 0 or waiting
 
     def close(self) -> None:
         """Wait (at most ``timeout_s``) for the reports in flight to land."""

@@ -234,12 +234,15 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
     - ``ended``: ``(rank, page hash)`` for each page whose store a rank was asked
       for and ended (stored, failed, dropped or skipped);
     - ``loaded``: ``(rank, load_id, pages)`` for each load a rank ended, with how
-      many leading pages it loaded (the rest are load errors)."""
+      many leading pages it loaded (the rest are load errors);
+    - ``orders_done``: the steps' batches of the fabric's orders the ranks have
+      carried out (each rank counts each batch it was handed once)."""
 
     stored: list[tuple[str, int, StoredRun]] = field(default_factory=list)
     failed: list[tuple[str, int, bytes]] = field(default_factory=list)
     ended: list[tuple[int, bytes]] = field(default_factory=list)
     loaded: list[tuple[int, int, int]] = field(default_factory=list)
+    orders_done: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> FabricWorkerMeta:
         assert isinstance(other, FabricWorkerMeta)
@@ -248,6 +251,7 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
             self.failed + other.failed,
             self.ended + other.ended,
             self.loaded + other.loaded,
+            self.orders_done + other.orders_done,
         )
 
 

@@ -248,7 +248,7 @@ class SchedulerSide:
 
     def step_meta(self, scheduler_output: Any) -> FabricStepMeta:
         meta = FabricStepMeta(self._async_loads, cancel=self._cancel)
-        meta.orders, self._async_loads, self._cancel = self.link.take_orders(), [], []
+        meta.orders, self._async_loads, self._cancel = self.link.take_orders(self.world), [], []
         if not self._store_sent and self.link.store is not None:
             meta.store = self.link.store
             self._store_sent = True
@@ -342,18 +342,17 @@ class SchedulerSide:
     # -- update_connector_output, request_finished -----------------------------------
 
     def pending_writes(self) -> bool:
-        """Whether stores or finished requests' last pages wait (vLLM steps on)."""
-        return self.stores.pending() or bool(self._finishing)
+        """Whether stores, finished requests' pages or the fabric's orders wait."""
+        return self.stores.pending() or bool(self._finishing) or self.link.busy
 
     def worker_output(self, worker_meta: Any) -> None:
         """A step's outcome: loads ended, stores ended, pages stored and not loaded."""
         if isinstance(worker_meta, FabricWorkerMeta):
             self._worker_output(worker_meta)
-        release = self.leases.take_ended()
-        if release:
-            self.link.release(self.tag or "", self.world, release)
+        self.link.release(self.tag or "", self.world, self.leases.take_ended())  # (none: none)
 
     def _worker_output(self, worker_meta: FabricWorkerMeta) -> None:
+        self.link.orders_done(worker_meta.orders_done)
         if worker_meta.ended:
             self.stores.ended(h for _, h in worker_meta.ended)
         for rank, load_id, pages in worker_meta.loaded:

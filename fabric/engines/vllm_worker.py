@@ -406,10 +406,10 @@ class WorkerSide:
     # -- build_connector_worker_meta, get_kv_connector_stats ----------------------------
 
     def worker_meta(self) -> FabricWorkerMeta | None:
-        stored, ended = self.writes.take()
-        if not (stored or self._failed or ended or self._outcomes):
+        stored, ended, done = self.writes.take()
+        if not (stored or self._failed or ended or self._outcomes or done):
             return None
-        meta = FabricWorkerMeta(stored, self._failed, ended, self._outcomes)
+        meta = FabricWorkerMeta(stored, self._failed, ended, self._outcomes, done)
         self._failed, self._outcomes = [], []
         return meta
 

@@ -88,6 +88,7 @@ class WriteQueue:
         self.clock = clock
         self.stored: list[tuple[str, int, StoredRun]] = []
         self.ended: list[tuple[int, bytes]] = []
+        self.orders_done = 0  # batches of orders carried out (``take``)
         self.counts: Counter[str] = Counter()
         self._thread: ThreadPoolExecutor | None = None
         self._writes: deque[_Write] = deque()
@@ -143,12 +144,14 @@ class WriteQueue:
         with self._lock:
             self.ended += [(self.rank, h) for h in run.hashes]
 
-    def take(self) -> tuple[list[tuple[str, int, StoredRun]], list[tuple[int, bytes]]]:
-        """What was stored and what ended since the last call."""
+    def take(self) -> tuple[list[tuple[str, int, StoredRun]], list[tuple[int, bytes]], int]:
+        """What was stored and what ended since the last call, and how many batches
+        of orders were carried out."""
         self.collect()
         with self._lock:
             stored, ended, self.stored, self.ended = self.stored, self.ended, [], []
-        return stored, ended
+            done, self.orders_done = self.orders_done, 0
+        return stored, ended, done
 
     def take_counts(self) -> Counter[str]:
         with self._lock:
@@ -182,10 +185,15 @@ class WriteQueue:
     def carry_out(self, orders: list[Order]) -> None:
         """Carry out the fabric's orders for this rank's shards (``vllm_orders``), on
         the writer thread, after the stores queued before them."""
+        if not orders:
+            return
         todo = mine(orders, self.rank, self.pages.l2_place)
         if todo and self._thread is not None:
             future = self._thread.submit(carry_out, self.pages, todo)
             self._queue(_Write(None, future, None, self.clock()))
+        else:  # none of them this rank's: done
+            with self._lock:
+                self.orders_done += 1
 
     def _queue(self, write: _Write) -> None:
         with self._lock:
@@ -248,6 +256,7 @@ class WriteQueue:
         if isinstance(result, Carried):  # the fabric's orders
             self.stored += [(tag, self.rank, run) for tag, run in result.stored]
             self.counts.update(result.counts)
+            self.orders_done += 1
             return
         ok, seconds, l2 = result
         self.counts["l2_stored_pages"] += sum(l2)

@@ -67,8 +67,13 @@ class FakeLink:
     def report_stored(self, world, stored):
         FabricLink.report_stored(self, world, stored)
 
-    def take_orders(self):
+    busy = False  # no fabric work outstanding
+
+    def take_orders(self, ranks=1):
         return []
+
+    def orders_done(self, batches):
+        pass
 
     def forget(self, tag, world, hashes):
         self.forgotten += hashes

@@ -722,3 +722,20 @@ def test_a_load_past_its_prefetch_limit_starts_no_more_l3_reads_and_blames_no_pa
     assert store.reads == 1
     assert bool((target[LAYERS[0]][8].view(torch.uint8) == 7).all())
     reader.close()
+
+
+def test_each_batch_of_orders_is_reported_carried_out_once_by_each_rank(tmp_path):
+    """A rank counts a step's batch of orders done once it carried out its share —
+    at once when none is its own — so the scheduler stops stepping for them."""
+    store = StoreOptions(path=str(tmp_path))
+    side = worker(tmp_path, caches(1), l2=True)
+    side.save(FabricStepMeta(store=store))
+    assert side.worker_meta() is None  # no orders: nothing to count
+    other = Order(TAG, 2, L3, 0b10, hashes(1))  # rank 1's
+    side.save(FabricStepMeta(orders=[other], store=store))
+    assert side.worker_meta().orders_done == 1
+    mine_ = Order(TAG, 2, L3, 0b01, hashes(2))
+    side.save(FabricStepMeta(orders=[mine_, other], store=store))
+    drain(side)
+    assert side.worker_meta().orders_done == 1
+    side.close()
