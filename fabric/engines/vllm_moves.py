@@ -34,6 +34,9 @@ MAX_FREE_BUFFERS = 8
 MAX_FREE_BYTES = 8 * STAGING_BYTES
 # How long a load holds the node L2's slots it found at most (it lets go once copied).
 L2_PIN_MS = 5000
+# How long a page stored in the node's L2 only (write-back: not in L3 yet) is held
+# there at most, against the region's own replacement, until the fabric copies it.
+WRITE_BACK_HOLD_MS = 600_000
 
 
 # Takes pages read from L3 to keep in the node's L2: (tag, run, keys, pages, their
@@ -295,12 +298,13 @@ class PageMoves:
         else:
             part.copy_(rows.index_select(0, index.to(rows.device)))
 
-    def l2_put(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
-        """Per page, whether the node's L2 holds it now (none without one)."""
+    def l2_put(self, keys: list[str], pages: torch.Tensor, hold: bool = False) -> list[bool]:
+        """Per page, whether the node's L2 holds it now (none without one); ``hold``:
+        held there until copied to L3 (``WRITE_BACK_HOLD_MS`` at most)."""
         if self.l2 is None:
             return []
         try:
-            return self.l2.put(keys, pages)
+            return self.l2.put(keys, pages, WRITE_BACK_HOLD_MS if hold else 0)
         except Exception as exc:  # the node's L2 is a cache: a page not kept is a miss
             log.warning("kvfabric connector: node L2 store failed: %s", exc)
             return [False] * len(keys)

@@ -125,6 +125,7 @@ def _copy_batch(pages: PageMoves, keys: list[str]) -> list[tuple[int, bool]]:
             return []
         rows = buffer[torch.tensor(good, dtype=torch.long)]
         ok = store.store([keys[i] for i in good], rows.numpy(), pages.provenance)
+        l2.release([keys[i] for i, stored in zip(good, ok, strict=True) if stored])  # in L3 now
         return list(zip(good, ok, strict=True))
     finally:
         pages.give(buffer)

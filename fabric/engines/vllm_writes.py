@@ -217,7 +217,7 @@ class WriteQueue:
                 keys += self.pages.keys(tag, chunk.parts[i][1].hashes)
                 i += 1
             pages = buffer[first : first + len(keys)]
-            kept = self.pages.l2_put(keys, pages)
+            kept = self.pages.l2_put(keys, pages, hold=not self.pages.write_through)
             l3 = list(range(len(keys)))
             if kept and not self.pages.write_through:  # L3 later, when the fabric says
                 l3 = [k for k, good in enumerate(kept) if not good]

@@ -25,7 +25,10 @@ it removes it, and an opener first removes this user's regions no process holds
 Leases: a reader pins the slots it found until it has copied them (``find``
 with ``pin_ms``, ``unpin``); a store never replaces a pinned slot (when every
 way of the set is pinned, the page is simply not kept). A pin is a time, not a
-count, so a reader that dies holds nothing for long.
+count, so a reader that dies holds nothing for long. A page stored here only
+(write-back: not in L3 yet) is held the same way (``put``'s ``hold_ms``) until
+it is copied to L3 (``release``) or removed, so the region never replaces a
+page the fabric has nowhere else.
 
 Concurrency, across processes and threads, without a lock on reads: a writer
 holds its set's lock — a byte-range lock across processes and a thread lock
@@ -74,8 +77,8 @@ from fabric.rank.node_l2_mapping import (
     digest,
     empty,
     geometry,
+    mapped_files,
     owner_prefix,
-    part,
     pool_at,
     region_name,
     same,
@@ -83,6 +86,7 @@ from fabric.rank.node_l2_mapping import (
 from fabric.rank.node_l2_mapping import RECORD as _RECORD
 from fabric.rank.node_l2_mapping import SEQ as _SEQ
 from fabric.rank.node_l2_mapping import STAMP as _STAMP
+from fabric.rank.node_l2_mapping import remove_regions as remove_regions
 from fabric.rank.shared_l2 import owned, shm_dir, sweep_stale
 
 log = logging.getLogger(__name__)
@@ -91,21 +95,6 @@ WAYS = 8
 
 _NO_NAME = bytes(16)  # a removed slot's key digest
 Found = tuple[int, int, int, int]  # slot, seq, crc, pinned until (ms)
-
-
-def remove_regions(directory: Path, identity: str) -> int:
-    """Remove this user's regions of the fabric ``identity`` in ``directory`` that no
-    engine uses (the fabric is shutting down); how many. A region an engine still
-    has open stays (its last user removes it)."""
-    prefix = f"{owner_prefix()}{part(identity)}-"
-    with ATTACH_LOCK:
-        return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())
-
-
-def mapped_files() -> set[tuple[int, int]]:
-    """The region files this process maps (device, inode): never opened to sweep."""
-    with MAPPED_LOCK:
-        return set(MAPPED)
 
 
 def _now_ms() -> int:
@@ -262,9 +251,10 @@ class NodeL2:
                 seq, _, pinned, crc, name = _RECORD.unpack_from(view, at)
                 if name == d and seq and not seq & 1:
                     _STAMP.pack_into(view, at + 8, now)
-                    if until > pinned:
+                    mine = until > pinned  # (a longer pin or hold is another's: kept)
+                    if mine:
                         _STAMP.pack_into(view, at + 16, until)
-                    found = (slot, seq, crc, max(until, pinned))
+                    found = (slot, seq, crc, until if mine else 0)
                     break
             out.append(found)
         return out
@@ -294,17 +284,24 @@ class NodeL2:
 
     # -- writes -----------------------------------------------------------------------
 
-    def put(self, keys: Sequence[str], pages: torch.Tensor) -> list[bool]:
-        """Store ``pages`` (one uint8 row of ``page_bytes`` a key); per key, whether
-        the region holds it now (a key already here is left as it is)."""
+    def put(self, keys: Sequence[str], pages: torch.Tensor, hold_ms: int = 0) -> list[bool]:
+        """Store ``pages`` (one uint8 row of ``page_bytes`` a key), held ``hold_ms``
+        (not replaced until then, or ``release``); per key, whether the region
+        holds it now (a key already here is left as it is)."""
         kept = []
         for key, page in zip(keys, pages, strict=True):
             try:
-                kept.append(self._put_one(digest(key), page))
+                kept.append(self._put_one(digest(key), page, hold_ms))
             except OSError as exc:  # a lock refused: the page is simply not kept here
                 log.warning("node L2 %s: store failed: %s", self.path, exc)
                 break
         return kept + [False] * (len(keys) - len(kept))
+
+    def release(self, keys: Sequence[str]) -> None:
+        """The pages of ``keys`` are in L3 now: the region may replace them again."""
+        for found in self.find(keys):
+            if found is not None:
+                _STAMP.pack_into(self.view, self._record_at(found[0]) + 16, 0)
 
     def remove(self, keys: Sequence[str]) -> int:
         """Empty the slots holding ``keys`` (the fabric evicted them); how many held
@@ -338,7 +335,7 @@ class NodeL2:
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start)
 
-    def _put_one(self, d: bytes, page: torch.Tensor) -> bool:
+    def _put_one(self, d: bytes, page: torch.Tensor, hold_ms: int = 0) -> bool:
         n = self._set(d)
         first = n * self.ways
         view = self.view
@@ -373,7 +370,8 @@ class NodeL2:
             _SEQ.pack_into(view, at, writing)  # odd: readers keep off
             self.pool[victim].copy_(page)
             crc = checksum(view[self.pool_at + victim * self.page_bytes :][: self.page_bytes])
-            _RECORD.pack_into(view, at, writing, _now_ms(), 0, crc, d)
+            now = _now_ms()
+            _RECORD.pack_into(view, at, writing, now, now + hold_ms if hold_ms else 0, crc, d)
             _SEQ.pack_into(view, at, writing + 1)  # even: whole
         self.counters["stored"] += 1
         return True

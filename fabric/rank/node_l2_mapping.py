@@ -125,3 +125,20 @@ def region_name(identity: str, layout: str, suffix: str) -> str:
     """The file name of one engine shard's region: this user's, for the fabric
     ``identity``, pages of ``layout`` (the rank's page identity) and shard ``suffix``."""
     return f"{owner_prefix()}{part(identity)}-{part(layout)}-{suffix}{SUFFIX}"
+
+
+def mapped_files() -> set[tuple[int, int]]:
+    """The region files this process maps (device, inode): never opened to sweep."""
+    with MAPPED_LOCK:
+        return set(MAPPED)
+
+
+def remove_regions(directory: Path, identity: str) -> int:
+    """Remove this user's regions of the fabric ``identity`` in ``directory`` that no
+    engine uses (the fabric is shutting down); how many. A region an engine still
+    has open stays (its last user removes it)."""
+    from fabric.rank.shared_l2 import sweep_stale
+
+    prefix = f"{owner_prefix()}{part(identity)}-"
+    with ATTACH_LOCK:
+        return sweep_stale(directory, prefix, older_s=0.0, keep=mapped_files())

@@ -118,6 +118,27 @@ def test_a_slot_a_reader_holds_is_never_replaced_until_it_lets_go(tmp_path):
     l2.close()
 
 
+def test_a_page_held_for_l3_is_never_replaced_until_released_and_a_reader_keeps_its_hold(
+    tmp_path,
+):
+    """Write-back: a page here only is held (``hold_ms``) against the region's own
+    replacement until it is in L3 (``release``) or removed; a reader pinning and
+    letting go of it leaves the hold as it was."""
+    l2 = region(tmp_path, slots=WAYS)
+    keys = [f"k{i}" for i in range(WAYS)]
+    l2.put(keys, torch.stack([page(k) for k in keys]), hold_ms=60_000)
+    found = l2.find(keys[:1], pin_ms=100)  # shorter than the hold: not the reader's
+    l2.unpin(found)
+    assert l2.put(["new"], page("new")[None]) == [False]  # every way held
+    l2.release(keys[:1])  # copied to L3
+    assert l2.put(["new"], page("new")[None]) == [True]
+    assert l2.find(keys[:1]) == [None] and read(l2, "new") is not None
+    assert all(read(l2, k) is not None for k in keys[1:])
+    l2.remove(keys[1:2])  # the fabric evicted it: its slot is free again
+    assert l2.put(["newer"], page("newer")[None]) == [True]
+    l2.close()
+
+
 def test_a_write_killed_midway_leaves_an_empty_slot_the_next_store_takes(tmp_path):
     l2 = region(tmp_path, slots=WAYS)
     l2.put(["k"], page("k")[None])
