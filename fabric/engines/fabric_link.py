@@ -378,15 +378,16 @@ class FabricLink:
     @property
     def busy(self) -> bool:
         """Whether the engine has fabric work to step for while it serves nothing:
-        replies awaited (they may carry orders), orders not yet handed to the
-        workers, or handed ones not reported done (given up after ``ORDERS_STALL_S``)."""
+        orders that came back and are not yet handed to the workers, or handed
+        ones not reported carried out (given up after ``ORDERS_STALL_S``). Replies
+        still on their way are not waited for (a step spinning for them takes the
+        CPU the coordinator answers with): orders they bring go with the next step,
+        and a page held for L3 stays held until then."""
         if self._orders_out and self.clock() - self._orders_since > ORDERS_STALL_S:
             self._orders_out = 0
         if self.coordinator is not None and (self._reports or self.calls is not None):
             self._check_reports()
-        calls = self.calls
-        waiting = bool(self._reports) or (calls is not None and bool(calls.sent))
-        return bool(self.orders) or self._orders_out > 0 or waiting
+        return bool(self.orders) or self._orders_out > 0
 
     def close(self) -> None:
         """Wait (at most ``timeout_s``) for the reports in flight to land."""

@@ -88,13 +88,14 @@ def corrupt(directory: Path) -> int:
     return flipped
 
 
-def fabric_places(args: argparse.Namespace, wait_for: str) -> dict:
-    """The fabric's engine pages per place, once one named ``wait_for...`` has some."""
+def fabric_places(args: argparse.Namespace, wait_for: str, min_pages: int = 1) -> dict:
+    """The fabric's engine pages per place, once one named ``wait_for...`` has
+    ``min_pages`` (reports land a moment after the events behind them)."""
     fabric = _fabric(args)
     deadline = time.monotonic() + 30
     while True:
         places = fabric.stats()["engine_pages"]["places"]
-        ready = any(p.startswith(wait_for) and f["pages"] for p, f in places.items())
+        ready = any(p.startswith(wait_for) and f["pages"] >= min_pages for p, f in places.items())
         if ready or not wait_for or time.monotonic() > deadline:
             return places
         time.sleep(0.2)
@@ -183,8 +184,9 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     - ``{"op": "signal", "path"}``, ``{"op": "wait", "path"}``: barriers between
       engine processes (a file made, a file waited for);
     - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``;
-    - ``{"op": "places", "label", "wait_for"?}``: the fabric's engine pages per place
-      (waiting up to 30 s for a place whose name starts ``wait_for`` to have pages);
+    - ``{"op": "places", "label", "wait_for"?, "min_pages"?}``: the fabric's engine
+      pages per place (waiting up to 30 s for a place whose name starts
+      ``wait_for`` to have ``min_pages``);
     - ``{"op": "mark"}``, ``{"op": "settle", "pages"}``: wait for the fabric to take
       that many more reported pages than at the mark, and then a moment more.
     """
@@ -272,7 +274,8 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
         elif op == "kill_fabric":
             kill_fabric(args.fabric, args.address)
         elif op == "places":
-            out[step["label"]] = fabric_places(args, step.get("wait_for", ""))
+            want = (step.get("wait_for", ""), step.get("min_pages", 1))
+            out[step["label"]] = fabric_places(args, *want)
         elif op == "mark":
             _SETTLED[:] = [_fabric(args).stats()["engine_pages"]["reported_pages"]]
         elif op == "settle":
