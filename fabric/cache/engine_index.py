@@ -316,6 +316,12 @@ class EngineIndex:
         """Every page leaves ``place`` (a replica's blocks were all cleared, or it
         went away); a ``BlockRemoved`` per node whole there."""
         check_place(place)
+        for key, waiting in list(self._orphans.items()):  # runs there waiting for a parent
+            kept = [(rank, run) for rank, run in waiting if run.place != place]
+            if kept:
+                self._orphans[key] = kept
+            else:
+                del self._orphans[key]
         events: list[KVEvent] = []
         for node in [n for n in self.tree.walk() if place in (n.places or {})]:
             events.extend(self._leave(node, place))

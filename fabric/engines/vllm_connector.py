@@ -273,6 +273,7 @@ class KvFabricConnector(KVConnectorBase_V1):
         side = self.scheduler_side
         if self.device_blocks is not None:
             if side is not None and side.tag is not None:  # its blocks go with it
+                log.info("kvfabric connector: %s leaves the fabric", self.device_blocks.place)
                 side.link.drop(side.tag, side.world, self.device_blocks.place, [], everything=True)
             self.device_blocks.close()
         if side is not None:

@@ -230,10 +230,14 @@ def test_a_replicas_device_blocks_are_a_place_vllm_keeps_and_the_tree_is_told_of
     tree.report(TAG, 2, {r: [run(d, place=l1)] for r in (0, 1)})
     tree.forget(TAG, 2, [d[2]])  # a failed load: every place but L1 would be ordered
     assert tree.take_orders() == [], "nothing to order of vLLM's blocks"
+    orphan = chain(2, first=120)
+    tree.report(TAG, 2, {0: [run(orphan[1:], orphan[0], place=l1)]})  # waits for its parent
     events = tree.drop_place(l1)
     assert {e.medium for e in events} == {Medium.DEVICE}
+    tree.report(TAG, 2, {r: [run(orphan[:1])] for r in (0, 1)})  # the parent comes: L1 is gone
     assert l1 not in tree.residency() or tree.residency()[l1]["pages"] == 0
-    assert tree.lookup(TAG, 2, [c]) == [2] and len(tree) == 2
+    assert l1 not in tree.residency() or tree.residency()[l1]["pages"] == 0
+    assert tree.lookup(TAG, 2, [c]) == [2] and len(tree) == 3  # (and the orphan's parent)
 
 
 def test_a_lookup_stopping_at_a_page_the_tree_evicted_from_l3_is_final():

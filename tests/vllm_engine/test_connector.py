@@ -316,7 +316,8 @@ def test_a_replicas_own_blocks_are_its_l1_place_while_it_runs(pair):
     (l1,) = [p for p in places if p.startswith("l1@")]
     assert places[l1]["pages"] >= l1_pages()
     after = pair["after"]["places"]
-    assert not any(f["pages"] for p, f in after.items() if p.startswith("l1@"))
+    left = {p: f["pages"] for p, f in after.items() if p.startswith("l1@") and f["pages"]}
+    assert not left, (left, "leaves the fabric" in pair["logs"])
 
 
 def test_a_page_another_process_stored_a_moment_ago_is_loaded_not_forgotten(pair, baseline):
