@@ -493,6 +493,16 @@ def test_the_store_extends_the_fabrics_answer_and_the_fabric_is_told(tmp_path):
     s.close()
 
 
+def _store_every_shard(options: StoreOptions, tag: str, hashes: list[bytes]) -> None:
+    """Every rank's shard of the pages ``hashes`` in the store, written directly."""
+    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
+    store = DirectStore(options, "vllm")
+    for suffix in SUFFIXES:
+        rows = np.zeros((len(hashes), 8), np.uint8)
+        store.store([page_key(h, tag, suffix) for h in hashes], rows, provenance)
+    store.close()
+
+
 def test_a_final_answer_is_not_extended_over_what_the_store_still_holds(tmp_path):
     """The fabric evicted the page after its answer (``final``): the store may hold
     it until its delete is carried out, but it is not served or reported back."""
@@ -503,12 +513,7 @@ def test_a_final_answer_is_not_extended_over_what_the_store_still_holds(tmp_path
     s = side(link)
     r = Req("r", list(range(17)))
     hashes = _chain(s, r)
-    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
-    store = DirectStore(options, "vllm")
-    for suffix in SUFFIXES:
-        rows = np.zeros((2, 8), np.uint8)
-        store.store([page_key(h, s.tag, suffix) for h in hashes[1:3]], rows, provenance)
-    store.close()
+    _store_every_shard(options, s.tag, hashes[1:3])
     link.lookup = lambda *a, **k: decode_answers([-2])  # 1 page, final
     assert s.matched(r, 0) == (BLOCK, False)
     assert link.reports == []
@@ -525,12 +530,7 @@ def test_under_best_effort_pages_only_l3_holds_are_told_to_the_fabric_not_loaded
     s = side(link)
     r = Req("r", list(range(17)))
     hashes = _chain(s, r)
-    provenance = Provenance("m", "vllm-block/x", "uint8", (1,), BLOCK)
-    store = DirectStore(options, "vllm")
-    for suffix in SUFFIXES:
-        rows = np.zeros((2, 8), np.uint8)
-        store.store([page_key(h, s.tag, suffix) for h in hashes[1:3]], rows, provenance)
-    store.close()
+    _store_every_shard(options, s.tag, hashes[1:3])
     assert s.matched(r, 0) == (BLOCK, False)
     run = StoredRun("vllm", hashes[0], tuple(hashes[1:3]))
     assert link.reports == [(s.tag, {0: [run], 1: [run]})]
