@@ -61,6 +61,10 @@ MAX_ORPHANS = 4096
 # Pages the tree evicted from L3, remembered (at most this many) so that a lookup
 # stopping at one is final: the engine does not look in the store beyond it.
 MAX_GONE = 1 << 18
+# A replica's blocks (an L1 place) not heard of for this long are forgotten: the
+# replica is gone (a process stopped before its connector could say so), or idle
+# (the tree then knows less of its L1 than there is, never more).
+L1_TTL_S = 600.0
 
 Group = tuple[str, int]  # the engine's page tag and world
 
@@ -121,6 +125,7 @@ class EngineIndex:
         self.ranks: dict[Group, dict[int, int]] = {}  # bytes of a page, per rank
         self.orders: list[Order] = []  # for the ranks to carry out, taken by ``take_orders``
         self.gone: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()
+        self.l1_heard: dict[str, float] = {}  # L1 place -> when a report or drop named it
         self._orphans: OrderedDict[tuple[str, int, bytes], list[tuple[int, StoredRun]]] = (
             OrderedDict()
         )
@@ -160,6 +165,8 @@ class EngineIndex:
         self.now = now
         for rank, runs in reports.items():
             for run in runs:
+                if run.place.startswith(L1_AT):
+                    self.l1_heard[run.place] = now
                 if run.page_bytes and not sizes.get(rank):  # a rank's page size never changes
                     sizes[rank] = run.page_bytes
                     self.places.recount(self.tree.walk(), self.ranks)  # counted 0 before
@@ -296,6 +303,8 @@ class EngineIndex:
         check_group(tag, world)
         check_place(place)
         check_hashes(hashes, "hashes")
+        if place in self.l1_heard:
+            self.l1_heard[place] = max(self.l1_heard[place], self.now)
         events: list[KVEvent] = []
         i = 0
         while i < len(hashes):
@@ -316,6 +325,7 @@ class EngineIndex:
         """Every page leaves ``place`` (a replica's blocks were all cleared, or it
         went away); a ``BlockRemoved`` per node whole there."""
         check_place(place)
+        self.l1_heard.pop(place, None)
         for key, waiting in list(self._orphans.items()):  # runs there waiting for a parent
             kept = [(rank, run) for rank, run in waiting if run.place != place]
             if kept:
@@ -328,6 +338,11 @@ class EngineIndex:
         for node in [n for n in self.tree.walk() if not n.children]:
             self._prune(node)
         return events
+
+    def forget_silent_l1(self, now: float) -> list[KVEvent]:
+        """Every L1 place not heard of for ``L1_TTL_S`` leaves (``drop_place``)."""
+        silent = [p for p, heard in self.l1_heard.items() if heard < now - L1_TTL_S]
+        return [e for place in silent for e in self.drop_place(place)]
 
     def _leave(self, node: TreeNode, place: str, kind: str | None = None) -> list[KVEvent]:
         """``node`` leaves ``place``: its event if it was whole there; with ``kind``,

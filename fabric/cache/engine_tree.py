@@ -250,6 +250,8 @@ class EngineTree(EngineIndex):
         pages this made whole somewhere or evicted, and the orders queued since the
         last take (this report's evictions among them)."""
         events = self.record(tag, world, reports, now)
+        if self.l1_heard:
+            events += self.forget_silent_l1(now)
         self.holds.expire(now)
         if self.holds.awaiting:
             for runs in reports.values():

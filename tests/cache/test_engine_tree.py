@@ -257,6 +257,24 @@ def test_a_lookup_stopping_at_a_page_the_tree_evicted_from_l3_is_final():
     assert final == [False]
 
 
+def test_a_replicas_l1_not_heard_of_for_its_ttl_is_forgotten():
+    """A replica stopped before its connector could drop its L1 (or idle that long):
+    its blocks leave the tree once a report comes ``L1_TTL_S`` after the last word
+    of them — the tree may know less of L1 than there is, never more."""
+    from fabric.cache.engine_index import L1_TTL_S
+
+    l1, other = "l1@node-a:1", "l1@node-b:2"
+    tree = EngineTree()
+    c, d = chain(3), chain(2, first=40)
+    tree.report(TAG, 1, {0: [run(c, place=l1)]}, now=0.0)
+    tree.report(TAG, 1, {0: [run(d, place=other)]}, now=L1_TTL_S - 1)
+    events, _ = tree.report(TAG, 1, {0: [run(d)]}, now=L1_TTL_S + 1)
+    assert [(e.medium, e.page_hashes) for e in events if isinstance(e, BlockRemoved)] == [
+        (Medium.DEVICE, tuple(c))
+    ]
+    assert tree.residency()[other]["pages"] == 2 and tree.lookup(TAG, 1, [c]) == [0]
+
+
 def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
     """Engines declare their node L2 regions; engines of one tag share theirs."""
     tree = EngineTree("lru")
