@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fabric.cache.engine_input import L3, StoredRun
+from fabric.cache.engine_input import L3, StoredRun, stored_runs
 from fabric.cache.engine_places import BACKUP, MOVE, PREFETCH
 from fabric.cache.engine_tree import EngineTree
 
@@ -72,7 +72,7 @@ def chains(hash_ids: Sequence[Sequence[int]]) -> list[list[bytes]]:
     return out
 
 
-def place_of(engine: int, setup: EngineSetup) -> str:
+def node_l2_of(engine: int, setup: EngineSetup) -> str:
     return f"l2@node{engine % setup.nodes}" if setup.l2_bytes else ""
 
 
@@ -86,7 +86,7 @@ def replay(
     index = FlatIndex(setup) if flat_lru else TreeIndex(setup)
     out = EngineReplay()
     for i, chain in enumerate(chains(hash_ids)):
-        place = place_of(i % setup.engines, setup)
+        place = node_l2_of(i % setup.engines, setup)
         asked = chain[: max(len(chain) - 1, 0)]
         l2, l3 = index.lookup(asked, place)
         out.requests += 1
@@ -155,20 +155,12 @@ class TreeIndex:
 
     def _l3_loaded(self, chain: list[bytes], hit: int, place: str) -> list[StoredRun]:
         """The pages of the hit its node's L2 lacked (read from L3), as runs there."""
-        full = (1 << 1) - 1
-        runs: list[StoredRun] = []
-        for i in range(hit):
-            node = self.tree.where.get((TAG, 1, chain[i]))
-            if node is not None and (node.places or {}).get(place, 0) == full:
-                continue
-            parent = chain[i - 1] if i else None
-            last = runs[-1] if runs else None
-            if last is not None and last.hashes[-1] == parent:
-                runs[-1] = StoredRun(NAMESPACE, last.parent, (*last.hashes, chain[i]), place,
-                                     self.setup.page_bytes)  # fmt: skip
-            else:
-                runs.append(StoredRun(NAMESPACE, parent, (chain[i],), place, self.setup.page_bytes))
-        return runs
+        lacked = []
+        for page in chain[:hit]:
+            node = self.tree.where.get((TAG, 1, page))
+            lacked.append(node is None or (node.places or {}).get(place, 0) != 1)
+        hits = StoredRun(NAMESPACE, None, tuple(chain[:hit]), place, self.setup.page_bytes)
+        return stored_runs(hits, lacked)
 
     def _report(self, runs: list[StoredRun]) -> list:
         if not runs:
