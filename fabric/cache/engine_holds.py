@@ -70,13 +70,11 @@ class EngineHolds:
     def __init__(
         self,
         tree: RadixTree,
-        places: Places,
         options: HoldOptions,
         walk: Callable[[str, int, Sequence[bytes]], tuple[TreeNode | None, int]],
         unlock: Callable[[TreeNode], None],
         page_bytes: Callable[[TreeNode], int],
     ) -> None:
-        self.places = places
         self.walk = walk
         self.now = 0.0
         self.awaiting: OrderedDict[tuple[str, int, bytes], _Awaiting] = OrderedDict()
@@ -100,12 +98,6 @@ class EngineHolds:
                 tenant=tenant_of,
                 unit="bytes",
             )
-
-    def clear(self) -> None:
-        """Forget every hold (the tree is cleared: its nodes are gone)."""
-        for kind in self.kinds.values():
-            kind.reset()
-        self.awaiting.clear()
 
     def hold(
         self,
@@ -155,10 +147,6 @@ class EngineHolds:
             self.now = max(self.now, now)
             del self.awaiting[(tag, world, h)]
             self._keep(tag, world, waiting.chain, waiting.name, waiting.kind, waiting.until - now)
-
-    def end(self, name: str, kind: str) -> bool:
-        check_hold(name, kind, None)
-        return self.kinds[kind].end(name)
 
     def expire(self, now: float) -> int:
         """End the holds whose TTL passed at ``now``; how many."""

@@ -80,7 +80,7 @@ class EngineTree(EngineIndex):
         self._fetching: dict[tuple[str, bytes, str], float] = {}
         self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
         self.holds = EngineHolds(
-            self.tree, self.places, self.hold_options, self._walk, self._unhold, self._page_bytes
+            self.tree, self.hold_options, self._walk, self._unhold, self._page_bytes
         )
 
     @property
@@ -277,10 +277,6 @@ class EngineTree(EngineIndex):
         check_group(tag, world)
         check_chains([chain])
         return self.holds.hold(tag, world, chain, name, kind, ttl_s, now)
-
-    def unhold(self, name: str, kind: str) -> bool:
-        """End the hold ``name`` of ``kind``; whether there was one."""
-        return self.holds.end(name, kind)
 
     def _walk(self, tag: str, world: int, chain: Sequence[bytes]) -> tuple[TreeNode | None, int]:
         """The node of the deepest page of ``chain`` the tree knows on its path (cut
