@@ -30,11 +30,11 @@ class EngineCalls:
         lease_s: float = 0.0,
         release: list[str] | None = None,
         place: str = "",
-    ) -> list[int]:
+    ) -> tuple[list[int], list[Order]]:
         """One engine step's lookups: per chain, the leading pages every rank
         stored in L3 or in ``place`` (the engine's node's L2), leased under
         ``leases`` (one name a chain) for ``lease_s``; the leases ``release``
-        names end first."""
+        names end first. With them, the orders the engine's ranks carry out."""
         started = time.perf_counter()
         try:
             return self.core.engines.lookup(
@@ -44,14 +44,23 @@ class EngineCalls:
             self.core.stats.core_time_s += time.perf_counter() - started
 
     async def engine_report(
-        self, tag: str, world: int, reports: dict[int, list], place: str = "", place_bytes: int = 0
+        self,
+        tag: str,
+        world: int,
+        reports: dict[int, list],
+        place: str = "",
+        place_bytes: int = 0,
+        names: list | None = None,
     ) -> tuple[int, list[Order]]:
         """One engine step's stores, by rank: the pages that became whole, and the
         orders the engine's ranks carry out (in L3 and in ``place``, its node's L2,
-        whose regions hold ``place_bytes`` for it)."""
+        whose regions hold ``place_bytes`` for it). ``names``: the engine's own
+        names of pages (``PageName``), for the KV events."""
         started = time.perf_counter()
         try:
-            whole, drops = self.core.engines.report(tag, world, reports, place, place_bytes)
+            whole, drops = self.core.engines.report(
+                tag, world, reports, place, place_bytes, names or ()
+            )
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started
         if whole:

@@ -60,8 +60,9 @@ class SubmitCalls:
             )
         if isinstance(call, EngineReportCall):
             return await self.engine_report(
-                call.engine_tag, call.world, call.reports, call.place, call.place_bytes
-            )
+                call.engine_tag, call.world, call.reports, call.place, call.place_bytes,
+                call.names,
+            )  # fmt: skip
         if isinstance(call, EngineForgetCall):
             return await self.engine_forget(call.engine_tag, call.world, call.hashes)
         if isinstance(call, EngineDropCall):

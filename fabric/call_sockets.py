@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from fabric.cache.engine_input import StoredRun
+from fabric.cache.engine_input import PageName, StoredRun
 from fabric.coordinator.requests import Lease, RequestResult
 from fabric.round_sockets import FAILED, OK, SECRET_BYTES, SEQ_BYTES, LoopSocket, bind_router
 
@@ -81,6 +81,7 @@ class EngineReportCall(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
     reports: dict[int, list[StoredRun]]
     place: str
     place_bytes: int
+    names: list[PageName] = []
 
 
 class EngineForgetCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="forget"):

@@ -42,11 +42,12 @@ class FakeCoordinator:
         def lookup(tag, world, chains, leases, lease_s, release, place=""):
             self.calls.append(("lookup", len(chains)))
             self.pages.release(release)
-            return self.pages.lookup(tag, world, chains, leases, lease_s, place=place)
+            hits = self.pages.lookup(tag, world, chains, leases, lease_s, place=place)
+            return hits, self.pages.take_orders()
 
-        def report(tag, world, reports, place="", place_bytes=0):
+        def report(tag, world, reports, place="", place_bytes=0, names=None):
             self.calls.append(("report", max(len(r) for r in reports.values())))
-            events, drops = self.pages.report(tag, world, reports)
+            events, drops = self.pages.report(tag, world, reports, names=names or ())
             return len(events), drops
 
         def forget(tag, world, hashes):
@@ -142,3 +143,41 @@ def test_the_engine_steps_on_while_the_fabrics_orders_wait_or_run_and_not_longer
     link.take_orders(2)
     now[0] += fabric_link.ORDERS_STALL_S + 1
     assert not link.busy, "a worker that never reports does not keep the engine stepping"
+
+
+class NamedRequest:
+    """What ``PageNames`` reads of vLLM's ``Request``."""
+
+    def __init__(self, pages: int, size: int = 2) -> None:
+        self.block_hashes = [bytes([0xB0 + i]) * 32 for i in range(pages)]
+        self.all_token_ids = list(range(pages * size + 1))  # and a token of a page not whole
+
+
+def test_the_link_sends_vllms_names_of_its_pages_with_their_first_report(link):
+    """Only while the fabric publishes KV events (set as the link attaches): the
+    pages a request stores are paired with vLLM's block hashes and tokens, and
+    each pair goes with the first report naming the page."""
+    from fabric.cache.engine_input import PageName
+    from fabric.cache.keys import pack_tokens
+    from fabric.engines.vllm_names import PageNames
+
+    request, hashes = NamedRequest(3), [h(i) for i in range(3)]
+    link.names.learn(request, hashes, 0, 3, 2)
+    assert len(link.names) == 0  # no events published: nothing kept
+    link.names.wanted = True
+    link.names.learn(request, hashes, 1, 5, 2)  # (pages past vLLM's whole blocks: none)
+    assert len(link.names) == 2
+    link.report(TAG, 1, {0: [StoredRun("ns", None, (h(0),)), StoredRun("ns", h(0), (h(1),))]})
+    assert link.coordinator.pages.names == {
+        (TAG, 1, h(1)): (request.block_hashes[1], pack_tokens([2, 3]))
+    }
+    assert link.names.take([h(1), h(2)]) == [
+        PageName(h(2), request.block_hashes[2], pack_tokens([4, 5]))
+    ]
+    bounded = PageNames(max_names=2)
+    bounded.wanted = True
+    bounded.learn(request, hashes, 0, 3, 2)
+    assert [n.page for n in bounded.take(hashes)] == hashes[1:]  # the oldest went first
+    request.block_hashes = [1, 2, 3]  # (not bytes: not vLLM's sha256 names)
+    bounded.learn(request, hashes, 0, 3, 2)
+    assert len(bounded) == 0

@@ -28,13 +28,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from fabric.cache.engine_input import (
     HASH_BYTES,
     L1_AT,
     L3,
+    PageName,
     StoredRun,
     check_group,
     check_hashes,
+    check_names,
     check_place,
     check_reports,
 )
@@ -49,7 +53,7 @@ from fabric.cache.engine_places import (
     namespace_of,
     place_of,
 )
-from fabric.cache.events import BlockRemoved, KVEvent
+from fabric.cache.events import BlockRemoved, BlockStored, KVEvent
 from fabric.cache.keys import TOKEN_BYTES
 from fabric.cache.node import TreeNode
 from fabric.cache.radix import RadixTree
@@ -126,6 +130,8 @@ class EngineIndex:
         self.orders: list[Order] = []  # for the ranks to carry out, taken by ``take_orders``
         self.gone: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()
         self.l1_heard: dict[str, float] = {}  # L1 place -> when a report or drop named it
+        # A page's name in its engine (``PageName``): its block hash there, its tokens.
+        self.names: dict[tuple[str, int, bytes], tuple[bytes, bytes]] = {}
         self._orphans: OrderedDict[tuple[str, int, bytes], list[tuple[int, StoredRun]]] = (
             OrderedDict()
         )
@@ -139,11 +145,10 @@ class EngineIndex:
             for place, mask in (node.places or {}).items():
                 if mask == full:
                     hashes = tuple(node.page_hashes or ())
-                    events.append(
-                        BlockRemoved(
-                            hashes, medium_of(place), namespace_of(node), event_place(place)
-                        )
+                    removed = BlockRemoved(
+                        hashes, medium_of(place), namespace_of(node), event_place(place)
                     )
+                    events.append(self._named(group_of(node), removed))
         self.clear()
         return events
 
@@ -154,12 +159,21 @@ class EngineIndex:
     # -- reports -----------------------------------------------------------------------
 
     def record(
-        self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]], now: float = 0.0
+        self,
+        tag: str,
+        world: int,
+        reports: dict[int, Sequence[StoredRun]],
+        now: float = 0.0,
+        names: Sequence[PageName] = (),
     ) -> list[KVEvent]:
-        """Record, per rank, the pages it stored (used ``now``); the events of the
+        """Record, per rank, the pages it stored (used ``now``), and the engine's
+        ``names`` of pages (kept while the tree knows the page); the events of the
         pages this made whole somewhere (one per run)."""
         check_group(tag, world)
         check_reports(world, reports)
+        check_names(names)
+        for name in names:
+            self.names[(tag, world, name.page)] = (name.engine_hash, name.tokens)
         events: list[KVEvent] = []
         sizes = self.ranks.setdefault((tag, world), {})
         self.now = now
@@ -171,6 +185,9 @@ class EngineIndex:
                     sizes[rank] = run.page_bytes
                     self.places.recount(self.tree.walk(), self.ranks)  # counted 0 before
                 self._record(tag, world, rank, run, events)
+        for name in names:  # a page the tree does not know (its run waits for a parent)
+            if (tag, world, name.page) not in self.where:
+                self.names.pop((tag, world, name.page), None)
         for e in events:
             n, by = len(e.page_hashes), self.stats.whole_by_place
             key = place_of(e.medium, e.place)
@@ -208,7 +225,7 @@ class EngineIndex:
             if child is None:
                 child = self._attach(tag, world, node, run.namespace, hashes[i:])
             node, at = child, -1
-        events.extend(whole.events)
+        events.extend(self._named((tag, world), e) for e in whole.events)
         self.stats.reported_pages += len(hashes)
         if self._orphans:
             for h in hashes:
@@ -355,7 +372,32 @@ class EngineIndex:
             self.orders.append(self._order(node, place, mask, kind))
         if mask != full:
             return []
-        return [BlockRemoved(hashes, medium_of(place), namespace_of(node), event_place(place))]
+        removed = BlockRemoved(hashes, medium_of(place), namespace_of(node), event_place(place))
+        return [self._named((tag, world), removed)]
+
+    def _named(self, group: tuple[str, int], event: KVEvent) -> KVEvent:
+        """``event`` with the engine's names of its pages, where the engine told
+        every one (and its parent's: a run is never announced as a chain's start)."""
+        if not self.names or not isinstance(event, (BlockStored, BlockRemoved)):
+            return event
+        names = [self.names.get((*group, h)) for h in event.page_hashes]
+        if not names or any(n is None for n in names):
+            return event
+        hashes = tuple(n[0] for n in names)  # type: ignore[index]
+        if isinstance(event, BlockRemoved):
+            return msgspec.structs.replace(event, engine_hashes=hashes)
+        parent = None
+        if event.parent_hash is not None:
+            parent = self.names.get((*group, event.parent_hash))
+            if parent is None:
+                return event
+        tokens = b"".join(n[1] for n in names)  # type: ignore[index]
+        return msgspec.structs.replace(
+            event,
+            engine_hashes=hashes,
+            engine_parent=parent[0] if parent else None,
+            tokens=tokens,
+        )
 
     def _prune(self, node: TreeNode) -> None:
         """Detach ``node`` and its ancestors while they are in no place, childless
@@ -367,6 +409,8 @@ class EngineIndex:
             tag, world = group_of(node)
             for h in node.page_hashes or ():
                 self.where.pop((tag, world, h), None)
+                if self.names:
+                    self.names.pop((tag, world, h), None)
             self.places.detach(node)
             self.tree.detach_leaf(node)
             if self.policy.remembers:

@@ -58,6 +58,23 @@ class StoredRun:
     page_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class PageName:
+    """The engine's own name of the page ``page``: its block hash in the engine
+    (vLLM's, as vLLM's KV events carry it) and its ``tokens`` (packed uint32).
+    The fabric's KV events of engine pages use them, so that a router indexing
+    the engine's events sees the same keys in the fabric's tiers."""
+
+    page: bytes
+    engine_hash: bytes
+    tokens: bytes
+
+
+# The longest engine block hash a name may carry, and the most tokens of one page.
+MAX_ENGINE_HASH = 64
+MAX_PAGE_TOKENS = 1 << 16
+
+
 def part(run: StoredRun, start: int, end: int) -> StoredRun:
     """Pages ``[start, end)`` of ``run``, after their parent."""
     parent = run.hashes[start - 1] if start else run.parent
@@ -183,3 +200,24 @@ def check_run(run: object) -> None:
         raise InvalidInput(
             f"page_bytes {size!r} is refused: allowed is an int in [0, {MAX_PAGE_BYTES}]"
         )
+
+
+def check_names(names: object) -> None:
+    if not isinstance(names, (list, tuple)) or len(names) > MAX_PAGES_PER_CALL:
+        raise InvalidInput(
+            f"names are refused: allowed is a list of at most {MAX_PAGES_PER_CALL} page names"
+        )
+    for name in names:
+        if not isinstance(name, PageName):
+            raise InvalidInput(f"a page name must be a PageName, got {type(name).__name__}")
+        check_hashes([name.page], "page")
+        engine_hash, tokens = name.engine_hash, name.tokens
+        if not isinstance(engine_hash, bytes) or not 0 < len(engine_hash) <= MAX_ENGINE_HASH:
+            raise InvalidInput(
+                f"engine hash {engine_hash!r:.80} is refused: allowed is 1..{MAX_ENGINE_HASH} bytes"
+            )
+        if not isinstance(tokens, bytes) or len(tokens) % 4 or len(tokens) > 4 * MAX_PAGE_TOKENS:
+            raise InvalidInput(
+                f"tokens {tokens!r:.80} are refused: allowed is packed uint32 token ids, at "
+                f"most {MAX_PAGE_TOKENS}"
+            )

@@ -196,10 +196,11 @@ class Places:
         """Places holding more than their capacity."""
         return [p for p, used in self.used.items() if 0 < self.cap(p) < used]
 
-    def victims(self, place: str) -> Iterator[TreeNode]:
-        """Leaves of ``place`` to evict, in policy order, while it is over capacity
-        (the caller makes each leave before the next is asked for)."""
-        cap = self.cap(place)
+    def victims(self, place: str, room: int = 0) -> Iterator[TreeNode]:
+        """Leaves of ``place`` to evict, in policy order, while it holds more than
+        its capacity less ``room`` bytes (the caller makes each leave before the
+        next is asked for)."""
+        cap = self.cap(place) - room
         return self._take(self.queue(place), lambda: self.used.get(place, 0) > cap)
 
     def ends_victims(self, more: Callable[[], bool]) -> Iterator[TreeNode]:

@@ -38,6 +38,7 @@ from fabric.cache.engine_input import (
     L2_AT,
     L3,
     MAX_LEASES,
+    PageName,
     StoredRun,
     check_chains,
     check_group,
@@ -79,6 +80,7 @@ class EngineTree(EngineIndex):
         # (group, first page, place) prefetched -> when it may be ordered again
         self._fetching: dict[tuple[str, bytes, str], float] = {}
         self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
+        self.events: list[KVEvent] = []  # of evictions lookups made, for ``take_events``
         self.holds = EngineHolds(
             self.tree, self.hold_options, self._walk, self._unhold, self._page_bytes
         )
@@ -136,6 +138,7 @@ class EngineTree(EngineIndex):
         place = place if place.startswith(L2_AT) else ""  # (a replica's blocks: vLLM's)
         out = []
         for i, chain in enumerate(chains):
+            in_l2 = self.stats.l2_hit_pages
             n, node = self._match(tag, world, chain, full, place, now, l2_only and bool(place))
             self.stats.lookups += 1
             self.stats.lookup_pages += len(chain)
@@ -145,7 +148,23 @@ class EngineTree(EngineIndex):
                 final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
                 self._lease(leases[i], node, now, lease_s)
+            if place:  # what the request will keep in its node's L2 needs room there
+                in_l2 = self.stats.l2_hit_pages - in_l2
+                self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world))
         return out
+
+    def _make_room(self, place: str, need: int) -> None:
+        """Evict from ``place`` until ``need`` more bytes fit: the pages a request
+        will store there (computed, or read from L3) — before they come, so that
+        the node's L2 regions never hold more than the tree counts plus a step's
+        stores (a region refuses a page when its set is full of held ones)."""
+        if need > 0 and 0 < self.places.cap(place) < self.places.used.get(place, 0) + need:
+            self._evict_place(place, need, self.events)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events of evictions a lookup made (room for its request's pages)."""
+        events, self.events = self.events, []
+        return events
 
     def _match(
         self,
@@ -244,12 +263,18 @@ class EngineTree(EngineIndex):
     # -- reports, eviction, write policy ---------------------------------------------------
 
     def report(
-        self, tag: str, world: int, reports: dict[int, Sequence[StoredRun]], now: float = 0.0
+        self,
+        tag: str,
+        world: int,
+        reports: dict[int, Sequence[StoredRun]],
+        now: float = 0.0,
+        names: Sequence[PageName] = (),
     ) -> tuple[list[KVEvent], list[Order]]:
-        """Record, per rank, the pages it stored (used ``now``); the events of the
-        pages this made whole somewhere or evicted, and the orders queued since the
-        last take (this report's evictions among them)."""
-        events = self.record(tag, world, reports, now)
+        """Record, per rank, the pages it stored (used ``now``), and the engine's
+        ``names`` of pages; the events of the pages this made whole somewhere or
+        evicted, and the orders queued since the last take (this report's
+        evictions among them)."""
+        events = self.record(tag, world, reports, now, names)
         if self.l1_heard:
             events += self.forget_silent_l1(now)
         self.holds.expire(now)
@@ -308,23 +333,32 @@ class EngineTree(EngineIndex):
         self._prune(node)
 
     def _page_bytes(self, node: TreeNode) -> int:
-        return sum(self.ranks.get(group_of(node), {}).values())
+        return self._group_bytes(*group_of(node))
+
+    def _group_bytes(self, tag: str, world: int) -> int:
+        """A whole page's bytes, every rank's shard (0 before any is reported)."""
+        return sum(self.ranks.get((tag, world), {}).values())
 
     def _evict(self, events: list[KVEvent]) -> None:
         """Leaves leave each place over its capacity, then the tree's pages over
         ``index_pages``, in the policy's order, leased ones passed over."""
         for place in self.places.over():
-            for node in self.places.victims(place):
-                node = self._tail(node, place)
-                if place == L3:
-                    self._gone(node)
-                events.extend(self._leave(node, place, self._eviction(node, place)))
-                self._count(place, node)
-                self._prune(node)
+            self._evict_place(place, 0, events)
         for node in self.places.ends_victims(lambda: len(self.where) > self.index_pages):
             for place in list(node.places or ()):
                 events.extend(self._leave(node, place, DELETE))
                 self._count(place, node)
+            self._prune(node)
+
+    def _evict_place(self, place: str, room: int, events: list[KVEvent]) -> None:
+        """Leaves leave ``place`` until it holds at most its capacity less ``room``
+        bytes."""
+        for node in self.places.victims(place, room):
+            node = self._tail(node, place, room)
+            if place == L3:
+                self._gone(node)
+            events.extend(self._leave(node, place, self._eviction(node, place)))
+            self._count(place, node)
             self._prune(node)
 
     def _gone(self, node: TreeNode) -> None:
@@ -336,7 +370,7 @@ class EngineTree(EngineIndex):
         while len(self.gone) > MAX_GONE:
             self.gone.popitem(last=False)
 
-    def _tail(self, node: TreeNode, place: str) -> TreeNode:
+    def _tail(self, node: TreeNode, place: str, room: int = 0) -> TreeNode:
         """The pages of the leaf ``node`` that must leave ``place`` to bring it within
         its capacity: its last ones only (cut off), its first kept — a node is
         the pages one report stored, and a prompt's many pages need not all go
@@ -345,7 +379,7 @@ class EngineTree(EngineIndex):
         ranks = self.ranks.get(group_of(node), {})
         mask = (node.places or {}).get(place, 0)
         per_page = sum(size for rank, size in ranks.items() if mask >> rank & 1)
-        over = self.places.used.get(place, 0) - self.places.cap(place)
+        over = self.places.used.get(place, 0) + room - self.places.cap(place)
         if per_page <= 0 or len(pages) < 2 or over <= 0:
             return node
         need = -(-over // per_page)

@@ -44,6 +44,10 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True):
     parent_hash: bytes | None = None
     tokens: bytes = b""
     place: str = ""  # which node's host memory (engine pages in a node's L2), or none
+    # An engine's own names of the pages (and of the parent), where its connector
+    # told them: what a router indexing the engine's own events knows them by.
+    engine_hashes: tuple[bytes, ...] = ()
+    engine_parent: bytes | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
@@ -53,6 +57,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
     medium: Medium
     namespace: str
     place: str = ""
+    engine_hashes: tuple[bytes, ...] = ()  # as ``BlockStored``'s
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):

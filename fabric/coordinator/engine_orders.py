@@ -3,9 +3,9 @@
 The tree decides what leaves a place (``fabric.cache.engine_tree``); only an
 engine's workers can delete a page's shards there: they know its keys (the
 tag, the rank's shard) and, for a node's L2, they are on the node. So each
-``Order`` waits here for the next report of an engine of its tag and world that
-can reach the place (any, for L3; one on the node, for a node's L2), and goes
-back with that report's reply. At most ``max_pages`` pages wait; past that
+``Order`` waits here for the next lookup or report of an engine of its tag and
+world that can reach the place (any, for L3; one on the node, for a node's
+L2), and goes back with that call's reply. At most ``max_pages`` pages wait; past that
 the oldest are let go, counted: their shards stay where they are until the
 store's own bound or a later store of theirs, and the tree no longer counts them.
 """

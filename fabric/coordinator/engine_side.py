@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fabric.cache.engine_holds import HoldOptions
-from fabric.cache.engine_input import L3, StoredRun, check_count, check_group, check_place
+from fabric.cache.engine_input import (
+    L3,
+    PageName,
+    StoredRun,
+    check_count,
+    check_group,
+    check_place,
+)
 from fabric.cache.engine_places import Order
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockStored
@@ -58,22 +65,29 @@ class EngineSide:
         lease_s: float = 0.0,
         release: Sequence[str] = (),
         place: str = "",
-    ) -> list[int]:
+    ) -> tuple[list[int], list[Order]]:
         """Per chain of page hashes, how many leading pages are whole for the
         engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
         ``EngineTree.lookup``; under ``best_effort``, in ``place`` only), each
         chain's match leased under its name in ``leases`` for ``lease_s``; the
         leases ``release`` names end first. A *final* answer — the page after the
         match is one the tree evicted from L3, so the engine is not to look for
-        more in the store — is sent as ``-1 - pages`` (``decode_answers``)."""
+        more in the store — is sent as ``-1 - pages`` (``decode_answers``).
+
+        With the answers go the orders this engine's ranks carry out (as a
+        report's reply has them): among them, the room the lookup made in
+        ``place`` for the pages the requests will store there, carried out in
+        the same engine step, before those pages come."""
         if release:
             self.tree.release(release)
         final: list[bool] = []
         hits = self.tree.lookup(
             tag, world, chains, leases, lease_s, self.clock(), place, self.l2_only, final
         )
-        self.orders.add(self.tree.take_orders())  # copies the hits asked for
-        return [-1 - n if last else n for n, last in zip(hits, final, strict=True)]
+        self.orders.add(self.tree.take_orders())  # copies the hits asked for, room made
+        self.events.add(self.tree.take_events())
+        answers = [-1 - n if last else n for n, last in zip(hits, final, strict=True)]
+        return answers, self.orders.take(tag, world, place) if chains else []
 
     def report(
         self,
@@ -82,17 +96,19 @@ class EngineSide:
         reports: dict[int, Sequence[StoredRun]],
         place: str = "",
         place_bytes: int = 0,
+        names: Sequence[PageName] = (),
     ) -> tuple[int, list[Order]]:
         """Ranks' reports of the pages they stored: how many pages became whole
-        somewhere (each announced as a ``BlockStored``), and the orders this
-        engine's ranks carry out (in L3, and in ``place``: its node's L2, whose
-        regions hold ``place_bytes`` for this engine)."""
+        somewhere (each announced as a ``BlockStored``, under the engine's own
+        ``names`` of the pages where it sent them), and the orders this engine's
+        ranks carry out (in L3, and in ``place``: its node's L2, whose regions
+        hold ``place_bytes`` for this engine)."""
         if place:
             check_group(tag, world)
             check_place(place)
             check_count(place_bytes, "place_bytes")
             self.tree.declare(place, tag, place_bytes)
-        events, orders = self.tree.report(tag, world, reports, self.clock())
+        events, orders = self.tree.report(tag, world, reports, self.clock(), names)
         self.events.add(events)
         self.orders.add(orders)
         whole = sum(len(e.page_hashes) for e in events if isinstance(e, BlockStored))

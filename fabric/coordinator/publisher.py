@@ -25,7 +25,11 @@ The wire:
   ``REPLAY_MAX_MESSAGE`` bytes is dropped by ZMQ.
 
 Hashes are the low 64 bits (the last 8 bytes, big-endian) of the SHA-256 page
-hashes by default, or the 32 bytes. Media: L1 is ``GPU``; L2 and L3 are ``CPU``
+hashes by default, or the 32 bytes. An engine's page whose connector named it
+goes out under the engine's own block hash (vLLM's: the same low 64 bits vLLM's
+events carry) with its token ids and the engine's block size, so a router that
+indexes the engine's own events finds it in the fabric's tiers under the same
+key. Media: L1 is ``GPU``; L2 and L3 are ``CPU``
 and ``STORAGE`` (vLLM's names) or ``CPU_PINNED`` and ``DISK`` (SGLang's). L1
 keeps its name on a CPU-only fabric: it is the tier the model reads. The
 publisher's thread owns both sockets; ``publish`` only queues.
@@ -125,19 +129,25 @@ def low64(page_hash: bytes) -> int:
 def to_wire(
     events: Sequence[KVEvent], page_size: int, uint64: bool = True, dialect: str = "vllm"
 ) -> list[WireEvent]:
-    """The core's events in the routers' layout, media named as ``dialect`` names them."""
+    """The core's events in the routers' layout, media named as ``dialect`` names them.
+    An engine page its engine named (``BlockStored.engine_hashes``) goes out under
+    the engine's block hashes, with its tokens and the engine's block size, as
+    the engine's own events have it."""
     h = low64 if uint64 else bytes
     media = DIALECT_MEDIA[dialect]
     out: list[WireEvent] = []
     for e in events:
         if isinstance(e, BlockStored):
-            parent = None if e.parent_hash is None else h(e.parent_hash)
+            hashes, parent_hash = e.page_hashes, e.parent_hash
+            if e.engine_hashes:
+                hashes, parent_hash = e.engine_hashes, e.engine_parent
+            tokens = unpack_tokens(e.tokens)
             out.append(
                 WireBlockStored(
-                    [h(x) for x in e.page_hashes],
-                    parent,
-                    unpack_tokens(e.tokens),
-                    page_size,
+                    [h(x) for x in hashes],
+                    None if parent_hash is None else h(parent_hash),
+                    tokens,
+                    len(tokens) // len(hashes) if e.engine_hashes and tokens else page_size,
                     None,
                     media[e.medium],
                     None,
@@ -148,7 +158,10 @@ def to_wire(
         elif isinstance(e, BlockRemoved):
             out.append(
                 WireBlockRemoved(
-                    [h(x) for x in e.page_hashes], media[e.medium], e.namespace, e.place
+                    [h(x) for x in e.engine_hashes or e.page_hashes],
+                    media[e.medium],
+                    e.namespace,
+                    e.place,
                 )
             )
         else:

@@ -26,7 +26,8 @@ from typing import Any
 from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, MAX_PAGES_PER_CALL, StoredRun
 from fabric.cache.engine_places import Order
 from fabric.engines.link_socket import SocketCalls, open_socket
-from fabric.engines.store import StoreOptions
+from fabric.engines.store import StoreOptions, store_options
+from fabric.engines.vllm_names import PageNames
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class FabricLink:
         # Whether the fabric's lookups count this node's L2 only, prefetching what
         # only L3 holds there (its prefetch.stop_policy is best_effort).
         self.l2_only = False
+        self.names = PageNames()  # vLLM's names of the pages reported (for KV events)
         # Evictions the fabric handed this engine to carry out (``take_orders``).
         self.orders: list[Order] = []
         self._orders_out = 0  # batches handed to the workers, times ranks, not done
@@ -71,7 +73,7 @@ class FabricLink:
         self._said_down = False
         self._reports: list[Any] = []
         self._connecting: threading.Thread | None = None
-        self._connected: tuple[Any, StoreOptions | None, SocketCalls | None, bool] | None = None
+        self._connected: tuple[Any, StoreOptions | None, SocketCalls | None, Any] | None = None
         self._lock = threading.Lock()
         # The coordinator's call socket, where it answers from here (else Ray calls).
         self.calls: SocketCalls | None = None
@@ -114,8 +116,9 @@ class FabricLink:
                     lambda: fabric.result(fabric.coordinator.call_endpoint.remote(), 30),
                     fabric.config.runtime.max_message_bytes, self.timeout_s, self.clock,
                 )  # fmt: skip
-            best_effort = fabric.config.prefetch.stop_policy == "best_effort"
-            result: Any = (fabric.coordinator, store_options(fabric.config), calls, best_effort)
+            config = fabric.config
+            flags = (config.prefetch.stop_policy == "best_effort", config.events.enabled)
+            result: Any = (fabric.coordinator, store_options(config), calls, flags)
         except Exception as exc:
             result = exc
         with self._lock:
@@ -130,7 +133,7 @@ class FabricLink:
         if isinstance(result, Exception):
             self._down(f"cannot be reached ({result})")
             return
-        self.coordinator, self.store, self.calls, self.l2_only = result
+        self.coordinator, self.store, self.calls, (self.l2_only, self.names.wanted) = result
         log.info(
             "kvfabric connector: attached to fabric %r (L3 %s; calls %s)",
             self.name,
@@ -206,7 +209,9 @@ class FabricLink:
         except Exception as exc:
             self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
             return None
-        return decode_answers([hit for part in answers for hit in part])
+        for _, orders in answers:  # (among them, the room made for the pages asked)
+            self.orders += orders
+        return decode_answers([hit for hits, _ in answers for hit in hits])
 
     def release(self, tag: str, world: int, names: Sequence[str]) -> None:
         """End leases (their pages are loaded): sent without waiting."""
@@ -228,17 +233,18 @@ class FabricLink:
 
     def report(self, tag: str, world: int, stored: dict[int, list[StoredRun]]) -> None:
         """Send ranks' reports of stored pages (their reply is not waited for), in
-        parts the coordinator takes."""
+        parts the coordinator takes, each with vLLM's names of its pages."""
         if not stored or not self.up:
             return
         try:
             for part in _report_parts(stored):
+                named = self.names.take(h for runs in part.values() for r in runs for h in r.hashes)
                 if self.calls is not None:
-                    self.calls.report(tag, world, part, self.place, self.place_bytes)
+                    self.calls.report(tag, world, part, self.place, self.place_bytes, named)
                     continue
                 self._reports.append(
                     self.coordinator.engine_report.remote(
-                        tag, world, part, self.place, self.place_bytes
+                        tag, world, part, self.place, self.place_bytes, named
                     )
                 )
         except Exception as exc:
@@ -344,7 +350,7 @@ class FabricLink:
             except Exception as exc:
                 self._down(f"failed a report ({type(exc).__name__}: {exc})")
                 return False
-            if isinstance(reply, tuple):  # a report's: the evictions to carry out
+            if isinstance(reply, tuple):  # a report's or release's: the orders to carry out
                 self.orders += reply[1]
         return True
 
@@ -423,26 +429,3 @@ def _report_parts(stored: dict[int, list[StoredRun]]) -> list[dict[int, list[Sto
                 parts.append({})
             parts[n][rank] = list(runs[at : at + MAX_CHAINS_PER_CALL])
     return parts
-
-
-def store_options(config: Any) -> StoreOptions | None:
-    """Where workers read and write a fabric's L3 themselves (its directory, with
-    the fabric's own backend, cap and authentication); ``None`` for an L3 they
-    cannot open (none, Redis, a dynamic backend)."""
-    storage, prefetch = config.storage, config.prefetch
-    if storage.backend not in ("segment", "file"):
-        return None
-    return StoreOptions(
-        path=storage.path,
-        backend=storage.backend,
-        max_bytes=storage.max_bytes,
-        fsync=storage.fsync,
-        auth_key_file=storage.auth_key_file,
-        write_policy=config.cache.write_policy,
-        prefetch_stop_policy=prefetch.stop_policy,
-        prefetch_timeout_s=(
-            prefetch.timeout_base_s,
-            prefetch.timeout_per_ki_token_s,
-            prefetch.timeout_max_s,
-        ),
-    )

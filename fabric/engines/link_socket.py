@@ -6,8 +6,9 @@ engine step's lookup and report, several times the tree's own work
 
 Calls keep the link's order and semantics (``fabric.engines.fabric_link``):
 reports, forgets and lease releases are sent without waiting, their replies
-taken as they come (a report's carries the tree's orders); a lookup first takes
-the replies of every call sent before it, so it never overtakes a report.
+taken as they come (a report's carries the tree's orders, as a lookup's does);
+a lookup first takes the replies of every call sent before it, so it never
+overtakes a report.
 One thread (the engine's scheduler) makes the calls: replies come back on its
 socket in the order the coordinator answers them.
 """
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, StoredRun
+from fabric.cache.engine_input import MAX_CHAINS_PER_CALL, PageName, StoredRun
 from fabric.cache.engine_places import Order
 from fabric.call_sockets import (
     CallLink,
@@ -32,7 +33,7 @@ from fabric.call_sockets import (
 )
 
 _ENCODE = msgspec.msgpack.Encoder()
-_HITS = msgspec.msgpack.Decoder(list[int])
+_LOOKED = msgspec.msgpack.Decoder(tuple[list[int], list[Order]])
 _REPORTED = msgspec.msgpack.Decoder(tuple[int, list[Order]])
 
 
@@ -52,7 +53,7 @@ class SocketCalls:
         self.link = link
         self.clock = clock
         self.sent: dict[int, str] = {}  # calls whose reply is not taken: seq -> kind
-        self.orders: list[Order] = []  # from the replies to reports
+        self.orders: list[Order] = []  # from the replies to reports and lookups
 
     def lookup(
         self,
@@ -81,13 +82,22 @@ class SocketCalls:
         while len(answers) < len(seqs):
             seq, payload = self._take(deadline)
             if seq in seqs:
-                answers[seq] = _HITS.decode(payload)
+                hits, orders = _LOOKED.decode(payload)
+                answers[seq] = hits
+                self.orders += orders
         return [hit for seq in seqs for hit in answers[seq]]
 
     def report(
-        self, tag: str, world: int, part: dict[int, list[StoredRun]], place: str, place_bytes: int
+        self,
+        tag: str,
+        world: int,
+        part: dict[int, list[StoredRun]],
+        place: str,
+        place_bytes: int,
+        names: list[PageName] | None = None,
     ) -> None:
-        self._send(EngineReportCall(tag, world, part, place, place_bytes), "report")
+        call = EngineReportCall(tag, world, part, place, place_bytes, names or [])
+        self._send(call, "report")
 
     def forget(self, tag: str, world: int, hashes: Sequence[bytes]) -> None:
         self._send(EngineForgetCall(tag, world, list(hashes)), "forget")

@@ -386,3 +386,26 @@ class RayStore(PageStore):
 def open_store(options: StoreOptions, writer: str) -> PageStore:
     """The store ``options`` name, for ``writer``'s pages."""
     return DirectStore(options, writer) if options.path else RayStore(options, writer)
+
+
+def store_options(config: Any) -> StoreOptions | None:
+    """Where workers read and write a fabric's L3 themselves (its directory, with
+    the fabric's own backend, cap and authentication); ``None`` for an L3 they
+    cannot open (none, Redis, a dynamic backend)."""
+    storage, prefetch = config.storage, config.prefetch
+    if storage.backend not in ("segment", "file"):
+        return None
+    return StoreOptions(
+        path=storage.path,
+        backend=storage.backend,
+        max_bytes=storage.max_bytes,
+        fsync=storage.fsync,
+        auth_key_file=storage.auth_key_file,
+        write_policy=config.cache.write_policy,
+        prefetch_stop_policy=prefetch.stop_policy,
+        prefetch_timeout_s=(
+            prefetch.timeout_base_s,
+            prefetch.timeout_per_ki_token_s,
+            prefetch.timeout_max_s,
+        ),
+    )

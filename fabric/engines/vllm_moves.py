@@ -130,14 +130,17 @@ class PageMoves:
         """A page buffer of at least ``rows`` rows of ``page_bytes`` (``batch_pages``
         by default) to fill: the next power of two, so that buffers are kept and
         reused by size (a new one costs its pages' first touch); give it back with
-        ``give``. Safe from any thread."""
+        ``give``. Safe from any thread, in inference mode or not: a buffer is never
+        an inference tensor (one made in vLLM's forward, reused on the writer
+        thread for an order's copy, would refuse the copy)."""
         size = self.batch_pages if rows is None else min(_pow2(rows), self.batch_pages)
         with self._buffers:
             free = self._free.get(size)
             if free:
                 self._free_bytes -= free[-1].numel()
                 return free.pop()
-        return torch.empty((size, self.page_bytes), dtype=torch.uint8)
+        with torch.inference_mode(False):
+            return torch.empty((size, self.page_bytes), dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._buffers:

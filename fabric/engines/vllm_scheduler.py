@@ -333,6 +333,7 @@ class SchedulerSide:
             return
         state.hashes_to(end, self.block_size)
         assert self.tag is not None and len(state.hashes) >= end
+        self.link.names.learn(state.request, state.hashes, start, end, self.block_size)
         parent = state.hashes[start - 1] if start else None
         run = StoredRun(state.namespace, parent, tuple(state.hashes[start:end]))
         meta.saves.append(PageSave(self.tag, run, tuple(state.block_ids[start:end])))

@@ -29,6 +29,7 @@ from fabric.cache.engine_places import BACKUP, MOVE, PREFETCH
 from fabric.cache.engine_tree import EngineTree
 
 TAG = "0123456789abcdef"
+LEASE_S = 60.0  # a request's lease on its matched pages, released once they are loaded
 NAMESPACE = "vllm"
 
 
@@ -88,13 +89,13 @@ def replay(
     for i, chain in enumerate(chains(hash_ids)):
         place = node_l2_of(i % setup.engines, setup)
         asked = chain[: max(len(chain) - 1, 0)]
-        l2, l3 = index.lookup(asked, place)
+        l2, l3 = index.lookup(asked, place, f"r{i}")
         out.requests += 1
         out.asked_pages += len(asked)
         out.hit_pages["l2"] += l2
         out.hit_pages["l3"] += l3
         out.per_request.append((l2, l3))
-        out.l3_pages_written += index.serve(chain, l2, l3, place)
+        out.l3_pages_written += index.serve(chain, l2, l3, place, f"r{i}")
         if progress is not None:
             progress(1)
     return out
@@ -116,17 +117,23 @@ class TreeIndex:
             if setup.l2_bytes:
                 self.tree.declare(f"l2@node{node}", TAG, setup.l2_bytes)
 
-    def lookup(self, asked: list[bytes], place: str) -> tuple[int, int]:
+    def lookup(self, asked: list[bytes], place: str, name: str) -> tuple[int, int]:
+        """The request's hit in its node's L2 and in L3, leased under ``name`` (as the
+        connector leases it until its pages are loaded)."""
         self.now += 1.0
         stats = self.tree.stats
         before = stats.l2_hit_pages
         best_effort = self.setup.stop_policy == "best_effort"
-        (hit,) = self.tree.lookup(TAG, 1, [asked], now=self.now, place=place, l2_only=best_effort)
+        (hit,) = self.tree.lookup(
+            TAG, 1, [asked], [name], LEASE_S, self.now, place, l2_only=best_effort
+        )
         l2 = stats.l2_hit_pages - before
         return l2, hit - l2
 
-    def serve(self, chain: list[bytes], l2: int, l3: int, place: str) -> int:
-        """The request's loads and stores, then the orders; pages L3 newly holds."""
+    def serve(self, chain: list[bytes], l2: int, l3: int, place: str, name: str) -> int:
+        """The request's loads (its lease then ends) and stores, then the orders;
+        pages L3 newly holds."""
+        self.tree.release([name])
         hit = l2 + l3
         before = self.tree.stats.whole_by_place.get(L3, 0)
         runs: list[StoredRun] = []
@@ -187,7 +194,7 @@ class FlatIndex:
     def _lru(self, place: str) -> OrderedDict[bytes, None]:
         return self.places.setdefault(place, OrderedDict())
 
-    def lookup(self, asked: list[bytes], place: str) -> tuple[int, int]:
+    def lookup(self, asked: list[bytes], place: str, name: str = "") -> tuple[int, int]:
         l2 = self._lru(place) if place else OrderedDict()
         l3 = self._lru(L3)
         only_l2 = self.setup.stop_policy == "best_effort" and bool(place)
@@ -204,7 +211,7 @@ class FlatIndex:
                 break
         return hits[0], hits[1]
 
-    def serve(self, chain: list[bytes], l2: int, l3: int, place: str) -> int:
+    def serve(self, chain: list[bytes], l2: int, l3: int, place: str, name: str = "") -> int:
         hit, written = l2 + l3, 0
         if place:
             self._store(place, chain)  # (what was read from L3 kept in L2 too)

@@ -483,7 +483,7 @@ class _SlowReports:
     def __init__(self) -> None:
         self.reported = 0
 
-    async def engine_report(self, tag, world, reports, place, place_bytes):
+    async def engine_report(self, tag, world, reports, place, place_bytes, names=None):
         import asyncio
 
         await asyncio.sleep(0.3)
@@ -491,7 +491,7 @@ class _SlowReports:
         return 0, []
 
     async def engine_lookup(self, tag, world, chains, leases, lease_s, release, place=""):
-        return [self.reported] * len(chains)
+        return [self.reported] * len(chains), []
 
 
 def test_an_engine_links_lookup_sees_every_report_it_sent_before(fabric):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fabric.cache.engine_holds import HoldOptions
-from fabric.cache.engine_input import L3, StoredRun
+from fabric.cache.engine_input import L3, PageName, StoredRun
 from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, ranks_of
 from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockRemoved, BlockStored, Medium
@@ -275,6 +275,31 @@ def test_a_replicas_l1_not_heard_of_for_its_ttl_is_forgotten():
     assert tree.residency()[other]["pages"] == 2 and tree.lookup(TAG, 1, [c]) == [0]
 
 
+def test_a_lookup_makes_room_in_its_nodes_l2_for_the_pages_its_request_will_store():
+    """A node's L2 regions refuse a page when its set is full of held ones: the tree
+    evicts for a request's pages at its lookup, before they come, so the regions
+    never hold more than the tree counts plus the step's stores."""
+    tree = EngineTree("lru", capacity={L2A: 50}, write_policy="write_back")
+    a, b = chain(4), chain(5, first=50)
+    tree.report(TAG, 1, {0: [run(a[:1]), run(a, place=L2A)]}, now=1.0)  # 40 of 50 bytes
+    # b's request will store 5 pages here (the one after its lookup's too): 10 fit.
+    assert tree.lookup(TAG, 1, [b[:4]], now=2.0, place=L2A) == [0]
+    orders = tree.take_orders()
+    assert [(o.kind, o.hashes) for o in orders] == [(MOVE, tuple(a[1:]))]
+    events = tree.take_events()  # (the lookup's evictions, announced by the caller)
+    assert [(type(e), e.page_hashes) for e in events] == [(BlockRemoved, tuple(a[1:]))]
+    assert tree.take_events() == []
+    assert tree.places.used[L2A] == 10  # a's first page: L3 holds it, it stays in L2 too
+    _, after = tree.report(TAG, 1, {0: [run(b[:4], place=L2A)]}, now=3.0)
+    assert after == [] and tree.places.used[L2A] == 50  # they came: nothing more leaves
+    # A lookup whose pages are in the node's L2 needs no room; one of another node's
+    # L2, or with no place, makes none here.
+    assert tree.lookup(TAG, 1, [b[:4]], now=4.0, place=L2A) == [4] and not tree.take_orders()
+    tree.lookup(TAG, 1, [chain(3, first=90)], now=5.0, place=L2B)
+    tree.lookup(TAG, 1, [chain(3, first=90)], now=5.0)
+    assert not tree.take_orders() and tree.places.used[L2A] == 50
+
+
 def test_a_nodes_l2_holds_half_of_what_its_engines_regions_hold():
     """Engines declare their node L2 regions; engines of one tag share theirs."""
     tree = EngineTree("lru")
@@ -325,6 +350,57 @@ def test_forget_all_announces_every_whole_page_gone():
         (Medium.STORAGE, ""),
     ]
     assert len(tree) == 0 and tree.lookup(TAG, 1, [c]) == [0]
+
+
+def test_events_of_pages_their_engine_named_carry_its_names_and_tokens():
+    """The connector sends vLLM's names of the pages it reports (``PageName``): the
+    tree keeps them while it knows the page, and its events carry them — only
+    for a run whose every page, and parent, is named (a router would otherwise
+    see a chain's start that is not one)."""
+    tree = EngineTree("lru", capacity={L2A: 30})
+    c = chain(4)
+
+    def name(i: int) -> PageName:
+        return PageName(c[i], bytes([i + 1]) * 32, pack_tokens(range(4 * i, 4 * i + 4)))
+
+    events, _ = tree.report(TAG, 1, {0: [run(c[:2], place=L2A)]}, names=[name(0), name(1)])
+    (first,) = events
+    assert first.page_hashes == tuple(c[:2])  # the fabric's own names stay
+    assert first.engine_hashes == (b"\1" * 32, b"\2" * 32) and first.engine_parent is None
+    assert first.tokens == pack_tokens(range(8))
+    # c[2] named, its parent named: c[3] not named, so its run is not either.
+    events, _ = tree.report(TAG, 1, {0: [run(c[2:3], c[1], place=L2A)]}, names=[name(2)])
+    assert events[0].engine_hashes == (b"\3" * 32,) and events[0].engine_parent == b"\2" * 32
+    events, _ = tree.report(TAG, 1, {0: [run(c[3:], c[2], place=L2A)]})
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored[0].engine_hashes == () and stored[0].tokens == b""
+    removed = [e for e in events if isinstance(e, BlockRemoved)]  # 40 bytes of 30: c[3] goes
+    assert [(e.page_hashes, e.engine_hashes) for e in removed] == [((c[3],), ())]
+    tree.report(TAG, 1, {0: [run(c[2:3], c[1], place=L2B)]})
+    (gone,) = tree.forget(TAG, 1, [c[2]])[:1]
+    assert gone.engine_hashes == (b"\3" * 32,)
+    assert (TAG, 1, c[2]) not in tree.names  # the tree forgot the page: its name too
+    # A name of a page the tree does not know is not kept.
+    tree.report(TAG, 1, {}, names=[PageName(chain(1, first=77)[0], b"x", b"")])
+    assert len(tree.names) == 2
+
+
+@pytest.mark.parametrize(
+    ("names", "needle"),
+    [
+        ("not a list", "names are refused"),
+        (["name"], "PageName, got str"),
+        ([PageName(b"short", b"x", b"")], "page hash b'short'"),
+        ([PageName(bytes(32), b"", b"")], "engine hash b''"),
+        ([PageName(bytes(32), bytes(65), b"")], "engine hash"),
+        ([PageName(bytes(32), b"x", b"abc")], "tokens b'abc'"),
+    ],
+)
+def test_bad_page_names_are_refused_naming_the_value_and_change_nothing(names, needle):
+    tree = EngineTree()
+    with pytest.raises(InvalidInput, match=needle.replace("(", r"\(")):
+        tree.report(TAG, 1, {0: [run(chain(2))]}, names=names)
+    assert len(tree) == 0 and tree.names == {}
 
 
 @pytest.mark.parametrize(

@@ -65,13 +65,13 @@ def test_the_coordinator_announces_engine_pages_by_tier_and_place_and_hands_each
     assert [(e.medium, e.place) for e in events] == [(Medium.HOST, "n1"), (Medium.STORAGE, "")]
     wire = to_wire(events, 4)
     assert isinstance(wire[0], WireBlockStored) and wire[0].place == "n1"
-    assert core.engines.lookup(TAG, 1, [list(a)], place="l2@n2") == [3]  # L3 serves every node
+    assert core.engines.lookup(TAG, 1, [list(a)], place="l2@n2")[0] == [3]  # L3 serves every node
     whole, drops = core.engines.report(TAG, 1, {0: [StoredRun("t", None, b, L3, 10)]}, "l2@n2")
     # a, least recently used: its last pages, as many as the room needs
     assert [(d.place, d.hashes) for d in drops] == [(L3, a[1:])]
     removed = [e for e in core.events.take() if isinstance(e, BlockRemoved)]
     assert [e.page_hashes for e in removed] == [a[1:]]
-    assert core.engines.lookup(TAG, 1, [list(a)]) == [-2], "final: a's second page was evicted"
+    assert core.engines.lookup(TAG, 1, [list(a)])[0] == [-2], "final: a's second page was evicted"
     assert core.engines.report(TAG, 1, {}, "l2@n1") == (0, [])  # handed once
     assert not any(isinstance(e, BlockStored) for e in core.events.take())
 
@@ -98,7 +98,7 @@ def test_an_engines_report_declares_its_node_l2_and_a_bad_size_is_refused():
 def test_under_best_effort_the_coordinator_prefetches_into_the_askers_node():
     """``prefetch.stop_policy=best_effort``: an engine's lookup takes what its
     node's L2 holds, and the pages only L3 holds go back, as a ``PREFETCH`` into
-    that node's L2, with the next report of an engine there; under the other
+    that node's L2, with the lookup's answers; under the other
     policies L3 counts (the request waits for its own reads)."""
     from fabric.cache.engine_input import StoredRun
     from fabric.cache.engine_places import PREFETCH
@@ -109,7 +109,33 @@ def test_under_best_effort_the_coordinator_prefetches_into_the_askers_node():
     for policy, hits in (("best_effort", 0), ("timeout", 3), ("wait_complete", 3)):
         core = CoordinatorCore(small_config(f"prefetch.stop_policy={policy}"))
         core.engines.report(TAG, 1, {0: [StoredRun("t", None, tuple(a), L3, 10)]})
-        assert core.engines.lookup(TAG, 1, [a], place="l2@n1") == [hits]
-        _, orders = core.engines.report(TAG, 1, {}, "l2@n1", 100)
+        answers, orders = core.engines.lookup(TAG, 1, [a], place="l2@n1")
+        assert answers == [hits]  # the prefetch goes back with the lookup's answers
         expected = [(PREFETCH, "l2@n1", tuple(a))] if policy == "best_effort" else []
         assert [(o.kind, o.place, o.hashes) for o in orders] == expected
+
+
+def test_engine_pages_go_out_on_the_wire_under_their_engines_names_and_tokens():
+    """A report with vLLM's names of its pages: the published events carry vLLM's
+    block hashes (the low 64 bits, as vLLM's own events do), the parent's, the
+    pages' token ids and the engine's block size — in every dialect and hash
+    format; their removal names them the same way."""
+    from fabric.cache.engine_input import PageName, StoredRun
+    from fabric.cache.keys import pack_tokens
+    from fabric.coordinator.core import CoordinatorCore
+    from fabric.coordinator.publisher import WireBlockRemoved, WireBlockStored, to_wire
+    from tests.helpers import small_config
+
+    core = CoordinatorCore(small_config("storage.max_bytes=30"))
+    core.events.take()
+    a = tuple(bytes([i]) * 32 for i in range(3))
+    theirs = [bytes([0xA0 + i]) * 24 + i.to_bytes(8, "big") for i in range(3)]
+    names = [PageName(a[i], theirs[i], pack_tokens(range(2 * i, 2 * i + 2))) for i in range(3)]
+    core.engines.report(TAG, 1, {0: [StoredRun("t", None, a, L3, 10)]}, names=names)
+    (stored,) = to_wire(core.events.take(), 16)
+    assert isinstance(stored, WireBlockStored)
+    assert stored.block_hashes == [0, 1, 2] and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(6)) and stored.block_size == 2
+    (raw,) = to_wire([core.engines.tree.forget_all()[0]], 16, uint64=False, dialect="sglang")
+    assert isinstance(raw, WireBlockRemoved) and raw.block_hashes == theirs
+    assert raw.medium == "DISK"

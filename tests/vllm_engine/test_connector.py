@@ -108,6 +108,11 @@ def launch_fabric(store: Path, name: str, **runtime: object):
             "topology": {"tp": 1},
             "cache": {"session_ttl_s": 3600.0},  # sessions outlive a module's engines
             "runtime": {"name": name, "dashboard": False, **runtime},
+            # KV events as a router reads them (replayed from the first batch)
+            "events": {
+                "endpoint": f"ipc://{store}-events",
+                "replay_endpoint": f"ipc://{store}-replay",
+            },
         }
     )
     return launch(config, announce=False)
@@ -317,6 +322,64 @@ def test_a_replicas_own_blocks_are_its_l1_place_while_it_runs(pair):
     places = pair["b"]["places"]
     (l1,) = [p for p in places if p.startswith("l1@")]
     assert places[l1]["pages"] >= l1_pages()
+
+
+def replayed_events(fabric) -> list:
+    """Every KV event the fabric published, read as a router reads them: replayed
+    from the first batch."""
+    import msgspec
+    import zmq
+
+    from fabric.coordinator.publisher import WireBatch
+
+    decode = msgspec.msgpack.Decoder(WireBatch)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(fabric.config.events.replay_endpoint)
+        dealer.send((0).to_bytes(8, "big"))
+        events = []
+        while dealer.poll(10_000):
+            _, _, payload = dealer.recv_multipart()
+            if not payload:
+                return events  # the end of the replay
+            events += decode.decode(payload).events
+        raise AssertionError("the fabric's replay socket did not answer")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_router_finds_the_fabrics_pages_under_vllms_own_block_hashes(pair, fabric):
+    """The fabric's KV events of engine pages name them as vLLM's own events do:
+    vLLM's block hashes (sha256 from its fixed seed, low 64 bits, computed here
+    with vLLM's own functions), the blocks' token ids and vLLM's block size —
+    so a router that indexes vLLM's events sees each prompt's pages in L3, in
+    the node's L2 and in B's blocks under the keys it knows."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from fabric.coordinator.publisher import WireBlockStored
+
+    sha256 = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(sha256)
+    tokens_of: dict[int, list[int]] = {}
+    for prompt in prompts():
+        parent = None
+        for k in range(loadable(len(prompt)) // BLOCK_SIZE):
+            block = prompt[k * BLOCK_SIZE : (k + 1) * BLOCK_SIZE]
+            parent = kv_cache_utils.hash_block_tokens(sha256, parent, block, None)
+            tokens_of[int.from_bytes(parent[-8:], "big")] = block
+    stored = [e for e in replayed_events(fabric) if isinstance(e, WireBlockStored)]
+    by_medium: dict[str, set[int]] = {}
+    for e in stored:
+        by_medium.setdefault(e.medium, set()).update(e.block_hashes)
+        if e.token_ids:  # named: vLLM's block size and the blocks' own tokens
+            assert e.block_size == BLOCK_SIZE
+            ours = [tokens_of[h] for h in e.block_hashes if h in tokens_of]
+            if len(ours) == len(e.block_hashes):
+                assert e.token_ids == [t for block in ours for t in block]
+    for medium in ("STORAGE", "CPU", "GPU"):  # L3, the node's L2, B's own blocks
+        assert set(tokens_of) <= by_medium.get(medium, set()), medium
 
 
 def test_a_page_another_process_stored_a_moment_ago_is_loaded_not_forgotten(pair, baseline):

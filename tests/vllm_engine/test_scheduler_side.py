@@ -16,6 +16,7 @@ from fabric.cache.engine_input import StoredRun
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import DirectStore, StoreOptions, parse_options
 from fabric.engines.vllm_identity import engine_tag
+from fabric.engines.vllm_names import PageNames
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricHandshake,
@@ -47,6 +48,7 @@ class FakeLink:
         self.leases: list[tuple[list[str], float, list[str]]] = []
         self.released: list[str] = []
         self.holds: list[tuple] = []
+        self.names = PageNames()  # (the fabric publishes no KV events)
 
     def lookup(self, tag, world, chains, leases, lease_s, release, deadline):
         if not self.up:

@@ -138,14 +138,16 @@ def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it
     from there to L3 (reported stored there, in runs after their parent) and
     keeps them; a ``MOVE`` copies and then empties the slots. Pages the node's
     L2 no longer holds are skipped, never copied; a copy goes a page buffer at a
-    time (one page, here)."""
+    time (one page, here), in buffers the step's stores used in vLLM's inference
+    mode and gave back."""
     monkeypatch.setattr(vllm_moves, "STAGING_BYTES", PAGE_BYTES)
     store = StoreOptions(path=str(tmp_path), write_policy="write_back")
     source = caches(1)
     writer = worker(tmp_path, source, l2=True)
     here = node_place(str(tmp_path / "shm"))
     run = StoredRun("vllm", None, hashes(4))
-    writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
+    with torch.inference_mode():  # as vLLM's forward calls the connector
+        writer.save(FabricStepMeta(saves=[psave(run, (0, 1, 2, 3))], store=store))
     drain(writer)
     reported = [r for _, _, r in writer.worker_meta().stored]
     assert {r.place for r in reported} == {here}
@@ -164,7 +166,8 @@ def test_under_write_back_a_page_waits_in_the_nodes_l2_until_the_fabric_moves_it
     assert [f is not None for f in writer.pages.l2.find(keys)] == [True, False, False, False]
     stored = [(r.place, r.parent, r.hashes) for _, _, r in writer.worker_meta().stored]
     assert stored == [(L3, None, h[:1]), (L3, h[1], h[2:])]
-    assert writer.take_stats().data["l3_copied_pages"] == 3
+    counts = writer.take_stats().data
+    assert counts["l3_copied_pages"] == 3 and counts["orders_failed"] == 0
     writer.close()
     reader = worker(tmp_path, target := caches(2))
     reader.load(FabricStepMeta(loads=[pload(h[2:], (8, 9))], store=store))
