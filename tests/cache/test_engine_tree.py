@@ -26,6 +26,11 @@ TAG = "0123456789abcdef"
 L2A, L2B = "l2@node-a", "l2@node-b"
 
 
+def engine_name(page: bytes) -> bytes:
+    """A page's name in its engine, as a test's engine would send it."""
+    return hashlib.sha256(b"engine" + page).digest()
+
+
 def chain(n: int, namespace: str = "vllm", first: int = 0) -> list[bytes]:
     tokens = pack_tokens(range(first, first + 4 * n))
     return chain_hashes(namespace_seed(namespace), tokens, 16)
@@ -617,8 +622,9 @@ class EngineTreeMachine(RuleBasedStateMachine):
         length=st.integers(1, 4),
         rank=st.integers(0, 2),
         place=st.sampled_from(PLACES),
+        named=st.booleans(),
     )
-    def report(self, tag, world, ns, start, length, rank, place) -> None:
+    def report(self, tag, world, ns, start, length, rank, place, named) -> None:
         rank %= world
         c = self.chains[ns]
         hashes = c[start : start + length]
@@ -627,9 +633,16 @@ class EngineTreeMachine(RuleBasedStateMachine):
             return  # it would wait for its parent (tested above)
         self.now += 1
         before = dict(self.model)
+        names = [PageName(h, engine_name(h), pack_tokens([h[0]])) for h in hashes if named]
         events, drops = self.tree.report(
-            tag, world, {rank: [run(hashes, parent, ns, place)]}, now=self.now
+            tag, world, {rank: [run(hashes, parent, ns, place)]}, now=self.now, names=names
         )
+        for e in events:  # under the engine's names, or none: never a mix
+            if isinstance(e, BlockStored) and e.engine_hashes:
+                assert e.engine_hashes == tuple(engine_name(h) for h in e.page_hashes)
+                assert e.tokens == pack_tokens([h[0] for h in e.page_hashes])
+                expected = None if e.parent_hash is None else engine_name(e.parent_hash)
+                assert e.engine_parent == expected
         full = (1 << world) - 1
         whole = []
         for h in hashes:
@@ -666,7 +679,11 @@ class EngineTreeMachine(RuleBasedStateMachine):
         leases = [name] if name is not None else None
         (hit,) = self.tree.lookup(tag, world, [c], leases, lease_s, self.now, place, l2_only)
         orders = self.tree.take_orders()
-        self._apply(orders)
+        before = dict(self.model)
+        self._apply(orders)  # (among them, the room made for the request's pages)
+        removed = [h for e in self.tree.take_events() for h in e.page_hashes]
+        gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
+        assert sorted(removed) == sorted(k[3] for k in gone)
         full, expected = (1 << world) - 1, 0
         only = l2_only and place
         for h in c:
@@ -771,6 +788,10 @@ class EngineTreeMachine(RuleBasedStateMachine):
         assert self.tree.take_orders() == []
         for k in gone:
             del self.model[k]
+
+    @invariant()
+    def names_only_of_known_pages(self) -> None:
+        assert self.tree.names.keys() <= self.tree.where.keys()
 
     @invariant()
     def exact_and_bounded(self) -> None:
