@@ -80,7 +80,8 @@ class EngineTree(EngineIndex):
         # (group, first page, place) prefetched -> when it may be ordered again
         self._fetching: dict[tuple[str, bytes, str], float] = {}
         self._regions: dict[str, dict[str, int]] = {}  # place -> tag -> region bytes
-        self.events: list[KVEvent] = []  # of evictions lookups made, for ``take_events``
+        self.events: list[KVEvent] = []  # of evictions outside reports, for ``take_events``
+        self._let_go = False  # a lease or hold ended since the last eviction
         self.holds = EngineHolds(
             self.tree, self.hold_options, self._walk, self._unhold, self._page_bytes
         )
@@ -148,9 +149,14 @@ class EngineTree(EngineIndex):
                 final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
                 self._lease(leases[i], node, now, lease_s)
+            if place and node is not None:  # room is never made of the match itself
+                self.places.lock(node, +1)
             if place:  # what the request will keep in its node's L2 needs room there
                 in_l2 = self.stats.l2_hit_pages - in_l2
                 self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world))
+            if place and node is not None:
+                self.places.lock(node, -1)
+        self._evict_let_go()
         return out
 
     def _make_room(self, place: str, need: int) -> None:
@@ -162,7 +168,8 @@ class EngineTree(EngineIndex):
             self._evict_place(place, need, self.events)
 
     def take_events(self) -> list[KVEvent]:
-        """The events of evictions a lookup made (room for its request's pages)."""
+        """The events of evictions made outside a report: room a lookup made for its
+        request's pages, and what leases and holds let go of."""
         events, self.events = self.events, []
         return events
 
@@ -244,6 +251,7 @@ class EngineTree(EngineIndex):
                 self._end(name)
                 ended += 1
         self.stats.leases_released += ended
+        self._evict_let_go()
         return ended
 
     def expire(self, now: float) -> int:
@@ -257,8 +265,14 @@ class EngineTree(EngineIndex):
 
     def _end(self, name: str) -> None:
         _, node = self._leases.pop(name)
-        self.places.lock(node, -1)
-        self._prune(node)
+        self._unhold(node)
+
+    def _evict_let_go(self) -> None:
+        """What a place holds past its capacity once leases and holds let it go
+        leaves now (its events for ``take_events``), not at the next report."""
+        if self._let_go:
+            self._let_go = False
+            self._evict(self.events)
 
     # -- reports, eviction, write policy ---------------------------------------------------
 
@@ -282,6 +296,7 @@ class EngineTree(EngineIndex):
             for runs in reports.values():
                 for run in runs:
                     self.holds.reported(tag, world, run.hashes, now)
+        self._let_go = False
         self._evict(events)
         return events, self.take_orders()
 
@@ -301,7 +316,9 @@ class EngineTree(EngineIndex):
         ``name`` of ``kind`` (``engine_holds``); ``None``, or why nothing is held."""
         check_group(tag, world)
         check_chains([chain])
-        return self.holds.hold(tag, world, chain, name, kind, ttl_s, now)
+        why = self.holds.hold(tag, world, chain, name, kind, ttl_s, now)
+        self._evict_let_go()  # (a hold this one took over, or one expired)
+        return why
 
     def _walk(self, tag: str, world: int, chain: Sequence[bytes]) -> tuple[TreeNode | None, int]:
         """The node of the deepest page of ``chain`` the tree knows on its path (cut
@@ -331,6 +348,7 @@ class EngineTree(EngineIndex):
     def _unhold(self, node: TreeNode) -> None:
         self.places.lock(node, -1)
         self._prune(node)
+        self._let_go = True
 
     def _page_bytes(self, node: TreeNode) -> int:
         return self._group_bytes(*group_of(node))

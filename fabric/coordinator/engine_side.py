@@ -126,7 +126,10 @@ class EngineSide:
         """Keep an engine's prefix (``chain``) in every place it is in, as a session
         (the configured TTL) or a pin (``ttl_s``) named ``name``; ``None``, or why
         nothing is held (``EngineTree.hold``)."""
-        return self.tree.hold(tag, world, chain, name, kind, ttl_s, self.clock())
+        why = self.tree.hold(tag, world, chain, name, kind, ttl_s, self.clock())
+        self.events.add(self.tree.take_events())  # what a hold it took over let go
+        self.orders.add(self.tree.take_orders())
+        return why
 
     def drop(
         self, tag: str, world: int, place: str, page_hashes: Sequence[bytes], everything: bool

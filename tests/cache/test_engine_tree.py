@@ -591,6 +591,17 @@ class EngineTreeMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.leases: dict[str, float] = {}
 
+    def _evictions(self) -> list[Order]:
+        """Take the tree's orders and events made outside a report (room for a
+        request, what a lease or hold let go): apply the orders, and check the
+        events announce exactly the whole pages they removed."""
+        orders, before = self.tree.take_orders(), dict(self.model)
+        self._apply(orders)
+        removed = [h for e in self.tree.take_events() for h in e.page_hashes]
+        gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
+        assert sorted(removed) == sorted(k[3] for k in gone)
+        return orders
+
     def _apply(self, orders: list[Order]) -> None:
         """Each order is for pages of its place, with the ranks the model has there;
         an eviction never takes a page before the page after it; a copy to L3 is
@@ -632,7 +643,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
         if parent is not None and (tag, world, parent) not in self.tree.where:
             return  # it would wait for its parent (tested above)
         self.now += 1
-        before = dict(self.model)
+        before, known = dict(self.model), len(self.tree)
         names = [PageName(h, engine_name(h), pack_tokens([h[0]])) for h in hashes if named]
         events, drops = self.tree.report(
             tag, world, {rank: [run(hashes, parent, ns, place)]}, now=self.now, names=names
@@ -656,7 +667,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
         for k in [k for k in self.model if k[2] == L1A]:  # no order: the tree forgot it
             node = self.tree.where.get((k[0], k[1], k[3]))
             if node is None or L1A not in (node.places or {}):
-                assert len(before) + len(hashes) > self.index, "only past the tree's bound"
+                assert known + len(hashes) > self.index, "only past the tree's bound"
                 del self.model[k]
         removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.page_hashes]
         gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
@@ -677,21 +688,20 @@ class EngineTreeMachine(RuleBasedStateMachine):
         self.leases = {n: t for n, t in self.leases.items() if t > self.now}
         name, lease_s = lease if lease is not None else (None, 0.0)
         leases = [name] if name is not None else None
+        model = dict(self.model)
         (hit,) = self.tree.lookup(tag, world, [c], leases, lease_s, self.now, place, l2_only)
-        orders = self.tree.take_orders()
-        before = dict(self.model)
-        self._apply(orders)  # (among them, the room made for the request's pages)
-        removed = [h for e in self.tree.take_events() for h in e.page_hashes]
-        gone = [k for k, m in before.items() if m == (1 << k[1]) - 1 and k not in self.model]
-        assert sorted(removed) == sorted(k[3] for k in gone)
+        orders = self._evictions()  # (among them, the room made for the request's pages)
         full, expected = (1 << world) - 1, 0
         only = l2_only and place
         for h in c:
-            in_l2 = self.model.get((tag, world, place, h)) == full
-            if not in_l2 and (only or self.model.get((tag, world, L3, h)) != full):
+            in_l2 = model.get((tag, world, place, h)) == full
+            if not in_l2 and (only or model.get((tag, world, L3, h)) != full):
                 break
             expected += 1
         assert hit == expected
+        for h in c[:hit]:  # room is never made of the match itself
+            assert all(self.model.get((tag, world, p, h)) == model.get((tag, world, p, h))
+                       for p in (place, L3) if p)  # fmt: skip
         fetched = [h for o in orders if o.kind == PREFETCH for h in o.hashes]
         assert set(fetched) <= set(c[expected:]), "only what follows the hit is prefetched"
         if not only:
@@ -707,6 +717,7 @@ class EngineTreeMachine(RuleBasedStateMachine):
         assert self.tree.release(names) == len({n for n in names if n in self.leases})
         for name in names:
             self.leases.pop(name, None)
+        self._evictions()  # what the leases kept past a cap leaves now
 
     @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
     def tick(self, seconds) -> None:
@@ -722,14 +733,15 @@ class EngineTreeMachine(RuleBasedStateMachine):
         ttl_s=st.sampled_from([None, 1.0, 30.0]),
     )
     def hold(self, tag, world, ns, length, name, kind, ttl_s) -> None:
-        """A hold never changes what is where; what it holds is on the tree, locked,
-        and within its budget (checked in ``held``)."""
+        """A hold adds nothing anywhere (what a hold it took over kept past a cap
+        leaves); what it holds is on the tree, locked, and within its budget
+        (checked in ``held``)."""
         before = dict(self.model)
         why = self.tree.hold(tag, world, self.chains[ns][:length], name, kind, ttl_s, self.now)
         known = (tag, world, self.chains[ns][0]) in self.tree.where
         assert (why is None) or not known or "exceeds" in why
-        self._apply(self.tree.take_orders())
-        assert self.model == before
+        self._evictions()
+        assert self.model.items() <= before.items()
 
     @invariant()
     def held(self) -> None:
