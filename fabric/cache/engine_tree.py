@@ -6,8 +6,10 @@ pages have them (``fabric.cache.evictions``, ``fabric.cache.writes``).
   place against its capacity in bytes, and for the whole tree against
   ``index_pages``. A node some lookup's lease holds (the lease is a lock on its
   path, as a request's on the tree) is passed over until the lease is
-  released or expires. Each eviction is an ``Order`` for the ranks that hold
-  the page there: delete it.
+  released or expires, and what it kept past a cap leaves as soon as it ends.
+  Each eviction is an ``Order`` for the ranks that hold the page there: delete
+  it. A lookup makes room in its node's L2 for the pages its request will keep
+  there, before they come (never of its own match).
 - **Write policy** (L2 -> L3, as the fabric's own L1 -> L2): under
   ``write_through`` an engine stores each page in its node's L2 and in L3 at
   once; under ``write_back`` in its node's L2 only, and a page the tree evicts
