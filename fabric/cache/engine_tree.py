@@ -151,23 +151,25 @@ class EngineTree(EngineIndex):
                 final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
                 self._lease(leases[i], node, now, lease_s)
-            if place and node is not None:  # room is never made of the match itself
-                self.places.lock(node, +1)
             if place:  # what the request will keep in its node's L2 needs room there
                 in_l2 = self.stats.l2_hit_pages - in_l2
-                self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world))
-            if place and node is not None:
-                self.places.lock(node, -1)
+                self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world), node)
         self._evict_let_go()
         return out
 
-    def _make_room(self, place: str, need: int) -> None:
+    def _make_room(self, place: str, need: int, match: TreeNode | None) -> None:
         """Evict from ``place`` until ``need`` more bytes fit: the pages a request
         will store there (computed, or read from L3) — before they come, so that
         the node's L2 regions never hold more than the tree counts plus a step's
-        stores (a region refuses a page when its set is full of held ones)."""
-        if need > 0 and 0 < self.places.cap(place) < self.places.used.get(place, 0) + need:
-            self._evict_place(place, need, self.events)
+        stores (a region refuses a page when its set is full of held ones). The
+        request's ``match`` is never evicted for it."""
+        if need <= 0 or not 0 < self.places.cap(place) < self.places.used.get(place, 0) + need:
+            return
+        if match is not None:
+            self.places.lock(match, +1)
+        self._evict_place(place, need, self.events)
+        if match is not None:
+            self.places.lock(match, -1)
 
     def take_events(self) -> list[KVEvent]:
         """The events of evictions made outside a report: room a lookup made for its

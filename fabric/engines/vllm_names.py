@@ -57,6 +57,8 @@ class PageNames:
 
     def take(self, hashes: Iterable[bytes]) -> list[PageName]:
         """The names of ``hashes`` still waiting (each sent once)."""
+        if not self._waiting:  # (no events published: every report skips this)
+            return []
         out = []
         for h in hashes:
             name = self._waiting.pop(h, None)
