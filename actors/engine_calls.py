@@ -30,15 +30,24 @@ class EngineCalls:
         lease_s: float = 0.0,
         release: list[str] | None = None,
         place: str = "",
+        needs: list[tuple[str, int]] | None = None,
     ) -> tuple[list[int], list[Order]]:
         """One engine step's lookups: per chain, the leading pages every rank
         stored in L3 or in ``place`` (the engine's node's L2), leased under
         ``leases`` (one name a chain) for ``lease_s``; the leases ``release``
-        names end first. With them, the orders the engine's ranks carry out."""
+        names end first; ``needs``: a hybrid engine's component groups. With
+        them, the orders the engine's ranks carry out."""
         started = time.perf_counter()
         try:
             return self.core.engines.lookup(
-                tag, world, chains, leases, lease_s, release or (), place
+                tag,
+                world,
+                chains,
+                leases,
+                lease_s,
+                release or (),
+                place,
+                [tuple(n) for n in needs or ()],
             )
         finally:
             self.core.stats.core_time_s += time.perf_counter() - started

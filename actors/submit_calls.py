@@ -56,7 +56,14 @@ class SubmitCalls:
         if isinstance(call, EngineLookupCall):
             c = call
             return await self.engine_lookup(
-                c.engine_tag, c.world, c.chains, c.leases, c.lease_s, c.release, c.place
+                c.engine_tag,
+                c.world,
+                c.chains,
+                c.leases,
+                c.lease_s,
+                c.release,
+                c.place,
+                c.needs,
             )
         if isinstance(call, EngineReportCall):
             return await self.engine_report(

@@ -71,6 +71,7 @@ class EngineLookupCall(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
     lease_s: float
     release: list[str]
     place: str
+    needs: list[tuple[str, int]] = []  # a hybrid engine's component groups
 
 
 class EngineReportCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="report"):

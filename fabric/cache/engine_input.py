@@ -110,6 +110,26 @@ def check_hashes(hashes: object, what: str) -> None:
             raise InvalidInput(f"page hash {h!r:.80} is refused: allowed is {HASH_BYTES} bytes")
 
 
+# Component groups a lookup may name (``EngineTree.lookup``'s ``needs``).
+MAX_NEEDS = 64
+
+
+def check_needs(needs: object, world: int) -> None:
+    """A hybrid engine's component groups: ``(tag, before)`` pairs, ``before`` the
+    pages before a hit point the group must hold (0: every page)."""
+    if not isinstance(needs, (list, tuple)) or len(needs) > MAX_NEEDS:
+        raise InvalidInput(f"needs are refused: allowed is a list of at most {MAX_NEEDS}")
+    for need in needs:
+        if not isinstance(need, (list, tuple)) or len(need) != 2:
+            raise InvalidInput(f"need {need!r:.80} is refused: allowed is a (tag, pages) pair")
+        tag, before = need
+        check_group(tag, world)
+        if not isinstance(before, int) or isinstance(before, bool) or not 0 <= before <= 1 << 20:
+            raise InvalidInput(
+                f"need pages {before!r} are refused: allowed is an int in [0, 2**20]"
+            )
+
+
 def check_chains(chains: object) -> None:
     if not isinstance(chains, (list, tuple)) or len(chains) > MAX_CHAINS_PER_CALL:
         size = len(chains) if hasattr(chains, "__len__") else "?"  # type: ignore[arg-type]

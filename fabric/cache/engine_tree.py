@@ -45,6 +45,7 @@ from fabric.cache.engine_input import (
     check_chains,
     check_group,
     check_leases,
+    check_needs,
 )
 from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, group_of
 from fabric.cache.events import KVEvent
@@ -77,7 +78,7 @@ class EngineTree(EngineIndex):
     def clear(self) -> None:
         """Forget every page and every lease (L3 was cleared)."""
         super().clear()
-        self._leases: OrderedDict[str, tuple[float, TreeNode]] = OrderedDict()
+        self._leases: OrderedDict[str, tuple[float, list[TreeNode]]] = OrderedDict()
         self._backing: set[int] = set()  # nodes a ``BACKUP`` was asked for
         # (group, first page, place) prefetched -> when it may be ordered again
         self._fetching: dict[tuple[str, bytes, str], float] = {}
@@ -123,6 +124,7 @@ class EngineTree(EngineIndex):
         place: str = "",
         l2_only: bool = False,
         final: list[bool] | None = None,
+        needs: Sequence[tuple[str, int]] = (),
     ) -> list[int]:
         """Per chain (one request's page hashes, in order): how many leading pages
         are whole in L3 or in ``place`` (the asking node's L2) — with ``l2_only``,
@@ -131,18 +133,32 @@ class EngineTree(EngineIndex):
         chain), each chain's match is leased under its name until ``release`` or
         ``now + lease_s`` (a lease the name held before ends: a name leases once).
         ``final`` gets, per chain, whether the page after the match is one the
-        tree evicted from L3 (nothing beyond is to be looked for in the store)."""
+        tree evicted from L3 (nothing beyond is to be looked for in the store).
+
+        ``needs`` names a hybrid engine's other component groups, ``(tag, before)``:
+        a hit point is then the deepest page end every component can serve at —
+        the group's pages of the ``before`` pages before it whole (its window; 1:
+        a state saved at the hit point; 0: every page), each a page of its own
+        (``StoredRun`` without a parent), as the Unified cache's components; the
+        pages they lack are tombstones."""
         check_group(tag, world)
         self.expire(now)
         if leases is not None:
             check_leases(leases, chains, lease_s)
         check_chains(chains)
+        check_needs(needs, world)
         full = (1 << world) - 1
         place = place if place.startswith(L2_AT) else ""  # (a replica's blocks: vLLM's)
         out = []
         for i, chain in enumerate(chains):
             in_l2 = self.stats.l2_hit_pages
             n, node = self._match(tag, world, chain, full, place, now, l2_only and bool(place))
+            held: list[TreeNode] = [node] if node is not None else []
+            if needs and n:
+                p, held = self._hit_point(world, chain, n, needs, full, place, l2_only, now)
+                held += [node] if node is not None and p else []
+                self.stats.hit_pages -= n - p
+                n = p
             self.stats.lookups += 1
             self.stats.lookup_pages += len(chain)
             self.stats.hit_pages += n
@@ -150,12 +166,61 @@ class EngineTree(EngineIndex):
             if final is not None:
                 final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
-                self._lease(leases[i], node, now, lease_s)
+                self._lease(leases[i], held if n else [], now, lease_s)
             if place:  # what the request will keep in its node's L2 needs room there
                 in_l2 = self.stats.l2_hit_pages - in_l2
                 self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world), node)
         self._evict_let_go()
         return out
+
+    def _hit_point(
+        self,
+        world: int,
+        chain: Sequence[bytes],
+        n: int,
+        needs: Sequence[tuple[str, int]],
+        full: int,
+        place: str,
+        l2_only: bool,
+        now: float,
+    ) -> tuple[int, list[TreeNode]]:
+        """The deepest ``p <= n`` at which every component group of ``needs`` holds
+        its pages before ``p`` whole (in ``place``, or in L3 unless ``l2_only``),
+        and the component nodes that serve it (0 and none: no such point)."""
+        seen: dict[tuple[str, int], TreeNode | None] = {}
+
+        def page(tag: str, j: int) -> TreeNode | None:
+            key = (tag, j)
+            if key not in seen:
+                node = self.where.get((tag, world, chain[j]))
+                places = (node.places or {}) if node is not None else {}
+                ok = node is not None and (
+                    (bool(place) and places.get(place, 0) == full)
+                    or (not l2_only and places.get(L3, 0) == full)
+                )
+                seen[key] = node if ok else None
+            return seen[key]
+
+        for tag, before in needs:  # every page: the point is at most its leading run
+            if before == 0:
+                lead = 0
+                while lead < n and page(tag, lead) is not None:
+                    lead += 1
+                n = lead
+        for p in range(n, 0, -1):
+            nodes = []
+            for tag, before in needs:
+                lo = 0 if before == 0 else max(p - before, 0)
+                got = [page(tag, j) for j in range(lo, p)]
+                if any(x is None for x in got):
+                    break
+                nodes += got
+            else:
+                for node in nodes:
+                    node.last_access = now
+                    node.hit_count += 1
+                return p, list({id(x): x for x in nodes}.values())  # type: ignore[misc]
+        return 0, []
 
     def _make_room(self, place: str, need: int, match: TreeNode | None) -> None:
         """Evict from ``place`` until ``need`` more bytes fit: the pages a request
@@ -231,13 +296,14 @@ class EngineTree(EngineIndex):
         self.orders.append(self._order(node, place, full, PREFETCH))
         self.stats.prefetch_pages += len(node.page_hashes or ())
 
-    def _lease(self, name: str, node: TreeNode | None, now: float, lease_s: float) -> None:
+    def _lease(self, name: str, nodes: list[TreeNode], now: float, lease_s: float) -> None:
         if name in self._leases:
             self._end(name)
-        if node is None or lease_s <= 0:
+        if not nodes or lease_s <= 0:
             return
-        self._leases[name] = (now + lease_s, node)
-        self.places.lock(node, +1)
+        self._leases[name] = (now + lease_s, nodes)
+        for node in nodes:
+            self.places.lock(node, +1)
         self.stats.leases += 1
         while len(self._leases) > MAX_LEASES:
             self._end(next(iter(self._leases)))
@@ -268,8 +334,9 @@ class EngineTree(EngineIndex):
         return len(expired)
 
     def _end(self, name: str) -> None:
-        _, node = self._leases.pop(name)
-        self._unhold(node)
+        _, nodes = self._leases.pop(name)
+        for node in nodes:
+            self._unhold(node)
 
     def _evict_let_go(self) -> None:
         """What a place holds past its capacity once leases and holds let it go

@@ -65,6 +65,7 @@ class EngineSide:
         lease_s: float = 0.0,
         release: Sequence[str] = (),
         place: str = "",
+        needs: Sequence[tuple[str, int]] = (),
     ) -> tuple[list[int], list[Order]]:
         """Per chain of page hashes, how many leading pages are whole for the
         engine's ``world`` ranks in L3 or in ``place`` (the asking node's L2;
@@ -73,6 +74,7 @@ class EngineSide:
         leases ``release`` names end first. A *final* answer — the page after the
         match is one the tree evicted from L3, so the engine is not to look for
         more in the store — is sent as ``-1 - pages`` (``decode_answers``).
+        ``needs``: a hybrid engine's component groups (``EngineTree.lookup``).
 
         With the answers go the orders this engine's ranks carry out (as a
         report's reply has them): among them, the room the lookup made in
@@ -82,7 +84,16 @@ class EngineSide:
             self.tree.release(release)
         final: list[bool] = []
         hits = self.tree.lookup(
-            tag, world, chains, leases, lease_s, self.clock(), place, self.l2_only, final
+            tag,
+            world,
+            chains,
+            leases,
+            lease_s,
+            self.clock(),
+            place,
+            self.l2_only,
+            final,
+            needs,
         )
         self.orders.add(self.tree.take_orders())  # copies the hits asked for, room made
         self.events.add(self.tree.take_events())

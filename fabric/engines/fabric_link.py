@@ -169,11 +169,13 @@ class FabricLink:
         lease_s: float,
         release: list[str],
         deadline: float,
+        needs: list[tuple[str, int]] | None = None,
     ) -> Answers | None:
         """One step's lookups (their matches leased under ``leases`` for ``lease_s``;
         the leases ``release`` names ended first), in as many calls as the
         coordinator's bound asks, all answered by ``deadline``; ``None`` when the
-        fabric is down or failed them."""
+        fabric is down or failed them. ``needs``: a hybrid engine's component
+        groups (``EngineTree.lookup``)."""
         import ray
 
         if not chains or not self.up:
@@ -182,7 +184,7 @@ class FabricLink:
             try:
                 return decode_answers(self.calls.lookup(
                     tag, world, chains, leases, lease_s, release[:MAX_CHAINS_PER_CALL],
-                    self.place, deadline,
+                    self.place, deadline, needs,
                 ))  # fmt: skip
             except Exception as exc:
                 self._down(f"failed a lookup ({type(exc).__name__}: {exc})")
@@ -200,6 +202,7 @@ class FabricLink:
                     self.coordinator.engine_lookup.remote(
                         tag, world, chains[part], leases[part] if leases else None, lease_s,
                         release[:MAX_CHAINS_PER_CALL] if at == 0 else [], self.place,
+                        **({"needs": needs} if needs else {}),
                     )
                 )  # fmt: skip
             rest = release[MAX_CHAINS_PER_CALL:]

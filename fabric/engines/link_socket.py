@@ -65,6 +65,7 @@ class SocketCalls:
         release: list[str],
         place: str,
         deadline: float,
+        needs: list[tuple[str, int]] | None = None,
     ) -> list[int]:
         """Every call sent before answered, then the lookups (in as many calls as the
         coordinator's bound asks), all by ``deadline``; raises ``TimeoutError``,
@@ -76,6 +77,7 @@ class SocketCalls:
             call = EngineLookupCall(
                 tag, world, [list(c) for c in chains[part]], list(leases[part]) if leases else None,
                 float(lease_s), list(release) if at == 0 else [], place,
+                [list(n) for n in needs or ()],
             )  # fmt: skip
             seqs.append(self._send(call, "lookup"))
         answers: dict[int, list[int]] = {}

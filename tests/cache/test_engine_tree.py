@@ -841,3 +841,70 @@ class EngineTreeMachine(RuleBasedStateMachine):
 
 EngineTreeMachine.TestCase.settings = machine_settings(examples=200, steps=40)
 TestEngineTreeMachine = EngineTreeMachine.TestCase
+
+
+WIN, STATE = "1111111111111111", "2222222222222222"  # a hybrid engine's component groups
+
+
+def pages(hashes, place=L3, page_bytes=10) -> list[StoredRun]:
+    """Component pages: each a run of its own, without a parent."""
+    return [run([h], place=place, page_bytes=page_bytes) for h in hashes]
+
+
+def test_a_hybrid_hit_is_the_deepest_point_every_component_serves():
+    tree = EngineTree()
+    c = chain(8)
+    tree.report(TAG, 2, {0: [run(c)], 1: [run(c)]})
+    needs = [(WIN, 2), (STATE, 1)]
+    # Full pages alone serve no hybrid hit: the window and the state are tombstones.
+    assert tree.lookup(TAG, 2, [c], needs=needs) == [0]
+    assert tree.lookup(TAG, 2, [c]) == [8]
+    # A window before page 5 and a state at page 5, on both ranks: a hit of 5.
+    tree.report(WIN, 2, {0: pages(c[3:5]), 1: pages(c[3:5])})
+    tree.report(STATE, 2, {0: pages(c[4:5]), 1: pages(c[4:5])})
+    assert tree.lookup(TAG, 2, [c], needs=needs) == [5]
+    # A later point whose state only one rank stored is no hit point (the MIN).
+    tree.report(WIN, 2, {0: pages(c[5:7]), 1: pages(c[5:7])})
+    tree.report(STATE, 2, {0: pages(c[6:7])})
+    assert tree.lookup(TAG, 2, [c], needs=needs) == [5]
+    tree.report(STATE, 2, {1: pages(c[6:7])})
+    assert tree.lookup(TAG, 2, [c], needs=needs) == [7]
+    # A point past the full pages is none: the full pages bound every hit.
+    assert tree.lookup(TAG, 2, [c[:6]], needs=needs) == [5]
+    # A component evicted (forgotten) leaves its point a tombstone; the one before serves.
+    tree.forget(WIN, 2, [c[5]])
+    assert tree.lookup(TAG, 2, [c], needs=needs) == [5]
+    # A component that needs every page bounds the point by its leading run.
+    other = "3333333333333333"
+    tree.report(other, 2, {0: pages(c[:3]), 1: pages(c[:3])})
+    assert tree.lookup(TAG, 2, [c], needs=[*needs, (other, 0)]) == [0]
+    tree.report(other, 2, {0: pages(c[3:6]), 1: pages(c[3:6])})
+    assert tree.lookup(TAG, 2, [c], needs=[*needs, (other, 0)]) == [5]
+
+
+def test_a_hybrid_lease_keeps_the_components_it_matched_past_capacity():
+    tree = EngineTree("lru", capacity={L3: 60})
+    c = chain(3)
+    tree.report(TAG, 1, {0: [run(c)]}, now=0.0)
+    tree.report(WIN, 1, {0: pages(c[1:3])}, now=0.0)
+    assert tree.lookup(TAG, 1, [c], ["e/r1"], 5.0, now=1.0, needs=[(WIN, 2)]) == [3]
+    other = chain(3, first=50)
+    _, drops = tree.report(TAG, 1, {0: [run(other)]}, now=2.0)  # 80 bytes in 60
+    assert not {h for d in drops for h in d.hashes} & set(c)
+    assert tree.lookup(TAG, 1, [c], now=2.0, needs=[(WIN, 2)]) == [3]
+    assert tree.release(["e/r1"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("needs", "needle"),
+    [
+        ("x", "needs are refused"),
+        ([("nothex", 1)], "tag 'nothex'"),
+        ([(WIN, -1)], "need pages -1"),
+        ([(WIN,)], "allowed is a (tag, pages) pair"),
+    ],
+)
+def test_bad_needs_are_refused_naming_the_value(needs, needle):
+    tree = EngineTree()
+    with pytest.raises(InvalidInput, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        tree.lookup(TAG, 1, [chain(2)], needs=needs)

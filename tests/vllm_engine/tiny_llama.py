@@ -21,8 +21,7 @@ _WORDS = ["the cache", "of keys", "and values", "kvfabric", "serves", "prefix", 
 def make(directory: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Write the checkpoint and tokenizer to ``directory`` (made if missing)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     dims = SIZES[size]
     out = Path(directory)
@@ -41,11 +40,21 @@ def make(directory: str | Path, size: str = "tiny", seed: int = 0) -> Path:
         eos_token_id=2,
     )
     LlamaForCausalLM(config).save_pretrained(out)
+    save_tokenizer(out, dims["vocab"])
+    return out
+
+
+def save_tokenizer(out: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer of at most ``vocab`` (512) tokens, with a chat
+    template, trained on a few sentences and saved to ``out``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(dims["vocab"], 512),
+        vocab_size=min(vocab, 512),
         special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -58,7 +67,6 @@ def make(directory: str | Path, size: str = "tiny", seed: int = 0) -> Path:
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
     fast.save_pretrained(out)
-    return out
 
 
 if __name__ == "__main__":
