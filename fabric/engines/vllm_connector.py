@@ -41,11 +41,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from fabric.cache.engine_input import node_place
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import parse_options
+from fabric.engines.vllm_groups import KvGroup, hybrid, kv_groups, primary_of
+from fabric.engines.vllm_hybrid import HybridWorker
 from fabric.engines.vllm_identity import (
     checkpoint_of,
     engine_identity,
@@ -125,7 +129,7 @@ def _log_to_stderr() -> None:
     logger._kvfabric_stderr = True  # type: ignore[attr-defined]
 
 
-class KvFabricConnector(KVConnectorBase_V1):
+class KvFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -136,10 +140,16 @@ class KvFabricConnector(KVConnectorBase_V1):
             ConnectorOptions, transfer.kv_connector_extra_config or {}, "kv_connector_extra_config"
         )
         placement = placement_of(vllm_config)
-        group = attention_group(kv_cache_config)
+        # Its KV cache groups (a hybrid model's several: ``vllm_groups``); a group of a
+        # kind the connector cannot serve stops the engine here, naming it.
+        self.groups: list[KvGroup] = kv_groups(kv_cache_config)
+        self.primary = primary_of(self.groups)
+        group = kv_cache_config.kv_cache_groups[self.primary.index]
+        if not hybrid(self.groups):
+            group = attention_group(kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
         self.device_blocks: DeviceBlocks | None = None  # this replica's L1, from KV events
-        self.worker_side: WorkerSide | None = None
+        self.worker_side: WorkerSide | HybridWorker | None = None
         self._identity = ""  # this worker's pages' identity, once its KV cache is known
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
@@ -156,11 +166,13 @@ class KvFabricConnector(KVConnectorBase_V1):
         link = FabricLink(o.fabric, o.address, o.ray_namespace, o.timeout_s, o.retry_s)
         link.place = node_place(o.l2_dir) if o.l2_bytes else ""  # its lookups count this L2
         link.place_bytes = o.l2_bytes * placement.world
-        side = SchedulerSide(o, placement.suffixes(), block_size, link)
+        side = SchedulerSide(o, placement.suffixes(), block_size, link, groups=self.groups)
         link.start()  # attach at start-up, so the first requests can hit
         return side
 
-    def _worker_side(self, placement: Any, group: Any, kv_cache_config: Any) -> WorkerSide:
+    def _worker_side(
+        self, placement: Any, group: Any, kv_cache_config: Any
+    ) -> WorkerSide | HybridWorker:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         from fabric.engines.store import StoreOptions
@@ -172,6 +184,11 @@ class KvFabricConnector(KVConnectorBase_V1):
             get_tensor_model_parallel_rank(),
             get_pp_group().rank_in_group,
         )
+        if hybrid(self.groups):
+            store = StoreOptions(path=o.path) if o.path else None
+            l2 = L2Options(o.l2_bytes, o.l2_dir, o.fabric, o.ray_namespace)
+            num_blocks = kv_cache_config.num_blocks
+            return HybridWorker(placement, self.groups, num_blocks, store, l2, o.timeout_s)
         return WorkerSide(
             placement,
             list(group.layer_names),
@@ -216,15 +233,21 @@ class KvFabricConnector(KVConnectorBase_V1):
         that makes their bytes (``rank_identity``), the layout in use included."""
         assert self.worker_side is not None
         config, kv_cache_config = self._vllm_config, self._kv_cache_config
+        side = self.worker_side
         try:
             engine = engine_identity(config, checkpoint_of(config))
             digest = rank_identity(engine, kv_cache_config, kv_caches, _backends(config))
         except ConfigError as exc:
             log.error("kvfabric connector: %s; this engine computes every prompt", exc)
-            self.worker_side.register({}, page_provenance(kv_cache_config, "0" * 64))
-            return
-        self.worker_side.register(kv_caches, page_provenance(kv_cache_config, digest))
-        self._identity = "" if self.worker_side.broken else digest
+            kv_caches, digest = {}, "0" * 64
+        if isinstance(side, HybridWorker):
+            side.register(
+                kv_caches,
+                {g.index: page_provenance(kv_cache_config, digest, g) for g in self.groups},
+            )
+        else:
+            side.register(kv_caches, page_provenance(kv_cache_config, digest))
+        self._identity = "" if side.broken or not kv_caches else digest
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -251,6 +274,18 @@ class KvFabricConnector(KVConnectorBase_V1):
             return None, None
         sent = self.worker_side.finished_sends()
         return sent or None, self.worker_side.finished_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid engine's loads end per request: failed ones too (``failed_recving``:
+        vLLM recomputes the request from its start, as it takes no block of an
+        engine of several KV cache groups)."""
+        side = self.worker_side
+        if not isinstance(side, HybridWorker):
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = side.finished_loads()
+        if failed:
+            log.warning("kvfabric connector: %d requests' loads failed; recomputed", len(failed))
+        return KVConnectorTransferResults(side.finished_sends(), done, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors() if self.worker_side is not None else set()
@@ -322,3 +357,12 @@ class KvFabricConnector(KVConnectorBase_V1):
         if self.scheduler_side is None:
             return False, None
         return self.scheduler_side.finished(request, block_ids), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        """``request_finished`` with every KV cache group's blocks (``SupportsHMA``)."""
+        if self.scheduler_side is None:
+            return False, None
+        primary = block_ids[self.primary.index]
+        return self.scheduler_side.finished(request, primary, block_ids), None

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any
 
+from fabric.engines.vllm_groups import KvGroup, hybrid, kv_groups
 from fabric.engines.vllm_pages import attention_group
 from fabric.errors import ConfigError
 from fabric.l3.format import Provenance
@@ -147,19 +148,11 @@ def rank_identity(
     this rank's own — its layers (its pipeline stage's), the KV cache spec, and
     the attention backend and tensor layout actually in use (``backends``: the
     backend's name per layer)."""
+    groups = kv_groups(kv_cache_config)
+    if hybrid(groups):
+        return _hybrid_identity(engine, kv_cache_config, kv_caches, backends, groups)
     group = attention_group(kv_cache_config)
     spec = group.kv_cache_spec
-    blocks = max(getattr(kv_cache_config, "num_blocks", 1), 1)
-    layers = []
-    for name in group.layer_names:
-        kv = kv_caches.get(name)
-        shape = list(getattr(kv, "shape", ()))
-        if shape:  # how many blocks the pool holds is no part of a block's bytes
-            shape[0] = shape[0] / blocks
-        layers.append(
-            [name, backends.get(name), shape,
-             list(kv.stride()) if hasattr(kv, "stride") else None, str(getattr(kv, "dtype", ""))]
-        )  # fmt: skip
     identity = {
         "engine": engine,
         "spec": {
@@ -172,10 +165,42 @@ def rank_identity(
             "kv_quant": str(getattr(spec, "kv_quant_mode", "")),
         },
         "cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
-        "layers": layers,
+        "layers": _layers(group.layer_names, kv_cache_config, kv_caches, backends),
     }
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return hashlib.sha256(b"kvfabric/vllm-rank\0" + blob).hexdigest()
+
+
+def _hybrid_identity(
+    engine: dict[str, Any], kv_cache_config: Any, kv_caches: dict[str, Any], backends: dict,
+    groups: list[KvGroup],
+) -> str:  # fmt: skip
+    """A hybrid engine's rank: every KV cache group's kind, spec and layers."""
+    identity = {
+        "engine": engine,
+        "groups": [
+            [g.kind, g.spec, _layers(g.layer_names, kv_cache_config, kv_caches, backends)]
+            for g in groups
+        ],
+        "cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+    }
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(b"kvfabric/vllm-hybrid-rank\0" + blob).hexdigest()
+
+
+def _layers(names: Any, kv_cache_config: Any, kv_caches: dict[str, Any], backends: dict) -> list:
+    blocks = max(getattr(kv_cache_config, "num_blocks", 1), 1)
+    layers = []
+    for name in names:
+        kv = kv_caches.get(name)
+        shape = list(getattr(kv, "shape", ()))
+        if shape:  # how many blocks the pool holds is no part of a block's bytes
+            shape[0] = shape[0] / blocks
+        layers.append(
+            [name, backends.get(name), shape,
+             list(kv.stride()) if hasattr(kv, "stride") else None, str(getattr(kv, "dtype", ""))]
+        )  # fmt: skip
+    return layers
 
 
 class EngineTag:
@@ -218,9 +243,22 @@ def engine_tag(rank_digests: list[str], epoch: str) -> str:
     return hashlib.sha256(b"kvfabric/vllm-engine\0" + blob).hexdigest()[:16]
 
 
-def page_provenance(kv_cache_config: Any, rank_digest: str) -> Provenance:
+def page_provenance(
+    kv_cache_config: Any, rank_digest: str, group: KvGroup | None = None
+) -> Provenance:
     """The provenance a rank's pages carry in their headers (checked on every
-    read): its own identity, and its shard's shape."""
+    read): its own identity, and its shard's shape — of ``group``'s pages, on a
+    hybrid engine (each group's layout its own)."""
+    if group is not None and hybrid(kv_groups(kv_cache_config)):
+        spec = kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
+        dtypes = getattr(spec, "dtypes", None) or (spec.dtype,)
+        return Provenance(
+            model_id="vllm",
+            layout=f"vllm-block/{rank_digest[:32]}/{group.kind}{group.index}",
+            dtype="+".join(str(d).removeprefix("torch.") for d in dtypes),
+            shard_shape=(len(group.layer_names), group.block_bytes),
+            page_size=group.block_size,
+        )
     group = attention_group(kv_cache_config)
     spec = group.kv_cache_spec
     return Provenance(

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +245,59 @@ class Leases:
     def take_ended(self) -> list[str]:
         ended, self._ended = self._ended, []
         return ended
+
+
+class LoadOutcomes:
+    """Mixed into the connector's ``SchedulerSide``: what a load's outcome does to
+    the requests it touched (their save cursors, the blocks it left stale)."""
+
+    tracked: dict[str, Any]
+    _finishing: dict[str, Any]
+    loads: LoadBook
+    leases: Leases
+    block_size: int
+
+    def _resolve(self, record: LoadRecord, abandoned: bool = False) -> None:
+        """Every rank reported the load (or it was given up on): where it failed, the
+        request's save cursor goes back to vLLM's rollback (its first page that
+        failed); the requests that waited for it store again — but a finished
+        one, which vLLM does not roll back, stores nothing computed over a
+        failed load."""
+        state = self._state(record.req_id)
+        if state is not None:
+            state.async_loading = False
+            if record.failed:
+                bad = record.start + record.loaded
+                state.fabric_pages = min(state.fabric_pages or 0, bad)
+                state.saved_pages = min(state.saved_pages, bad)
+        if record.failed:
+            self._poison(record)
+        for rid in record.waiters:
+            waiter = self._state(rid)
+            if waiter is not None:
+                waiter.waiting_on.discard(record.load_id)
+                waiter.no_save |= abandoned or (record.failed and rid in self._finishing)
+        self.leases.end([record.req_id])
+
+    def _state(self, rid: str) -> Any:
+        return self.tracked.get(rid) or self._finishing.get(rid)
+
+    def _check_poisoned(self, state: Any, computed: int, renewing: set[int]) -> None:
+        """A request that uses a poisoned block as computed stores nothing."""
+        first = state.first_computed or 0
+        if self.loads.taint(state.block_ids, computed, first, self.block_size, renewing):
+            state.no_save = True
+
+    def _poison(self, record: LoadRecord) -> None:
+        """A load failed: its blocks from the first that failed on, and the blocks of
+        every request that waited for it from the first it shares on, may hold
+        stale KV until computed anew (vLLM keeps them in its prefix cache)."""
+        stale = set(record.block_ids[record.loaded :])
+        self.loads.poison(stale)
+        for rid in record.waiters:
+            waiter = self._state(rid)
+            if waiter is None:
+                continue
+            hit = next((i for i, b in enumerate(waiter.block_ids) if b in stale), None)
+            if hit is not None:
+                self.loads.poison(waiter.block_ids[hit:])

@@ -22,6 +22,7 @@ import torch
 from fabric.cache.engine_input import StoredRun
 from fabric.engines.store import PageStore
 from fabric.engines.vllm_pages import PageLoad, Placement
+from fabric.errors import ConfigError
 from fabric.l3.format import Provenance, page_key
 from fabric.rank.node_l2 import NodeL2
 
@@ -51,6 +52,35 @@ def _pow2(n: int) -> int:
 def _bytes(rows: torch.Tensor):
     """A host tensor of blocks (one a row) as ``numpy`` bytes, one block a row."""
     return rows.view(torch.uint8).view(rows.shape[0], -1).numpy()
+
+
+def block_rows(
+    name: str, kv: torch.Tensor | None, num_blocks: int, block_bytes: int
+) -> torch.Tensor:
+    """Layer ``name``'s KV cache ``kv`` viewed as one row of ``block_bytes`` worth of
+    elements per block: a block's bytes are contiguous, blocks ``stride(0)``
+    apart (a state's blocks are padded to the pool's page size: only their
+    content is a page's)."""
+    if not isinstance(kv, torch.Tensor):
+        raise ConfigError(f"layer {name!r} has no KV cache tensor (got {type(kv).__name__})")
+    inner = kv.dim() > 1 and kv.shape[0] == num_blocks and kv[0].is_contiguous()
+    if not (kv.is_contiguous() and kv.shape[0] % num_blocks == 0) and not inner:
+        raise ConfigError(
+            f"layer {name!r}: KV cache of shape {tuple(kv.shape)} (contiguous: "
+            f"{kv.is_contiguous()}) does not hold {num_blocks} blocks at dimension 0"
+        )
+    if kv.is_contiguous():
+        rows = kv.view(num_blocks, -1)
+    else:  # a view, never a copy: writes to it are writes to the pool
+        rows = kv.as_strided((num_blocks, kv[0].numel()), (kv.stride(0), 1))
+    row_bytes = rows.shape[1] * kv.element_size()
+    if row_bytes != block_bytes:
+        raise ConfigError(
+            f"layer {name!r}: a block holds {row_bytes} bytes, but the KV cache spec "
+            f"declares {block_bytes} (heads per rank x block size x K and V head sizes x "
+            f"dtype size, or a state's shapes): the declared geometry is not this rank's pool"
+        )
+    return rows
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class PageLoad:
     namespace: str = ""
     parent: bytes | None = None
     limit_s: float = 0.0
+    group: int = 0  # the KV cache group whose blocks these are (``vllm_groups``)
 
     def run(self, start: int = 0, end: int | None = None) -> StoredRun:
         """Pages ``[start, end)`` as a run (after their parent)."""
@@ -206,6 +207,7 @@ class PageSave:
     tag: str
     run: StoredRun
     block_ids: tuple[int, ...]
+    group: int = 0  # the KV cache group whose blocks these are (``vllm_groups``)
 
 
 @dataclass
@@ -222,6 +224,7 @@ class FabricStepMeta(KVConnectorMetadata):
     finished: list[str] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # requests whose async loads to give up
     orders: list[Order] = field(default_factory=list)  # the fabric tree's, to carry out
+    groups: dict[str, int] = field(default_factory=dict)  # a hybrid engine's: tag -> group
 
 
 @dataclass

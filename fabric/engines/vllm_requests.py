@@ -34,6 +34,12 @@ class TrackedRequest:
     no_save: bool = False  # its KV cannot be vouched for (a load never reported)
     async_loading: bool = False  # an asynchronous load is writing its blocks
     l1_named: int = 0  # its blocks whose hash in vLLM is paired with the page's (vllm_l1)
+    # A hybrid engine's (``vllm_hybrid``): every group's block table as this step
+    # scheduled it, the states vLLM handed off this step, and what of its other
+    # groups the request stored: (group, page).
+    tables: tuple[list[int], ...] | None = None
+    offloads: list[tuple[int, int, int]] = field(default_factory=list)
+    component_saved: set[tuple[int, int]] = field(default_factory=set)
 
     @property
     def rid(self) -> str:

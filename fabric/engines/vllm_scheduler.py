@@ -26,9 +26,11 @@ from fabric.cache.engine_input import MAX_LEASES, MAX_PAGES_PER_CALL, StoredRun
 from fabric.cache.keys import namespace_seed
 from fabric.engines.fabric_link import FabricLink
 from fabric.engines.store import StoreOptions
+from fabric.engines.vllm_groups import KvGroup, hybrid
+from fabric.engines.vllm_hybrid import HybridPlan, block_state
 from fabric.engines.vllm_identity import EngineTag
 from fabric.engines.vllm_l3_answers import L3Answers
-from fabric.engines.vllm_loads import Leases, LoadBook, LoadRecord, StoresInFlight
+from fabric.engines.vllm_loads import Leases, LoadBook, LoadOutcomes, StoresInFlight
 from fabric.engines.vllm_pages import (
     ConnectorOptions,
     FabricHandshake,
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 WRITE_STALL_S = 60.0
 
 
-class SchedulerSide:
+class SchedulerSide(LoadOutcomes):
     def __init__(
         self,
         options: ConnectorOptions,
@@ -54,7 +56,13 @@ class SchedulerSide:
         block_size: int,
         link: FabricLink,
         clock: Callable[[], float] = time.monotonic,
+        groups: list[KvGroup] | None = None,
     ) -> None:
+        # A hybrid engine's other groups (``vllm_hybrid``): its loads asynchronous.
+        self.hybrid = HybridPlan(groups) if groups and hybrid(groups) else None
+        self.primary = self.hybrid.primary.index if self.hybrid is not None else 0
+        if self.hybrid is not None:
+            options = options.model_copy(update={"load_async": True})
         self.options = options
         self.suffixes = suffixes  # every rank's key suffix, by rank
         self.world = len(suffixes)
@@ -193,14 +201,21 @@ class SchedulerSide:
         if chains:
             leases = [self.leases.name(s.rid) for s in states]
             release = self.leases.take_ended()
+            needs = self.hybrid.needs(self.tag) if self.hybrid is not None else None
             answers = self.link.lookup(
-                self.tag, self.world, chains, leases, self.options.lease_s, release, deadline
-            )
+                self.tag, self.world, chains, leases, self.options.lease_s, release, deadline,
+                needs,
+            )  # fmt: skip
             if answers is not None and self.options.lease_s > 0:
                 self.leases.hold(s.rid for s, hit in zip(states, answers, strict=True) if hit)
         options = StoreOptions(path=self.options.path) if self.options.path else self.link.store
         self.l3.open(options)
-        extended = self.l3.extend(self.tag, states, answers, deadline, self.block_size, self.link)
+        if self.hybrid is not None:  # (the store alone cannot say where its components are)
+            extended = list(answers) if answers is not None else [0] * len(states)
+        else:
+            extended = self.l3.extend(
+                self.tag, states, answers, deadline, self.block_size, self.link
+            )
         for state, hit in zip(states, extended, strict=True):
             state.fabric_pages = hit
             state.asked_tag = self.tag
@@ -227,9 +242,13 @@ class SchedulerSide:
         state.load = (start, end)
         if self.options.load_async:
             state.load = None
-            block_ids = blocks.get_block_ids()[0]
+            tables = blocks.get_block_ids()
+            block_ids = tables[self.primary]
             end = min(end, len(block_ids))
-            self._async_loads.append(self._new_load(state, start, end, block_ids, sync=False))
+            job = self._new_load(state, start, end, block_ids, sync=False)
+            self._async_loads.append(job)
+            if self.hybrid is not None:
+                self._async_loads += self.hybrid.loads(state, start, end, tables, job.limit_s)
             state.async_loading = True
 
     def _new_load(
@@ -242,7 +261,7 @@ class SchedulerSide:
         parent, store = state.hashes[start - 1] if start else None, self.link.store
         limit_s = store.limit_s((end - start) * self.block_size) if store else 0.0
         return PageLoad(load_id, rid, state.asked_tag, tuple(state.hashes[start:end]), blocks,
-                        not sync, state.namespace, parent, limit_s)  # fmt: skip
+                        not sync, state.namespace, parent, limit_s, self.primary)  # fmt: skip
 
     # -- build_connector_meta ---------------------------------------------------------
 
@@ -257,10 +276,11 @@ class SchedulerSide:
             self._resolve(record, abandoned=True)  # what depends on it never stores
         steps = []  # (request, tokens computed before the step, after it)
         scheduled = scheduler_output.num_scheduled_tokens
+        p = self.primary
         for new in scheduler_output.scheduled_new_reqs:
             state = self.tracked.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = list(new.block_ids[p])
                 before = new.num_computed_tokens
                 steps.append((state, before, before + scheduled[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
@@ -270,11 +290,14 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = list(new_blocks[p]) if new_blocks else []
             elif new_blocks:
-                state.block_ids += new_blocks[0]
+                state.block_ids += new_blocks[p]
             before = cached.num_computed_tokens[i]
             steps.append((state, before, before + scheduled.get(rid, 0)))
+        if self.hybrid is not None:
+            meta.groups = self.hybrid.tags(self.tag or "")
+            block_state(scheduler_output, [s for s, _, _ in steps])
         # Every load of the step first (a request planned before one whose load fills
         # a block it shares would not see that block pending).
         for state, _, _ in steps:
@@ -336,9 +359,11 @@ class SchedulerSide:
         self.link.names.learn(state.request, state.hashes, start, end, self.block_size)
         parent = state.hashes[start - 1] if start else None
         run = StoredRun(state.namespace, parent, tuple(state.hashes[start:end]))
-        meta.saves.append(PageSave(self.tag, run, tuple(state.block_ids[start:end])))
+        meta.saves.append(PageSave(self.tag, run, tuple(state.block_ids[start:end]), self.primary))
         state.saved_pages = end
         self.stores.add(run.hashes)
+        if self.hybrid is not None:
+            meta.saves += self.hybrid.saves(state, end, self.tag)
 
     # -- update_connector_output, request_finished -----------------------------------
 
@@ -369,52 +394,9 @@ class SchedulerSide:
             self.link.forget(tag, self.world, sorted(hashes))
             self.l3.mark_failed(tag, sorted(hashes))  # not found in L3 again until stored anew
 
-    def _resolve(self, record: LoadRecord, abandoned: bool = False) -> None:
-        """Every rank reported the load (or it was given up on): where it failed, the
-        request's save cursor goes back to vLLM's rollback (its first page that
-        failed); the requests that waited for it store again — but a finished
-        one, which vLLM does not roll back, stores nothing computed over a
-        failed load."""
-        state = self._state(record.req_id)
-        if state is not None:
-            state.async_loading = False
-            if record.failed:
-                bad = record.start + record.loaded
-                state.fabric_pages = min(state.fabric_pages or 0, bad)
-                state.saved_pages = min(state.saved_pages, bad)
-        if record.failed:
-            self._poison(record)
-        for rid in record.waiters:
-            waiter = self._state(rid)
-            if waiter is not None:
-                waiter.waiting_on.discard(record.load_id)
-                waiter.no_save |= abandoned or (record.failed and rid in self._finishing)
-        self.leases.end([record.req_id])
-
-    def _state(self, rid: str) -> TrackedRequest | None:
-        return self.tracked.get(rid) or self._finishing.get(rid)
-
-    def _check_poisoned(self, state: TrackedRequest, computed: int, renewing: set[int]) -> None:
-        """A request that uses a poisoned block as computed stores nothing."""
-        first = state.first_computed or 0
-        if self.loads.taint(state.block_ids, computed, first, self.block_size, renewing):
-            state.no_save = True
-
-    def _poison(self, record: LoadRecord) -> None:
-        """A load failed: its blocks from the first that failed on, and the blocks of
-        every request that waited for it from the first it shares on, may hold
-        stale KV until computed anew (vLLM keeps them in its prefix cache)."""
-        stale = set(record.block_ids[record.loaded :])
-        self.loads.poison(stale)
-        for rid in record.waiters:
-            waiter = self._state(rid)
-            if waiter is None:
-                continue
-            hit = next((i for i, b in enumerate(waiter.block_ids) if b in stale), None)
-            if hit is not None:
-                self.loads.poison(waiter.block_ids[hit:])
-
-    def finished(self, request: Any, block_ids: list[int]) -> bool:
+    def finished(
+        self, request: Any, block_ids: list[int], tables: tuple[list[int], ...] | None = None
+    ) -> bool:
         """vLLM is done with ``request``; whether its blocks must wait (vLLM's delayed
         free): while an asynchronous load still writes them, or while its last
         whole pages are still to be stored."""
@@ -425,6 +407,8 @@ class SchedulerSide:
         if state is None:
             self.leases.end([rid])
             return False
+        if tables is not None:  # a hybrid engine's, as vLLM frees them
+            state.tables, state.offloads = tables, []
         ask_holds(state, _done_tokens(request), self.block_size, self.link, self.world)
         if state.async_loading:
             return True  # freed once the load is reported done (finished_recving)

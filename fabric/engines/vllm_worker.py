@@ -48,6 +48,7 @@ from fabric.engines.vllm_moves import (
     STAGING_BYTES,
     L2Options,
     PageMoves,
+    block_rows,
 )
 from fabric.engines.vllm_pages import (
     STAT_KEYS,
@@ -103,6 +104,7 @@ class WorkerSide:
         self._broken = ""
         self._load_errors: set[int] = set()
         self._failed: list[tuple[str, int, bytes]] = []
+        self.failed_loads: set[str] = set()  # requests a load of which did not load whole
         self._outcomes: list[tuple[int, int, int]] = []  # (rank, load id, pages loaded)
         self._sent: set[str] = set()  # finished requests whose last pages are gathered
         self.stats = FabricConnectorStats()
@@ -133,7 +135,8 @@ class WorkerSide:
         self.provenance = self.pages.provenance = provenance
         try:
             self.pages.layers = [
-                self._block_rows(name, kv_caches.get(name)) for name in self.layer_names
+                block_rows(name, kv_caches.get(name), self.num_blocks, self.block_bytes)
+                for name in self.layer_names
             ]
         except ConfigError as exc:
             self._broken = str(exc)
@@ -148,25 +151,6 @@ class WorkerSide:
             self.placement.suffix, self.pages.page_bytes, o.max_bytes,
         )  # fmt: skip
         self.pages.l2_place = node_place(o.directory) if self.pages.l2 is not None else ""
-
-    def _block_rows(self, name: str, kv: torch.Tensor | None) -> torch.Tensor:
-        """``kv`` viewed as one row of bytes-worth of elements per block."""
-        if not isinstance(kv, torch.Tensor):
-            raise ConfigError(f"layer {name!r} has no KV cache tensor (got {type(kv).__name__})")
-        if kv.shape[0] % self.num_blocks or not kv.is_contiguous():
-            raise ConfigError(
-                f"layer {name!r}: KV cache of shape {tuple(kv.shape)} (contiguous: "
-                f"{kv.is_contiguous()}) does not hold {self.num_blocks} blocks at dimension 0"
-            )
-        rows = kv.view(self.num_blocks, -1)
-        row_bytes = rows.shape[1] * kv.element_size()
-        if row_bytes != self.block_bytes:
-            raise ConfigError(
-                f"layer {name!r}: a block holds {row_bytes} bytes, but the KV cache spec "
-                f"declares {self.block_bytes} (heads per rank x block size x K and V head "
-                f"sizes x dtype size): the declared geometry is not this rank's pool"
-            )
-        return rows
 
     def _open(self, options: StoreOptions | None) -> None:
         if options is not None:  # the fabric's: its write policy holds
@@ -311,6 +295,7 @@ class WorkerSide:
         self.stats.data["loaded_pages"] += n
         self.stats.data["l2_loaded_pages"] += min(l2, n)
         if n < len(job.hashes):
+            self.failed_loads.add(job.req_id)
             self._load_errors.update(job.block_ids[n:])
             if checked:
                 self._failed.append((job.tag, rank, job.hashes[n]))

@@ -57,6 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--block-size", type=int, default=BLOCK_SIZE, help="vLLM's block size (0: vLLM's choice)"
+    )
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
     p.add_argument("--script", default="", help="a JSON file of steps (see run_script)")
@@ -321,7 +324,8 @@ def main(argv: list[str]) -> dict:
         model=args.model,
         dtype=args.dtype,
         enforce_eager=True,
-        block_size=BLOCK_SIZE,
+        block_size=args.block_size or None,
+        enable_prefix_caching=True,
         max_model_len=8192,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
