@@ -13,10 +13,11 @@ store's own bound or a later store of theirs, and the tree no longer counts them
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
-from fabric.cache.engine_input import L3
-from fabric.cache.engine_places import Order
+from fabric.cache.engine_input import L3, StoredRun
+from fabric.cache.engine_places import DELETE, Order
 
 # Pages of drops handed to one engine per reply (a step's worth of deletes).
 MAX_PAGES_PER_REPLY = 1 << 14
@@ -39,6 +40,38 @@ class PendingOrders:
             self.let_go += len(queue.popleft().hashes)
             if not queue:
                 del self._queues[key]
+
+    def stored_again(
+        self, tag: str, world: int, reports: Mapping[int, Sequence[StoredRun]]
+    ) -> None:
+        """Ranks stored pages anew: a delete of their shards there still waiting (a
+        page forgotten when a load of it failed, stored again since) is called off
+        for them — carried out after the new store, it would delete good pages the
+        tree counts."""
+        for rank, runs in reports.items():
+            for run in runs:
+                queue = self._queues.get((tag, world, run.place))
+                if not queue:
+                    continue
+                again, bit = set(run.hashes), 1 << rank
+                kept: deque[Order] = deque()
+                for order in queue:
+                    hit = order.kind == DELETE and order.mask & bit and again & set(order.hashes)
+                    if not hit:
+                        kept.append(order)
+                        continue
+                    rest = tuple(h for h in order.hashes if h not in again)
+                    if rest:
+                        kept.append(replace(order, hashes=rest))
+                    if order.mask & ~bit:
+                        anew = tuple(h for h in order.hashes if h in again)
+                        kept.append(replace(order, mask=order.mask & ~bit, hashes=anew))
+                self.pages += sum(len(o.hashes) for o in kept) - sum(len(o.hashes) for o in queue)
+                key = (tag, world, run.place)
+                if kept:
+                    self._queues[key] = kept
+                else:
+                    del self._queues[key]
 
     def take(self, tag: str, world: int, place: str) -> list[Order]:
         """The drops an engine of ``tag`` and ``world`` on ``place`` (its node's L2

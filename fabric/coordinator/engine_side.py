@@ -119,6 +119,7 @@ class EngineSide:
             check_place(place)
             check_count(place_bytes, "place_bytes")
             self.tree.declare(place, tag, place_bytes)
+        self.orders.stored_again(tag, world, reports)  # (deletes waiting for them: off)
         events, orders = self.tree.report(tag, world, reports, self.clock(), names)
         self.events.add(events)
         self.orders.add(orders)

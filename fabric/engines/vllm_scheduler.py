@@ -250,6 +250,7 @@ class SchedulerSide(LoadOutcomes):
             if self.hybrid is not None:
                 self._async_loads += self.hybrid.loads(state, start, end, tables, job.limit_s)
             state.async_loading = True
+            state.scheduled = True  # a load that fails is asked anew (vLLM retries from 0)
 
     def _new_load(
         self, state: TrackedRequest, start: int, end: int, block_ids: Any, sync: bool

@@ -139,3 +139,19 @@ def test_engine_pages_go_out_on_the_wire_under_their_engines_names_and_tokens():
     (raw,) = to_wire([core.engines.tree.forget_all()[0]], 16, uint64=False, dialect="sglang")
     assert isinstance(raw, WireBlockRemoved) and raw.block_hashes == theirs
     assert raw.medium == "DISK"
+
+
+def test_a_delete_waiting_for_pages_stored_anew_is_called_off_for_the_ranks_that_stored_them():
+    from fabric.cache.engine_input import StoredRun
+    from fabric.cache.engine_places import BACKUP
+
+    pending = PendingOrders()
+    pages = tuple(bytes([i]) * 32 for i in range(3))
+    pending.add([Order(TAG, 2, L3, 0b11, pages), Order(TAG, 2, L3, 0b01, pages[:1], BACKUP)])
+    # Rank 0 stored page 1 again (a page forgotten, then recomputed and stored).
+    pending.stored_again(TAG, 2, {0: [StoredRun("vllm", None, pages[1:2])]})
+    got = pending.take(TAG, 2, "")
+    assert Order(TAG, 2, L3, 0b11, (pages[0], pages[2])) in got  # the rest: as ordered
+    assert Order(TAG, 2, L3, 0b10, (pages[1],)) in got  # rank 1's shard of it: still goes
+    assert Order(TAG, 2, L3, 0b01, pages[:1], BACKUP) in got  # other kinds: untouched
+    assert len(got) == 3 and len(pending) == 0

@@ -60,6 +60,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--block-size", type=int, default=BLOCK_SIZE, help="vLLM's block size (0: vLLM's choice)"
     )
+    p.add_argument("--mamba-cache-mode", default="", help="vLLM's mamba_cache_mode (a state model)")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
     p.add_argument("--script", default="", help="a JSON file of steps (see run_script)")
@@ -149,6 +150,29 @@ def kill_fabric(name: str, address: str) -> None:
     ray.shutdown()
 
 
+def corrupt_components(directory: Path) -> int:
+    """Flip a byte of every page of a hybrid engine's other KV cache groups (its
+    sliding windows, its states) in the segment files under ``directory``: the
+    pages of every tag but the one with the most pages (the engine's chain)."""
+    import re
+    from collections import Counter
+
+    key = re.compile(rb"[0-9a-f]{64}\.([0-9a-f]{16})\.\d+-\d+-\d+")
+    files = {path: bytearray(path.read_bytes()) for path in directory.rglob("*.kvs")}
+    tags = Counter(m.group(1) for data in files.values() for m in key.finditer(data))
+    if len(tags) < 2:
+        return 0
+    chain = tags.most_common(1)[0][0]
+    flipped = 0
+    for path, data in files.items():
+        for m in key.finditer(data):
+            if m.group(1) != chain and m.end() + 1024 < len(data):
+                data[m.end() + 1024] ^= 0xFF
+                flipped += 1
+        path.write_bytes(bytes(data))
+    return flipped
+
+
 def delete_segments(directory: Path) -> int:
     """Delete every segment file under ``directory`` (pages gone behind the index)."""
     gone = 0
@@ -187,6 +211,8 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
     - ``{"op": "signal", "path"}``, ``{"op": "wait", "path"}``: barriers between
       engine processes (a file made, a file waited for);
     - ``{"op": "corrupt" | "delete_segments", "dir"}``, ``{"op": "kill_fabric"}``;
+    - ``{"op": "corrupt_components", "dir", "label"}``: a hybrid engine's other
+      groups' pages damaged (how many, under ``label``);
     - ``{"op": "places", "label", "wait_for"?, "min_pages"?}``: the fabric's engine
       pages per place (waiting up to 30 s for a place whose name starts
       ``wait_for`` to have ``min_pages``);
@@ -272,6 +298,8 @@ def run_script(llm, steps: list[dict], args: argparse.Namespace) -> dict:
                 time.sleep(0.01)
         elif op == "corrupt":
             corrupt(Path(step["dir"]))
+        elif op == "corrupt_components":
+            out[step.get("label", "corrupted")] = corrupt_components(Path(step["dir"]))
         elif op == "delete_segments":
             delete_segments(Path(step["dir"]))
         elif op == "kill_fabric":
@@ -326,6 +354,7 @@ def main(argv: list[str]) -> dict:
         enforce_eager=True,
         block_size=args.block_size or None,
         enable_prefix_caching=True,
+        **({"mamba_cache_mode": args.mamba_cache_mode} if args.mamba_cache_mode else {}),
         max_model_len=8192,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
