@@ -110,12 +110,6 @@ class HybridPlan:
             if i < min(end, len(state.hashes)) and (group, i) not in saved:
                 out.append(self._save(state, g, i, block, tag))
         state.offloads = []
-        log.warning(
-            state.rid,
-            end,
-            None if tables is None else [len(t) for t in tables],
-            len(out),
-        )
         return out
 
     def _save(self, state: Any, g: KvGroup, i: int, block: int, tag: str) -> PageSave:
