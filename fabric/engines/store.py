@@ -131,7 +131,10 @@ class PageStore(ABC):
     A page a read found missing or refused (corrupt, foreign) is remembered: it
     is absent to ``present`` from then on — so an engine does not ask for it
     again and again — and the next ``store`` of it writes it anew (the store
-    then serves the new copy), which ends the memory of it."""
+    then serves the new copy), which ends the memory of it. A delete of a page
+    stored anew that way is not carried out once: the fabric orders one when it
+    forgets a page a load failed, and that order can come after the new copy
+    (deleting it then would leave the fabric counting a page that is gone)."""
 
     def __init__(self, writer: str) -> None:
         if writer not in WRITERS:
@@ -140,6 +143,7 @@ class PageStore(ABC):
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._failed: OrderedDict[str, None] = OrderedDict()
+        self._anew: OrderedDict[str, None] = OrderedDict()  # stored again after a failure
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -190,14 +194,22 @@ class PageStore(ABC):
         self.count("stored_pages", sum(ok))
         with self._lock:
             for key, good in zip(keys, ok, strict=True):
-                if good:
-                    self._failed.pop(key, None)
+                if good and key in self._failed:
+                    del self._failed[key]
+                    self._anew[key] = None
+            while len(self._anew) > MAX_FAILED_KEYS:
+                self._anew.popitem(last=False)
         return ok
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` (the fabric's tree evicted them); how many the store held.
         A store that cannot delete, or fails, deletes nothing (logged, counted):
         its own bound frees the room then."""
+        with self._lock:
+            keep = {k for k in keys if k in self._anew}
+            for key in keep:
+                del self._anew[key]
+        keys = [k for k in keys if k not in keep]
         n = self._delete(keys) if len(keys) else 0
         self.count("deleted_pages", n)
         return n

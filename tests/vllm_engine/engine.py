@@ -60,7 +60,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--block-size", type=int, default=BLOCK_SIZE, help="vLLM's block size (0: vLLM's choice)"
     )
-    p.add_argument("--mamba-cache-mode", default="", help="vLLM's mamba_cache_mode (a state model)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="vLLM's prefix cache off")
     p.add_argument("--corrupt-after-run", nargs=2, metavar=("RUN", "DIR"), default=None)
     p.add_argument("--kill-fabric-after-run", type=int, default=0)
     p.add_argument("--script", default="", help="a JSON file of steps (see run_script)")
@@ -353,8 +353,7 @@ def main(argv: list[str]) -> dict:
         dtype=args.dtype,
         enforce_eager=True,
         block_size=args.block_size or None,
-        enable_prefix_caching=True,
-        **({"mamba_cache_mode": args.mamba_cache_mode} if args.mamba_cache_mode else {}),
+        enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=8192,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
