@@ -18,6 +18,16 @@ the Mooncake trace (``../shared/traces``), hash ids mapped to token blocks as
 ``fabric.tools.workload`` does: engine A serves the first half, engine B the
 second, attached to one fabric (shared) or each to its own namespace (alone).
 
+With ``--model gemma3`` or ``--model qwen3next`` (``tests/vllm_engine/tiny_hybrid.py``,
+bench-sized: hidden 1024, 8 layers of which 2 full attention, the others sliding
+window (512 tokens) or gated delta net), the hybrid model's TTFT cold and from
+the fabric (``hybrid_hit_over_cold``; loadable: what vLLM's own prefix cache
+serves on a repeat — a state exists only where vLLM's chunks end on a block
+boundary), and the bytes its pages take in L3 per prompt token against a
+full-attention model of the same layers (``bytes_over_full``), and for Gemma 3
+the sliding layers' bytes against full attention's (``swa_bytes_over_full``:
+the design's bound is the window's share of the prompt plus one page).
+
 Prints progress on stderr and one JSON line last: ``fabric_hit_over_cold`` and
 ``fabric_over_example`` (the node L2 hit), ``fabric_l3_hit_over_cold`` and
 ``fabric_l3_over_example``, ``cross_engine_hit_tokens``, ``tokens_identical``,
@@ -43,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from fabric.cache.keys import unpack_tokens
 from fabric.tools.workload import BlockTokens, read_trace
-from tests.vllm_engine import tiny_llama
+from tests.vllm_engine import tiny_hybrid, tiny_llama
 from tests.vllm_engine.engine import RESULT
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -51,6 +61,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=["llama", *tiny_hybrid.KINDS], default="llama")
     p.add_argument("--size", choices=sorted(tiny_llama.SIZES), default="bench")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
@@ -64,12 +75,12 @@ def say(text: str) -> None:
     print(f"vllm_ttft: {text}", file=sys.stderr, flush=True)
 
 
-def engine(work: Path, prompts: list[list[int]], *args: str) -> dict:
+def engine(work: Path, prompts: list[list[int]], *args: str, model: str = "model") -> dict:
     path = work / f"prompts-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(prompts))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "vllm_engine" / "engine.py"),
-         "--model", str(work / "model"), "--prompts", str(path), *args],
+         "--model", str(work / model), "--prompts", str(path), *args],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     if proc.returncode:
@@ -87,8 +98,99 @@ def chat_prompts(trace: Path, n: int, vocab: int, limit: int) -> list[list[int]]
     return out
 
 
+def tag_bytes(l3: Path) -> dict[str, int]:
+    """Bytes of page payload in the L3 directory ``l3``, per page tag."""
+    from fabric.engines.store import DirectStore, StoreOptions
+
+    store = DirectStore(StoreOptions(path=str(l3)), "vllm")
+    try:
+        keys = store.backend.page_keys()
+        out: dict[str, int] = {}
+        for key, where in zip(keys, store.backend.locate(keys), strict=False):
+            tag = key.split(".")[1]
+            out[tag] = out.get(tag, 0) + where.payload
+        return out
+    finally:
+        store.close()
+
+
+def hybrid_main(args: argparse.Namespace) -> None:
+    """A hybrid model: TTFT cold and from the fabric, and its pages' bytes."""
+    from fabric.client import launch
+    from fabric.config import FabricConfig
+
+    kind, dims = args.model, tiny_hybrid.SIZES[args.size]
+    dtype, block = tiny_hybrid.DTYPES[kind], "32" if kind == "gemma3" else "0"
+    with tempfile.TemporaryDirectory(prefix="kvfabric-vllm-ttft-") as tmp:
+        work = Path(tmp)
+        say(f"making a random {args.size} {kind}")
+        tiny_hybrid.make(work / "model", kind, args.size)
+        fabric = launch(
+            FabricConfig.from_dict(
+                {
+                    "storage": {"path": str(work / "l3")},
+                    "topology": {"tp": 1},
+                    "runtime": {"name": "vllm-ttft", "dashboard": False, "address": "local"},
+                }
+            ),
+            announce=False,
+        )
+        rng = random.Random(1)
+        prompt = [[rng.randrange(3, dims["vocab"]) for _ in range(args.prompt_tokens)]]
+        common = ("--dtype", dtype, "--block-size", block, "--max-tokens", "1", "--warmup")
+        attach = ("--fabric", "vllm-ttft", "--address", fabric.cluster_address, "--l2-bytes", "0")
+        try:
+            say(f"cold: {args.prompt_tokens}-token prompt, no connector")
+            cold = engine(work, prompt, *common, "--runs", str(args.repeats))
+            say("vLLM's own prefix cache on a repeat: the loadable prompt")
+            own = engine(work, prompt, *common, "--script", str(_script(work, prompt)))
+            say("fabric (L3, page cache warm): the first run stores, the later ones load")
+            hit = engine(work, prompt, *common, *attach, "--runs", str(args.repeats + 1))
+            stored = tag_bytes(work / "l3")
+        finally:
+            fabric.shutdown()
+    cold_s = statistics.median(r["seconds"][0] for r in cold["runs"])
+    hit_s = statistics.median(r["seconds"][0] for r in hit["runs"][1:])
+    # The tag of the most pages is the chain's (a full-attention group); every group
+    # holds as many layers (vLLM groups them so), each the same bytes a token.
+    layers, full_layers = dims["layers"], dims["layers"] // 4
+    groups = sorted(stored.values(), reverse=True)
+    per_layer_full = groups[0] / (layers // len(groups) if len(groups) > 1 else layers)
+    full_model = per_layer_full * layers  # every layer full attention, the same prompt
+    out = {
+        "model": kind,
+        "size": args.size,
+        "prompt_tokens": args.prompt_tokens,
+        "hybrid_hit_over_cold": round(hit_s / cold_s, 4),
+        "cold_ttft_s": round(cold_s, 4),
+        "hit_ttft_s": round(hit_s, 4),
+        "hit_tokens": hit["runs"][1]["cached"][0],
+        "loadable_tokens": own["steps"]["repeat"]["cached"][0],
+        "tokens_identical": len({tuple(r["outputs"][0]) for r in cold["runs"] + hit["runs"]}) == 1,
+        # (the warm-up prompt, as long, is stored too: two prompts' pages)
+        "stored_bytes_per_prompt_token": round(sum(groups) / (2 * args.prompt_tokens), 1),
+        "full_model_bytes_per_prompt_token": round(full_model / (2 * args.prompt_tokens), 1),
+        "bytes_over_full": round(sum(groups) / full_model, 4),
+        "full_layers": full_layers,
+    }
+    if kind == "gemma3":
+        sliding = groups[1:]
+        out["swa_bytes_over_full"] = round(statistics.mean(g / groups[0] for g in sliding), 4)
+        out["swa_bound"] = round((dims["window"] + 32) / args.prompt_tokens, 4)
+    print(json.dumps(out), flush=True)
+
+
+def _script(work: Path, prompt: list[list[int]]) -> Path:
+    path = work / "repeat.json"
+    steps = [{"op": "generate", "label": name, "prompts": prompt} for name in ("cold", "repeat")]
+    path.write_text(json.dumps(steps))
+    return path
+
+
 def main() -> None:
     args = parse()
+    if args.model != "llama":
+        return hybrid_main(args)
     from fabric.client import launch
     from fabric.config import FabricConfig
 

@@ -50,10 +50,11 @@ class FakeLink:
         self.holds: list[tuple] = []
         self.names = PageNames()  # (the fabric publishes no KV events)
 
-    def lookup(self, tag, world, chains, leases, lease_s, release, deadline):
+    def lookup(self, tag, world, chains, leases, lease_s, release, deadline, needs=None):
         if not self.up:
             return None
         self.asked.append(chains)
+        self.needs = needs
         self.leases.append((leases, lease_s, release))
         return [min(self.hits, len(c)) for c in chains]
 
@@ -812,3 +813,66 @@ def test_a_request_that_asks_for_a_session_or_a_pin_holds_its_prefix_once_it_end
     r3.num_computed_tokens = 13
     s.finished(r3, [9])
     assert len(link.holds) == 2
+
+
+# -- a hybrid engine (``vllm_hybrid``): a sliding-window group, a state group, the chain
+
+
+def hybrid_side(link: FakeLink) -> SchedulerSide:
+    from fabric.engines.vllm_groups import FULL, STATE, WINDOW, KvGroup
+
+    groups = [
+        KvGroup(0, WINDOW, ("w",), BLOCK, 64, 2, "window"),
+        KvGroup(1, STATE, ("s",), BLOCK, 32, 1, "state"),
+        KvGroup(2, FULL, ("f",), BLOCK, 64, 0, "full"),
+    ]
+    s = SchedulerSide(ConnectorOptions(), SUFFIXES, BLOCK, link, groups=groups)
+    s.handshake({r: FabricHandshake(r, d) for r, d in enumerate(RANKS)})
+    return s
+
+
+def test_a_hybrid_hit_loads_the_window_and_the_state_it_needs_and_never_a_tombstone():
+    link = FakeLink(hits=3)
+    s = hybrid_side(link)
+    assert s.options.load_async  # vLLM takes a hybrid engine's failed loads per request
+    r = Req("r", list(range(17)))
+    s.new_request(r)
+    assert s.matched(r, 0) == (3 * BLOCK, True)
+    assert [before for _, before in link.needs] == [2, 1]  # the window, the state
+    # vLLM's tables: the window group's first page a tombstone (null block 0).
+    tables = ([0, 21, 22, 23, 24], [0, 0, 32, 33, 34], [40, 41, 42, 43, 44])
+    s.allocated(r, SimpleNamespace(get_block_ids=lambda: tables), 3 * BLOCK)
+    meta = s.step_meta(output())
+    by_group = {g: [j for j in meta.loads if j.group == g] for g in (0, 1, 2)}
+    (chain,) = by_group[2]
+    assert chain.block_ids == (40, 41, 42) and chain.tag == s.tag and chain.asynchronous
+    # The window: pages 1 and 2 (the two before the hit point), each a page of its own.
+    assert [(j.block_ids, j.parent) for j in by_group[0]] == [((21,), None), ((22,), None)]
+    assert [j.hashes[0] for j in by_group[0]] == list(chain.hashes[1:3])
+    (state,) = by_group[1]  # the state at the hit point: its last page's block
+    assert state.block_ids == (32,) and state.hashes == chain.hashes[2:3]
+    assert len({j.tag for j in meta.loads}) == 3 and len({j.load_id for j in meta.loads}) == 4
+    assert set(meta.groups.values()) == {0, 1, 2}
+
+
+def test_a_hybrid_store_keeps_the_window_before_its_end_and_the_states_handed_off():
+    link = FakeLink(hits=0)
+    s = hybrid_side(link)
+    r = Req("r", list(range(14)))
+    s.new_request(r)
+    assert s.matched(r, 0) == (0, False)
+    tables = ([0, 11, 12, 13], [0, 0, 0, 23], [30, 31, 32, 33])
+    out = output([SimpleNamespace(req_id="r", block_ids=tables, num_computed_tokens=0)],
+                 scheduled={"r": 14})  # fmt: skip
+    # vLLM hands off the state at token 12 in block 22 (not the table's block 23).
+    out.kv_connector_block_state = SimpleNamespace(
+        get_block_ids=lambda rid: tables, boundary_state_offloads={"r": [(1, 22, 12)]}
+    )
+    meta = s.step_meta(out)
+    saves = {g: [(j.block_ids, j.run.parent) for j in meta.saves if j.group == g] for g in range(3)}
+    assert saves[2] == [((30, 31, 32), None)]  # the chain: three whole pages
+    assert saves[0] == [((11,), None), ((12,), None)]  # the window before page 3
+    assert saves[1] == [((22,), None)]  # the state, from the exact block handed off
+    (chain,) = [j for j in meta.saves if j.group == 2]
+    state = next(j for j in meta.saves if j.group == 1)
+    assert state.run.hashes == chain.run.hashes[2:3]
