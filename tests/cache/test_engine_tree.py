@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -20,7 +21,7 @@ from fabric.cache.engine_tree import EngineTree
 from fabric.cache.events import BlockRemoved, BlockStored, Medium
 from fabric.cache.keys import chain_hashes, namespace_seed, pack_tokens
 from fabric.errors import InvalidInput
-from tests.helpers import machine_settings
+from tests.helpers import example_count, machine_settings
 
 TAG = "0123456789abcdef"
 L2A, L2B = "l2@node-a", "l2@node-b"
@@ -908,3 +909,44 @@ def test_bad_needs_are_refused_naming_the_value(needs, needle):
     tree = EngineTree()
     with pytest.raises(InvalidInput, match=needle.replace("(", r"\(").replace(")", r"\)")):
         tree.lookup(TAG, 1, [chain(2)], needs=needs)
+
+
+COMPONENT_TAGS = ["1111111111111111", "2222222222222222", "3333333333333333"]
+
+
+@given(
+    data=st.data(),
+    world=st.integers(1, 2),
+    n=st.integers(0, 8),
+    befores=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+)
+@settings(max_examples=example_count(200, 5000), deadline=None)
+def test_a_hybrid_hit_is_the_deepest_point_every_component_serves_over_every_rank(
+    data, world, n, befores
+):
+    """Against a direct reading of the rule: the deepest p within the chain's whole
+    pages where each component holds whole (every rank) the ``before`` pages
+    before p (0: all of them)."""
+    tree = EngineTree()
+    c = chain(8)
+    full = data.draw(st.integers(0, n), label="chain pages whole")
+    if full:
+        tree.report(TAG, world, {r: [run(c[:full])] for r in range(world)})
+    needs = list(zip(COMPONENT_TAGS, befores, strict=False))
+    have = {}
+    for tag, _ in needs:
+        for j in range(8):
+            ranks = data.draw(st.sets(st.integers(0, world - 1)), label=f"{tag[0]}{j}")
+            for r in ranks:
+                tree.report(tag, world, {r: pages(c[j : j + 1])})
+            have[(tag, j)] = len(ranks) == world
+
+    def serves(p: int) -> bool:
+        return all(
+            have[(tag, j)]
+            for tag, before in needs
+            for j in range(max(p - before, 0) if before else 0, p)
+        )
+
+    want = next((p for p in range(full, 0, -1) if serves(p)), 0)
+    assert tree.lookup(TAG, world, [c[:n]], needs=needs) == [want]
