@@ -140,9 +140,12 @@ def hybrid(groups: list[KvGroup]) -> bool:
 def group_tag(tag: str, group: KvGroup, primary: KvGroup) -> str:
     """The tag of ``group``'s pages on an engine tagged ``tag``: the engine's own for
     its primary group, else one named from it and the group's index."""
-    if group.index == primary.index:
-        return tag
-    blob = f"kvfabric/vllm-group\0{tag}\0{group.index}".encode()
+    return tag if group.index == primary.index else component_tag(tag, group.index)
+
+
+def component_tag(tag: str, index: int) -> str:
+    """The tag of KV cache group ``index``'s pages on an engine tagged ``tag``."""
+    blob = f"kvfabric/vllm-group\0{tag}\0{index}".encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -151,22 +151,21 @@ def kill_fabric(name: str, address: str) -> None:
 
 
 def corrupt_components(directory: Path) -> int:
-    """Flip a byte of every page of a hybrid engine's other KV cache groups (its
-    sliding windows, its states) in the segment files under ``directory``: the
-    pages of every tag but the one with the most pages (the engine's chain)."""
+    """Flip a byte of every page of hybrid engines' other KV cache groups (their
+    sliding windows, their states) in the segment files under ``directory``: the
+    pages whose tag is a group's of another tag there (``component_tag``)."""
     import re
-    from collections import Counter
+
+    from fabric.engines.vllm_groups import component_tag
 
     key = re.compile(rb"[0-9a-f]{64}\.([0-9a-f]{16})\.\d+-\d+-\d+")
     files = {path: bytearray(path.read_bytes()) for path in directory.rglob("*.kvs")}
-    tags = Counter(m.group(1) for data in files.values() for m in key.finditer(data))
-    if len(tags) < 2:
-        return 0
-    chain = tags.most_common(1)[0][0]
+    tags = {m.group(1).decode() for data in files.values() for m in key.finditer(data)}
+    groups = {component_tag(t, i) for t in tags for i in range(64)} & tags
     flipped = 0
     for path, data in files.items():
         for m in key.finditer(data):
-            if m.group(1) != chain and m.end() + 1024 < len(data):
+            if m.group(1).decode() in groups and m.end() + 1024 < len(data):
                 data[m.end() + 1024] ^= 0xFF
                 flipped += 1
         path.write_bytes(bytes(data))

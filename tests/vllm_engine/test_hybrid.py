@@ -8,8 +8,11 @@ prefix cache reset between runs); a second run and a second engine process
 load at least 90% of the loadable prompt from the fabric; the sliding windows'
 and states' pages damaged on disk are recomputed, never served; Gemma 3 also at
 TP=2 (each rank its own shard of every group). A state model vLLM caches in a
-mode the connector cannot serve is refused at start, naming the group. One
-fabric serves the module; each engine process runs a script of many checks.
+mode the connector cannot serve is refused at start, naming the group.
+
+One fabric serves the module; the engines run two at a time (``phases``), each
+over a script of many checks, in step through barrier files where one's faults
+could reach the other's pages.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 BLOCKS = {"gemma3": 32, "qwen3next": 0}
 
 
-def hybrid_prompts() -> dict[str, list[list[int]]]:
+def hybrid_prompts() -> list[list[int]]:
     """Prompts of several blocks, one sharing another's first 400 tokens."""
     rng = random.Random(13)
 
@@ -45,35 +48,7 @@ def hybrid_prompts() -> dict[str, list[list[int]]]:
         return [rng.randrange(3, 500) for _ in range(n)]
 
     first = tokens(603)
-    return {"prompts": [first, tokens(300), first[:400] + tokens(200), tokens(900)]}
-
-
-def baseline(workdir: Path, kind: str, prompts: list, *extra: str) -> tuple[list, list[int]]:
-    """The outputs of an engine without the connector, and per prompt the tokens
-    vLLM's own prefix cache serves on a repeat: the loadable prompt (a state
-    model's states exist only where vLLM's chunks end on a block boundary)."""
-    steps = [gen("cold", prompts), gen("repeat", prompts)]
-    got, _ = finish_engine(start_engine(workdir, *engine_args(workdir, kind, *extra), script=steps))
-    repeat = got["steps"]["repeat"]
-    assert repeat["outputs"] == got["steps"]["cold"]["outputs"]
-    assert all(repeat["cached"][:3]), repeat["cached"]  # (the checks below would be empty)
-    return got["steps"]["cold"]["outputs"], repeat["cached"]
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("hybrid")
-    for kind in tiny_hybrid.KINDS:
-        tiny_hybrid.make(base / kind, kind)
-    (base / "prompts.json").write_text(json.dumps(hybrid_prompts()["prompts"]))
-    return base
-
-
-@pytest.fixture(scope="module")
-def fabric(workdir: Path):
-    fab = launch_fabric(workdir / "l3", "vllm-hybrid", address="local")
-    yield fab
-    fab.shutdown()
+    return [first, tokens(300), first[:400] + tokens(200), tokens(900)]
 
 
 def engine_args(workdir: Path, kind: str, *extra: str) -> tuple[str, ...]:
@@ -81,13 +56,14 @@ def engine_args(workdir: Path, kind: str, *extra: str) -> tuple[str, ...]:
             "--block-size", str(BLOCKS[kind]), *extra)  # fmt: skip
 
 
-def script(prompts: list[list[int]], l3: Path) -> list[dict]:
+def faults(prompts: list[list[int]], l3: Path, wait_for: Path | None = None) -> list[dict]:
     """Cold, then served from the fabric, then with the windows' and states' pages
     damaged (recomputed), then served again (stored anew)."""
     return [
         gen("cold", prompts),
         reset(),
         gen("warm", prompts),
+        *([{"op": "wait", "path": str(wait_for)}] if wait_for else []),
         {"op": "corrupt_components", "dir": str(l3), "label": "damaged"},
         reset(),
         gen("damaged_run", prompts),
@@ -96,57 +72,121 @@ def script(prompts: list[list[int]], l3: Path) -> list[dict]:
     ]
 
 
+def side_by_side(*engines):
+    """Engines started together, each finished: their results and logs."""
+    return [finish_engine(proc) for proc in engines]
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("hybrid")
+    for kind in tiny_hybrid.KINDS:
+        tiny_hybrid.make(base / kind, kind)
+    prompts = hybrid_prompts()
+    (base / "prompts.json").write_text(json.dumps(prompts))
+    fab = launch_fabric(base / "l3", "vllm-hybrid", address="local")
+    l3 = base / "l3"
+    # No node L2: the loads read L3, where the damage is.
+    attach = (*connected(fab), "--l2-bytes", "0")
+    repeat = [gen("cold", prompts), gen("repeat", prompts)]
+    out: dict = {"prompts": prompts}
+    try:
+        # 1. Without the connector: the outputs, and what vLLM's own cache serves.
+        for kind, (got, _) in zip(tiny_hybrid.KINDS, side_by_side(*(
+            start_engine(base, *engine_args(base, k), script=repeat, name=f"base-{k}")
+            for k in tiny_hybrid.KINDS
+        )), strict=True):  # fmt: skip
+            out[f"base-{kind}"] = got["steps"]
+        # 2. Gemma 3 through the fabric (with damage), beside a state model refused.
+        refused = start_engine(
+            base, *engine_args(base, "qwen3next", *attach, "--no-prefix-caching")
+        )
+        gemma = start_engine(base, *engine_args(base, "gemma3", *attach),
+                             script=faults(prompts, l3), name="a-gemma3")  # fmt: skip
+        out["a-gemma3"] = finish_engine(gemma)
+        stdout, stderr = refused.communicate(timeout=300)
+        out["refused"] = (refused.returncode, stderr + stdout)
+        # 3. Qwen3-Next through the fabric, beside a second Gemma 3 process (which
+        # reads before the first damages any page).
+        read = base / "gemma3-read"
+        other = start_engine(base, *engine_args(base, "gemma3", *attach),
+                             script=[gen("other", prompts), {"op": "signal", "path": str(read)}],
+                             name="b-gemma3")  # fmt: skip
+        qwen = start_engine(base, *engine_args(base, "qwen3next", *attach),
+                            script=faults(prompts, l3, wait_for=read), name="a-qwen3next")  # fmt: skip
+        out["b-gemma3"], out["a-qwen3next"] = side_by_side(other, qwen)
+        # 4. A second Qwen3-Next process, beside Gemma 3 at TP=2.
+        tp2 = start_engine(base, *engine_args(base, "gemma3", *attach, "--tp", "2"),
+                           script=[gen("cold", prompts), reset(), gen("warm", prompts)], name="tp2")  # fmt: skip
+        second = start_engine(base, *engine_args(base, "qwen3next", *attach),
+                              script=[gen("other", prompts)], name="b-qwen3next")  # fmt: skip
+        out["b-qwen3next"], out["tp2"] = side_by_side(second, tp2)
+    finally:
+        fab.shutdown()
+    return out
+
+
+def served(cached: list[int], loadable: list[int]) -> bool:
+    """At least 90% of each prompt's loadable tokens came from the fabric."""
+    return all(c >= 0.9 * w for c, w in zip(cached, loadable, strict=True))
+
+
+def baseline(phases: dict, kind: str) -> tuple[list, list[int]]:
+    """The outputs without the connector, and per prompt the tokens vLLM's own
+    prefix cache serves on a repeat: the loadable prompt (a state model's states
+    exist only where vLLM's chunks end on a block boundary)."""
+    steps = phases[f"base-{kind}"]
+    assert steps["repeat"]["outputs"] == steps["cold"]["outputs"]
+    assert all(steps["repeat"]["cached"][:3]), steps["repeat"]  # (else the checks are empty)
+    return steps["cold"]["outputs"], steps["repeat"]["cached"]
+
+
 @pytest.mark.parametrize("kind", tiny_hybrid.KINDS)
-def test_a_hybrid_model_is_served_from_the_fabric_exactly_and_never_from_a_damaged_page(
-    workdir: Path, fabric, kind: str
-):
-    prompts = hybrid_prompts()["prompts"]
-    expected, want = baseline(workdir, kind, prompts)
-    # An engine with no node L2: its loads read L3, where the damage is.
-    args = engine_args(workdir, kind, *connected(fabric), "--l2-bytes", "0")
-    got, logs = finish_engine(start_engine(workdir, *args, script=script(prompts, workdir / "l3")))
+def test_a_hybrid_model_is_served_from_the_fabric_exactly(phases: dict, kind: str):
+    expected, loadable = baseline(phases, kind)
+    got, logs = phases[f"a-{kind}"]
     steps = got["steps"]
     for label in ("cold", "warm", "damaged_run", "again"):
         assert steps[label]["outputs"] == expected, (label, logs[-4000:])
     assert steps["cold"]["cached"][:2] == [0, 0]
-    warm = steps["warm"]["cached"]
-    assert all(c >= 0.9 * w for c, w in zip(warm, want, strict=True)), (warm, want)
-    # The windows' and states' pages damaged: every load of them fails its check,
-    # and vLLM recomputes the request (no hit left: the fabric forgot them).
-    assert steps["damaged"] > 0
-    assert steps["damaged_run"]["cached"] == [0] * len(prompts), logs[-4000:]
-    assert "loads failed; recomputed" in logs
-    again = steps["again"]["cached"]
-    assert all(c >= 0.9 * w for c, w in zip(again, want, strict=True)), (again, want)
+    assert served(steps["warm"]["cached"], loadable), (steps["warm"]["cached"], loadable)
     # A second engine process, another vLLM: the fabric serves it what the first stored.
-    second, _ = finish_engine(start_engine(workdir, *args, script=[gen("other", prompts)]))
-    other = second["steps"]["other"]
+    other = phases[f"b-{kind}"][0]["steps"]["other"]
     assert other["outputs"] == expected
-    assert all(c >= 0.9 * w for c, w in zip(other["cached"], want, strict=True)), other
+    assert served(other["cached"], loadable), (other["cached"], loadable)
 
 
-def test_gemma3_at_tp2_serves_each_ranks_own_shard_of_every_group(workdir: Path, fabric):
-    prompts = hybrid_prompts()["prompts"]
-    expected, want = baseline(workdir, "gemma3", prompts, "--tp", "2")
-    args = engine_args(workdir, "gemma3", *connected(fabric), "--tp", "2")
-    got, logs = finish_engine(
-        start_engine(workdir, *args, script=[gen("cold", prompts), reset(), gen("warm", prompts)])
-    )
+@pytest.mark.parametrize("kind", tiny_hybrid.KINDS)
+def test_damaged_window_and_state_pages_are_recomputed_never_served(phases: dict, kind: str):
+    expected, loadable = baseline(phases, kind)
+    got, logs = phases[f"a-{kind}"]
     steps = got["steps"]
-    assert steps["cold"]["outputs"] == expected and steps["warm"]["outputs"] == expected, logs[
-        -3000:
-    ]
-    warm = steps["warm"]["cached"]
-    assert all(c >= 0.9 * w for c, w in zip(warm, want, strict=True)), (warm, want)
+    # Every load of them fails its check, and vLLM recomputes the request from its
+    # start (no hit left: the fabric forgot them) — the outputs exact all along.
+    assert steps["damaged"] > 0
+    assert steps["damaged_run"]["outputs"] == expected
+    assert steps["damaged_run"]["cached"] == [0] * len(expected), logs[-4000:]
+    assert "loads failed; recomputed" in logs
+    # Recomputed, they are stored anew and served again.
+    assert steps["again"]["outputs"] == expected
+    assert served(steps["again"]["cached"], loadable), (steps["again"]["cached"], loadable)
+
+
+def test_gemma3_at_tp2_serves_each_ranks_own_shard_of_every_group(phases: dict):
+    _, loadable = baseline(phases, "gemma3")
+    got, logs = phases["tp2"]
+    steps = got["steps"]
+    # TP=2's own cold run is what vLLM computes (no page of a TP=1 engine is
+    # served to it: its ranks' shards are other pages).
+    assert steps["cold"]["cached"][:2] == [0, 0]
+    assert steps["warm"]["outputs"] == steps["cold"]["outputs"], logs[-3000:]
+    assert served(steps["warm"]["cached"], loadable), (steps["warm"]["cached"], loadable)
 
 
 def test_a_state_model_cached_in_a_mode_the_connector_cannot_serve_is_refused_naming_it(
-    workdir: Path, fabric
+    phases: dict,
 ):
-    args = engine_args(workdir, "qwen3next", *connected(fabric), "--no-prefix-caching")
-    proc = start_engine(workdir, *args)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    logs = err + out
+    returncode, logs = phases["refused"]
+    assert returncode != 0
     assert "caches in mode 'none'" in logs and "mamba_cache_mode='align'" in logs, logs[-4000:]
     assert "KvFabricConnector serves full attention" in logs
