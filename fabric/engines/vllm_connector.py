@@ -165,7 +165,8 @@ class KvFabricConnector(KVConnectorBase_V1, SupportsHMA):
         o = self.options
         link = FabricLink(o.fabric, o.address, o.ray_namespace, o.timeout_s, o.retry_s)
         link.place = node_place(o.l2_dir) if o.l2_bytes else ""  # its lookups count this L2
-        link.place_bytes = o.l2_bytes * placement.world
+        # (a hybrid engine's groups split it: a region each, ``HybridWorker``)
+        link.place_bytes = o.l2_bytes * placement.world // len(self.groups)
         side = SchedulerSide(o, placement.suffixes(), block_size, link, groups=self.groups)
         link.start()  # attach at start-up, so the first requests can hit
         return side
