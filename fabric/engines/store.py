@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
@@ -121,6 +122,8 @@ def parse_options(model: type[BaseModel], options: Mapping[str, Any], where: str
         ) from None
 
 
+# How long a delete of a page stored anew after a failed read is not carried out.
+ANEW_HOLD_S = 60.0
 # Keys a read found missing or refused, remembered per process (at most this many).
 MAX_FAILED_KEYS = 65536
 
@@ -132,9 +135,10 @@ class PageStore(ABC):
     is absent to ``present`` from then on — so an engine does not ask for it
     again and again — and the next ``store`` of it writes it anew (the store
     then serves the new copy), which ends the memory of it. A delete of a page
-    stored anew that way is not carried out once: the fabric orders one when it
-    forgets a page a load failed, and that order can come after the new copy
-    (deleting it then would leave the fabric counting a page that is gone)."""
+    stored anew that way is not carried out for ``ANEW_HOLD_S``: the fabric
+    orders one each time it forgets a page a load failed, and those orders can
+    come after the new copy (deleting it then would leave the fabric counting a
+    page that is gone; not deleting it costs room until the store's bound)."""
 
     def __init__(self, writer: str) -> None:
         if writer not in WRITERS:
@@ -143,7 +147,7 @@ class PageStore(ABC):
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._failed: OrderedDict[str, None] = OrderedDict()
-        self._anew: OrderedDict[str, None] = OrderedDict()  # stored again after a failure
+        self._anew: OrderedDict[str, float] = OrderedDict()  # stored again after a failure
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -196,7 +200,8 @@ class PageStore(ABC):
             for key, good in zip(keys, ok, strict=True):
                 if good and key in self._failed:
                     del self._failed[key]
-                    self._anew[key] = None
+                    self._anew[key] = time.monotonic()
+                    self._anew.move_to_end(key)
             while len(self._anew) > MAX_FAILED_KEYS:
                 self._anew.popitem(last=False)
         return ok
@@ -205,10 +210,9 @@ class PageStore(ABC):
         """Delete ``keys`` (the fabric's tree evicted them); how many the store held.
         A store that cannot delete, or fails, deletes nothing (logged, counted):
         its own bound frees the room then."""
+        now = time.monotonic()
         with self._lock:
-            keep = {k for k in keys if k in self._anew}
-            for key in keep:
-                del self._anew[key]
+            keep = {k for k in keys if now - self._anew.get(k, -ANEW_HOLD_S) < ANEW_HOLD_S}
         keys = [k for k in keys if k not in keep]
         n = self._delete(keys) if len(keys) else 0
         self.count("deleted_pages", n)

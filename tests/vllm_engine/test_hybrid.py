@@ -10,9 +10,9 @@ and states' pages damaged on disk are recomputed, never served; Gemma 3 also at
 TP=2 (each rank its own shard of every group). A state model vLLM caches in a
 mode the connector cannot serve is refused at start, naming the group.
 
-One fabric serves the module; the engines run two at a time (``phases``), each
-over a script of many checks, in step through barrier files where one's faults
-could reach the other's pages.
+One fabric serves the module; the engines run side by side in three phases
+(``phases``), each over a script of many checks, in step through barrier files
+where one's damage could reach the other's pages.
 """
 
 from __future__ import annotations
@@ -56,20 +56,33 @@ def engine_args(workdir: Path, kind: str, *extra: str) -> tuple[str, ...]:
             "--block-size", str(BLOCKS[kind]), *extra)  # fmt: skip
 
 
-def faults(prompts: list[list[int]], l3: Path, wait_for: Path | None = None) -> list[dict]:
-    """Cold, then served from the fabric, then with the windows' and states' pages
-    damaged (recomputed), then served again (stored anew)."""
+def faults(prompts: list[list[int]], l3: Path, wait_for: list[Path]) -> list[dict]:
+    """Cold, then served from the fabric, then (once ``wait_for`` are there) with
+    the windows' and states' pages damaged (recomputed), then served again."""
     return [
         gen("cold", prompts),
         reset(),
         gen("warm", prompts),
-        *([{"op": "wait", "path": str(wait_for)}] if wait_for else []),
+        *({"op": "wait", "path": str(path)} for path in wait_for),
         {"op": "corrupt_components", "dir": str(l3), "label": "damaged"},
         reset(),
         gen("damaged_run", prompts),
         reset(),
         gen("again", prompts),
     ]
+
+
+def first_and_second(base: Path, kind: str, attach: tuple, prompts: list, after: list[Path]):
+    """The first engine of ``kind`` (``faults``) and a second process of it, which
+    reads what the first stored before the first damages any page."""
+    stored, read = base / f"{kind}-stored", base / f"{kind}-read"
+    script = faults(prompts, base / "l3", [read, *after])
+    script.insert(3, {"op": "signal", "path": str(stored)})
+    first = start_engine(base, *engine_args(base, kind, *attach), script=script, name=f"a-{kind}")
+    second = start_engine(base, *engine_args(base, kind, *attach), name=f"b-{kind}", script=[
+        {"op": "wait", "path": str(stored)}, gen("other", prompts),
+        {"op": "signal", "path": str(read)}])  # fmt: skip
+    return first, second
 
 
 def side_by_side(*engines):
@@ -85,42 +98,35 @@ def phases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     prompts = hybrid_prompts()
     (base / "prompts.json").write_text(json.dumps(prompts))
     fab = launch_fabric(base / "l3", "vllm-hybrid", address="local")
-    l3 = base / "l3"
     # No node L2: the loads read L3, where the damage is.
     attach = (*connected(fab), "--l2-bytes", "0")
     repeat = [gen("cold", prompts), gen("repeat", prompts)]
     out: dict = {"prompts": prompts}
     try:
-        # 1. Without the connector: the outputs, and what vLLM's own cache serves.
-        for kind, (got, _) in zip(tiny_hybrid.KINDS, side_by_side(*(
-            start_engine(base, *engine_args(base, k), script=repeat, name=f"base-{k}")
-            for k in tiny_hybrid.KINDS
-        )), strict=True):  # fmt: skip
-            out[f"base-{kind}"] = got["steps"]
-        # 2. Gemma 3 through the fabric (with damage), beside a state model refused.
+        # 1. Without the connector: the outputs, and what vLLM's own cache serves;
+        # beside them, a state model the connector refuses.
         refused = start_engine(
             base, *engine_args(base, "qwen3next", *attach, "--no-prefix-caching")
         )
-        gemma = start_engine(base, *engine_args(base, "gemma3", *attach),
-                             script=faults(prompts, l3), name="a-gemma3")  # fmt: skip
-        out["a-gemma3"] = finish_engine(gemma)
+        bases = [start_engine(base, *engine_args(base, k), script=repeat, name=f"base-{k}")
+                 for k in tiny_hybrid.KINDS]  # fmt: skip
+        for kind, (got, _) in zip(tiny_hybrid.KINDS, side_by_side(*bases), strict=True):
+            out[f"base-{kind}"] = got["steps"]
         stdout, stderr = refused.communicate(timeout=300)
         out["refused"] = (refused.returncode, stderr + stdout)
-        # 3. Qwen3-Next through the fabric, beside a second Gemma 3 process (which
-        # reads before the first damages any page).
-        read = base / "gemma3-read"
-        other = start_engine(base, *engine_args(base, "gemma3", *attach),
-                             script=[gen("other", prompts), {"op": "signal", "path": str(read)}],
-                             name="b-gemma3")  # fmt: skip
-        qwen = start_engine(base, *engine_args(base, "qwen3next", *attach),
-                            script=faults(prompts, l3, wait_for=read), name="a-qwen3next")  # fmt: skip
-        out["b-gemma3"], out["a-qwen3next"] = side_by_side(other, qwen)
-        # 4. A second Qwen3-Next process, beside Gemma 3 at TP=2.
-        tp2 = start_engine(base, *engine_args(base, "gemma3", *attach, "--tp", "2"),
-                           script=[gen("cold", prompts), reset(), gen("warm", prompts)], name="tp2")  # fmt: skip
-        second = start_engine(base, *engine_args(base, "qwen3next", *attach),
-                              script=[gen("other", prompts)], name="b-qwen3next")  # fmt: skip
-        out["b-qwen3next"], out["tp2"] = side_by_side(second, tp2)
+        # 2. Gemma 3 through the fabric, a second Gemma 3 process and Gemma 3 at TP=2
+        # beside it; 3. Qwen3-Next, and a second process of it. The second process
+        # reads once the first has stored, and the first damages pages only once the
+        # others are done with theirs (a page rewritten after damage may be read, by
+        # another process, as its old copy: that costs a hit, never a token).
+        tp2_done = base / "tp2-done"
+        tp2 = start_engine(base, *engine_args(base, "gemma3", *attach, "--tp", "2"), name="tp2",
+                           script=[gen("cold", prompts), reset(), gen("warm", prompts),
+                                   {"op": "signal", "path": str(tp2_done)}])  # fmt: skip
+        gemma = first_and_second(base, "gemma3", attach, prompts, [tp2_done])
+        out["a-gemma3"], out["b-gemma3"], out["tp2"] = side_by_side(*gemma, tp2)
+        qwen = first_and_second(base, "qwen3next", attach, prompts, [])
+        out["a-qwen3next"], out["b-qwen3next"] = side_by_side(*qwen)
     finally:
         fab.shutdown()
     return out
@@ -151,9 +157,10 @@ def test_a_hybrid_model_is_served_from_the_fabric_exactly(phases: dict, kind: st
     assert steps["cold"]["cached"][:2] == [0, 0]
     assert served(steps["warm"]["cached"], loadable), (steps["warm"]["cached"], loadable)
     # A second engine process, another vLLM: the fabric serves it what the first stored.
-    other = phases[f"b-{kind}"][0]["steps"]["other"]
+    second, second_logs = phases[f"b-{kind}"]
+    other = second["steps"]["other"]
     assert other["outputs"] == expected
-    assert served(other["cached"], loadable), (other["cached"], loadable)
+    assert served(other["cached"], loadable), (other["cached"], loadable, second_logs[-6000:])
 
 
 @pytest.mark.parametrize("kind", tiny_hybrid.KINDS)
