@@ -170,7 +170,7 @@ def test_a_hybrid_model_is_served_from_the_fabric_exactly(phases: dict, kind: st
 
 @pytest.mark.parametrize("kind", tiny_hybrid.KINDS)
 def test_damaged_window_and_state_pages_are_recomputed_never_served(phases: dict, kind: str):
-    expected, loadable = baseline(phases, kind)
+    expected, _ = baseline(phases, kind)
     got, logs = phases[f"a-{kind}"]
     steps = got["steps"]
     # Every load of them fails its check, and vLLM recomputes the request from its
