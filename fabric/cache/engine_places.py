@@ -10,7 +10,7 @@ node's L2 by its ``host_order`` (as the fabric's own L1 and L2 do).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from fabric.cache.engine_input import L1_AT, L2_AT, L3
@@ -287,3 +287,57 @@ def place_of(medium: Medium, place: str) -> str:
     if medium is Medium.STORAGE:
         return L3
     return (L1_AT if medium is Medium.DEVICE else L2_AT) + place
+
+
+def hit_point(
+    where: dict,
+    world: int,
+    chain: Sequence[bytes],
+    n: int,
+    needs: Sequence[tuple[str, int]],
+    full: int,
+    place: str,
+    l2_only: bool,
+    now: float,
+) -> tuple[int, list[TreeNode]]:
+    """A hybrid engine's hit point: the deepest ``p <= n`` (the chain's match) at
+    which each component group of ``needs``, ``(tag, before)``, holds whole (in
+    ``place``, or in L3 unless ``l2_only``) its pages of the ``before`` pages
+    before ``p`` (its window; 1: a state at the hit point; 0: every page) — each
+    a page of its own (a ``StoredRun`` without a parent), as the Unified cache's
+    components; the pages they lack are tombstones. With it, the component
+    nodes that serve it (0 and none: no such point)."""
+    seen: dict[tuple[str, int], TreeNode | None] = {}
+
+    def page(tag: str, j: int) -> TreeNode | None:
+        key = (tag, j)
+        if key not in seen:
+            node = where.get((tag, world, chain[j]))
+            places = (node.places or {}) if node is not None else {}
+            ok = node is not None and (
+                (bool(place) and places.get(place, 0) == full)
+                or (not l2_only and places.get(L3, 0) == full)
+            )
+            seen[key] = node if ok else None
+        return seen[key]
+
+    for tag, before in needs:  # every page: the point is at most its leading run
+        if before == 0:
+            lead = 0
+            while lead < n and page(tag, lead) is not None:
+                lead += 1
+            n = lead
+    for p in range(n, 0, -1):
+        nodes = []
+        for tag, before in needs:
+            lo = 0 if before == 0 else max(p - before, 0)
+            got = [page(tag, j) for j in range(lo, p)]
+            if any(x is None for x in got):
+                break
+            nodes += got
+        else:
+            for node in nodes:
+                node.last_access = now
+                node.hit_count += 1
+            return p, list({id(x): x for x in nodes}.values())  # type: ignore[misc]
+    return 0, []

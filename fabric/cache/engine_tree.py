@@ -22,7 +22,6 @@ pages have them (``fabric.cache.evictions``, ``fabric.cache.writes``).
   prefetched into that L2 (``PREFETCH``), not waited for: the next request of
   the prefix finds them on the node. (Under ``timeout`` and ``wait_complete``
   the request waits for its own L3 reads, which go to the node's L2 as well.)
-
 - **Holds**: sessions and pins (``fabric.cache.engine_holds``) lock a prefix
   in every place it is in until their TTL passes.
 
@@ -47,7 +46,7 @@ from fabric.cache.engine_input import (
     check_leases,
     check_needs,
 )
-from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, group_of
+from fabric.cache.engine_places import BACKUP, DELETE, MOVE, PREFETCH, Order, group_of, hit_point
 from fabric.cache.events import KVEvent
 from fabric.cache.node import TreeNode
 from fabric.errors import InvalidInput
@@ -135,12 +134,7 @@ class EngineTree(EngineIndex):
         ``final`` gets, per chain, whether the page after the match is one the
         tree evicted from L3 (nothing beyond is to be looked for in the store).
 
-        ``needs`` names a hybrid engine's other component groups, ``(tag, before)``:
-        a hit point is then the deepest page end every component can serve at —
-        the group's pages of the ``before`` pages before it whole (its window; 1:
-        a state saved at the hit point; 0: every page), each a page of its own
-        (``StoredRun`` without a parent), as the Unified cache's components; the
-        pages they lack are tombstones."""
+        ``needs``: a hybrid engine's other component groups (``hit_point``)."""
         check_group(tag, world)
         self.expire(now)
         if leases is not None:
@@ -154,11 +148,9 @@ class EngineTree(EngineIndex):
             in_l2 = self.stats.l2_hit_pages
             n, node = self._match(tag, world, chain, full, place, now, l2_only and bool(place))
             held: list[TreeNode] = [node] if node is not None else []
-            if needs and n:
-                p, held = self._hit_point(world, chain, n, needs, full, place, l2_only, now)
-                held += [node] if node is not None and p else []
-                self.stats.hit_pages -= n - p
-                n = p
+            if needs and n:  # a hybrid engine: its components' hit point, and their nodes
+                n, parts = hit_point(self.where, world, chain, n, needs, full, place, l2_only, now)
+                held = parts + held if n else []
             self.stats.lookups += 1
             self.stats.lookup_pages += len(chain)
             self.stats.hit_pages += n
@@ -166,68 +158,17 @@ class EngineTree(EngineIndex):
             if final is not None:
                 final.append(n < len(chain) and (tag, world, chain[n]) in self.gone)
             if leases is not None:  # a name leases once: a new lookup under it replaces it
-                self._lease(leases[i], held if n else [], now, lease_s)
+                self._lease(leases[i], held, now, lease_s)
             if place:  # what the request will keep in its node's L2 needs room there
                 in_l2 = self.stats.l2_hit_pages - in_l2
                 self._make_room(place, (len(chain) - in_l2) * self._group_bytes(tag, world), node)
         self._evict_let_go()
         return out
 
-    def _hit_point(
-        self,
-        world: int,
-        chain: Sequence[bytes],
-        n: int,
-        needs: Sequence[tuple[str, int]],
-        full: int,
-        place: str,
-        l2_only: bool,
-        now: float,
-    ) -> tuple[int, list[TreeNode]]:
-        """The deepest ``p <= n`` at which every component group of ``needs`` holds
-        its pages before ``p`` whole (in ``place``, or in L3 unless ``l2_only``),
-        and the component nodes that serve it (0 and none: no such point)."""
-        seen: dict[tuple[str, int], TreeNode | None] = {}
-
-        def page(tag: str, j: int) -> TreeNode | None:
-            key = (tag, j)
-            if key not in seen:
-                node = self.where.get((tag, world, chain[j]))
-                places = (node.places or {}) if node is not None else {}
-                ok = node is not None and (
-                    (bool(place) and places.get(place, 0) == full)
-                    or (not l2_only and places.get(L3, 0) == full)
-                )
-                seen[key] = node if ok else None
-            return seen[key]
-
-        for tag, before in needs:  # every page: the point is at most its leading run
-            if before == 0:
-                lead = 0
-                while lead < n and page(tag, lead) is not None:
-                    lead += 1
-                n = lead
-        for p in range(n, 0, -1):
-            nodes = []
-            for tag, before in needs:
-                lo = 0 if before == 0 else max(p - before, 0)
-                got = [page(tag, j) for j in range(lo, p)]
-                if any(x is None for x in got):
-                    break
-                nodes += got
-            else:
-                for node in nodes:
-                    node.last_access = now
-                    node.hit_count += 1
-                return p, list({id(x): x for x in nodes}.values())  # type: ignore[misc]
-        return 0, []
-
     def _make_room(self, place: str, need: int, match: TreeNode | None) -> None:
         """Evict from ``place`` until ``need`` more bytes fit: the pages a request
-        will store there (computed, or read from L3) — before they come, so that
-        the node's L2 regions never hold more than the tree counts plus a step's
-        stores (a region refuses a page when its set is full of held ones). The
-        request's ``match`` is never evicted for it."""
+        will store there, before they come (a region refuses a page when its set is
+        full of held ones); never the request's ``match``."""
         if need <= 0 or not 0 < self.places.cap(place) < self.places.used.get(place, 0) + need:
             return
         if match is not None:
