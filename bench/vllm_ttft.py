@@ -114,27 +114,28 @@ def tag_bytes(l3: Path) -> dict[str, int]:
         store.close()
 
 
-def hybrid_main(args: argparse.Namespace) -> None:
-    """A hybrid model: TTFT cold and from the fabric, and its pages' bytes."""
+def launch_fabric(l3: Path):
+    """A local fabric of one rank, its L3 in ``l3``."""
     from fabric.client import launch
     from fabric.config import FabricConfig
 
+    config = {
+        "storage": {"path": str(l3)},
+        "topology": {"tp": 1},
+        "runtime": {"name": "vllm-ttft", "dashboard": False, "address": "local"},
+    }
+    return launch(FabricConfig.from_dict(config), announce=False)
+
+
+def hybrid_main(args: argparse.Namespace) -> None:
+    """A hybrid model: TTFT cold and from the fabric, and its pages' bytes."""
     kind, dims = args.model, tiny_hybrid.SIZES[args.size]
     dtype, block = tiny_hybrid.DTYPES[kind], "32" if kind == "gemma3" else "0"
     with tempfile.TemporaryDirectory(prefix="kvfabric-vllm-ttft-") as tmp:
         work = Path(tmp)
         say(f"making a random {args.size} {kind}")
         tiny_hybrid.make(work / "model", kind, args.size)
-        fabric = launch(
-            FabricConfig.from_dict(
-                {
-                    "storage": {"path": str(work / "l3")},
-                    "topology": {"tp": 1},
-                    "runtime": {"name": "vllm-ttft", "dashboard": False, "address": "local"},
-                }
-            ),
-            announce=False,
-        )
+        fabric = launch_fabric(work / "l3")
         rng = random.Random(1)
         prompt = [[rng.randrange(3, dims["vocab"]) for _ in range(args.prompt_tokens)]]
         common = ("--dtype", dtype, "--block-size", block, "--max-tokens", "1", "--warmup")
@@ -191,8 +192,6 @@ def main() -> None:
     args = parse()
     if args.model != "llama":
         return hybrid_main(args)
-    from fabric.client import launch
-    from fabric.config import FabricConfig
 
     vocab = tiny_llama.SIZES[args.size]["vocab"]
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -203,16 +202,7 @@ def main() -> None:
         work = Path(tmp)
         say(f"making a random {args.size} Llama")
         tiny_llama.make(work / "model", args.size)
-        fabric = launch(
-            FabricConfig.from_dict(
-                {
-                    "storage": {"path": str(work / "l3")},
-                    "topology": {"tp": 1},
-                    "runtime": {"name": "vllm-ttft", "dashboard": False, "address": "local"},
-                }
-            ),
-            announce=False,
-        )
+        fabric = launch_fabric(work / "l3")
         attach = ("--fabric", "vllm-ttft", "--address", fabric.cluster_address, "--l2-dir", l2)
         rng = random.Random(1)
         long = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]]
